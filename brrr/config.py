@@ -1,0 +1,196 @@
+"""ModelConfig: the one description of a model, parsed from a Hugging Face config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from brrr.errors import BrrrError
+
+# Architectures brrr runs, and the family file that implements each.
+RUNNABLE_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+}
+# Architectures brrr can describe (calc, bench arithmetic) but not yet run.
+DESCRIBED_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    type: str = "default"
+    theta: float = 10000.0
+    params: dict = field(default_factory=dict)  # factor, low/high_freq_factor, original_max_position_embeddings, ...
+
+    def __hash__(self):
+        return hash((self.type, self.theta, tuple(sorted(self.params.items()))))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama when configured)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    # Mixture-of-experts shape (described for arithmetic; not runnable yet).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def family(self) -> str:
+        return RUNNABLE_ARCHITECTURES[self.architecture]
+
+    @property
+    def runnable(self) -> bool:
+        return self.architecture in RUNNABLE_ARCHITECTURES
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise BrrrError(f"config.json not found: {file}")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise BrrrError(f"{file} is not valid JSON: {e}") from None
+        return cls.from_hf(raw, source=str(file))
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise BrrrError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        get = _Getter(raw, source)
+        archs = get("architectures", list)
+        if not archs or not isinstance(archs[0], str):
+            raise BrrrError(f"{source}: field 'architectures' must be a non-empty list of names")
+        arch = archs[0]
+        if arch not in RUNNABLE_ARCHITECTURES and arch not in DESCRIBED_ARCHITECTURES:
+            known = ", ".join(sorted(RUNNABLE_ARCHITECTURES))
+            raise BrrrError(f"{source}: field 'architectures' names {arch!r}, which brrr does not support (supported: {known})")
+        hidden = get("hidden_size", int, positive=True)
+        heads = get("num_attention_heads", int, positive=True)
+        kv_heads = get("num_key_value_heads", int, default=heads, positive=True)
+        if heads % kv_heads:
+            raise BrrrError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})")
+        head_dim = get("head_dim", int, default=None, positive=True) or hidden // heads
+        if head_dim % 2:
+            raise BrrrError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
+        max_pos = get("max_position_embeddings", int, default=4096, positive=True)
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        use_sw = get("use_sliding_window", bool, default=not arch.startswith("Qwen"))
+        if use_sw and arch.startswith("Qwen"):
+            raise BrrrError(f"{source}: field 'use_sliding_window' is true; brrr does not run Qwen's per-layer sliding window yet")
+        sliding_window = get("sliding_window", int, default=None, positive=True) if use_sw else None
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            eos_ids = ()
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            eos_ids = (eos,)
+        elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
+            eos_ids = tuple(eos)
+        else:
+            raise BrrrError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=get("num_hidden_layers", int, positive=True),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=get("intermediate_size", int, positive=True),
+            vocab_size=get("vocab_size", int, positive=True),
+            max_position_embeddings=max_pos,
+            rope=_parse_rope(raw, get, max_pos, source),
+            rms_norm_eps=get("rms_norm_eps", float, default=1e-6, positive=True),
+            tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
+            attention_bias=True if is_qwen2 else get("attention_bias", bool, default=False),
+            o_proj_bias=False if is_qwen2 else get("attention_bias", bool, default=False),
+            mlp_bias=get("mlp_bias", bool, default=False),
+            qk_norm=arch.startswith("Qwen3"),
+            sliding_window=sliding_window,
+            bos_token_id=get("bos_token_id", int, default=None),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            num_experts=get("num_local_experts", int, default=None) or get("num_experts", int, default=0),
+            num_experts_per_tok=get("num_experts_per_tok", int, default=0),
+            moe_intermediate_size=get("moe_intermediate_size", int, default=0),
+        )
+
+
+class _Getter:
+    """Reads a typed field from the raw config; every error names the field."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+
+    def __call__(self, name, typ, default=..., positive=False):
+        if name not in self.raw or self.raw[name] is None:
+            if default is ...:
+                raise BrrrError(f"{self.source}: required field {name!r} is missing")
+            return default
+        value = self.raw[name]
+        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise BrrrError(f"{self.source}: field {name!r} must be {typ.__name__}, got {type(value).__name__} {value!r}")
+        if positive and value <= 0:
+            raise BrrrError(f"{self.source}: field {name!r} must be > 0, got {value!r}")
+        return value
+
+
+def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfig:
+    # transformers <5 writes rope_theta + rope_scaling; >=5 writes rope_parameters (with rope_theta inside).
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    field_name = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise BrrrError(f"{source}: field {field_name!r} must be an object, got {params!r}")
+    params = dict(params)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise BrrrError(f"{source}: field '{field_name}.rope_type' is {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = get("rope_theta", float, default=10000.0, positive=True)
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise BrrrError(f"{source}: field 'rope_theta' must be a positive number, got {theta!r}")
+    if rope_type in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
+    if rope_type == "yarn" and params.get("factor") is None:
+        params["factor"] = max_pos / params["original_max_position_embeddings"]
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
+            raise BrrrError(f"{source}: field '{field_name}.{key}' is required for rope type {rope_type!r} and must be a number")
+    params = {k: v for k, v in params.items() if v is not None}
+    return RopeConfig(type=rope_type, theta=float(theta), params=params)

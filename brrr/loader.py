@@ -1,0 +1,97 @@
+"""Load a Hugging Face model directory: safetensors (single file or sharded), memory-mapped, copied once
+straight into parameters already allocated in the target dtype on the target device."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+from brrr.models import model_class
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto' (or None): the checkpoint's dtype on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return DTYPES.get(cfg.torch_dtype, torch.float32) if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise BrrrError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise BrrrError(f"{index} is malformed (needs a 'weight_map' object): {e}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise BrrrError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        extra = " (found pytorch_model.bin: brrr reads safetensors only)" if (path / "pytorch_model.bin").exists() else ""
+        raise BrrrError(f"no *.safetensors weights in {path}{extra}")
+    return files
+
+
+def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu"):
+    path = Path(path)
+    if not path.is_dir():
+        raise BrrrError(f"model directory not found: {path}")
+    cfg = ModelConfig.from_dir(path)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, cfg, device)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    filled: dict[str, int] = {}
+    for file in files:
+        _load_file(model, file, filled)
+    expected = {n: p.numel() for n, p in model.named_parameters()}
+    missing = sorted(n for n, size in expected.items() if filled.get(n, 0) != size)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise BrrrError(f"checkpoint in {path} is missing tensors: {shown}")
+    model.requires_grad_(False).eval()
+    return model
+
+
+def _load_file(model, file: Path, filled: dict):
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
+    except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
+        raise BrrrError(f"cannot read {file}: {e} (the file may be truncated or corrupt)") from None
+    with handle as f:
+        for name in f.keys():
+            try:
+                target = model.checkpoint_target(name)
+            except AttributeError:
+                raise BrrrError(f"{file}: tensor {name!r} does not belong to a {model.config.architecture}") from None
+            if target is None:
+                continue
+            param, rows, pname = target
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:
+                raise BrrrError(f"{file}: cannot read tensor {name!r}: {e}") from None
+            dest = param.data if rows is None else param.data[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise BrrrError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                f"the config implies {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[pname] = filled.get(pname, 0) + tensor.numel()

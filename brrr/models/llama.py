@@ -1,0 +1,146 @@
+"""Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Module names follow Hugging Face's so checkpoints load by name, except that q/k/v and gate/up are packed
+into one projection each (`PACKED`): one GEMM instead of three (two) per layer.
+Shapes: activations are a flattened batch of tokens [N, hidden]; `AttnMeta` says how they split into sequences.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brrr.config import ModelConfig
+from brrr.kernels import AttnMeta, apply_rotary, attention, rms_norm, rope_inv_freq, rotary_cos_sin, silu_and_mul
+
+# checkpoint name -> (packed module, shard index in that module's output rows)
+PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self._cache: dict = {}  # (device, seq_len bucket) -> (inv_freq, scale); not a buffer, so meta init is safe
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        cfg = self.cfg
+        # Dynamic NTK re-derives the base from the longest position in the step, as transformers does.
+        seq_len = int(positions.max()) + 1 if cfg.rope.type == "dynamic" else None
+        if seq_len is not None and seq_len <= cfg.max_position_embeddings:
+            seq_len = None
+        key = (positions.device, seq_len)
+        if key not in self._cache:
+            inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, seq_len)
+            self._cache[key] = (inv_freq.to(positions.device), scale)
+        inv_freq, scale = self._cache[key]
+        return rotary_cos_sin(positions, inv_freq, scale, dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, x, cos, sin, meta: AttnMeta):
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = q.view(-1, self.n_heads, self.head_dim)
+        k = k.view(-1, self.n_kv, self.head_dim)
+        v = v.view(-1, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h, cos, sin, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids, positions, meta):
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """input_ids, positions: [N] -> final hidden states [N, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_target(self, name: str):
+        """Where checkpoint tensor `name` goes: (parameter, row slice or None), or None for tensors to skip."""
+        if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved this derived buffer
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # same storage as embed_tokens
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj in PACKED:
+            packed, shard = PACKED[proj]
+            module = self.get_submodule(f"{parent}.{packed}")
+            sizes = self.get_submodule(parent).shard_sizes
+            offset = sum(sizes[:shard])
+            return getattr(module, leaf), slice(offset, offset + sizes[shard]), f"{parent}.{packed}.{leaf}"
+        return self.get_parameter(name), None, name

@@ -16,6 +16,9 @@ RUNNABLE_ARCHITECTURES = {
 }
 # Architectures brrr can describe (calc, bench arithmetic) but not yet run.
 DESCRIBED_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Qwen2MoeForCausalLM": "qwen2_moe"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ROPE_REQUIRED = {
     "linear": ("factor",),
@@ -67,11 +70,37 @@ class ModelConfig:
         return RUNNABLE_ARCHITECTURES[self.architecture]
 
     @property
+    def max_context(self) -> int:
+        """Longest sequence the model is meant to see; dynamic NTK RoPE stretches max_position_embeddings by factor."""
+        if self.rope.type == "dynamic":
+            return int(self.max_position_embeddings * self.rope.params["factor"])
+        return self.max_position_embeddings
+
+    @property
     def runnable(self) -> bool:
         return self.architecture in RUNNABLE_ARCHITECTURES
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def to_hf(self) -> dict:
+        """An HF config.json for this shape (what save_model writes, and what transformers loads)."""
+        rope = {"rope_type": self.rope.type, "rope_theta": self.rope.theta, **self.rope.params}
+        out = {
+            "architectures": [self.architecture], "model_type": _MODEL_TYPES.get(self.architecture, "llama"),
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta, "rope_parameters": rope, "rope_scaling": None if self.rope.type == "default" else rope,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias, "hidden_act": "silu", "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+        return out
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":

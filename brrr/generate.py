@@ -37,11 +37,11 @@ def generate_tokens(model, prompt_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...] = ()) -> Iterator[int]:
     """Yields new token ids until max_tokens, a stop/eos token (yielded, then stop) or the context limit."""
     cfg = model.config
-    max_pos = cfg.max_position_embeddings
+    max_pos = cfg.max_context
     if not prompt_ids:
         raise BrrrError("prompt is empty: give at least one token")
     if len(prompt_ids) >= max_pos:
-        raise BrrrError(f"prompt has {len(prompt_ids)} tokens; the model's context (max_position_embeddings) "
+        raise BrrrError(f"prompt has {len(prompt_ids)} tokens; the model's context (max_position_embeddings, scaled by dynamic RoPE) "
                         f"is {max_pos}, which leaves no room to generate")
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
     if bad:

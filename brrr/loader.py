@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
@@ -95,3 +96,32 @@ def _load_file(model, file: Path, filled: dict):
                                 f"the config implies {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled[pname] = filled.get(pname, 0) + tensor.numel()
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names: packed projections split back into q/k/v and gate/up."""
+    unpack = {}
+    for hf_name, (packed, shard) in model.PACKED.items():
+        unpack.setdefault(packed, []).append((shard, hf_name))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj in unpack:
+            sizes = model.get_submodule(parent).shard_sizes
+            for (shard, hf_name), part in zip(sorted(unpack[proj]), tensor.split(sizes, dim=0)):
+                out[f"{parent}.{hf_name}.{leaf}"] = part
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            out[name] = tensor
+    return out
+
+
+def save_model(model, out_dir: str | Path, dtype: torch.dtype | None = None):
+    """Write config.json + model.safetensors that both brrr and transformers load."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in hf_state_dict(model).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf = model.config.to_hf()
+    hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

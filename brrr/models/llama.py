@@ -114,6 +114,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    PACKED = PACKED
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

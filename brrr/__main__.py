@@ -1,0 +1,5 @@
+import sys
+
+from brrr.cli import main
+
+sys.exit(main())

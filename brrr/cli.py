@@ -1,0 +1,151 @@
+"""The `brrr` command. Each subcommand registers its own parser; user errors exit 2 with a one-line message."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from brrr import __version__
+from brrr.errors import BrrrError
+
+DESCRIPTION = """serve, shrink, train and measure LLMs.
+
+Without --model, commands use brrr's shipped default model: for now a tiny Llama-architecture model
+with RANDOM, UNTRAINED weights (built on first use and cached), so its text is noise. Point --model at a
+Hugging Face model directory (or hub id, when online) for real output."""
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", default=None, help="HF model directory or hub id (default: brrr's untrained default model)")
+    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_params(args):
+    from brrr.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _stream_to_stdout(pretrained, prompt, params) -> tuple[list[int], float]:
+    from brrr.tokenizer import IncrementalDecoder
+
+    decoder = IncrementalDecoder(pretrained.tokenizer)
+    start = time.perf_counter()
+    for token in pretrained.generate_ids(prompt, params):
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+    return decoder.ids, time.perf_counter() - start
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+
+    from brrr.pretrained import load
+
+    params = sampling_params(args)
+    t0 = time.perf_counter()
+    pretrained = load(args.model, dtype=args.dtype, device=args.device)
+    load_s = time.perf_counter() - t0
+    n_prompt = len(pretrained.prompt_ids(args.prompt))
+    sys.stdout.write(args.prompt)
+    ids, seconds = _stream_to_stdout(pretrained, args.prompt, params)
+    n = len(ids)
+    sys.stdout.write("\n")
+    Console(stderr=True, soft_wrap=True).print(
+        f"[dim]{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tok/s); prompt {n_prompt} tokens; "
+        f"model {pretrained.path.name} loaded in {load_s:.2f} s on {next(pretrained.model.parameters()).device}[/dim]")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from rich.console import Console
+
+    from brrr.pretrained import load
+
+    console = Console(stderr=True)
+    params = sampling_params(args)
+    pretrained = load(args.model, dtype=args.dtype, device=args.device)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    console.print(f"[dim]chatting with {pretrained.path} - /reset clears the history, /exit or Ctrl-D quits[/dim]")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        reply_ids, _ = _stream_to_stdout(pretrained, messages, params)
+        sys.stdout.write("\n")
+        reply = pretrained.tokenizer.decode(reply_ids)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="brrr", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"brrr {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming tokens as they are produced")
+    p.add_argument("prompt")
+    add_model_args(p)
+    add_sampling_args(p, temperature=0.8)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat through the model's chat template")
+    add_model_args(p)
+    add_sampling_args(p, temperature=0.8)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
+
+    for register in _plugins():
+        register(sub)
+    return parser
+
+
+def _plugins():
+    """Subcommands that live with their feature (brrr/<feature>/cli.py), present once that feature lands."""
+    import importlib
+
+    for module in ("brrr.analysis.cli",):
+        try:
+            yield importlib.import_module(module).register
+        except ModuleNotFoundError as e:
+            if not (e.name and module.startswith(e.name)):
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except BrrrError as e:
+        print(f"brrr: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Published model shapes, as their Hugging Face config.json files have them.
+
+`brrr calc` (and anything else that needs a real shape without downloading weights) takes a preset name
+wherever it takes a model directory. The dicts are the config.json files of the named checkpoints on the
+Hugging Face hub, trimmed to the fields a config parser reads (training-only flags such as
+initializer_range, attention_dropout, pretraining_tp and use_cache are left out).
+"""
+from __future__ import annotations
+
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "attention_bias": False, "mlp_bias": False, "rms_norm_eps": 1e-05}
+_LLAMA3_BASE = {**_LLAMA, "bos_token_id": 128000, "eos_token_id": 128001, "vocab_size": 128256,
+                "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+_LLAMA2_BASE = {**_LLAMA, "bos_token_id": 1, "eos_token_id": 2, "vocab_size": 32000,
+                "max_position_embeddings": 4096, "rope_theta": 10000.0, "rope_scaling": None,
+                "tie_word_embeddings": False, "torch_dtype": "float16"}
+_QWEN3_BASE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+               "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+               "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None,
+               "rope_theta": 1000000, "sliding_window": None, "use_sliding_window": False,
+               "vocab_size": 151936, "torch_dtype": "bfloat16"}
+
+PRESETS: dict[str, dict] = {
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": {**_LLAMA3_BASE, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+                     "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    # meta-llama/Llama-3.2-1B (input embedding and LM head share one matrix)
+    "llama-3.2-1b": {**_LLAMA3_BASE, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "tie_word_embeddings": True,
+                     "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    # meta-llama/Llama-2-7b-hf
+    "llama-2-7b": {**_LLAMA2_BASE, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32},
+    # meta-llama/Llama-2-13b-hf
+    "llama-2-13b": {**_LLAMA2_BASE, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                    "num_attention_heads": 40, "num_key_value_heads": 40},
+    # meta-llama/Llama-2-70b-hf (grouped-query attention: 64 query heads share 8 KV heads)
+    "llama-2-70b": {**_LLAMA2_BASE, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8},
+    # Qwen/Qwen3-0.6B (tied embeddings; head_dim 128 although hidden/heads = 64)
+    "qwen3-0.6b": {**_QWEN3_BASE, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "max_window_layers": 28,
+                   "tie_word_embeddings": True},
+    # Qwen/Qwen3-8B
+    "qwen3-8b": {**_QWEN3_BASE, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_window_layers": 36,
+                 "tie_word_embeddings": False},
+    # mistralai/Mistral-7B-v0.1 (sliding-window attention over the last 4,096 tokens)
+    "mistral-7b": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+                   "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 4096, "intermediate_size": 14336,
+                   "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+                   "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                   "vocab_size": 32000},
+    # mistralai/Mixtral-8x7B-v0.1 (8 experts per layer, 2 active per token)
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+                     "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 4096, "intermediate_size": 14336,
+                     "max_position_embeddings": 32768, "num_attention_heads": 32, "num_experts_per_tok": 2,
+                     "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                     "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+                     "torch_dtype": "bfloat16", "vocab_size": 32000},
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig of a preset shape, e.g. preset_config("llama-3.1-8b")."""
+    if name not in PRESETS:
+        raise BrrrError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return ModelConfig.from_hf(PRESETS[name], source=f"preset {name}")

@@ -1,0 +1,71 @@
+"""`brrr.load(...)`: a model, its tokenizer and its stop tokens, ready for reference generation."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from brrr.errors import BrrrError
+from brrr.generate import generate_tokens
+from brrr.hub import resolve_model
+from brrr.loader import load_model
+from brrr.sampling import SamplingParams
+from brrr.tokenizer import IncrementalDecoder, Tokenizer
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Pretrained:
+    path: Path
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas as tokens are sampled. `prompt`: text, token ids, or chat messages (through the template)."""
+        params = params or SamplingParams()
+        decoder = IncrementalDecoder(self.tokenizer)
+        for token in self.generate_ids(prompt, params):
+            yield decoder.push(token)
+
+    def generate(self, prompt, params: SamplingParams | None = None) -> str:
+        return "".join(self.stream(prompt, params))
+
+    def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+            return self.tokenizer.encode_chat(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise BrrrError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+    def generate_ids(self, prompt, params: SamplingParams) -> Iterator[int]:
+        return generate_tokens(self.model, self.prompt_ids(prompt), params, self.eos_token_ids)
+
+
+def load(model: str | Path | None = None, dtype=None, device: str | None = None) -> Pretrained:
+    path = resolve_model(model)
+    net = load_model(path, dtype=dtype, device=device or default_device())
+    tokenizer = Tokenizer.from_dir(path)
+    eos = set(net.config.eos_token_ids)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise BrrrError(f"{gen_file} is not valid JSON: {e}") from None
+        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Pretrained(path, net, tokenizer, tuple(sorted(eos)))

@@ -15,7 +15,8 @@ RUNNABLE_ARCHITECTURES = {
     "Qwen3ForCausalLM": "llama",
 }
 # Architectures brrr can describe (calc, bench arithmetic) but not yet run.
-DESCRIBED_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
+DESCRIBED_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
                 "Qwen2MoeForCausalLM": "qwen2_moe"}
@@ -64,6 +65,16 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    num_shared_experts: int = 0  # DeepSeek's always-on experts, each moe_intermediate_size wide
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one gated shared expert
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
+    # Multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 means the KV cache holds a
+    # kv_lora_rank latent plus a qk_rope_head_dim shared rotary key per token per layer.
+    q_lora_rank: int = 0  # 0: queries come from one hidden -> heads * (nope + rope) projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def family(self) -> str:
@@ -170,10 +181,32 @@ class ModelConfig:
             bos_token_id=get("bos_token_id", int, default=None),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            num_experts=get("num_local_experts", int, default=None) or get("num_experts", int, default=0),
+            num_experts=(get("num_local_experts", int, default=None) or get("num_experts", int, default=None)
+                         or get("n_routed_experts", int, default=0)),
             num_experts_per_tok=get("num_experts_per_tok", int, default=0),
             moe_intermediate_size=get("moe_intermediate_size", int, default=0),
+            num_shared_experts=get("n_shared_experts", int, default=0),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", int, default=0),
+            dense_mlp_layers=_dense_mlp_layers(get),
+            q_lora_rank=get("q_lora_rank", int, default=0),
+            kv_lora_rank=get("kv_lora_rank", int, default=0),
+            qk_nope_head_dim=get("qk_nope_head_dim", int, default=0),
+            qk_rope_head_dim=get("qk_rope_head_dim", int, default=0),
+            v_head_dim=get("v_head_dim", int, default=0),
         )
+
+
+def _dense_mlp_layers(get: "_Getter") -> tuple[int, ...]:
+    """Layers of an MoE model with a dense MLP: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers
+    and the layers decoder_sparse_step skips (transformers' rule: layer i is sparse iff (i + 1) % step == 0)."""
+    if not (get("num_local_experts", int, default=0) or get("num_experts", int, default=0)
+            or get("n_routed_experts", int, default=0)):
+        return ()
+    first_dense = get("first_k_dense_replace", int, default=0)
+    only = get("mlp_only_layers", list, default=[])
+    step = get("decoder_sparse_step", int, default=1, positive=True)
+    layers = get("num_hidden_layers", int, positive=True)
+    return tuple(i for i in range(layers) if i < first_dense or i in only or (i + 1) % step)
 
 
 class _Getter:

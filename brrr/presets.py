@@ -67,6 +67,35 @@ PRESETS: dict[str, dict] = {
                      "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
                      "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
                      "torch_dtype": "bfloat16", "vocab_size": 32000},
+    # deepseek-ai/DeepSeek-V3 (multi-head latent attention; 256 routed + 1 shared expert, 8 routed per token;
+    # the first 3 layers dense; the checkpoint's extra multi-token-prediction layer is not part of this shape)
+    "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+                    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+                    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+                    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+                    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+                    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+                    "num_key_value_heads": 128, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "rms_norm_eps": 1e-06, "rope_theta": 10000,
+                    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 4096, "type": "yarn"},
+                    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+                    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
+                    "vocab_size": 129280},
+    # deepseek-ai/DeepSeek-V2-Lite (MLA without a query low-rank projection; 64 routed + 2 shared experts)
+    "deepseek-v2-lite": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_act": "silu",
+                         "attention_bias": False, "bos_token_id": 100000, "eos_token_id": 100001,
+                         "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 10944,
+                         "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+                         "moe_layer_freq": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+                         "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+                         "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                         "rms_norm_eps": 1e-06, "rope_theta": 10000,
+                         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+                         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "v_head_dim": 128,
+                         "vocab_size": 102400},
 }
 
 

@@ -75,6 +75,7 @@ def build_default_model(out: Path):
     from brrr.models import model_class
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(_corpus(), SHAPE["vocab"])
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIALS}

@@ -36,3 +36,15 @@ def build(family: str, **overrides):
 def save(model, path, sharded=False):
     model.save_pretrained(path, max_shard_size="60KB" if sharded else "10GB")
     return path
+
+
+def save_tokenizer(path, vocab=300, chat_template=None):
+    """A byte-level BPE tokenizer trained on a little local text, saved the way transformers saves one."""
+    from brrr.default_model import CHAT_TEMPLATE, build_tokenizer
+
+    text = ["def add(a, b):\n    return a + b\n", "Hello, world! The quick brown fox jumps over the lazy dog."] * 20
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(text, vocab), bos_token="<|bos|>",
+                                              eos_token="<|eos|>", pad_token="<|pad|>")
+    hf.chat_template = chat_template or CHAT_TEMPLATE
+    hf.save_pretrained(path)
+    return path

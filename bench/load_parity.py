@@ -1,0 +1,92 @@
+"""Load a Llama-3.1-8B-shaped random checkpoint saved by transformers, time the load and peak GPU memory, and check
+64 greedy tokens against transformers. Prints one JSON record per result (DESIGN.md's benchmark convention).
+
+    python bench/load_parity.py --out bench/results/load_parity_h200.jsonl
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+import transformers
+
+import brrr
+
+LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=8192),
+                   bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+
+
+def record(**kw):
+    rec = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+           "torch": torch.__version__, "transformers": transformers.__version__, **kw}
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dir", default=None, help="where to save the checkpoint (default: a temp dir)")
+    args = ap.parse_args()
+    records = []
+    device = "cuda"
+    cfg = transformers.LlamaConfig(**LLAMA_31_8B, dtype=torch.bfloat16)
+    workdir = args.dir or tempfile.mkdtemp(prefix="brrr-8b-")
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    t0 = time.perf_counter()
+    hf.save_pretrained(workdir)
+    save_s = time.perf_counter() - t0
+    size = sum(os.path.getsize(os.path.join(workdir, f)) for f in os.listdir(workdir) if f.endswith(".safetensors"))
+    prompt = torch.tensor([[128000, 791, 4062, 14198, 39935]], device=device)  # 5 tokens
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    del hf
+    gc.collect(), torch.cuda.empty_cache()
+
+    # The checkpoint was just written, so its pages are in the OS cache: these are warm-cache load times.
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model = brrr.load_model(workdir, dtype=torch.bfloat16, device=device)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    got = list(brrr.generate_tokens(model, prompt[0].tolist(), brrr.SamplingParams(max_tokens=args.steps,
+                                                                                    temperature=0)))
+    first_diff = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    records.append(record(bench="load_and_parity", model="llama-3.1-8b shape (random, bf16)", runner="brrr",
+                          checkpoint_bytes=size, save_s=round(save_s, 2), load_s=round(load_s, 2),
+                          load_gb_per_s=round(size / load_s / 1e9, 2), peak_gpu_bytes=peak, weight_bytes=weights,
+                          peak_over_weights=round(peak / weights, 4), greedy_steps=args.steps,
+                          greedy_match=got == expected, first_mismatch=first_diff, brrr_tokens=got[:16],
+                          hf_tokens=expected[:16]))
+    del model
+    gc.collect(), torch.cuda.empty_cache()
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf = transformers.LlamaForCausalLM.from_pretrained(workdir, dtype=torch.bfloat16, device_map=device)
+    torch.cuda.synchronize()
+    records.append(record(bench="load_and_parity", model="llama-3.1-8b shape (random, bf16)", runner="transformers",
+                          load_s=round(time.perf_counter() - t0, 2), peak_gpu_bytes=torch.cuda.max_memory_allocated()))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Reference generation end to end: the default model, sampling, the CLI, hub resolution."""
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import brrr
+from brrr import BrrrError, SamplingParams
+from brrr.default_model import build_default_model
+from brrr.hub import resolve_model
+from brrr.sampling import sample
+from tests import hf_models
+
+
+def _digest(path):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_default_model_builds_deterministically(tmp_path):
+    build_default_model(tmp_path / "a")
+    build_default_model(tmp_path / "b")
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+
+
+def test_default_model_generates_and_chats():
+    pretrained = brrr.load()
+    assert pretrained.config.architecture == "LlamaForCausalLM"
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    text = pretrained.generate("def fibonacci(n):", params)
+    assert text == pretrained.generate("def fibonacci(n):", params)  # same seed, same text
+    ids = list(pretrained.generate_ids([{"role": "user", "content": "hi"}], params))
+    assert len(ids) == 16
+
+
+def test_sampling_seed_top_k_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -5.0]])
+    draws = lambda p: {int(sample(logits, p, torch.Generator().manual_seed(s))[0]) for s in range(300)}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    # softmax = [.66, .24, .09, .004, ...]: top_p 0.85 keeps tokens 0 and 1 (0.66 < 0.85 <= 0.90)
+    assert draws(SamplingParams(temperature=1.0, top_p=0.85)) == {0, 1}
+    assert draws(SamplingParams(temperature=0)) == {0}
+    assert draws(SamplingParams(temperature=1.0)) >= {0, 1, 2}
+
+
+def test_stop_tokens_end_generation(tmp_path):
+    hf_models.save(hf_models.build("llama3-rope"), tmp_path)
+    model = brrr.load_model(tmp_path)
+    greedy = list(brrr.generate_tokens(model, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0)))
+    stopped = list(brrr.generate_tokens(model, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0,
+                                                                         stop_token_ids=[greedy[2]])))
+    assert stopped == greedy[: greedy.index(greedy[2]) + 1]
+    assert list(brrr.generate_tokens(model, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0),
+                                     eos_token_ids=(greedy[0],))) == greedy[:1]
+
+
+def test_cli_generate_and_chat():
+    gen = subprocess.run([sys.executable, "-m", "brrr", "generate", "def f(x):", "--max-tokens", "12", "--seed", "0",
+                          "--ignore-eos"], capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("def f(x):") and "12 tokens in" in gen.stderr and "tok/s" in gen.stderr
+    chat = subprocess.run([sys.executable, "-m", "brrr", "chat", "--max-tokens", "5", "--seed", "0"],
+                          input="hello\n/reset\nagain\n/exit\n", capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("assistant> ") == 2
+    version = subprocess.run([sys.executable, "-m", "brrr", "--version"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"brrr {brrr.__version__}"
+
+
+def test_hub_id_offline_gives_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(BrrrError, match="could not get 'no-such-org/no-such-model' from the Hugging Face hub"):
+        resolve_model("no-such-org/no-such-model")
+    assert resolve_model(str(tmp_path)) == tmp_path

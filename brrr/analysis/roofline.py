@@ -89,27 +89,31 @@ def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16") -> str:
     lo = min([0.1] + [p["intensity"] / 2 for p in placed])
     hi = max([10 * gpu.ridge(dtype)] + [p["intensity"] * 2 for p in placed])
     x = np.logspace(np.log10(lo), np.log10(hi), 400)
-    fig, ax = plt.subplots(figsize=(10, 6.5))
+    fig, ax = plt.subplots(figsize=(13, 6.5))
     ax.loglog(x, np.minimum(gpu.peak(dtype), x * gpu.bandwidth) / 1e12, color="black", lw=2,
               label=f"{dtype} roof: {gpu.peak(dtype) / 1e12:.0f} TFLOP/s, {gpu.bandwidth / 1e12:.2f} TB/s")
     if dtype != "fp8" and "fp8" in gpu.flops:
         ax.loglog(x, np.minimum(gpu.peak("fp8"), x * gpu.bandwidth) / 1e12, color="gray", ls="--", lw=1,
                   label=f"fp8 roof: {gpu.peak('fp8') / 1e12:.0f} TFLOP/s")
     ridge = gpu.ridge(dtype)
-    ax.axvline(ridge, color="tab:red", ls=":", lw=1)
-    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, gpu.peak(dtype) / 1e12), textcoords="offset points",
-                xytext=(5, -15), color="tab:red", fontsize=9)
-    for p in placed:
+    ax.axvline(ridge, color="tab:red", ls=":", lw=1, label=f"ridge: {ridge:.0f} FLOP/byte")
+    # number the points (ops at one intensity share a spot) and list the names beside the axes
+    seen: dict[tuple, int] = {}
+    for i, p in enumerate(placed, 1):
         color = "tab:blue" if p["bound"] == "memory" else "tab:green"
         ax.scatter(p["intensity"], p["attainable_flops"] / 1e12, color=color, zorder=3, s=25)
-        ax.annotate(p["name"], (p["intensity"], p["attainable_flops"] / 1e12), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7, rotation=20)
+        spot = (round(np.log10(p["intensity"]), 1), round(np.log10(p["attainable_flops"]), 1))
+        stack = seen[spot] = seen.get(spot, -1) + 1
+        ax.annotate(str(i), (p["intensity"], p["attainable_flops"] / 1e12), textcoords="offset points",
+                    xytext=(-10 + 9 * stack, 6), fontsize=8, color=color)
+    names = "\n".join(f"{i:>2}  {p['name']} ({p['bound']})" for i, p in enumerate(placed, 1))
+    fig.text(0.70, 0.5, names, fontsize=8, family="monospace", va="center")
+    fig.subplots_adjust(left=0.07, right=0.68, bottom=0.1, top=0.92)
     ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(f"Roofline: {gpu.name} ({gpu.source})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -16,7 +16,8 @@ from brrr.analysis.train import pipeline_bubble, train_plan, training_state_byte
 __all__ = [
     "GPU", "GPUS", "Op", "attended_tokens", "compute_bound_batch", "decode_bytes_per_step", "decode_flops_per_step",
     "decode_intensity", "decode_step", "decode_weight_bytes", "flops_per_token", "get_gpu", "kv_bytes",
-    "kv_bytes_per_sequence", "kv_bytes_per_token", "matmul", "matmul_params", "measure", "param_counts", "pipeline_bubble",
+    "kv_bytes_per_sequence", "kv_bytes_per_token", "matmul", "matmul_params", "measure", "param_counts",
+    "pipeline_bubble",
     "place", "prefill_flops", "prefill_flops_per_token", "serve_plan", "train_plan", "training_flops_per_token",
     "training_state_bytes", "transformer_ops", "ttft", "weight_bytes", "weight_format",
 ]

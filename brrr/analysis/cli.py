@@ -122,7 +122,8 @@ def cmd_model(args) -> int:
     if args.json:
         return _emit_json({"model": args.model, **s})
     p = s["params"]
-    part_rows = [[k, _num(p[k]), f"{p[k] / p['total']:.1%}"] for k in ("embedding", "attention", "mlp", "norms", "head")]
+    parts = ("embedding", "attention", "mlp", "norms", "head")
+    part_rows = [[k, _num(p[k]), f"{p[k] / p['total']:.1%}"] for k in parts]
     part_rows.append(["total", _num(p["total"]), "tied head" if cfg.tie_word_embeddings else ""])
     if cfg.num_experts:
         part_rows.append([f"active per token ({cfg.num_experts_per_tok} of {cfg.num_experts} experts)",
@@ -142,7 +143,8 @@ def cmd_model(args) -> int:
                 ["training (fwd + bwd)", _num(f["training"])]]),
         f"KV cache: {kv['attention']}" + (f", sliding window {cfg.sliding_window}" if cfg.sliding_window else ""),
         _table("KV cache", ["dtype", "per token", f"per sequence of {args.context}"],
-               [[d, _num(kv["bytes_per_token"][d], "B"), _num(kv["bytes_per_sequence"][d], "B")] for d in ("bf16", "fp8")]),
+               [[d, _num(kv["bytes_per_token"][d], "B"), _num(kv["bytes_per_sequence"][d], "B")]
+                for d in ("bf16", "fp8")]),
         f"decode step at context {args.context} on {gpu.name}: weights {s['weight_dtype']}, KV {args.kv}, "
         f"ridge {s['ridge']:.0f} FLOP/B",
         _table("decode step", ["batch", "FLOPs", "bytes", "FLOP/B", "bound"],
@@ -160,7 +162,8 @@ def cmd_serve(args) -> int:
                    context=args.context, prompt=args.prompt, batches=args.batch)
     if args.json:
         return _emit_json({"model": args.model, **r})
-    mem = [["GPU memory", _num(r["memory_per_gpu"], "B")], [f"budget (util {args.util})", _num(r["budget_per_gpu"], "B")],
+    mem = [["GPU memory", _num(r["memory_per_gpu"], "B")],
+           [f"budget (util {args.util})", _num(r["budget_per_gpu"], "B")],
            [f"weights ({r['weight_dtype']}, /tp)", _num(r["weights_per_gpu"], "B")],
            ["activation reserve (8k-token prefill chunk)", _num(r["activation_reserve_per_gpu"], "B")],
            ["left for KV cache", _num(r["kv_memory_per_gpu"], "B")],
@@ -206,11 +209,13 @@ def cmd_train(args) -> int:
         _table("bytes sent per GPU per step", ["", "bytes"],
                [[k.replace("_", " "), _num(v, "B")] for k, v in c.items()]),
         _table("step", ["", ""],
-               [[f"pipeline bubble ({r['schedule']})", f"{b['fraction']:.1%} of the step ({b['overhead']:.1%} overhead)"],
+               [[f"pipeline bubble ({r['schedule']})",
+                 f"{b['fraction']:.1%} of the step ({b['overhead']:.1%} overhead)"],
                 ["FLOPs per token (6N + attention)", _num(r["flops"]["per_token"])],
                 ["compute", _ms(t["compute_s"])], ["with bubble", _ms(t["pipeline_s"])],
                 ["tensor-parallel collectives", _ms(t["tensor_parallel_s"])],
-                ["data-parallel traffic (exposed)", f"{_ms(t['data_parallel_s'])} ({_ms(t['data_parallel_exposed_s'])})"],
+                ["data-parallel traffic (exposed)",
+                 f"{_ms(t['data_parallel_s'])} ({_ms(t['data_parallel_exposed_s'])})"],
                 ["step", _ms(t["step_s"])], ["tokens/s", f"{r['tokens_per_s']:,.0f}"], ["MFU", f"{r['mfu']:.1%}"]]),
     ])
     return 0

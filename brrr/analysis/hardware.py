@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from brrr.errors import BrrrError
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
-GB, TB, TFLOPS = 1e9, 1e12, 1e12
+GB, TFLOPS = 1e9, 1e12
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,18 @@ def main():
     t0 = time.perf_counter()
     hf.save_pretrained(workdir)
     save_s = time.perf_counter() - t0
+    del hf  # the reference is transformers loading the checkpoint, as a user would (keeps RoPE buffers in fp32)
+    gc.collect(), torch.cuda.empty_cache()
     size = sum(os.path.getsize(os.path.join(workdir, f)) for f in os.listdir(workdir) if f.endswith(".safetensors"))
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf = transformers.LlamaForCausalLM.from_pretrained(workdir, dtype=torch.bfloat16, device_map=device).eval()
+    torch.cuda.synchronize()
+    records.append(record(bench="load_and_parity", model="llama-3.1-8b shape (random, bf16)", runner="transformers",
+                          load_s=round(time.perf_counter() - t0, 2), peak_gpu_bytes=torch.cuda.max_memory_allocated(),
+                          attn_implementation=hf.config._attn_implementation))
     prompt = torch.tensor([[128000, 791, 4062, 14198, 39935]], device=device)  # 5 tokens
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
@@ -72,16 +83,6 @@ def main():
                           peak_over_weights=round(peak / weights, 4), greedy_steps=args.steps,
                           greedy_match=got == expected, first_mismatch=first_diff, brrr_tokens=got[:16],
                           hf_tokens=expected[:16]))
-    del model
-    gc.collect(), torch.cuda.empty_cache()
-
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    hf = transformers.LlamaForCausalLM.from_pretrained(workdir, dtype=torch.bfloat16, device_map=device)
-    torch.cuda.synchronize()
-    records.append(record(bench="load_and_parity", model="llama-3.1-8b shape (random, bf16)", runner="transformers",
-                          load_s=round(time.perf_counter() - t0, 2), peak_gpu_bytes=torch.cuda.max_memory_allocated()))
     if args.out:
         with open(args.out, "a") as f:
             for r in records:

@@ -60,11 +60,10 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
-    filled: dict[str, int] = {}
+    filled: set[str] = set()
     for file in files:
         _load_file(model, file, filled)
-    expected = {n: p.numel() for n, p in model.named_parameters()}
-    missing = sorted(n for n, size in expected.items() if filled.get(n, 0) != size)
+    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BrrrError(f"checkpoint in {path} is missing tensors: {shown}")
@@ -72,7 +71,7 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     return model
 
 
-def _load_file(model, file: Path, filled: dict):
+def _load_file(model, file: Path, filled: set):
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
     except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
@@ -85,35 +84,21 @@ def _load_file(model, file: Path, filled: dict):
                 raise BrrrError(f"{file}: tensor {name!r} does not belong to a {model.config.architecture}") from None
             if target is None:
                 continue
-            param, rows, pname = target
             try:
                 tensor = f.get_tensor(name)
             except Exception as e:
                 raise BrrrError(f"{file}: cannot read tensor {name!r}: {e}") from None
-            dest = param.data if rows is None else param.data[rows]
-            if tuple(dest.shape) != tuple(tensor.shape):
+            if target.shape != tensor.shape:
                 raise BrrrError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                f"the config implies {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[pname] = filled.get(pname, 0) + tensor.numel()
+                                f"the config implies {tuple(target.shape)}")
+            target.data.copy_(tensor)
+            filled.add(name)
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names: packed projections split back into q/k/v and gate/up."""
-    unpack = {}
-    for hf_name, (packed, shard) in model.PACKED.items():
-        unpack.setdefault(packed, []).append((shard, hf_name))
-    out = {}
-    for name, tensor in model.state_dict().items():
-        module_path, _, leaf = name.rpartition(".")
-        parent, _, proj = module_path.rpartition(".")
-        if proj in unpack:
-            sizes = model.get_submodule(parent).shard_sizes
-            for (shard, hf_name), part in zip(sorted(unpack[proj]), tensor.split(sizes, dim=0)):
-                out[f"{parent}.{hf_name}.{leaf}"] = part
-        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-            out[name] = tensor
-    return out
+    """The model's weights under Hugging Face names (a tied lm_head is stored once, as transformers does)."""
+    tied = model.config.tie_word_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
 
 def save_model(model, out_dir: str | Path, dtype: torch.dtype | None = None):

@@ -1,7 +1,9 @@
 """Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
 
-Module names follow Hugging Face's so checkpoints load by name, except that q/k/v and gate/up are packed
-into one projection each (`PACKED`): one GEMM instead of three (two) per layer.
+Module names and projection shapes follow Hugging Face's, so checkpoints load by name and every GEMM has the
+shape transformers runs. That is deliberate: packing q/k/v into one GEMM changed cuBLAS's kernel choice on the
+H200 and with it bf16 rounding, enough to flip greedy tokens of a random 8B model (docs/models.md). Packing is
+a fast-path transform, not part of the reference.
 Shapes: activations are a flattened batch of tokens [N, hidden]; `AttnMeta` says how they split into sequences.
 """
 from __future__ import annotations
@@ -11,13 +13,6 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.kernels import AttnMeta, apply_rotary, attention, rms_norm, rope_inv_freq, rotary_cos_sin, silu_and_mul
-
-# checkpoint name -> (packed module, shard index in that module's output rows)
-PACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -53,20 +48,20 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
     def forward(self, x, cos, sin, meta: AttnMeta):
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(-1, self.n_heads, self.head_dim)
-        k = k.view(-1, self.n_kv, self.head_dim)
-        v = v.view(-1, self.n_kv, self.head_dim)
+        q = self.q_proj(x).view(-1, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(-1, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
@@ -76,12 +71,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,8 +109,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    PACKED = PACKED
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -131,18 +124,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def checkpoint_target(self, name: str):
-        """Where checkpoint tensor `name` goes: (parameter, row slice or None), or None for tensors to skip."""
+    def checkpoint_target(self, name: str) -> torch.nn.Parameter | None:
+        """The parameter checkpoint tensor `name` goes into, or None for tensors to skip. Unknown: AttributeError."""
         if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved this derived buffer
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # same storage as embed_tokens
-        module_path, _, leaf = name.rpartition(".")
-        parent, _, proj = module_path.rpartition(".")
-        if proj in PACKED:
-            packed, shard = PACKED[proj]
-            module = self.get_submodule(f"{parent}.{packed}")
-            sizes = self.get_submodule(parent).shard_sizes
-            offset = sum(sizes[:shard])
-            return getattr(module, leaf), slice(offset, offset + sizes[shard]), f"{parent}.{packed}.{leaf}"
-        return self.get_parameter(name), None, name
+        return self.get_parameter(name)

@@ -14,7 +14,8 @@ def test_cuda_matches_transformers(family, dtype, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = hf_models.build(family)
     hf_models.save(hf, tmp_path)
-    hf = hf.to("cuda", dtype)
+    # Reload as a user would: .to(bf16) on a built model would also round the RoPE buffer, from_pretrained does not.
+    hf = type(hf).from_pretrained(tmp_path, dtype=dtype).to("cuda").eval()
     model = load_model(tmp_path, dtype=dtype, device="cuda")
     ids = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():

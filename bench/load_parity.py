@@ -59,9 +59,16 @@ def main():
                           load_s=round(time.perf_counter() - t0, 2), peak_gpu_bytes=torch.cuda.max_memory_allocated(),
                           attn_implementation=hf.config._attn_implementation))
     prompt = torch.tensor([[128000, 791, 4062, 14198, 39935]], device=device)  # 5 tokens
+    gen = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+        hf.generate(prompt, **gen)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        expected = hf.generate(prompt, **gen)[0, prompt.shape[1]:].tolist()
+        torch.cuda.synchronize()
+    records.append(record(bench="reference_decode", model="llama-3.1-8b shape (random, bf16)",
+                          runner="transformers generate (eager)", batch=1, prompt_tokens=prompt.shape[1],
+                          new_tokens=args.steps, tok_s_incl_prefill=round(args.steps / (time.perf_counter() - t0), 1)))
     del hf
     gc.collect(), torch.cuda.empty_cache()
 
@@ -83,6 +90,27 @@ def main():
                           peak_over_weights=round(peak / weights, 4), greedy_steps=args.steps,
                           greedy_match=got == expected, first_mismatch=first_diff, brrr_tokens=got[:16],
                           hf_tokens=expected[:16]))
+
+    # Reference decode speed (eager, one sequence, contiguous cache): the floor the GPU fast path starts from.
+    from brrr.analysis.hardware import measure
+    from brrr.analysis.model import decode_bytes_per_step
+
+    gpu = measure()
+    params = brrr.SamplingParams(max_tokens=args.steps, temperature=0)
+    list(brrr.generate_tokens(model, prompt[0].tolist(), params))  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    stamps = [time.perf_counter() for _ in brrr.generate_tokens(model, prompt[0].tolist(), params)]
+    ttft, decode_s = stamps[0] - t0, stamps[-1] - stamps[0]
+    decode_tok_s = (len(stamps) - 1) / decode_s
+    mean_ctx = prompt.shape[1] + args.steps // 2
+    roofline_tok_s = gpu.bandwidth / decode_bytes_per_step(model.config, 1, mean_ctx)
+    records.append(record(bench="reference_decode", model="llama-3.1-8b shape (random, bf16)", runner="brrr eager",
+                          batch=1, prompt_tokens=prompt.shape[1], new_tokens=args.steps, ttft_s=round(ttft, 4),
+                          tok_s_incl_prefill=round(args.steps / (stamps[-1] - t0), 1),
+                          decode_tok_s=round(decode_tok_s, 1), measured_bandwidth=round(gpu.bandwidth),
+                          roofline_tok_s=round(roofline_tok_s, 1),
+                          fraction_of_roofline=round(decode_tok_s / roofline_tok_s, 3)))
     if args.out:
         with open(args.out, "a") as f:
             for r in records:

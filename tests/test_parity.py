@@ -30,3 +30,17 @@ def test_logits_and_greedy_tokens_match_transformers(family, tmp_path):
                                 eos_token_id=None, pad_token_id=0)[0, PROMPT_LEN:].tolist()
     ours = list(generate_tokens(model, prompt.tolist(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
     assert ours == hf_tokens
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding", "qwen3-qknorm", "mqa"])
+def test_batched_causal_forward_matches_per_sequence(family, tmp_path):
+    """Training-style batches (equal lengths, no cache) take a batched path; it must equal one-at-a-time."""
+    from brrr.kernels import AttnMeta
+
+    hf_models.save(hf_models.build(family), tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        batched = model.compute_logits(model(ids.flatten(), torch.arange(24).repeat(3), AttnMeta.causal([24] * 3, "cpu")))
+    single = torch.cat([forward_logits(model, row.tolist()) for row in ids])
+    assert (batched - single).abs().max().item() <= 1e-5

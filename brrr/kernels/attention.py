@@ -40,6 +40,8 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 def attention_ref(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
     """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]."""
     n_heads, n_kv = q.shape[1], k.shape[1]
+    if meta.kv_caches is None and len(set(meta.seqlens_q)) == 1 and len(meta.seqlens_q) > 1:
+        return _causal_uniform(q, k, v, len(meta.seqlens_q), scale, n_heads // n_kv, sliding_window)
     if meta.kv_caches is not None:
         k_cache, v_cache = meta.kv_caches[layer]
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -58,6 +60,20 @@ def attention_ref(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_win
         out[start:end] = _sdpa_one(q[start:end], kb, vb, scale, n_heads // n_kv, sliding_window)
         start = end
     return out
+
+
+def _causal_uniform(q, k, v, batch, scale, groups, sliding_window):
+    """No cache, equal lengths (training batches): one batched SDPA call instead of a loop over sequences."""
+    t = q.shape[0] // batch
+    q, k, v = (x.view(batch, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    mask = None
+    if sliding_window is not None and t > sliding_window:
+        pos = torch.arange(t, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return o.transpose(1, 2).reshape(batch * t, -1)
 
 
 def _sdpa_one(q, k, v, scale, groups, sliding_window):

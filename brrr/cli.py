@@ -31,7 +31,7 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
 
 
 def sampling_params(args):
-    from brrr.sampling import SamplingParams
+    from brrr.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)

@@ -10,7 +10,8 @@ import torch
 
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
-from brrr.sampling import SamplingParams, sample
+from brrr.engine.sampler import SampleRow, sample
+from brrr.engine.sampling_params import SamplingParams
 
 
 def allocate_contiguous_cache(model, capacity: int):
@@ -47,18 +48,20 @@ def generate_tokens(model, prompt_ids: list[int], params: SamplingParams,
     if bad:
         raise BrrrError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     device = next(model.parameters()).device
+    if params.n != 1 or params.stop:
+        raise BrrrError("the reference generator takes n=1 and no stop strings; use the engine (brrr.LLM) for those")
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     capacity = min(len(prompt_ids) + params.max_tokens, max_pos)
     caches = allocate_contiguous_cache(model, capacity)
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(params.seed)
+    generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
+    row = SampleRow(params, generator, list(prompt_ids), [], tuple(stop))
     ids = torch.tensor(prompt_ids, device=device)
     pos = 0
     for _ in range(capacity - len(prompt_ids)):
         positions = torch.arange(pos, pos + len(ids), device=device)
         hidden = model(ids, positions, _step_meta(pos, len(ids), caches, device))
-        token = int(sample(model.compute_logits(hidden[-1:]), params, generator)[0])
+        token = sample(model.compute_logits(hidden[-1:]), [row]).tokens[0]
+        row.output_ids.append(token)
         yield token
         if token in stop:
             return

@@ -103,7 +103,7 @@ def test_generation_stops_at_context_limit(model_dir):
 @pytest.mark.parametrize("field, value, message", [
     ("max_tokens", 0, "max_tokens must be >= 1"), ("temperature", -1.0, "temperature must be in \\[0, 100\\]"),
     ("top_p", 0.0, "top_p must be in \\(0, 1\\]"), ("top_k", -2, "top_k must be >= 0"),
-    ("max_tokens", "10", "max_tokens must be a number"),
+    ("max_tokens", "10", "max_tokens must be an integer"),
 ])
 def test_sampling_params_validation(field, value, message):
     with pytest.raises(BrrrError, match=message):

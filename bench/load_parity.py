@@ -59,7 +59,8 @@ def main():
                           load_s=round(time.perf_counter() - t0, 2), peak_gpu_bytes=torch.cuda.max_memory_allocated(),
                           attn_implementation=hf.config._attn_implementation))
     prompt = torch.tensor([[128000, 791, 4062, 14198, 39935]], device=device)  # 5 tokens
-    gen = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.steps, min_new_tokens=args.steps,
+               do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         hf.generate(prompt, **gen)  # warm-up
         torch.cuda.synchronize()

@@ -256,3 +256,29 @@ def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfi
             raise BrrrError(f"{source}: field '{field_name}.{key}' is required for rope type {rope_type!r} and must be a number")
     params = {k: v for k, v in params.items() if v is not None}
     return RopeConfig(type=rope_type, theta=float(theta), params=params)
+
+
+@dataclass
+class EngineConfig:
+    """How the serving engine sizes and schedules itself (see docs/engine.md)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # KV blocks; else derived from kv_cache_memory, or on CUDA from a profiling run
+    kv_cache_memory: int | None = None  # bytes for the KV cache (default on CPU: 1 GiB, capped by what can be used)
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's context
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise BrrrError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise BrrrError(f"EngineConfig.{name} must be an integer >= 1 or None, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -26,8 +26,10 @@ def test_logits_and_greedy_tokens_match_transformers(family, tmp_path):
         assert (got - expected).abs().max().item() <= 1e-4
 
     with torch.no_grad():
-        hf_tokens = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, PROMPT_LEN:].tolist()
+        # An explicit mask: without one, generate() masks every prompt token equal to pad_token_id.
+        hf_tokens = hf.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, PROMPT_LEN:].tolist()
     ours = list(generate_tokens(model, prompt.tolist(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
     assert ours == hf_tokens
 

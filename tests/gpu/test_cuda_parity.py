@@ -24,6 +24,6 @@ def test_cuda_matches_transformers(family, dtype, tmp_path):
     tol = 1e-3 if dtype == torch.float32 else 5e-2 * expected.abs().max().item()
     assert (got - expected).abs().max().item() <= tol
     with torch.no_grad():
-        hf_tokens = hf.generate(ids[None], max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, 20:].tolist()
+        hf_tokens = hf.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=32,
+                                min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
     assert list(generate_tokens(model, ids.tolist(), SamplingParams(max_tokens=32, temperature=0))) == hf_tokens

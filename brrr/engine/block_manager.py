@@ -1,0 +1,168 @@
+"""A fixed pool of KV-cache blocks: per-sequence block tables, reference counts, copy-on-write for forked
+sequences, and prefix caching by chained content hash of full blocks with LRU eviction of cached free blocks.
+
+A block's hash is registered only once its K/V are computed, so a prefix hit never reads a block that is still
+being filled. Freed blocks keep their hash (and stay findable) until the pool needs them back.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from brrr.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id, self.ref_count, self.hash, self.token_ids = block_id, 0, None, None
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra=None) -> int:
+    """Hash of a full block given its parent's hash: equal iff the whole prefix (and extra key) is equal,
+    up to collisions, which `allocate` guards against by comparing the block's tokens."""
+    return hash((parent, token_ids, extra))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # first = least recently freed = evicted first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = self.prefix_hits = 0  # in tokens, as vLLM counts them
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        if self.free_uncached:
+            block_id = self.free_uncached.popleft()
+        else:
+            block_id, _ = self.free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.free_cached[block_id] = None
+            else:
+                self.free_uncached.append(block_id)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_for(len(seq.token_ids)) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, extra_key=None) -> int:
+        """Blocks for all of seq's tokens, reusing cached full blocks of its prefix. Returns the cached tokens.
+        At least the last token is always left to compute, so the step has a row to sample from."""
+        assert not seq.block_table, "sequence already has blocks"
+        tokens, bs = seq.token_ids, self.block_size
+        parent, table, hashes = None, [], []
+        searchable = (len(tokens) - 1) // bs if self.enable_prefix_caching and use_prefix_cache else 0
+        for i in range(searchable):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, chunk, extra_key)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_cached[block_id]
+            block.ref_count += 1
+            table.append(block_id)
+            hashes.append(h)
+            parent = h
+        cached = len(table) * bs
+        table += [self._take() for _ in range(self.blocks_for(len(tokens)) - len(table))]
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = table, hashes, cached
+        if self.enable_prefix_caching and use_prefix_cache:
+            self.prefix_queries += len(tokens)
+            self.prefix_hits += cached
+        return cached
+
+    def commit_computed(self, seq: Sequence, extra_key=None) -> None:
+        """Register hashes of blocks that became full and computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk, extra_key)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash, block.token_ids = h, chunk
+                self.hash_to_block[h] = block.block_id
+            seq.block_hashes.append(h)
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        return len(seq.block_table) < self.blocks_for(len(seq.token_ids))
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next token (position len-1) can get a slot: a new block, or a private copy of a shared one."""
+        if self._needs_block(seq):
+            return self.num_free_blocks >= 1
+        last = self.blocks[seq.block_table[(len(seq.token_ids) - 1) // self.block_size]]
+        return last.ref_count == 1 or self.num_free_blocks >= 1
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make position len-1 writable. Returns (src, dst) when a shared block had to be copied first."""
+        if self._needs_block(seq):
+            seq.block_table.append(self._take())
+            return None
+        index = (len(seq.token_ids) - 1) // self.block_size
+        src = seq.block_table[index]
+        if self.blocks[src].ref_count == 1:
+            return None
+        dst = self._take()
+        self._release(src)
+        seq.block_table[index] = dst
+        return src, dst
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):  # tail first: the tail is evicted before the shared head
+            self._release(block_id)
+        seq.block_table, seq.block_hashes = [], []
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Refcounts equal table references; free pools hold exactly the unreferenced blocks, once each."""
+        refs = [0] * self.num_blocks
+        for seq in seqs:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        assert refs == [b.ref_count for b in self.blocks], "refcounts differ from block-table references"
+        free = list(self.free_uncached) + list(self.free_cached)
+        assert len(free) == len(set(free)), "a block is free twice"
+        assert set(free) == {b.block_id for b in self.blocks if b.ref_count == 0}, "free pools != unreferenced"
+        assert len(free) + sum(1 for r in refs if r) == self.num_blocks
+        assert all(self.blocks[b].hash is not None for b in self.free_cached)
+        assert all(self.blocks[b].hash is None for b in self.free_uncached)
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h

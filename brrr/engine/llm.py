@@ -1,0 +1,70 @@
+"""`LLM`: offline batch generation through the engine, the way vLLM's LLM class is used."""
+from __future__ import annotations
+
+from brrr.config import EngineConfig
+from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.outputs import RequestOutput
+from brrr.engine.sampling_params import SamplingParams
+from brrr.errors import BrrrError
+
+
+class LLM:
+    def __init__(self, model=None, dtype="auto", device=None, **engine_args):
+        from brrr.pretrained import load
+
+        self.pretrained = load(model, dtype=dtype, device=device)
+        self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, EngineConfig(**engine_args),
+                                self.pretrained.eos_token_ids)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.pretrained.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+        Returns one finished RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise BrrrError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        requests = [self.engine.make_request(self._request_id(), p, sp) for p, sp in zip(prompts, params)]
+        for request in requests:  # all validated first: a bad prompt leaves nothing half-queued
+            self.engine.enqueue(request)
+        finished: dict[str, RequestOutput] = {}
+        with _progress(len(requests), use_tqdm) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        advance()
+        return [finished[r.request_id] for r in requests]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.tokenizer.encode_chat(messages)], sampling_params, use_tqdm=False)[0]
+
+    def _request_id(self) -> str:
+        self._counter += 1
+        return f"llm-{self._counter}"
+
+
+class _progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.progress = total, enabled and total > 1, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), transient=True)
+        self.progress.start()
+        task = self.progress.add_task("generating", total=self.total)
+        return lambda: self.progress.advance(task)
+
+    def __exit__(self, *exc):
+        if self.progress:
+            self.progress.stop()

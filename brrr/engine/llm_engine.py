@@ -1,0 +1,246 @@
+"""LLMEngine: requests in, one scheduled step at a time, outputs out. Single-threaded; AsyncLLM drives it."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from brrr.config import EngineConfig
+from brrr.engine.block_manager import BlockManager
+from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
+from brrr.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brrr.engine.sampler import SampleRow
+from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.scheduler import Scheduler
+from brrr.engine.sequence import Request, Sequence, Status
+from brrr.errors import BrrrError
+from brrr.tokenizer import IncrementalDecoder
+
+log = logging.getLogger("brrr.engine")
+CPU_KV_DEFAULT = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_token_ids=()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
+        self.eos_token_ids = tuple(eos_token_ids)
+        cfg, ec = model.config, self.config
+        self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
+        self.runner = ModelRunner(model, ec.block_size, num_blocks)
+        self.requests: dict[str, Request] = {}
+        self._next_seq_id = 0
+        self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
+
+    def _num_blocks(self) -> int:
+        ec, model = self.config, self.model
+        if ec.num_blocks:
+            return ec.num_blocks
+        p = next(model.parameters())
+        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype)
+        if ec.kv_cache_memory:
+            blocks = ec.kv_cache_memory // per_block
+        elif p.device.type == "cuda":
+            blocks = ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
+                                                    ec.gpu_memory_utilization)
+        else:  # CPU: a fixed budget, but never more than every sequence at full length could use
+            useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+            blocks = min(CPU_KV_DEFAULT // per_block, useful)
+        if blocks < 1:
+            raise BrrrError(f"no memory left for the KV cache (one block of {ec.block_size} tokens needs {per_block} "
+                            "bytes); lower max_num_batched_tokens or raise gpu_memory_utilization/kv_cache_memory")
+        return int(blocks)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        """Validate and tokenize, without touching engine state (safe from another thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise BrrrError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise BrrrError("this engine has no tokenizer: pass the prompt as token ids")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise BrrrError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise BrrrError("prompt is empty: it must have at least one token")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BrrrError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise BrrrError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                            f"{len(ids) + params.max_tokens} exceeds the model's context of {self.max_model_len} tokens")
+        need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise BrrrError(f"prompt + max_tokens needs {need} KV blocks; the cache has {self.block_manager.num_blocks}")
+        return Request(request_id, text, ids, params)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
+        return self.enqueue(self.make_request(request_id, prompt, params))
+
+    def enqueue(self, request: Request) -> Request:
+        if request.request_id in self.requests:
+            raise BrrrError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(self._new_sequence(request, 0, list(request.prompt_token_ids)))
+        return request
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seed = request.params.seed
+        generator = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed + index)
+        seq = Sequence(self._next_seq_id, request, index, token_ids, generator)
+        if self.tokenizer is not None:
+            seq.decoder = IncrementalDecoder(self.tokenizer, request.params.skip_special_tokens)
+        self._next_seq_id += 1
+        request.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        request.finish_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        sample_plan, prompt_rows, forks, row = [], [], [], 0
+        for seq, n in batch.items:
+            last = row + n - 1
+            if seq.num_computed_tokens + n == len(seq.token_ids):  # this chunk reaches the end: sample
+                req = seq.request
+                group = [seq]
+                if req.params.n > 1 and len(req.seqs) == 1:  # the prompt completes: fork the other samples
+                    group += [self._new_sequence(req, i, list(seq.token_ids)) for i in range(1, req.params.n)]
+                    forks.append((seq, group[1:]))
+                sample_plan += [(last, s) for s in group]
+            if seq.request.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_rows.append((seq, row, n))
+            row += n
+        logit_rows = [r for _, start, n in prompt_rows for r in range(start, start + n)]
+        rows = [(r, SampleRow(s.request.params, s.generator, s.request.prompt_token_ids, s.output_ids,
+                              self._stop_ids(s.request.params))) for r, s in sample_plan]
+        try:
+            result, prompt_lp = self.runner.execute(batch, rows, logit_rows)
+        except Exception as e:  # one bad step must not take the engine down: fail its requests, keep serving
+            log.exception("step failed; aborting the %d requests in it", len(batch.items))
+            return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
+        self.num_steps += 1
+        touched = {}
+        for seq, n in batch.items:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.commit_computed(seq)
+            touched[seq.request.request_id] = seq.request
+        for parent, children in forks:
+            for child in children:
+                self.block_manager.fork(parent, child)
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+        if prompt_rows:
+            self._record_prompt_logprobs(prompt_rows, prompt_lp)
+        now = time.monotonic()
+        for (_, seq), token, logprobs in zip(sample_plan, result.tokens, result.logprobs):
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            self._append_token(seq, token, logprobs)
+        return [self._output(req) for req in touched.values()]
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+
+    def _record_prompt_logprobs(self, prompt_rows, logprobs):
+        offset = 0
+        for seq, _, n in prompt_rows:
+            req, k = seq.request, seq.request.params.prompt_logprobs
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first prompt token has no predecessor
+            for i in range(n):
+                pos = seq.num_computed_tokens - n + i + 1  # the token row i predicts
+                if pos < req.num_prompt_tokens and pos == len(req.prompt_logprobs):
+                    lp, target = logprobs[offset + i], req.prompt_token_ids[pos]
+                    entry = {target: float(lp[target])}
+                    if k:
+                        top = lp.topk(k)
+                        entry.update(zip(top.indices.tolist(), top.values.tolist()))
+                    req.prompt_logprobs.append(entry)
+            offset += n
+
+    def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token's text is not part of the output
+        elif seq.decoder is not None:
+            before = len(seq.text)
+            seq.text += seq.decoder.push(token)
+            for stop in params.stop:
+                at = seq.text.find(stop, max(0, before - len(stop) + 1))
+                if at != -1:
+                    seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
+                    reason = "stop"
+                    break
+        if reason is None and (len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            if seq.request.finished:
+                seq.request.finish_time = time.monotonic()
+                self.requests.pop(seq.request.request_id, None)
+
+    def _fail(self, requests, error: str) -> list[RequestOutput]:
+        outputs = []
+        for req in requests:
+            self.abort(req.request_id)
+            out = self._output(req)
+            out.error = error
+            outputs.append(out)
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        completions = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            visible = seq.text if seq.finished else seq.text[: max(seq.emitted_chars, len(seq.text) - holdback)]
+            delta_text = visible[seq.emitted_chars:]
+            seq.emitted_chars = len(visible)
+            out_ids = seq.output_ids
+            new_ids = out_ids[seq.emitted_tokens:]
+            seq.emitted_tokens = len(out_ids)
+            completions.append(CompletionOutput(seq.index, visible, list(out_ids), seq.finish_reason,
+                                                list(seq.output_logprobs) if req.params.logprobs is not None else None,
+                                                delta_text, new_ids))
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
+                                 req.num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+                             req.prompt_logprobs if req.params.prompt_logprobs is not None else None, metrics)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_requests_running": len(self.scheduler.running), "num_requests_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_queries,
+                "prefix_cache_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
+                "num_steps": self.num_steps}

@@ -1,0 +1,150 @@
+"""The engine against transformers: exact greedy tokens under preemption, chunking, prefix hits, n > 1, aborts."""
+import random
+
+import pytest
+import torch
+
+from brrr import load_model
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine, SamplingParams
+from tests import hf_models
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-model")
+    hf = hf_models.build("llama3-rope", max_position_embeddings=512, num_key_value_heads=2)
+    hf_models.save(hf, path)
+    return hf, load_model(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = random.Random(0)
+    shared = [rng.randrange(VOCAB) for _ in range(120)]
+    prompts = []
+    for i in range(64):
+        length = rng.randint(1, 300)
+        head = shared[: rng.randint(16, 120)] if i % 3 == 0 else []  # a third share a prefix: cache hits
+        prompts.append((head + [rng.randrange(VOCAB) for _ in range(length)])[: max(length, 1)])
+    return prompts, [rng.randint(1, 24) for _ in prompts]
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: else generate() masks every token equal to pad_token_id
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(models, workload):
+    hf, _ = models
+    return [hf_greedy(hf, p, n) for p, n in zip(*workload)]
+
+
+def run_all(engine, requests, abort_at=None):
+    """Add every request, step until done; abort_at: {request_id: step} aborts mid-flight. Returns finished outputs."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+        for rid, at in (abort_at or {}).items():
+            if at == step:
+                engine.abort(rid)
+    bm = engine.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    return done
+
+
+def small_engine(model, **kw):
+    # 40 blocks of 16 tokens: far fewer than 64 requests need -> preemption; 64-token budget -> chunked prefill
+    return LLMEngine(model, config=EngineConfig(num_blocks=40, block_size=16, max_num_batched_tokens=64,
+                                                max_num_seqs=16, **kw))
+
+
+def test_greedy_tokens_equal_transformers_under_preemption_chunking_and_prefix_hits(models, workload, expected):
+    _, model = models
+    engine = small_engine(model)
+    prompts, lengths = workload
+    reqs = [(str(i), p, SamplingParams(max_tokens=n, temperature=0)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    done = run_all(engine, reqs)
+    for i, want in enumerate(expected):
+        assert done[str(i)].outputs[0].token_ids == want, f"request {i}"
+        assert done[str(i)].outputs[0].finish_reason == "length"
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert engine.num_steps > max(lengths)  # many steps mixed decodes with prefill chunks
+
+
+def test_n3_and_aborts_stay_exact_and_free_everything(models, workload, expected):
+    _, model = models
+    engine = small_engine(model)
+    prompts, lengths = workload
+    reqs = [(str(i), p, SamplingParams(max_tokens=n, temperature=0, n=3 if i % 4 == 0 else 1))
+            for i, (p, n) in enumerate(zip(prompts[:32], lengths[:32]))]
+    aborted = {str(i): 3 + i for i in range(1, 32, 5)}
+    done = run_all(engine, reqs, abort_at=aborted)
+    for i in range(32):
+        rid = str(i)
+        if rid in aborted and rid not in done:
+            continue  # aborted before it finished
+        outs = done[rid].outputs
+        assert len(outs) == (3 if i % 4 == 0 else 1)
+        for out in outs:
+            assert out.token_ids == expected[i], f"request {i} sample {out.index}"
+
+
+def test_seeded_sampling_is_independent_of_the_batch(models):
+    _, model = models
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    alone = run_all(LLMEngine(model, config=EngineConfig(num_blocks=64)), [("x", [5, 6, 7, 8], params)])["x"]
+    rng = random.Random(1)
+    crowd = [(f"o{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))],
+              SamplingParams(max_tokens=10, temperature=0.7)) for i in range(10)]
+    batched = run_all(small_engine(model), crowd[:5] + [("x", [5, 6, 7, 8], params)] + crowd[5:])["x"]
+    assert batched.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_logprobs_and_prompt_logprobs(models):
+    hf, model = models
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = run_all(LLMEngine(model, config=EngineConfig(num_blocks=64)),
+                  [("a", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=2))])["a"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[prompt[pos]] - ref[pos - 1, prompt[pos]].item()) < 1e-4 and len(entry) <= 3
+    for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[token] - row[token].item()) < 1e-4
+        assert token == int(row.argmax()) and set(row.topk(3).indices.tolist()) <= set(entry)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(max_tokens=600), "exceeds the model's context of 512"),
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(top_p=1.5), "top_p must be in \\(0, 1\\]"),
+    (dict(n=0), "n must be in \\[1, 128\\]"),
+])
+def test_bad_requests_raise_value_error_and_engine_keeps_serving(models, bad, message):
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    prompt = bad.pop("prompt", [1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(**bad))
+    done = run_all(engine, [])
+    assert done["ok"].outputs[0].finish_reason == "length" and len(done["ok"].outputs[0].token_ids) == 3

@@ -31,53 +31,76 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
 
 
 def sampling_params(args):
-    from brrr.engine.sampling_params import SamplingParams
+    from brrr.engine import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _stream_to_stdout(pretrained, prompt, params) -> tuple[list[int], float]:
-    from brrr.tokenizer import IncrementalDecoder
+def _load_llm(args):
+    from brrr.engine import LLM
 
-    decoder = IncrementalDecoder(pretrained.tokenizer)
-    start = time.perf_counter()
-    for token in pretrained.generate_ids(prompt, params):
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
-    return decoder.ids, time.perf_counter() - start
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    return llm, time.perf_counter() - t0
+
+
+def _stream(llm, prompt, params):
+    """Run one request through the engine, writing text to stdout as it is produced. Returns the final output."""
+    engine, request_id = llm.engine, f"cli-{time.monotonic_ns()}"
+    engine.add_request(request_id, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            final = out
+    return final
 
 
 def cmd_generate(args) -> int:
+    import json
+    from pathlib import Path
+
     from rich.console import Console
 
-    from brrr.pretrained import load
-
     params = sampling_params(args)
-    t0 = time.perf_counter()
-    pretrained = load(args.model, dtype=args.dtype, device=args.device)
-    load_s = time.perf_counter() - t0
-    n_prompt = len(pretrained.prompt_ids(args.prompt))
-    sys.stdout.write(args.prompt)
-    ids, seconds = _stream_to_stdout(pretrained, args.prompt, params)
-    n = len(ids)
-    sys.stdout.write("\n")
-    Console(stderr=True, soft_wrap=True).print(
-        f"[dim]{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tok/s); prompt {n_prompt} tokens; "
-        f"model {pretrained.path.name} loaded in {load_s:.2f} s on {next(pretrained.model.parameters()).device}[/dim]")
+    console = Console(stderr=True, soft_wrap=True)
+    prompt_file = Path(args.prompt)
+    llm, load_s = _load_llm(args)
+    device = next(llm.pretrained.model.parameters()).device
+    start = time.perf_counter()
+    if prompt_file.is_file():  # a file of prompts, one per line: the whole batch through the engine
+        prompts = [line for line in prompt_file.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise BrrrError(f"{prompt_file} has no prompts (one per line)")
+        outputs = llm.generate(prompts, params)
+        for out in outputs:
+            c = out.outputs[0]
+            print(json.dumps({"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason,
+                              "output_tokens": len(c.token_ids)}))
+        n, requests = sum(len(o.outputs[0].token_ids) for o in outputs), len(outputs)
+    else:
+        sys.stdout.write(args.prompt)
+        n, requests = len(_stream(llm, args.prompt, params).outputs[0].token_ids), 1
+        sys.stdout.write("\n")
+    seconds = time.perf_counter() - start
+    stats = llm.engine.stats()
+    console.print(f"[dim]{requests} request(s), {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tok/s); "
+                  f"{stats['num_steps']} engine steps, {stats['num_preemptions']} preemptions; model "
+                  f"{llm.pretrained.path.name} loaded in {load_s:.2f} s on {device}[/dim]")
     return 0
 
 
 def cmd_chat(args) -> int:
     from rich.console import Console
 
-    from brrr.pretrained import load
-
     console = Console(stderr=True)
     params = sampling_params(args)
-    pretrained = load(args.model, dtype=args.dtype, device=args.device)
+    llm, _ = _load_llm(args)
+    tokenizer = llm.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    console.print(f"[dim]chatting with {pretrained.path} - /reset clears the history, /exit or Ctrl-D quits[/dim]")
+    console.print(f"[dim]chatting with {llm.pretrained.path} - /reset clears the history, /exit or Ctrl-D quits[/dim]")
     while True:
         try:
             line = input("you> ")
@@ -90,9 +113,8 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         sys.stdout.write("assistant> ")
-        reply_ids, _ = _stream_to_stdout(pretrained, messages, params)
+        reply = _stream(llm, tokenizer.encode_chat(messages), params).outputs[0].text
         sys.stdout.write("\n")
-        reply = pretrained.tokenizer.decode(reply_ids)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -103,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"brrr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="complete a prompt, streaming tokens as they are produced")
-    p.add_argument("prompt")
+    p = sub.add_parser("generate", help="complete a prompt (streamed), or every line of a prompts file (batched)")
+    p.add_argument("prompt", help="the prompt text, or a file with one prompt per line")
     add_model_args(p)
     add_sampling_args(p, temperature=0.8)
     p.set_defaults(func=cmd_generate)
@@ -124,7 +146,7 @@ def _plugins():
     """Subcommands that live with their feature (brrr/<feature>/cli.py), present once that feature lands."""
     import importlib
 
-    for module in ("brrr.analysis.cli",):
+    for module in ("brrr.analysis.cli", "brrr.train.cli"):
         try:
             yield importlib.import_module(module).register
         except ModuleNotFoundError as e:

@@ -35,6 +35,11 @@ PRESETS: dict[str, dict] = {
                      "tie_word_embeddings": True,
                      "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    # HuggingFaceTB/SmolLM2-135M (deep and thin: 30 layers of width 576; tied embeddings)
+    "smollm2-135m": {**_LLAMA, "bos_token_id": 0, "eos_token_id": 0, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "rope_scaling": None,
+                     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 49152},
     # meta-llama/Llama-2-7b-hf
     "llama-2-7b": {**_LLAMA2_BASE, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                    "num_attention_heads": 32, "num_key_value_heads": 32},

@@ -1,0 +1,99 @@
+"""The trainer on CPU: the loss falls, a stopped run resumes bit for bit, the output loads in transformers and
+brrr with matching logits, and a diverging run stops with its last good checkpoint kept."""
+import json
+
+import pytest
+import torch
+
+import brrr
+from brrr.train.trainer import TrainConfig, Trainer, TrainingDiverged, lr_at
+
+
+def _config(tiny_config, data_dir, out, **kw):
+    base = dict(seq_len=32, micro_batch=4, grad_accum=2, max_steps=30, lr=3e-3, warmup_steps=5, eval_every=10,
+                eval_windows=4, log_every=5, checkpoint_every=10, final_eval_windows=8)
+    return TrainConfig(str(tiny_config), str(data_dir), str(out), **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_config, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    summary = Trainer(_config(tiny_config, data_dir, out)).run()
+    return out, summary
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_thirty_steps_lower_the_loss(full_run):
+    out, summary = full_run
+    train = [r for r in _log(out) if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0  # 6 (= ln 400) at the start
+    evals = [r for r in _log(out) if "val_loss" in r]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert summary["steps"] == 30 and summary["tokens_seen"] == 30 * 2 * 4 * 32
+    assert summary["val_ppl"] == pytest.approx(2.718281828 ** summary["val_loss"])
+
+
+def test_stop_and_resume_is_bit_identical(full_run, tiny_config, data_dir, tmp_path):
+    out, _ = full_run
+    halted = Trainer(_config(tiny_config, data_dir, tmp_path, stop_at=13)).run()
+    assert halted["halted"] and halted["steps"] == 13
+    resumed = Trainer(_config(tiny_config, data_dir, tmp_path, resume=True)).run()
+    assert resumed["steps"] == 30 and not resumed["halted"]
+    a = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    b = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert a["trainer"]["position"] == b["trainer"]["position"] and resumed["val_loss"] == _summary(out)["val_loss"]
+
+
+def _summary(out):
+    return json.loads((out / "train_summary.json").read_text())
+
+
+def test_output_loads_in_transformers_and_brrr_with_matching_logits(full_run):
+    transformers = pytest.importorskip("transformers")
+    out, _ = full_run
+    ids = [0, 17, 42, 99, 250, 3, 7, 311, 5, 64]
+    with torch.no_grad():
+        ours = brrr.forward_logits(brrr.load_model(out), ids)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = theirs(torch.tensor([ids])).logits[0]
+    assert ours.shape == ref.shape and torch.allclose(ours, ref, atol=1e-4, rtol=0)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x * 2\n"
+    assert hf_tok(text)["input_ids"] == brrr.Tokenizer.from_dir(out).encode(text)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 4]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config, data_dir, tmp_path):
+    cfg = _config(tiny_config, data_dir, tmp_path, lr=1e4, warmup_steps=0, grad_clip=1e9, log_every=2,
+                  checkpoint_every=2)
+    with pytest.raises(TrainingDiverged, match=r"became NaN/inf between steps (\d+) and (\d+).*Last good checkpoint"):
+        Trainer(cfg).run()
+    state = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_resume_refuses_a_different_geometry(full_run, tiny_config, data_dir):
+    out, _ = full_run
+    with pytest.raises(brrr.BrrrError, match="trained with micro_batch=4, this run has 8"):
+        Trainer(_config(tiny_config, data_dir, out, micro_batch=8, resume=True))
+    with pytest.raises(brrr.BrrrError, match="already holds a training run"):
+        Trainer(_config(tiny_config, data_dir, out))
+
+
+def test_schedule_warms_up_then_follows_the_cosine():
+    cfg = TrainConfig("m", "d", "o", lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg, 110) == pytest.approx(0.1) and lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert lr_at(60, cfg, 110) == pytest.approx(0.55) and lr_at(110, cfg, 110) == pytest.approx(0.1)

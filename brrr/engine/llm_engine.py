@@ -12,7 +12,7 @@ from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brrr.engine.sampler import SampleRow
 from brrr.engine.sampling_params import SamplingParams
-from brrr.engine.scheduler import Scheduler
+from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
 from brrr.errors import BrrrError
 from brrr.tokenizer import IncrementalDecoder
@@ -117,8 +117,9 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- one step -------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+    def step(self, batch: ScheduledBatch | None = None) -> list[RequestOutput]:
+        """Run one scheduled step (the scheduler's next one unless given) and apply its tokens."""
+        batch = batch if batch is not None else self.scheduler.schedule()
         if not batch.items:
             return []
         sample_plan, prompt_rows, forks, row = [], [], [], 0

@@ -1,0 +1,34 @@
+"""The engine on CUDA: KV pool sized by the profiling pass, greedy tokens equal transformers' in fp32."""
+import random
+
+import pytest
+import torch
+
+from brrr import load_model
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine, SamplingParams
+from tests import hf_models
+
+pytestmark = pytest.mark.gpu
+
+
+def test_engine_on_cuda_matches_transformers(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf_models.save(hf_models.build("qwen3-qknorm", max_position_embeddings=512), tmp_path)
+    hf = type(hf_models.build("qwen3-qknorm")).from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+    model = load_model(tmp_path, dtype=torch.float32, device="cuda")
+    engine = LLMEngine(model, config=EngineConfig(gpu_memory_utilization=0.02, max_num_batched_tokens=128))
+    assert engine.block_manager.num_blocks > 1000  # sized from the card's memory, not a default
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 200))] for _ in range(16)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert done[str(i)].outputs[0].token_ids == want

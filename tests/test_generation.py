@@ -74,3 +74,17 @@ def test_hub_id_offline_gives_a_clear_message(monkeypatch, tmp_path):
     with pytest.raises(BrrrError, match="could not get 'no-such-org/no-such-model' from the Hugging Face hub"):
         resolve_model("no-such-org/no-such-model")
     assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_cli_generate_runs_a_prompts_file_through_the_engine(tmp_path):
+    import json
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\nimport os\nclass A:\n")
+    run = subprocess.run([sys.executable, "-m", "brrr", "generate", str(prompts), "--max-tokens", "6", "--seed", "0",
+                          "--ignore-eos"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def f(x):", "import os", "class A:"]
+    assert all(r["output_tokens"] == 6 and r["finish_reason"] == "length" for r in rows)
+    assert "3 request(s), 18 tokens" in run.stderr

@@ -148,3 +148,25 @@ def test_bad_requests_raise_value_error_and_engine_keeps_serving(models, bad, me
         engine.add_request("bad", prompt, SamplingParams(**bad))
     done = run_all(engine, [])
     assert done["ok"].outputs[0].finish_reason == "length" and len(done["ok"].outputs[0].token_ids) == 3
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(models, monkeypatch):
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64))
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0))
+    engine.step()
+    failed = engine.step()
+    assert failed[0].finished and "simulated device error" in failed[0].error
+    assert failed[0].outputs[0].finish_reason == "abort"
+    done = run_all(engine, [("b", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0))])
+    assert len(done["b"].outputs[0].token_ids) == 4

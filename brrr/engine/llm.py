@@ -57,10 +57,11 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda: None
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
         self.progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=True)
+                                 TimeElapsedColumn(), transient=True, console=Console(stderr=True))
         self.progress.start()
         task = self.progress.add_task("generating", total=self.total)
         return lambda: self.progress.advance(task)

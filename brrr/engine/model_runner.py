@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import SampleResult, SampleRow, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block: 2 * layers * block_size * kv_heads * head_dim * element size."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    """K and V of every layer for one block of tokens (the count lives in brrr.analysis, with every other)."""
+    return block_size * kv_elements_per_token(cfg) * dtype.itemsize
 
 
 class ModelRunner:

@@ -148,3 +148,12 @@ class IncrementalDecoder:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return after[len(before):]
+
+    def flush(self) -> str:
+        """At the end of a sequence: whatever push() still holds back (an incomplete UTF-8 tail, which decodes to
+        U+FFFD), so the final text equals decoding all the ids and no generated token is silently dropped."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        after = decode(self.ids[self.prefix_offset:], self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""

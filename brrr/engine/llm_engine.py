@@ -201,11 +201,14 @@ class LLMEngine:
                 at = seq.text.find(stop, max(0, before - len(stop) + 1))
                 if at != -1:
                     seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
-                    reason = "stop"
+                    reason = "stop_string"
                     break
         if reason is None and (len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
+        if reason in ("stop", "length") and seq.decoder is not None:
+            seq.text += seq.decoder.flush()  # an incomplete UTF-8 tail held back for a next token that won't come
         if reason:
+            reason = "stop" if reason == "stop_string" else reason
             self.scheduler.finish(seq, reason)
             if seq.request.finished:
                 seq.request.finish_time = time.monotonic()

@@ -1,0 +1,115 @@
+"""Prometheus metrics, named like vLLM's with a `brrr:` prefix, each labelled with the served model name.
+
+Engine state (running/waiting requests, KV cache usage, prefix-cache and token counters, preemptions) is read from
+`engine.stats()` at scrape time, so it is never stale; per-request latencies are histograms the server observes
+as outputs stream back. Each app gets its own registry, so several servers can live in one process (tests).
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from brrr.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _geometric(low: float, high: float, per_decade: int = 4) -> list[float]:
+    """Bucket bounds from low to high, `per_decade` steps per factor of ten (1, 1.8, 3.2, 5.6, 10, ...)."""
+    bounds, k = [], 0
+    while (b := low * 10 ** (k / per_decade)) <= high * 1.0001:
+        bounds.append(float(f"{b:.3g}"))
+        k += 1
+    return bounds
+
+
+LATENCY_BUCKETS = _geometric(0.001, 1000)  # 1 ms .. 1000 s
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+
+class _EngineCollector:
+    """Gauges and cumulative counters straight from the engine's own bookkeeping."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s, label = self.engine.stats(), [self.model_name]
+        gauges = (("num_requests_running", "Sequences in the running batch.", s["num_requests_running"]),
+                  ("num_requests_waiting", "Sequences queued for their first (or, after preemption, next) step.",
+                   s["num_requests_waiting"]),
+                  ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s["kv_cache_usage"]))
+        counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"]),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"]),
+                    ("num_preemptions", "Sequences preempted (KV freed, recomputed later).", s["num_preemptions"]),
+                    ("prompt_tokens", "Prompt tokens prefilled (prefix-cache hits excluded).", s["prompt_tokens"]),
+                    ("generation_tokens", "Tokens generated.", s["generation_tokens"]))
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+        for name, doc, value in counters:
+            family = CounterMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        registry.register(_EngineCollector(engine, model_name))
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"brrr:{name}", doc, ["model_name"], buckets=buckets, registry=registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs of a request.",
+                             LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, finished requests.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.", LATENCY_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
+        self.output_len = histogram("request_generation_tokens", "Tokens generated per finished request (all n).",
+                                    TOKEN_BUCKETS)
+        self._success = Counter("brrr:request_success", "Finished requests, by why the first sample stopped.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self._aborted = Counter("brrr:request_aborted", "Requests ended early: client gone, error or shutdown.",
+                                ["model_name"], registry=registry).labels(model_name)
+        self.model_name = model_name
+
+    def request_tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs as they arrive."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics, self.last_output_time, self.done = metrics, None, False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if any(c.delta_token_ids for c in out.outputs):
+            if self.last_output_time is not None:
+                self.metrics.itl.observe(now - self.last_output_time)
+            self.last_output_time = now
+        m = out.metrics
+        if out.finished and out.error is None:
+            self.done = True
+            if m.first_token_time is not None:
+                self.metrics.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.metrics.e2e.observe((m.finish_time or now) - m.arrival_time)
+            self.metrics.prompt_len.observe(len(out.prompt_token_ids))
+            self.metrics.output_len.observe(sum(len(c.token_ids) for c in out.outputs))
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            self.metrics._success.labels(self.metrics.model_name, reason or "unknown").inc()
+
+    def close(self) -> None:
+        if not self.done:
+            self.metrics._aborted.inc()

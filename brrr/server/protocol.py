@@ -1,0 +1,192 @@
+"""The OpenAI request bodies brrr accepts, as pydantic models, and how each becomes engine SamplingParams.
+
+Types are strict (a string where a number belongs is a 400, not a silent cast). Fields nobody knows are ignored
+(and logged), the way OpenAI-compatible servers treat them; fields OpenAI defines but brrr cannot honour
+(logit_bias, tools, suffix, ...) are refused with a 400 naming them, so no caller believes they took effect.
+Extra sampling fields use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from brrr.engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None  # None: the one model this server serves
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None  # accepted and unused: it only labels the caller
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for every field set to something brrr would otherwise have to drop."""
+        bad = []
+        if self.logit_bias:
+            bad.append(("logit_bias", "logit_bias is not supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "stream_options is only allowed when stream is true"))
+        return bad
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises BrrrError (-> 400) naming the field when a value is out of range."""
+        def pick(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=pick(self.temperature, 1.0),
+            top_k=pick(self.top_k, 0), top_p=pick(self.top_p, 1.0), min_p=pick(self.min_p, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+            seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "up to the context"
+    echo: bool = False
+    logprobs: int | None = None  # top-k per token, 0 = only the chosen token's
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self):
+        bad = super().unsupported()
+        if self.suffix:
+            bad.append(("suffix", "suffix (insertion) is not supported"))
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append(("best_of", f"best_of ({self.best_of}) other than n ({self.n}) is not supported"))
+        return bad
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    def unsupported(self):
+        bad = super().unsupported()
+        for name in ("tools", "functions", "audio", "prediction"):
+            if getattr(self, name):
+                bad.append((name, f"{name} is not supported"))
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                bad.append((name, f"{name} is not supported"))
+        if self.response_format and self.response_format.get("type") != "text":
+            bad.append(("response_format", "response_format other than {\"type\": \"text\"} is not supported"))
+        if self.modalities and self.modalities != ["text"]:
+            bad.append(("modalities", "only the text modality is supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs to be true"))
+        return bad
+
+    def template_messages(self) -> list[dict]:
+        """Messages as the chat template expects them: role and plain-text content."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                texts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; only text parts "
+                                       "are supported", param=f"messages.{i}.content.{j}.type")
+                    texts.append(part.text)
+                content = "".join(texts)
+            else:
+                content = m.content or ""
+            message = {"role": m.role, "content": content}
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    tokens: list[int]
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from brrr.cli import add_model_args
@@ -69,7 +70,8 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids)
     name = args.served_model_name or args.model or "brrr-default"
     llm = AsyncLLM(engine)
-    app = create_app(llm, pretrained.tokenizer, name, model_path=pretrained.path, api_key=args.api_key or os.environ.get("BRRR_API_KEY"),
+    api_key = args.api_key or os.environ.get("BRRR_API_KEY") or None
+    app = create_app(llm, pretrained.tokenizer, name, model_path=pretrained.path, api_key=api_key,
                      max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
     device = next(pretrained.model.parameters()).device
     note = "" if args.model else " (brrr's UNTRAINED default model: its text is noise)"
@@ -79,8 +81,12 @@ def cmd_serve(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=not args.no_access_log,
                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn handles SIGTERM while it runs (drain, then stop) and re-raises it afterwards; by then it is dealt with,
+    # so a no-op handler lets the engine shut down and the process exit 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         llm.shutdown()
     return 0 if server.started else 1

@@ -1,0 +1,103 @@
+"""`brrr serve` as a real process: `brrr bench serve` against it, then SIGTERM drains in-flight requests and exits."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from brrr.cli import main
+from tests.server.conftest import CONTEXT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port", str(port),
+           "--served-model-name", "tiny-cli", "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "20",
+           "--no-access-log", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "BRRR_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "brrr serve did not come up"
+        time.sleep(0.1)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_bench_serve_prints_the_summary_and_saves_json(served, tmp_path, capsys):
+    _, url = served
+    out = tmp_path / "result.json"
+    code = main(["bench", "serve", "--base-url", url, "--num-prompts", "12", "--input-len", "16", "--output-len", "8",
+                 "--request-rate", "40", "--max-concurrency", "6", "--goodput", "ttft:60000", "tpot:60000",
+                 "--save-result", str(out)])
+    assert code == 0
+    summary = capsys.readouterr().out
+    for line in ("Successful requests:", "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
+                 "Request throughput (req/s):", "Request goodput (req/s):", "Output token throughput (tok/s):",
+                 "Total token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
+                 "Mean TPOT (ms):", "Median TPOT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Median ITL (ms):",
+                 "P99 ITL (ms):"):
+        assert line in summary, line
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["model"]) == (12, 0, "tiny-cli")
+    assert result["total_input_tokens"] == 12 * 16 and result["total_output_tokens"] == 12 * 8
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs loose enough for all
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert result["max_concurrent_requests"] <= 6
+    itls = result["requests"]["itls"]  # one gap per text chunk after the first (held-back bytes merge chunks)
+    assert all(len(itl) <= 8 - 1 for itl in itls) and sum(map(len, itls)) > 0
+    assert re.search(r"^Successful requests:\s+12$", summary, re.M) and re.search(r"^Failed requests:\s+0$", summary, re.M)
+    assert re.search(rf"^Total generated tokens:\s+{12 * 8}$", summary, re.M)
+
+    code = main(["bench", "serve", "--base-url", url, "--endpoint", "chat", "--dataset", "prefix", "--num-prompts",
+                 "6", "--prefix-len", "32", "--num-prefixes", "2", "--input-len", "8", "--output-len", "4",
+                 "--num-warmups", "0"])
+    assert code == 0 and "Successful requests:" in capsys.readouterr().out
+
+
+def test_bench_serve_rejects_requests_over_the_context(served, capsys):
+    _, url = served
+    code = main(["bench", "serve", "--base-url", url, "--num-prompts", "1", "--input-len", str(CONTEXT),
+                 "--output-len", "8"])
+    assert code == 2
+    assert f"needs {CONTEXT + 8} tokens (input + output); the server's context is {CONTEXT}" in capsys.readouterr().err
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits(served):
+    proc, url = served
+    body = {"model": "tiny-cli", "prompt": "x", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(events))
+        assert first["choices"][0]["finish_reason"] is None  # still generating
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(url + "/health", timeout=2)
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to the end, not cut off
+    assert proc.wait(timeout=30) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -376,10 +377,8 @@ def format_summary(result: dict) -> str:
 
 
 def cmd_bench_serve(args) -> int:
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        raise BrrrError("brrr bench serve needs aiohttp: pip install aiohttp") from None
+    if importlib.util.find_spec("aiohttp") is None:
+        raise BrrrError("brrr bench serve needs aiohttp: pip install aiohttp")
     result = asyncio.run(run_benchmark(args))
     print(format_summary(result))
     if result["failed"]:

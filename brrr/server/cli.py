@@ -57,10 +57,10 @@ def cmd_serve(args) -> int:
     from brrr.pretrained import load
     from brrr.server.app import create_app
 
-    for name in ("port", "max_waiting", "max_body_bytes"):
+    for name, low in (("port", 0), ("max_waiting", 0), ("max_body_bytes", 1), ("shutdown_timeout", 0)):
         value = getattr(args, name)
-        if value is not None and value < (0 if name != "max_body_bytes" else 1):
-            raise BrrrError(f"--{name.replace('_', '-')} must be >= {0 if name != 'max_body_bytes' else 1}, got {value}")
+        if value is not None and value < low:
+            raise BrrrError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,

@@ -7,11 +7,13 @@ Extra sampling fields use vLLM's names (top_k, min_p, repetition_penalty, min_to
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from brrr.engine import SamplingParams
+from brrr.errors import BrrrError
 
 
 class APIError(Exception):
@@ -69,7 +71,8 @@ class _Request(BaseModel):
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
         return bad
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises BrrrError (-> 400) naming the field when a value is out of range."""
         def pick(value, default):
             return default if value is None else value
@@ -189,4 +192,54 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     tokens: list[int]
+
+
+SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def as_api_error(e: BrrrError, prompt_field: str) -> APIError:
+    """A BrrrError from validation as a 400, its param guessed from the field the message starts with."""
+    message = str(e)
+    if "exceeds the model's context" in message or "KV blocks" in message:
+        return APIError(400, message, param=prompt_field, code="context_length_exceeded")
+    first = re.match(r"[a-z_]+", message)
+    param = first.group(0) if first and first.group(0) in SAMPLING_FIELDS else None
+    if message.startswith("prompt"):
+        param = prompt_field
+    return APIError(400, message, param=param)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+def _field_path(error) -> str:
+    """pydantic's location without the leading "body" and the union-branch tags: messages.0.content."""
+    return ".".join(str(p) for p in error["loc"][1:] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+
+
+def validation_error(errors) -> APIError:
+    """pydantic's first complaint as one OpenAI error, naming the field path (messages.0.content, max_tokens)."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    param = _field_path(first)
+    if not param:
+        if first["type"] == "missing":
+            return APIError(400, "request body is missing: send a JSON object", code="invalid_request")
+        if isinstance(first.get("input"), bytes):
+            return APIError(400, "request body must be JSON, sent with 'Content-Type: application/json'",
+                            code="invalid_request")
+        return APIError(400, f"request body must be a JSON object: {first['msg']}", code="invalid_request")
+    if first["type"] == "missing":
+        return APIError(400, f"{param}: Field required", param=param, code="missing_field")
+    # a union field (prompt, stop, content) fails once per accepted type: say what each wanted
+    wanted = list(dict.fromkeys(e["msg"] for e in errors if _field_path(e).startswith(param)
+                                and len(e["loc"]) - len(first["loc"]) <= 1))
+    got = repr(first.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    wants = " or ".join(wanted).replace(" or Input should be ", " or ")
+    return APIError(400, f"{param}: {wants}, got {got}", param=param, code="invalid_type")
 

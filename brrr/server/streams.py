@@ -1,0 +1,181 @@
+"""How engine outputs become HTTP responses: several engine requests merged into one stream, server-sent events
+for /v1/completions and /v1/chat/completions, and cancellation when the client goes away (streaming or not)."""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from brrr.engine.outputs import RequestOutput
+from brrr.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from brrr.server.responses import Formatter, sse, total_usage
+from brrr.server.state import Ticket
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+
+async def merge(streams):
+    """(prompt index, output) from several engine requests, in the order outputs arrive."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                live -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def final_outputs(outputs, count: int) -> list[RequestOutput]:
+    finals: list = [None] * count
+    async with aclosing(outputs) as outs:
+        async for i, out in outs:
+            if out.finished:
+                finals[i] = out
+    return finals
+
+
+async def until_disconnected(request: Request, work_coro):
+    """Run work_coro; if the client hangs up first, cancel it (aborting its engine requests) and raise."""
+    work = asyncio.ensure_future(work_coro)
+
+    async def hung_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait((work,))
+    raise ClientDisconnected()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events. Whatever ends the response (done, client gone, shutdown) closes the event generator,
+    which aborts unfinished engine requests, and gives back unused admission places."""
+
+    def __init__(self, events, ticket: Ticket):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.ticket.release_all()
+
+
+# ---- the endpoints' streaming bodies ----------------------------------------------------------------------------
+async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts: list[str | None], streams):
+    n, sent, finished, finals = body.n, {}, set(), {}
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                choices = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    first = index not in sent
+                    text = c.delta_text
+                    reason = c.finish_reason if c.finish_reason and index not in finished else None
+                    echo = echo_texts[i] if first and body.echo else None
+                    if not (text or reason or echo is not None):
+                        continue  # nothing to show yet; these tokens go out with the next text
+                    logprobs = None
+                    if body.logprobs is not None:
+                        start = sent.get(index, 0)
+                        logprobs = fmt.completion_logprobs(c.token_ids[start:], c.logprobs[start:])
+                        if echo is not None:
+                            logprobs = join_logprobs(fmt.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs),
+                                             logprobs, len(echo))
+                    sent[index] = len(c.token_ids)
+                    if reason:
+                        finished.add(index)
+                    choices.append({"index": index, "text": (echo or "") + text, "logprobs": logprobs,
+                                    "finish_reason": reason})
+                if out.finished:
+                    finals[i] = out
+                if choices:
+                    yield sse(fmt.completion_chunk(choices))
+        if body.include_usage:
+            yield sse(fmt.completion_chunk([], total_usage(list(finals.values()))))
+    except APIError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")
+
+
+def join_logprobs(prompt_lp: dict, output_lp: dict, offset: int) -> dict:
+    """Echoed prompt logprobs followed by the completion's, text offsets continuing after the prompt."""
+    return {"tokens": prompt_lp["tokens"] + output_lp["tokens"],
+            "token_logprobs": prompt_lp["token_logprobs"] + output_lp["token_logprobs"],
+            "top_logprobs": prompt_lp["top_logprobs"] + output_lp["top_logprobs"],
+            "text_offset": prompt_lp["text_offset"] + [o + offset for o in output_lp["text_offset"]]}
+
+
+async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs: int | None, stream):
+    n, sent, finished, final = body.n, {}, set(), None
+    yield sse(fmt.chat_chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for j in range(n)]))
+    try:
+        async with aclosing(merge([stream])) as outputs:
+            async for _, out in outputs:
+                choices = []
+                for c in out.outputs:
+                    reason = c.finish_reason if c.finish_reason and c.index not in finished else None
+                    if not (c.delta_text or reason):
+                        continue
+                    logprobs = None
+                    if top_logprobs is not None:
+                        start = sent.get(c.index, 0)
+                        logprobs = fmt.chat_logprobs(c.token_ids[start:], c.logprobs[start:], top_logprobs)
+                    sent[c.index] = len(c.token_ids)
+                    if reason:
+                        finished.add(c.index)
+                    choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                    "logprobs": logprobs, "finish_reason": reason})
+                final = out
+                if choices:
+                    yield sse(fmt.chat_chunk(choices))
+        if body.include_usage:
+            yield sse(fmt.chat_chunk([], total_usage([final] if final else [])))
+    except APIError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")
+

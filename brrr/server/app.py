@@ -22,7 +22,7 @@ from brrr.errors import BrrrError
 from brrr.server.metrics import CONTENT_TYPE
 from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, as_api_error, validation_error)
+                                  TokenizeRequest, as_api_error, template_messages, validation_error)
 from brrr.server.responses import total_usage
 from brrr.server.state import ServerState
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
@@ -69,8 +69,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
             if body.prompt is not None:
                 ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
-                messages = ChatCompletionRequest(messages=body.messages).template_messages()
-                ids = tokenizer.encode_chat(messages, body.add_generation_prompt)
+                ids = tokenizer.encode_chat(template_messages(body.messages), body.add_generation_prompt)
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}

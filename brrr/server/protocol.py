@@ -122,6 +122,27 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as a chat template expects them: role and plain-text content (text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; only text parts "
+                                   "are supported", param=f"messages.{i}.content.{j}.type")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        message = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
@@ -155,24 +176,7 @@ class ChatCompletionRequest(_Request):
         return bad
 
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template expects them: role and plain-text content."""
-        out = []
-        for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                texts = []
-                for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages[{i}].content[{j}] has type {part.type!r}; only text parts "
-                                       "are supported", param=f"messages.{i}.content.{j}.type")
-                    texts.append(part.text)
-                content = "".join(texts)
-            else:
-                content = m.content or ""
-            message = {"role": m.role, "content": content}
-            if m.name is not None:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return template_messages(self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -183,7 +187,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

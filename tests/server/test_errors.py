@@ -121,6 +121,7 @@ def test_tokenize_detokenize_errors(http):
     assert error_of(http.post("/detokenize", json={"tokens": [10 ** 6]}), 400)["param"] == "tokens"
     error_of(http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400)
     error_of(http.post("/tokenize", json={"prompt": 3}), 400)
+    assert error_of(http.post("/tokenize", json={"messages": []}), 400)["param"] == "messages"  # found by schemathesis
 
 
 def test_still_serving_after_bad_input(http):

@@ -10,13 +10,13 @@ from brrr.errors import BrrrError
 
 DESCRIPTION = """serve, shrink, train and measure LLMs.
 
-Without --model, commands use brrr's shipped default model: for now a tiny Llama-architecture model
-with RANDOM, UNTRAINED weights (built on first use and cached), so its text is noise. Point --model at a
-Hugging Face model directory (or hub id, when online) for real output."""
+Without --model, commands use brrr's shipped default model: a small (7.2M-parameter, 14 MB) Llama-architecture
+model that brrr trained on Python source; it completes Python code, plausibly but not reliably, and it
+is not chat-tuned. Point --model at a Hugging Face model directory (or hub id, when online) for anything else."""
 
 
 def add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=None, help="HF model directory or hub id (default: brrr's untrained default model)")
+    p.add_argument("--model", default=None, help="HF model directory or hub id (default: brrr's shipped Python-code model)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 

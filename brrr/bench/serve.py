@@ -2,9 +2,10 @@
 
 It builds synthetic prompts (random, or sharing prefixes) from token ids the server's own /tokenize returns,
 sends them as streaming requests at a request rate (Poisson arrivals, or gamma with --burstiness) under an
-optional concurrency cap, and measures per request: TTFT (send to first text), ITL (gaps between text chunks),
-TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency. It prints the summary `vllm bench serve`
-prints, goodput under --goodput SLOs, and with --save-result writes everything (per-request lists too) as JSON.
+optional concurrency cap, and measures per request: TTFT (send to the first streamed chunk), ITL (gaps between
+chunks: one per engine step), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency. It prints
+the summary `vllm bench serve` prints, goodput under --goodput SLOs, and with --save-result writes everything
+(per-request lists too) as JSON.
 """
 from __future__ import annotations
 
@@ -130,7 +131,6 @@ class Client:
         """POST a streaming request, timing every text chunk. Fills result (success or error)."""
         import aiohttp
 
-        chat = endpoint == ENDPOINTS["chat"]
         last, done = None, False
         try:
             async with self.session.post(self.base_url + endpoint, json=body, headers=self.headers,
@@ -154,20 +154,16 @@ class Client:
                     if chunk.get("usage"):
                         result.output_len = chunk["usage"]["completion_tokens"]
                         result.input_len = chunk["usage"]["prompt_tokens"]
-                    for choice in chunk.get("choices", []):
-                        text = choice.get("delta", {}).get("content") if chat else choice.get("text")
-                        if text:
-                            if last is None:
-                                result.ttft = now - t0
-                            else:
-                                result.itl.append(now - last)
-                            last = now
+                    if chunk.get("choices"):  # a step's new tokens (their text may still be held back)
+                        if last is None:
+                            result.ttft = now - t0
+                        else:
+                            result.itl.append(now - last)
+                        last = now
                 result.latency = time.perf_counter() - t0
-                if last is None:  # no visible text at all (e.g. only special tokens): first token = the end
-                    result.ttft = result.latency
-                result.success = done
-                if not done:
-                    result.error = "the stream ended before data: [DONE]"
+                result.success = done and last is not None
+                if not result.success:
+                    result.error = "the stream ended before data: [DONE]" if not done else "no choices were streamed"
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             result.error = f"{type(e).__name__}: {e}"
 

@@ -105,6 +105,8 @@ class EventStream(StreamingResponse):
 
 # ---- the endpoints' streaming bodies ----------------------------------------------------------------------------
 async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts: list[str | None], streams):
+    """One chunk per engine step that gave a choice new tokens (its text may be empty while the detokenizer holds
+    back an incomplete character or a possible stop string): clients see tokens arrive as they are made."""
     n, sent, finished, finals = body.n, {}, set(), {}
     try:
         async with aclosing(merge(streams)) as outputs:
@@ -112,23 +114,21 @@ async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts:
                 choices = []
                 for c in out.outputs:
                     index = i * n + c.index
-                    first = index not in sent
-                    text = c.delta_text
+                    start = sent.get(index, 0)
                     reason = c.finish_reason if c.finish_reason and index not in finished else None
-                    echo = echo_texts[i] if first and body.echo else None
-                    if not (text or reason or echo is not None):
-                        continue  # nothing to show yet; these tokens go out with the next text
+                    echo = echo_texts[i] if index not in sent and body.echo else None
+                    if not (len(c.token_ids) > start or c.delta_text or reason or echo is not None):
+                        continue
                     logprobs = None
                     if body.logprobs is not None:
-                        start = sent.get(index, 0)
                         logprobs = fmt.completion_logprobs(c.token_ids[start:], c.logprobs[start:])
                         if echo is not None:
-                            logprobs = join_logprobs(fmt.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs),
-                                             logprobs, len(echo))
+                            prompt_lp = fmt.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+                            logprobs = join_logprobs(prompt_lp, logprobs, len(echo))
                     sent[index] = len(c.token_ids)
                     if reason:
                         finished.add(index)
-                    choices.append({"index": index, "text": (echo or "") + text, "logprobs": logprobs,
+                    choices.append({"index": index, "text": (echo or "") + c.delta_text, "logprobs": logprobs,
                                     "finish_reason": reason})
                 if out.finished:
                     finals[i] = out
@@ -150,26 +150,29 @@ def join_logprobs(prompt_lp: dict, output_lp: dict, offset: int) -> dict:
 
 
 async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs: int | None, stream):
-    n, sent, finished, final = body.n, {}, set(), None
-    yield sse(fmt.chat_chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for j in range(n)]))
+    """Like completion_events; each choice's first chunk carries the assistant role, sent with the first token
+    (not before it), so the first chunk's arrival is the time to first token."""
+    sent, finished, final = {}, set(), None
     try:
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
+                    start = sent.get(c.index)
                     reason = c.finish_reason if c.finish_reason and c.index not in finished else None
-                    if not (c.delta_text or reason):
+                    new_tokens = len(c.token_ids) > (start or 0)
+                    if not (start is None or new_tokens or c.delta_text or reason):
                         continue
+                    delta = {"role": "assistant"} if start is None else {}
+                    if start is None or new_tokens or c.delta_text:
+                        delta["content"] = c.delta_text
                     logprobs = None
                     if top_logprobs is not None:
-                        start = sent.get(c.index, 0)
-                        logprobs = fmt.chat_logprobs(c.token_ids[start:], c.logprobs[start:], top_logprobs)
+                        logprobs = fmt.chat_logprobs(c.token_ids[start or 0:], c.logprobs[start or 0:], top_logprobs)
                     sent[c.index] = len(c.token_ids)
                     if reason:
                         finished.add(c.index)
-                    choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                    "logprobs": logprobs, "finish_reason": reason})
+                    choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
                 final = out
                 if choices:
                     yield sse(fmt.chat_chunk(choices))
@@ -178,4 +181,3 @@ async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs:
     except APIError as e:
         yield sse(e.body())
     yield sse("[DONE]")
-

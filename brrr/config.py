@@ -270,6 +270,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context
+    cuda_graphs: bool = True  # capture decode steps at batch sizes 1, 2, 4, ... max_num_seqs (CUDA only)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

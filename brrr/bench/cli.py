@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCH_MODULES = ["brrr.bench.serve"]
+BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency"]
 
 
 def register_bench_module(module: str) -> None:

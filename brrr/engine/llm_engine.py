@@ -30,7 +30,8 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
-        self.runner = ModelRunner(model, ec.block_size, num_blocks)
+        self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                  ec.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0

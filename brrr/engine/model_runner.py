@@ -14,15 +14,72 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return block_size * kv_elements_per_token(cfg) * dtype.itemsize
 
 
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
 class ModelRunner:
-    def __init__(self, model, block_size: int, num_blocks: int):
+    def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block more than the block manager hands out: padded rows of a captured graph write there.
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.graphs: dict[int, tuple] = {}
+        # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
+        if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
+            self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_batch: int, max_blocks: int) -> None:
+        """Capture one decode step per batch size (largest first, one shared memory pool). A step of B
+        sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block)."""
+        sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
+        n, dev = sizes[-1], self.device
+        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((n,), self.num_blocks * self.block_size, dtype=torch.long, device=dev)
+        self.g_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.g_ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        pool = None
+        for g in reversed(sizes):
+            meta = AttnMeta(cu_seqlens_q=torch.arange(g + 1, dtype=torch.int32, device=dev), seqlens_q=[1] * g,
+                            slot_mapping=self.g_slots[:g], block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
+                            context_lens_t=self.g_ctx[:g])
+
+            def step(g=g, meta=meta):
+                return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
+
+            step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = step()
+            pool = graph.pool()
+            self.graphs[g] = (graph, logits)
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up."""
+        b = len(batch.items)
+        g = next(size for size in sorted(self.graphs) if size >= b)
+        bs, rows = self.block_size, batch.items
+        pos = [seq.num_computed_tokens for seq, _ in rows]
+        tables = torch.zeros(g, self.g_tables.shape[1], dtype=torch.int32)
+        for i, (seq, _) in enumerate(rows):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        spare = self.num_blocks * bs
+        slots = [seq.block_table[p // bs] * bs + p % bs for (seq, _), p in zip(rows, pos)] + [spare] * (g - b)
+        self.g_ids[:g].copy_(torch.tensor([seq.token_ids[p] for (seq, _), p in zip(rows, pos)] + [0] * (g - b)))
+        self.g_pos[:g].copy_(torch.tensor(pos + [0] * (g - b)))
+        self.g_slots[:g].copy_(torch.tensor(slots))
+        self.g_tables[:g].copy_(tables)
+        self.g_ctx[:g].copy_(torch.tensor([p + 1 for p in pos] + [1] * (g - b), dtype=torch.int32))
+        graph, logits = self.graphs[g]
+        graph.replay()
+        return logits[:b]
 
     @staticmethod
     @torch.inference_mode()
@@ -56,6 +113,11 @@ class ModelRunner:
         """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
         log-probabilities the caller wants (prompt_logprobs). Returns the samples and those log-probs."""
         self._copy_blocks(batch.copies)
+        rows = [r for r, _ in sample_rows]
+        decode_only = all(n == 1 for _, n in batch.items)
+        if self.graphs and decode_only and not logit_rows and len(batch.items) <= max(self.graphs):
+            logits = self._replay(batch)[rows]
+            return sample(logits, [row for _, row in sample_rows]), None
         bs, dev = self.block_size, self.device
         ids, positions, slots, seqlens, context_lens = [], [], [], [], []
         for seq, n in batch.items:
@@ -75,7 +137,6 @@ class ModelRunner:
                         slot_mapping=torch.tensor(slots, device=dev), block_tables=tables.to(dev),
                         kv_caches=self.kv_caches)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-        rows = [r for r, _ in sample_rows]
         logits = self.model.compute_logits(hidden[rows + list(logit_rows)])
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None

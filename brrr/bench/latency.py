@@ -1,0 +1,115 @@
+"""`brrr bench latency`: decode tok/s and TTFT at batch 1..N through the engine, against the HBM roofline
+(bytes a decode step reads / measured copy bandwidth), with transformers' eager generate as a peer."""
+from __future__ import annotations
+
+import json
+import time
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("latency", help="decode tok/s, TTFT and % of the HBM roofline at batch 1..N")
+    p.add_argument("--model", default="llama-3.1-8b", help="preset name or model directory (random weights)")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--peer", choices=["none", "transformers"], default="none")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--out", default=None, help="append the JSON records to this file")
+    p.set_defaults(func=cmd_latency)
+
+
+def emit(record: dict, out: str | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0):
+    """Returns (ttft_s, decode_s) for `batch` requests of equal shape started together."""
+    import torch
+
+    from brrr.engine import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"lat-{seed}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()  # the sampler's .tolist() synchronizes, so wall time per step is device time
+        first = first or time.perf_counter()
+    return first - start, time.perf_counter() - first
+
+
+def cmd_latency(args) -> int:
+    import torch
+
+    from brrr.analysis.hardware import measure
+    from brrr.analysis.model import decode_bytes_per_step
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
+    from brrr.loader import resolve_dtype
+
+    cfg = model_config(args.model)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, cfg, device)
+    batches = [int(b) for b in args.batch.split(",")]
+    gpu = measure() if device.type == "cuda" else None
+    model = random_model(cfg, dtype, device)
+    max_len = args.prompt_len + args.new_tokens
+    engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
+                                                 num_blocks=max(batches) * -(-max_len // 16) + 8,
+                                                 cuda_graphs=args.cuda_graphs == "on"))
+    run_batch(engine, 1, args.prompt_len, 8, cfg.vocab_size, seed=99)  # warm-up (and graph capture)
+    for batch in batches:
+        ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
+        tok_s = batch * (args.new_tokens - 1) / decode_s
+        record = {"bench": "latency", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+                  "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": args.cuda_graphs,
+                  "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                  "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1)}
+        if gpu:
+            # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
+            step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,
+                                               str(dtype).removeprefix("torch.").replace("bfloat16", "bf16"))
+            roofline = batch * gpu.bandwidth / step_bytes
+            record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
+                          roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))
+        emit(record, args.out)
+    if args.peer == "transformers":
+        peer_transformers(model, cfg, batches, args, gpu)
+    return 0
+
+
+def peer_transformers(model, cfg, batches, args, gpu) -> None:
+    """transformers' eager generate on the same weights (same names: state dicts load one into the other)."""
+    import torch
+    import transformers
+
+    fields = {k: v for k, v in cfg.to_hf().items() if v is not None}
+    hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    p = next(model.parameters())
+    with torch.device(p.device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=p.dtype).eval()
+    hf.load_state_dict(model.state_dict(), strict=not cfg.tie_word_embeddings)
+    for batch in batches:
+        ids = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), device=hf.device)
+        gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            hf.generate(ids, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            t0 = time.perf_counter()
+            hf.generate(ids, **gen)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+        emit({"bench": "latency", "model": args.model, "machine": gpu.name if gpu else "cpu",
+              "runner": f"transformers {transformers.__version__} generate (eager)", "batch": batch,
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "tok_s_incl_prefill": round(batch * args.new_tokens / (time.perf_counter() - t0), 1)}, args.out)

@@ -1,0 +1,39 @@
+"""Random-weight models of real shapes (from brrr.presets), built straight on the target device: benchmarks
+measure speed, which does not depend on the values, so nothing is downloaded."""
+from __future__ import annotations
+
+import torch
+
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+from brrr.models import model_class
+
+
+def model_config(spec: str) -> ModelConfig:
+    from pathlib import Path
+
+    from brrr.presets import PRESETS, preset_config
+
+    if spec in PRESETS:
+        return preset_config(spec)
+    if Path(spec).is_dir():
+        return ModelConfig.from_dir(spec)
+    raise BrrrError(f"--model must be a preset ({', '.join(sorted(PRESETS))}) or a model directory; got {spec!r}")
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0):
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)  # transformers' Llama init
+    return model.requires_grad_(False).eval()

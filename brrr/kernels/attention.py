@@ -5,10 +5,13 @@ block per sequence (block_size = its capacity), so the reference generator and t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
 
 
 @dataclass
@@ -19,6 +22,11 @@ class AttnMeta:
     slot_mapping: torch.Tensor | None = None  # [N] int64: cache slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (k, v): [blocks, block_size, kv_heads, hd]
+    # For the Triton kernels (optional: derived from the fields above on first use when left None).
+    # A CUDA-graph decode step must set both, since nothing may be copied from the host inside a captured step:
+    context_lens_t: torch.Tensor | None = None  # [B] int32 on the device: context_lens (a 0 row outputs zeros)
+    max_context_len: int | None = None  # >= every context length; sizes the decode kernel's split-KV grid
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # per-step host facts
 
     @classmethod
     def causal(cls, seqlens: list[int], device) -> "AttnMeta":
@@ -29,7 +37,31 @@ class AttnMeta:
 
     @property
     def max_seqlen_q(self) -> int:
-        return max(self.seqlens_q)
+        if "max_q" not in self._derived:
+            self._derived["max_q"] = max(self.seqlens_q)
+        return self._derived["max_q"]
+
+    @property
+    def has_single_token_rows(self) -> bool:
+        """Whether some sequence has exactly one new token (a decode): those go to the decode kernel."""
+        if "single" not in self._derived:
+            self._derived["single"] = min(self.seqlens_q) == 1
+        return self._derived["single"]
+
+    def device_context_lens(self, device) -> torch.Tensor:
+        if self.context_lens_t is None:
+            self.context_lens_t = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
+        return self.context_lens_t
+
+    def context_bound(self, block_size: int) -> int:
+        """An upper bound of the context lengths, known on the host."""
+        if self.max_context_len is not None:
+            return self.max_context_len
+        if self.context_lens is not None:
+            if "max_ctx" not in self._derived:
+                self._derived["max_ctx"] = max(self.context_lens)
+            return self._derived["max_ctx"]
+        return self.block_tables.shape[1] * block_size
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
@@ -95,5 +127,402 @@ def _sdpa_one(q, k, v, scale, groups, sliding_window):
     return o.squeeze(0).transpose(0, 1).reshape(tq, -1)
 
 
+def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+    """One query token per sequence, vectorised over the batch: q [B, H, D] attends to the first
+    context_lens[b] cached tokens of its block table. Reads block_tables.shape[1] whole blocks per sequence."""
+    batch, n_heads, _ = q.shape
+    n_kv = k_cache.shape[2]
+    k = k_cache[block_tables.long()].flatten(1, 2)  # [B, max_blocks * block_size, KVH, D]
+    v = v_cache[block_tables.long()].flatten(1, 2)
+    pos = torch.arange(k.shape[1], device=q.device)
+    mask = pos[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= context_lens[:, None] - sliding_window
+    groups = n_heads // n_kv
+    k, v = (t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (k, v))
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(batch, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels. Softmax in base 2: scores are scaled by scale * log2(e) and exponentiated with exp2, the running
+# max m and sum l rescaled by exp2(m_old - m_new) (FlashAttention-2's online softmax). fp32 inputs take exact
+# ("ieee") dot products; fp16/bf16 ones the tensor cores, with p cast to the input dtype for the P @ V product.
+# ---------------------------------------------------------------------------------------------------------------
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 64
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kn, stride_kh, stride_vn, stride_vh,
+                         stride_cb, stride_ct, stride_ch, block_size, n_kv,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot < 0:  # a padded row (CUDA-graph batches): nothing to write
+            return
+        heads = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (heads < n_kv)[:, None] & (d < HEAD_DIM)[None, :]
+        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+        dst = dst + heads[:, None] * stride_ch + d[None, :]
+        k = tl.load(K + t * stride_kn + heads[:, None] * stride_kh + d[None, :], mask=mask)
+        tl.store(KC + dst, k, mask=mask)
+        v = tl.load(V + t * stride_vn + heads[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(VC + dst, v, mask=mask)
+
+    @triton.jit
+    def _online_softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
+        """Fold one tile of base-2 scores s [M, N] (masked entries -inf) and its values v [N, D] into (m, l, acc).
+        A row with every score masked so far keeps m = -inf without producing NaN."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_rows(BT, b, stride_bt, n, mask, kvh, block_size, stride_cb, stride_ct, stride_ch):
+        """Element offset of key position n's row (one kv head) in a paged cache [blocks, block_size, kvh, D]."""
+        blk = tl.load(BT + b * stride_bt + n // block_size, mask=mask, other=0).to(tl.int64)
+        return blk * stride_cb + (n % block_size) * stride_ct + kvh * stride_ch
+
+    @triton.jit
+    def _decode_kernel(Q, KC, VC, O, OP, MLP, CU_Q, CTX, BT,
+                       stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                       block_size, qk_scale, window, partition, n_heads,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+        """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
+        the dot products), one split of the context. NUM_SPLITS == 1 writes the output; more write partial
+        (acc, m, l) for _decode_reduce_kernel. Everything is read from device memory: graph-capturable."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        q_row = tl.load(CU_Q + b)
+        if tl.load(CU_Q + b + 1) - q_row != 1:  # a prefill chunk: the prefill kernel's
+            return
+        ctx = tl.load(CTX + b)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * GROUP + g
+        gm = g < GROUP
+        dm = d < HEAD_DIM
+        q = tl.load(Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        lo = split * partition
+        hi = tl.minimum(ctx, lo + partition)
+        if split == NUM_SPLITS - 1:  # the last split takes whatever is left, so a low bound can't drop keys
+            hi = ctx
+        if SLIDING:  # the query sits at ctx - 1 and sees keys > ctx - 1 - window
+            lo = tl.maximum(lo, ctx - window)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nm = n < hi
+            rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
+            kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            s = tl.where(nm[None, :], s, float("-inf"))
+            v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
+            tl.store(O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        else:
+            part = (b * n_heads + heads).to(tl.int64) * NUM_SPLITS + split  # [B, H, S] layout
+            tl.store(OP + part[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
+            tl.store(MLP + 2 * part, m_i, mask=gm)
+            tl.store(MLP + 2 * part + 1, l_i, mask=gm)
+
+    @triton.jit
+    def _decode_reduce_kernel(O, OP, MLP, CU_Q, stride_on, stride_oh, n_heads,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        """Combine the splits of one (sequence, head): weights exp2(m_s - max m), normalised by the weighted l."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        q_row = tl.load(CU_Q + b)
+        if tl.load(CU_Q + b + 1) - q_row != 1:
+            return
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        sm = s < NUM_SPLITS
+        part = (b * n_heads + h).to(tl.int64) * NUM_SPLITS + s
+        m = tl.load(MLP + 2 * part, mask=sm, other=float("-inf"))
+        l = tl.load(MLP + 2 * part + 1, mask=sm, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
+        total = tl.sum(l * w, 0)
+        acc = tl.load(OP + part[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _prefill_kernel(Q, K, V, KC, VC, O, CU_Q, CTX, BT,
+                        stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                        stride_cb, stride_ct, stride_ch, stride_bt, block_size, qk_scale, window, max_q_bucket,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CACHE: tl.constexpr,
+                        SKIP_SINGLE: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+        """One program: BLOCK_M new tokens of one sequence, one query head. Keys come in two parts: the cached
+        prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
+        (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked)."""
+        m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        if m_blk * BLOCK_M >= q_len:
+            return
+        if SKIP_SINGLE and q_len == 1:  # decodes: the decode kernel's
+            return
+        prefix = 0
+        if HAS_CACHE:
+            prefix = tl.load(CTX + b) - q_len
+        kvh = h // GROUP
+        offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qn + h * stride_qh + d[None, :],
+                    mask=(offs_m < q_len)[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        first_q = m_blk * BLOCK_M  # index (within the new tokens) of this block's first query
+        if HAS_CACHE:
+            lo = 0
+            if SLIDING:
+                lo = tl.maximum(0, (prefix + first_q - window + 1) // BLOCK_N * BLOCK_N)
+            for start in range(lo, prefix, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                nm = n < prefix
+                rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
+                kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+                s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+                visible = nm[None, :]
+                if SLIDING:
+                    visible = visible & (n[None, :] > (prefix + offs_m)[:, None] - window)
+                s = tl.where(visible, s, float("-inf"))
+                v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, (first_q - window + 1) // BLOCK_N * BLOCK_N)
+        k_base = K + kvh * stride_kh
+        v_base = V + kvh * stride_vh
+        for start in range(lo, first_q, BLOCK_N):  # fully visible tiles (BLOCK_N divides BLOCK_M)
+            n = start + tl.arange(0, BLOCK_N)
+            k_rows = (q_start + n).to(tl.int64)
+            kt = tl.load(k_base + k_rows[None, :] * stride_kn + d[:, None], mask=dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            if SLIDING:
+                s = tl.where(n[None, :] > offs_m[:, None] - window, s, float("-inf"))
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + d[None, :], mask=dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        hi = tl.minimum(q_len, first_q + BLOCK_M)
+        for start in range(first_q, hi, BLOCK_N):  # the diagonal: causal mask
+            n = start + tl.arange(0, BLOCK_N)
+            nm = n < q_len
+            k_rows = (q_start + n).to(tl.int64)
+            kt = tl.load(k_base + k_rows[None, :] * stride_kn + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            visible = nm[None, :] & (n[None, :] <= offs_m[:, None])
+            if SLIDING:
+                visible = visible & (n[None, :] > offs_m[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (rows past q_len under a sliding window)
+        tl.store(O + q_rows[:, None] * stride_on + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=(offs_m < q_len)[:, None] & dm[None, :])
+
+    def _prefill_configs():
+        configs = []
+        for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                                      (128, 32, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2)):
+            configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+        return configs
+
+    def _prune_prefill(configs, named_args, **kwargs):
+        """Keep the tiles whose pipelined K/V buffers fit in shared memory for this head dim."""
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elem = named_args["Q"].element_size()
+        budget = 200 * 1024
+        kept = []
+        for c in configs:
+            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            smem = elem * block_d * (bm + 2 * bn * c.num_stages)
+            if smem <= budget and not (block_d >= 256 and bm * bn > 128 * 64):
+                kept.append(c)
+        return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+
+    _prefill_kernel_tuned = triton.autotune(
+        configs=_prefill_configs(), key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "PREC", "max_q_bucket"],
+        prune_configs_by={"early_config_prune": _prune_prefill})(_prefill_kernel)
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter the new tokens' K/V [N, KVH, D] into the paged cache; negative slots (padding) are skipped."""
+    n, n_kv, dim = k.shape
+    if n == 0:
+        return
+    _write_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], n_kv,
+                           HEAD_DIM=dim, BLOCK_H=next_power_of_2(n_kv), BLOCK_D=next_power_of_2(dim),
+                           num_warps=4)
+
+
+def _precision(q):
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def decode_splits(batch: int, n_kv: int, max_context: int, device) -> int:
+    """How many parts to cut each context into so that batch x kv_heads x splits programs fill the GPU about
+    twice over; none below ~512 keys a part. Depends only on host-known bounds, so a captured graph keeps it."""
+    programs = batch * n_kv
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    want = -(-2 * sms // programs)
+    return max(1, min(want, -(-max_context // 512), MAX_SPLITS))
+
+
+def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                            sliding_window=None, max_context_len=None, out=None, num_splits=None,
+                            block_n=None, num_warps=4, num_stages=None):
+    """Sequences with one new token: q [N, H, D] (row cu_seqlens_q[b] is sequence b's query when it has one new
+    token; other sequences are skipped), paged k/v cache, context_lens [B] int32 on the device -> out [N, H, D].
+    No host synchronisation and a grid fixed by (B, kv heads, max_context_len): CUDA-graph capturable."""
+    batch = cu_seqlens_q.shape[0] - 1
+    n_heads, dim = q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    block_d = next_power_of_2(dim)
+    block_n = block_n or (32 if block_d >= 256 else 64)
+    num_stages = num_stages or (2 if block_d >= 256 else 3)
+    splits = num_splits or decode_splits(batch, n_kv, max_context_len, q.device)
+    partition = -(-(-(-max_context_len // splits)) // block_n) * block_n
+    group = n_heads // n_kv
+    if splits > 1:
+        partial = torch.empty(batch * n_heads * splits * block_d, dtype=torch.float32, device=q.device)
+        max_sum = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        partial = max_sum = out  # unused
+    _decode_kernel[(batch, n_kv, splits)](
+        q, k_cache, v_cache, out, partial, max_sum, cu_seqlens_q, context_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size, scale * LOG2E, sliding_window or 0, partition, n_heads,
+        GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=splits, SLIDING=sliding_window is not None, PREC=_precision(q),
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _decode_reduce_kernel[(batch, n_heads)](out, partial, max_sum, cu_seqlens_q, out.stride(0), out.stride(1),
+                                                n_heads, HEAD_DIM=dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+                                                BLOCK_S=max(2, next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache=None, v_cache=None,
+                             context_lens=None, block_tables=None, sliding_window=None, skip_single=False,
+                             out=None, config=None):
+    """Varlen causal attention for the new tokens q/k/v [N, H|KVH, D] of B sequences (cu_seqlens_q [B+1]).
+    With a cache (k_cache, context_lens [B] on the device, block_tables), sequence b's first
+    context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
+    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} to skip autotuning (tests, the interpreter)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    n_heads, dim = q.shape[1], q.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    has_cache = k_cache is not None
+    if not has_cache:
+        k_cache = v_cache = k
+        context_lens = block_tables = cu_seqlens_q
+        cache_strides, bt_stride, block_size = (0, 0, 0), 0, 1
+    else:
+        cache_strides, bt_stride, block_size = k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1]
+    block_d = next_power_of_2(dim)
+    args = (q, k, v, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), *cache_strides, bt_stride, block_size, scale * LOG2E, sliding_window or 0,
+            min(max(next_power_of_2(max_seqlen_q), 16), 8192))
+    meta = dict(GROUP=n_heads // k.shape[1], HEAD_DIM=dim, BLOCK_D=block_d, HAS_CACHE=has_cache,
+                SKIP_SINGLE=skip_single, SLIDING=sliding_window is not None, PREC=_precision(q))
+    if config is None and os.environ.get("TRITON_INTERPRET") == "1":
+        config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if config is None:
+        def grid(c):
+            return (triton.cdiv(max_seqlen_q, c["BLOCK_M"]), batch, n_heads)
+        _prefill_kernel_tuned[grid](*args, **meta)
+    else:
+        assert config["BLOCK_M"] % config["BLOCK_N"] == 0, "BLOCK_N must divide BLOCK_M"
+        grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), batch, n_heads)
+        _prefill_kernel[grid](*args, **meta, **config)
+    return out
+
+
+def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
+    """The Triton path of `attention`: same arguments, same result (up to fp32 summation order)."""
+    n_tokens, n_heads, dim = q.shape
+    out = torch.empty_like(q)
+    if meta.kv_caches is None:
+        prefill_attention_triton(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale,
+                                 sliding_window=sliding_window, out=out)
+        return out.view(n_tokens, n_heads * dim)
+    k_cache, v_cache = meta.kv_caches[layer]
+    write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    context_lens = meta.device_context_lens(q.device)
+    if meta.has_single_token_rows:
+        decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
+                                sliding_window, meta.context_bound(k_cache.shape[1]), out=out)
+    if meta.max_seqlen_q > 1:
+        prefill_attention_triton(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale, k_cache, v_cache,
+                                 context_lens, meta.block_tables, sliding_window, skip_single=True, out=out)
+    return out.view(n_tokens, n_heads * dim)
+
+
+def _triton_ok(q, k, v, meta: AttnMeta) -> bool:
+    dim = q.shape[-1]
+    if not (q.dim() == 3 and q.shape[0] > 0 and dim <= MAX_HEAD_DIM and k.shape[-1] == dim and v.shape[-1] == dim
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k.dtype == v.dtype == q.dtype
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.shape[1] % k.shape[1] == 0):
+        return False
+    if meta.kv_caches is not None:
+        k_cache, v_cache = meta.kv_caches[0]
+        if (k_cache.dtype != q.dtype or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
+                or meta.block_tables is None or meta.slot_mapping is None
+                or (meta.context_lens is None and meta.context_lens_t is None)):
+            return False
+    return use_triton(q, k, v)
+
+
 def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
+    """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]. With a cache, the new K/V are written into
+    it first. Triton on CUDA (decodes through the split-KV kernel, prefill chunks through the varlen kernel),
+    else the reference."""
+    if _triton_ok(q, k, v, meta):
+        return attention_triton(q, k, v, meta, layer, scale, sliding_window)
+    if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured decode step)
+        k_cache, v_cache = meta.kv_caches[layer]
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, sliding_window)
     return attention_ref(q, k, v, meta, layer, scale, sliding_window)

@@ -1,4 +1,17 @@
+"""RMSNorm, and the residual add fused into it.
+
+`rms_norm_ref` is the oracle. The Triton kernel keeps its rounding steps: normalise in fp32, cast back to the
+input dtype, then multiply by the weight (a product rounded once to the promoted dtype, as torch's `weight * x`
+is). The residual add is rounded to the input dtype before the norm reads it, as `h = h + attn_out` is in the
+unfused model, so the fused layer gives the reference's numbers up to the fp32 sum's order.
+"""
+from __future__ import annotations
+
 import torch
+
+from brrr.kernels.dispatch import next_power_of_2, use_triton
+
+MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the reference
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -8,5 +21,83 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the pre-norm transformer's residual step."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the dispatcher takes the reference when triton is missing
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, RES_OUT, n_rows, n_cols, stride_x, stride_r, stride_y, stride_ro, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_H)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded, as `x + residual` is
+            tl.store(RES_OUT + rows[:, None] * stride_ro + cols[None, :], x, mask=mask)
+        x32 = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
+        normed = (x32 * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * normed).to(Y.dtype.element_ty),
+                 mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    block_h = next_power_of_2(hidden)
+    block_r = max(1, 2048 // block_h)  # narrow rows (per-head q/k norm): several per program
+    warps = min(16, max(1, block_r * block_h // 512))
+    grid = (triton.cdiv(x2.shape[0], block_r),)
+    if residual is None:
+        _rms_norm_kernel[grid](x2, x2, weight, out, x2, x2.shape[0], hidden, x2.stride(0), 0, out.stride(0), 0, eps,
+                               HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+        return out.view(*x.shape[:-1], hidden), None
+    r2 = residual.reshape(-1, hidden)
+    new_residual = torch.empty_like(x2)
+    _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, x2.shape[0], hidden, x2.stride(0), r2.stride(0),
+                           out.stride(0), new_residual.stride(0), eps,
+                           HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+    return out.view(*x.shape[:-1], hidden), new_residual.view(x.shape)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] with a unit-stride last dim; weight [hidden]."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _launch(x, residual, weight, eps)
+
+
+def _triton_ok(x, weight, *more) -> bool:
+    return (x.shape[-1] <= MAX_TRITON_HIDDEN and x.stride(-1) == 1 and weight.is_contiguous() and x.numel() > 0
+            and all(t.shape == x.shape and t.dtype == x.dtype and t.stride(-1) == 1 for t in more)
+            and use_triton(x, weight, *more))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _triton_ok(x, weight):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (rms_norm(x + residual), x + residual); new tensors, the inputs are left as they were."""
+    if _triton_ok(x, weight, residual):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)

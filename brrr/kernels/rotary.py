@@ -1,10 +1,15 @@
 """Rotary position embeddings (RoFormer), with the context-extension scalings HF checkpoints use:
-linear (position interpolation), dynamic NTK, llama3 (wavelength-banded) and YaRN."""
+linear (position interpolation), dynamic NTK, llama3 (wavelength-banded) and YaRN.
+
+Every scaling only changes the inverse frequencies and the factor on cos/sin (`rope_inv_freq`); the rotation
+itself (`apply_rotary`) is the same for all of them, so one Triton kernel serves each: it takes the step's
+cos/sin [tokens, head_dim] (computed once per forward, shared by every layer) and rotates q and k in place."""
 import math
 
 import torch
 
 from brrr.config import RopeConfig
+from brrr.kernels.dispatch import next_power_of_2, use_triton
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int, seq_len: int | None = None):
@@ -88,5 +93,62 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(X, stride_h, n_heads, c1, c2, s1, s2,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        heads = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_HALF)
+        mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+        ptr1 = X + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        dt = X.dtype.element_ty
+        # torch rounds each product and the sum to the activation dtype, and so do we
+        # (in fp32 the compiler may fuse an FMA: within an ulp)
+        o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
+        o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+        tl.store(ptr1, o1.to(dt), mask=mask)
+        tl.store(ptr1 + HALF, o2.to(dt), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(Q, K, COS, SIN, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin,
+                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_HALF)
+        dm = d < HALF
+        c1 = tl.load(COS + t * stride_cos + d, mask=dm, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + t * stride_cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + t * stride_sin + d, mask=dm, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + t * stride_sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        _rotate_heads(Q + t * stride_qn, stride_qh, n_q_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+        _rotate_heads(K + t * stride_kn, stride_kh, n_k_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+
+
+def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotates q and k IN PLACE (last dim unit-stride) and returns them."""
+    n, _, dim = q.shape
+    half = dim // 2
+    block_h = next_power_of_2(max(q.shape[1], k.shape[1]))
+    block_half = next_power_of_2(half)
+    warps = min(8, max(1, block_h * block_half // 512))
+    _rotary_kernel[(n,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                         sin.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                         num_warps=warps)
+    return q, k
+
+
 def apply_rotary(q, k, cos, sin):
+    """-> rotated (q, k). On the Triton path q and k are rotated in place and returned; don't reuse the inputs."""
+    if (q.shape[0] > 0 and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.stride(-1) == k.stride(-1) == 1
+            and cos.stride(-1) == sin.stride(-1) == 1 and use_triton(q, k, cos, sin)):
+        return apply_rotary_triton(q, k, cos, sin)
     return apply_rotary_ref(q, k, cos, sin)

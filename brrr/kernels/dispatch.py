@@ -1,0 +1,58 @@
+"""When an op runs its Triton kernel and when its plain-torch reference.
+
+Triton runs when every tensor is on CUDA, triton imports, no tensor needs a gradient (the kernels have no
+backward; training takes the reference, which autograd differentiates) and torch.compile is not tracing (inductor
+fuses the reference itself). `BRRR_KERNELS=ref` forces the reference everywhere (debugging, A/B runs);
+`use_reference()` does the same for a block of code.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+_forced_reference = 0
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a triton whose native parts fail to load
+        return False
+    return True
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    if _forced_reference or os.environ.get("BRRR_KERNELS", "").lower() == "ref":
+        return False
+    if not all(t.is_cuda for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return triton_available()
+
+
+@contextlib.contextmanager
+def use_reference():
+    """Run every op through its plain-torch reference inside this block (a peer for benchmarks and tests)."""
+    global _forced_reference
+    _forced_reference += 1
+    try:
+        yield
+    finally:
+        _forced_reference -= 1
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -67,7 +67,7 @@ def cmd_latency(args) -> int:
     engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
                                                  num_blocks=max(batches) * -(-max_len // 16) + 8,
                                                  cuda_graphs=args.cuda_graphs == "on"))
-    run_batch(engine, 1, args.prompt_len, 8, cfg.vocab_size, seed=99)  # warm-up (and graph capture)
+    run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99)  # warm-up
     for batch in batches:
         ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
         tok_s = batch * (args.new_tokens - 1) / decode_s

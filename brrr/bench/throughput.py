@@ -1,0 +1,90 @@
+"""`brrr bench throughput`: offline throughput on nano-vllm's protocol (N requests, input and output lengths
+uniform in [min, max], ignore_eos), against a roofline cost model of the very schedule the engine ran:
+each step costs max(bytes / measured bandwidth, FLOPs / measured matmul rate)."""
+from __future__ import annotations
+
+import random
+import time
+
+from brrr.bench.latency import emit
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("throughput", help="offline output tok/s and the fraction of the roofline cost model")
+    p.add_argument("--model", default="qwen3-0.6b", help="preset name or model directory (random weights)")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_throughput)
+
+
+def step_cost(cfg, items, gpu, dtype: str) -> float:
+    """Roofline seconds for one step; items = [(tokens already computed, tokens this step)] per sequence."""
+    from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
+
+    kv = kv_bytes_per_token(cfg, dtype)
+    nbytes = decode_weight_bytes(cfg, len(items), dtype)
+    flops = 0.0
+    for start, n in items:
+        nbytes += kv * (start + n)  # read the context's K/V, new tokens included (written once, read back)
+        flops += n * flops_per_token(cfg, start + (n + 1) // 2)  # mean context over the chunk
+    return max(nbytes / gpu.bandwidth, flops / gpu.peak("bf16" if dtype == "bf16" else dtype))
+
+
+def cmd_throughput(args) -> int:
+    import torch
+
+    from brrr.analysis.hardware import measure
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.errors import BrrrError
+    from brrr.loader import resolve_dtype
+
+    if not torch.cuda.is_available():
+        raise BrrrError("brrr bench throughput measures a GPU; torch sees no CUDA device")
+    cfg = model_config(args.model)
+    dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
+    short = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+    gpu = measure()
+    model = random_model(cfg, dtype, "cuda")
+    engine = LLMEngine(model, None, EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                                 max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 8,
+                                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                                 cuda_graphs=args.cuda_graphs == "on"))
+    rng = random.Random(0)
+    warm = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine.add_request("warm", [1] * 64, warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]
+        params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
+                                seed=i)
+        engine.add_request(str(i), prompt, params)
+    model_s, steps = 0.0, 0
+    generated0 = engine.generation_tokens_total
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        batch = engine.scheduler.schedule()
+        model_s += step_cost(cfg, [(seq.num_computed_tokens, n) for seq, n in batch.items], gpu, short)
+        engine.step(batch)
+        steps += 1
+    seconds = time.perf_counter() - start
+    out_tokens = engine.generation_tokens_total - generated0
+    stats = engine.stats()
+    emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
+          "cuda_graphs": args.cuda_graphs, "num_requests": args.num_requests, "lengths": [args.min_len, args.max_len],
+          "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+          "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],
+          "seconds": round(seconds, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / seconds, 1),
+          "roofline_seconds": round(model_s, 3), "fraction_of_roofline": round(model_s / seconds, 3),
+          "measured_bandwidth": round(gpu.bandwidth), "measured_bf16_flops": round(gpu.peak("bf16"))}, args.out)
+    return 0

@@ -26,8 +26,8 @@ from brrr.analysis.hardware import measure  # noqa: E402
 from brrr.analysis.model import param_counts, training_flops_per_token  # noqa: E402
 from brrr.presets import preset_config  # noqa: E402
 from brrr.train.shapes import SHAPES  # noqa: E402
-from brrr.train.trainer import (CausalLMLoss, TrainConfig, autocast_for, build_model, checkpoint_activations,  # noqa: E402
-                                make_optimizer, optimizer_step)
+from brrr.train.trainer import (CausalLMLoss, TrainConfig, autocast_for, build_model,  # noqa: E402
+                                checkpoint_activations, make_optimizer, optimizer_step)
 
 
 def model_config(name: str):
@@ -85,9 +85,6 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
         "datasheet_bf16_tflops": gpu.datasheet_peak("bf16") / 1e12, "measured_bf16_tflops": gpu.peak("bf16") / 1e12,
         "torch": torch.__version__, "python": platform.python_version(),
     }
-    del model, optimizer, loss, loss_fn, batches
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
     return record
 
 
@@ -106,6 +103,8 @@ def main(argv=None):
     for spec in args.model:
         name, _, batch = spec.partition(":")
         record = run_one(name, int(batch or 8), args, gpu)
+        torch._dynamo.reset()  # the next shape compiles afresh; the last one's memory goes back
+        torch.cuda.empty_cache()
         line = json.dumps(record)
         print(line, flush=True)
         if args.out:

@@ -13,6 +13,7 @@ from pathlib import Path
 from brrr.errors import BrrrError
 from brrr.train.tokenizer import CHAT_TEMPLATE, SPECIALS, build_tokenizer  # noqa: F401  (re-exported)
 
+__all__ = ["CHAT_TEMPLATE", "DEFAULT_MODEL_DIR", "SPECIALS", "build_tokenizer", "default_model_dir"]
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

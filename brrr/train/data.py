@@ -83,7 +83,8 @@ def _walk_py(root: Path) -> list[Path]:
     return found
 
 
-def collect(specs: list[str], val_fraction: float, max_file_bytes: int, progress=None) -> tuple[list[SourceFile], dict, BuildStats]:
+def collect(specs: list[str], val_fraction: float, max_file_bytes: int,
+            progress=None) -> tuple[list[SourceFile], dict, BuildStats]:
     """Read every .py file under the sources, in a fixed order; skip duplicates, non-UTF-8, oversized, empty."""
     files, roots_by_source, seen, stats = [], {}, set(), BuildStats()
     for spec in specs:

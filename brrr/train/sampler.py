@@ -16,7 +16,8 @@ from brrr.errors import BrrrError
 
 class TrainWindows:
     def __init__(self, tokens: np.ndarray, seq_len: int, batch: int, seed: int, rank: int = 0, world: int = 1):
-        self.tokens, self.seq_len, self.batch, self.seed, self.rank, self.world = tokens, seq_len, batch, seed, rank, world
+        self.tokens, self.seq_len, self.batch, self.seed = tokens, seq_len, batch, seed
+        self.rank, self.world = rank, world
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < batch * world:
             raise BrrrError(f"the train split has {len(tokens)} tokens: fewer than one batch of {batch * world} "

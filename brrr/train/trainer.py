@@ -175,7 +175,8 @@ def autocast_for(device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float,
+                   autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over micro-batches [(inputs, targets), ...]: (mean loss, pre-clip grad norm), both
     left on the device (reading them would wait for the GPU)."""
     total = None

@@ -26,7 +26,7 @@ def write_sources(root, files=48):
                      f"        total += k * {j}",
                      "    return total", ""]
         body += [f"class Thing{i}:", f"    size = {i * 7}", "", "    def __init__(self, name):",
-                 "        self.name = name", "", "    def area(self):", f"        return math.pi * self.size ** 2", ""]
+                 "        self.name = name", "", "    def area(self):", "        return math.pi * self.size ** 2", ""]
         if i == 5:
             body.append('MARKER = "<|bos|> is a special token spelled out as text"')
         (pkg / f"mod_{i}.py").write_text("\n".join(body) + "\n")

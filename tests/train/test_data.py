@@ -93,7 +93,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_config, data_dir):
 
     small = tmp_path / "small.json"
     small.write_text(json.dumps({**json.loads(tiny_config.read_text()), "vocab_size": 300}))
-    with pytest.raises(BrrrError, match=r"'vocab_size' \(300\) is smaller than the data's tokenizer vocabulary \(400\)"):
+    too_small = r"'vocab_size' \(300\) is smaller than the data's tokenizer vocabulary \(400\)"
+    with pytest.raises(BrrrError, match=too_small):
         Trainer(TrainConfig(str(small), str(data_dir), str(tmp_path / "run")))
     cli = subprocess.run([sys.executable, "-m", "brrr", "train", "--config", str(tiny_config), "--data",
                           str(tmp_path / "empty"), "--out", str(tmp_path / "run")], capture_output=True, text=True)

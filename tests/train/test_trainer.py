@@ -10,8 +10,8 @@ from brrr.train.trainer import TrainConfig, Trainer, TrainingDiverged, lr_at
 
 
 def _config(tiny_config, data_dir, out, **kw):
-    base = dict(seq_len=32, micro_batch=4, grad_accum=2, max_steps=30, lr=3e-3, warmup_steps=5, eval_every=10,
-                eval_windows=4, log_every=5, checkpoint_every=10, final_eval_windows=8)
+    base = dict(device="cpu", seq_len=32, micro_batch=4, grad_accum=2, max_steps=30, lr=3e-3, warmup_steps=5,
+                eval_every=10, eval_windows=4, log_every=5, checkpoint_every=10, final_eval_windows=8)
     return TrainConfig(str(tiny_config), str(data_dir), str(out), **{**base, **kw})
 
 

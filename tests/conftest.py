@@ -5,6 +5,10 @@ import torch
 
 os.environ.setdefault("BRRR_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "brrr"))
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through Triton's interpreter (tests/kernels). `triton.jit` reads this when a
+    # kernel is defined, so it must be set before any test module imports brrr.kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -75,8 +75,10 @@ def roofline(gpu: GPU, ops: list[Op], dtype: str = "bf16") -> dict:
             "ridge": gpu.ridge(dtype), "ops": [place(op, gpu) for op in ops]}
 
 
-def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16") -> str:
-    """Write the roofline with its ridge point and the ops to a PNG (needs matplotlib: pip install 'brrr[plot]')."""
+def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16", achieved: dict[str, float] | None = None) -> str:
+    """Write the roofline with its ridge point and the ops to a PNG (needs matplotlib: pip install 'brrr[plot]').
+    achieved: op name -> measured FLOP/s; those ops also get a hollow marker at the measured height, joined to
+    their spot on the roof, and the name says the fraction reached."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -86,6 +88,7 @@ def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16") -> str:
     import numpy as np
 
     placed = [place(op, gpu) for op in ops]
+    achieved = achieved or {}
     lo = min([0.1] + [p["intensity"] / 2 for p in placed])
     hi = max([10 * gpu.ridge(dtype)] + [p["intensity"] * 2 for p in placed])
     x = np.logspace(np.log10(lo), np.log10(hi), 400)
@@ -106,7 +109,15 @@ def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16") -> str:
         stack = seen[spot] = seen.get(spot, -1) + 1
         ax.annotate(str(i), (p["intensity"], p["attainable_flops"] / 1e12), textcoords="offset points",
                     xytext=(-10 + 9 * stack, 6), fontsize=8, color=color)
-    names = "\n".join(f"{i:>2}  {p['name']} ({p['bound']})" for i, p in enumerate(placed, 1))
+        if p["name"] in achieved:
+            got = achieved[p["name"]] / 1e12
+            ax.plot([p["intensity"]] * 2, [got, p["attainable_flops"] / 1e12], color=color, lw=0.8, alpha=0.6)
+            ax.scatter(p["intensity"], got, facecolors="none", edgecolors=color, zorder=3, s=40)
+
+    def label(p):
+        got = achieved.get(p["name"])
+        return f"{p['name']} ({p['bound']}" + (f", {got / p['attainable_flops']:.0%} reached)" if got else ")")
+    names = "\n".join(f"{i:>2}  {label(p)}" for i, p in enumerate(placed, 1))
     fig.text(0.70, 0.5, names, fontsize=8, family="monospace", va="center")
     fig.subplots_adjust(left=0.07, right=0.68, bottom=0.1, top=0.92)
     ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput"]
+BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput", "brrr.bench.kernels"]
 
 
 def register_bench_module(module: str) -> None:

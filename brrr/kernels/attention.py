@@ -200,12 +200,12 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(Q, KC, VC, O, OP, MLP, CU_Q, CTX, BT,
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                       block_size, qk_scale, window, partition, n_heads,
+                       block_size, qk_scale, window, partition, n_heads, num_splits,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
-        the dot products), one split of the context. NUM_SPLITS == 1 writes the output; more write partial
-        (acc, m, l) for _decode_reduce_kernel. Everything is read from device memory: graph-capturable."""
+        the dot products), one split of the context. Unsplit (SPLIT False) it writes the output; split, it writes
+        partial (acc, m, l) for _decode_reduce_kernel. Everything is read from device memory: graph-capturable."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -222,7 +222,7 @@ if triton is not None:
                     mask=gm[:, None] & dm[None, :], other=0.0)
         lo = split * partition
         hi = tl.minimum(ctx, lo + partition)
-        if split == NUM_SPLITS - 1:  # the last split takes whatever is left, so a low bound can't drop keys
+        if split == num_splits - 1:  # the last split takes whatever is left, so a low bound can't drop keys
             hi = ctx
         if SLIDING:  # the query sits at ctx - 1 and sees keys > ctx - 1 - window
             lo = tl.maximum(lo, ctx - window)
@@ -238,20 +238,19 @@ if triton is not None:
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
             tl.store(O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
                      out.to(O.dtype.element_ty), mask=gm[:, None] & dm[None, :])
         else:
-            part = (b * n_heads + heads).to(tl.int64) * NUM_SPLITS + split  # [B, H, S] layout
+            part = (b * n_heads + heads).to(tl.int64) * num_splits + split  # [B, H, S] layout
             tl.store(OP + part[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
             tl.store(MLP + 2 * part, m_i, mask=gm)
             tl.store(MLP + 2 * part + 1, l_i, mask=gm)
 
     @triton.jit
-    def _decode_reduce_kernel(O, OP, MLP, CU_Q, stride_on, stride_oh, n_heads,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                              BLOCK_S: tl.constexpr):
+    def _decode_reduce_kernel(O, OP, MLP, CU_Q, stride_on, stride_oh, n_heads, num_splits,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """Combine the splits of one (sequence, head): weights exp2(m_s - max m), normalised by the weighted l."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -260,8 +259,8 @@ if triton is not None:
             return
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        sm = s < NUM_SPLITS
-        part = (b * n_heads + h).to(tl.int64) * NUM_SPLITS + s
+        sm = s < num_splits
+        part = (b * n_heads + h).to(tl.int64) * num_splits + s
         m = tl.load(MLP + 2 * part, mask=sm, other=float("-inf"))
         l = tl.load(MLP + 2 * part + 1, mask=sm, other=0.0)
         m_max = tl.max(m, 0)
@@ -352,29 +351,40 @@ if triton is not None:
         tl.store(O + q_rows[:, None] * stride_on + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=(offs_m < q_len)[:, None] & dm[None, :])
 
-    def _prefill_configs():
-        configs = []
-        for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                                      (128, 32, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2)):
-            configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
-        return configs
+    # Autotuned tiles (BLOCK_M, BLOCK_N, warps, stages) by padded head dim; K and V tiles are pipelined `stages`
+    # deep in shared memory, so hd256 takes shallower pipelines and narrower key tiles.
+    PREFILL_TILES = {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+        256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+    }
+
+    def _tile_bucket(block_d):
+        return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
 
     def _prune_prefill(configs, named_args, **kwargs):
-        """Keep the tiles whose pipelined K/V buffers fit in shared memory for this head dim."""
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        elem = named_args["Q"].element_size()
-        budget = 200 * 1024
-        kept = []
-        for c in configs:
-            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-            smem = elem * block_d * (bm + 2 * bn * c.num_stages)
-            if smem <= budget and not (block_d >= 256 and bm * bn > 128 * 64):
-                kept.append(c)
-        return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+        allowed = set(PREFILL_TILES[_tile_bucket(block_d)])
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
 
     _prefill_kernel_tuned = triton.autotune(
-        configs=_prefill_configs(), key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "PREC", "max_q_bucket"],
+        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                 for tiles in PREFILL_TILES.values() for bm, bn, w, st in dict.fromkeys(tiles)],
+        key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "max_q_bucket"],
         prune_configs_by={"early_config_prune": _prune_prefill})(_prefill_kernel)
+
+
+AUTOTUNE_MIN_TOKENS = 1024  # shorter prefill steps take a fixed tile: tuning each shape would cost more than it saves
+
+
+def prefill_config(dim: int, dtype: torch.dtype) -> dict:
+    """The fixed tile for fp32 and for short steps: a safe fit for the head dim, not the fastest."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=16 if dim > 128 else 32, num_warps=4, num_stages=2)
+    if dim > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
@@ -431,14 +441,15 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         q, k_cache, v_cache, out, partial, max_sum, cu_seqlens_q, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, scale * LOG2E, sliding_window or 0, partition, n_heads,
+        block_size, scale * LOG2E, sliding_window or 0, partition, n_heads, splits,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=splits, SLIDING=sliding_window is not None, PREC=_precision(q),
+        SPLIT=splits > 1, SLIDING=sliding_window is not None, PREC=_precision(q),
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
+        # one BLOCK_S for every split count: the count is a run-time argument, so nothing recompiles as it moves
         _decode_reduce_kernel[(batch, n_heads)](out, partial, max_sum, cu_seqlens_q, out.stride(0), out.stride(1),
-                                                n_heads, HEAD_DIM=dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-                                                BLOCK_S=max(2, next_power_of_2(splits)), num_warps=4)
+                                                n_heads, splits, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
+                                                num_warps=4)
     return out
 
 
@@ -448,7 +459,8 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     """Varlen causal attention for the new tokens q/k/v [N, H|KVH, D] of B sequences (cu_seqlens_q [B+1]).
     With a cache (k_cache, context_lens [B] on the device, block_tables), sequence b's first
     context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
-    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} to skip autotuning (tests, the interpreter)."""
+    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} to skip autotuning (tests, the interpreter); else
+    16-bit steps of >= AUTOTUNE_MIN_TOKENS new tokens are autotuned (per head dim, GQA group and length bucket)."""
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     if out is None:
@@ -464,11 +476,13 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     args = (q, k, v, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), *cache_strides, bt_stride, block_size, scale * LOG2E, sliding_window or 0,
-            min(max(next_power_of_2(max_seqlen_q), 16), 8192))
+            min(next_power_of_2(max_seqlen_q), 8192))
     meta = dict(GROUP=n_heads // k.shape[1], HEAD_DIM=dim, BLOCK_D=block_d, HAS_CACHE=has_cache,
                 SKIP_SINGLE=skip_single, SLIDING=sliding_window is not None, PREC=_precision(q))
     if config is None and os.environ.get("TRITON_INTERPRET") == "1":
         config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if config is None and (q.dtype == torch.float32 or max_seqlen_q < AUTOTUNE_MIN_TOKENS):
+        config = prefill_config(dim, q.dtype)
     if config is None:
         def grid(c):
             return (triton.cdiv(max_seqlen_q, c["BLOCK_M"]), batch, n_heads)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from brrr.config import ModelConfig
-from brrr.kernels import AttnMeta, apply_rotary, attention, rms_norm, rope_inv_freq, rotary_cos_sin, silu_and_mul
+from brrr.kernels import (AttnMeta, add_rms_norm, apply_rotary, attention, rms_norm, rope_inv_freq, rotary_cos_sin,
+                          silu_and_mul)
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -20,8 +21,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) in one fused pass."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,9 +91,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h, cos, sin, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, meta, residual=None):
+        """The residual stream is h + residual (residual None: h alone, the first layer). Returns the MLP output
+        and the stream before it, so each residual add is fused into the norm that follows it; the sums are the
+        same bf16 additions as `h = h + attn(...)`, `h = h + mlp(...)`."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,9 +114,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)
+            h, residual = layer(h, cos, sin, meta, residual)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

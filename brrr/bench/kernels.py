@@ -1,0 +1,349 @@
+"""`brrr bench kernels`: each Triton kernel in brrr/kernels against its torch / SDPA peer, on this GPU.
+
+For every op and shape it times the Triton kernel and its peers in the same process (triton.testing.do_bench:
+median of repeated runs, L2 flushed between them), and prints one JSON record per (op, shape): the time, GB/s
+and TFLOP/s of each implementation, and the fraction of the roofline reached: the op's minimum time (its FLOPs over
+the measured bf16 matmul rate, or its bytes over the measured copy bandwidth, whichever is longer; counts from
+brrr.analysis.kernels) over the measured time. --plot draws those ops on the measured roofline.
+
+Peers: the plain-torch references (`<op>_ref`, eager), torch.nn.functional.rms_norm where torch has it, and
+scaled_dot_product_attention's flash and cuDNN backends over contiguous K/V for attention (GQA through
+enable_gqa, or K/V expanded to every query head when a backend refuses it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+
+from brrr.errors import BrrrError
+
+OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill")
+# Llama-3.1-8B: hidden 4096, MLP 14336, 32 query heads, 8 kv heads, head dim 128.
+HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 14336, 32, 8, 128, 16
+DECODE_SHAPES = ((64, 4096), (64, 16384), (1, 32768), (16, 8192))  # (batch, context)
+PREFILL_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))  # (batch, tokens): 16k tokens each
+DECODE_SWEEP = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 3))  # block_n, warps, stages
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("kernels", help="Triton kernels vs torch/SDPA peers: GB/s, TFLOP/s, fraction of the roofline",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
+    p.add_argument("--tokens", type=int, default=16384, help="rows for the elementwise ops (RMSNorm, RoPE, ...)")
+    p.add_argument("--quick", action="store_true", help="one shape per attention op (a smoke run)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the decode kernel's tile choices (block_n, warps, stages, splits) at b=64 x 4k")
+    p.add_argument("--out", default=None, metavar="FILE.jsonl", help="also write the records here")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the ops and what they reached on the "
+                   "measured roofline")
+    p.set_defaults(func=cmd)
+
+
+def cmd(args) -> int:
+    import torch
+
+    from brrr.kernels.dispatch import triton_available
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise BrrrError(f"--ops: unknown op {bad[0]!r}; choose from {', '.join(OPS)}")
+    if args.tokens < 1:
+        raise BrrrError(f"--tokens must be >= 1, got {args.tokens}")
+    if not torch.cuda.is_available():
+        raise BrrrError("brrr bench kernels needs a CUDA GPU, and torch sees none")
+    if not triton_available():
+        raise BrrrError("brrr bench kernels needs triton (pip install triton), which does not import here")
+    bench = KernelBench(args)
+    for op in ops:
+        getattr(bench, op)()
+    if args.sweep:
+        bench.decode_sweep()
+    if args.plot:
+        print(json.dumps({"plot": bench.plot(args.plot)}), file=sys.stderr)
+    return 0
+
+
+class KernelBench:
+    def __init__(self, args):
+        import torch
+        import triton
+
+        from brrr.analysis.hardware import measure
+
+        self.torch, self.triton, self.args = torch, triton, args
+        self.gpu = measure()
+        self.out = open(args.out, "a") if args.out else None
+        self.machine = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": self.gpu.bandwidth,
+                        "bf16_matmul_flops": self.gpu.peak("bf16"), "torch": torch.__version__,
+                        "triton": triton.__version__, "python": platform.python_version()}
+        self.placed: list = []  # (Op, achieved FLOP/s) for the plot
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+
+    # -- plumbing ------------------------------------------------------------------------------------------
+    def randn(self, *shape, dtype=None):
+        torch = self.torch
+        return torch.randn(*shape, device="cuda", generator=self.gen).to(dtype or torch.bfloat16)
+
+    def time(self, fn) -> float:
+        """Median seconds per call (after one untimed call, which also compiles and autotunes)."""
+        fn()
+        self.torch.cuda.synchronize()
+        return self.triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+    def emit(self, op, shape: dict, triton_s: float, peers: dict, extra: dict | None = None):
+        """One record: the Triton kernel's time and rates, each peer's, and the roofline fraction."""
+        from brrr.analysis.roofline import place
+
+        spot = place(op, self.gpu)
+
+        def rates(seconds):
+            return {"time_s": seconds, "gbps": op.bytes / seconds / 1e9, "tflops": op.flops / seconds / 1e12}
+
+        record = {"bench": "kernels", "op": op.name, "shape": shape, "dtype": "bf16", "flops": op.flops,
+                  "bytes": op.bytes, "bound": spot["bound"], "min_time_s": spot["min_time_s"],
+                  "triton": rates(triton_s), "roofline_fraction": spot["min_time_s"] / triton_s,
+                  "peers": {}, **(extra or {})}
+        for name, seconds in peers.items():
+            if isinstance(seconds, str):
+                record["peers"][name] = {"error": seconds}
+            else:
+                record["peers"][name] = {**rates(seconds), "roofline_fraction": spot["min_time_s"] / seconds,
+                                         "triton_speedup": seconds / triton_s}
+        record["machine"] = self.machine
+        record["when"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.out:
+            self.out.write(line + "\n")
+            self.out.flush()
+        if op.flops > 0:
+            self.placed.append((op, op.flops / triton_s))
+        return record
+
+    def try_time(self, fn):
+        try:
+            return self.time(fn)
+        except Exception as e:  # a backend that refuses the shape: recorded as such, the run goes on
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+    # -- elementwise ops -----------------------------------------------------------------------------------
+    def rms_norm(self):
+        from brrr.analysis.kernels import rms_norm_op
+        from brrr.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+
+        n = self.args.tokens
+        x, w = self.randn(n, HIDDEN), self.randn(HIDDEN)
+        peers = {"torch_reference": self.time(lambda: rms_norm_ref(x, w, 1e-5))}
+        if hasattr(self.torch.nn.functional, "rms_norm"):
+            peers["F.rms_norm"] = self.try_time(lambda: self.torch.nn.functional.rms_norm(x, (HIDDEN,), w, 1e-5))
+        self.emit(rms_norm_op(n, HIDDEN), {"tokens": n, "hidden": HIDDEN},
+                  self.time(lambda: rms_norm_triton(x, w, 1e-5)), peers)
+
+    def add_rms_norm(self):
+        from brrr.analysis.kernels import rms_norm_op
+        from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton
+
+        n = self.args.tokens
+        x, r, w = self.randn(n, HIDDEN), self.randn(n, HIDDEN), self.randn(HIDDEN)
+        self.emit(rms_norm_op(n, HIDDEN, residual=True), {"tokens": n, "hidden": HIDDEN},
+                  self.time(lambda: add_rms_norm_triton(x, r, w, 1e-5)),
+                  {"torch_reference": self.time(lambda: add_rms_norm_ref(x, r, w, 1e-5))})
+
+    def rotary(self):
+        from brrr.analysis.kernels import rotary_op
+        from brrr.config import RopeConfig
+        from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+
+        n = self.args.tokens
+        rope = RopeConfig("llama3", 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192})
+        inv_freq, scale = rope_inv_freq(rope, HEAD_DIM, 131072)
+        positions = self.torch.arange(n, device="cuda")
+        cos, sin = rotary_cos_sin(positions, inv_freq.cuda(), scale, self.torch.bfloat16)
+        q, k = self.randn(n, HEADS, HEAD_DIM), self.randn(n, KV_HEADS, HEAD_DIM)
+        self.emit(rotary_op(n, HEADS, KV_HEADS, HEAD_DIM), {"tokens": n, "heads": HEADS, "kv_heads": KV_HEADS,
+                                                            "head_dim": HEAD_DIM, "scaling": "llama3"},
+                  self.time(lambda: apply_rotary_triton(q, k, cos, sin)),
+                  {"torch_reference": self.time(lambda: apply_rotary_ref(q, k, cos, sin))})
+
+    def silu_and_mul(self):
+        from brrr.analysis.kernels import silu_and_mul_op
+        from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+
+        n = max(1, self.args.tokens // 4)
+        gate, up = self.randn(n, MLP), self.randn(n, MLP)
+        self.emit(silu_and_mul_op(n, MLP), {"tokens": n, "width": MLP},
+                  self.time(lambda: silu_and_mul_triton(gate, up)),
+                  {"torch_reference": self.time(lambda: silu_and_mul_ref(gate, up))})
+
+    def kv_write(self):
+        from brrr.analysis.kernels import kv_write_op
+        from brrr.kernels.attention import write_kv_ref, write_kv_triton
+
+        torch, n = self.torch, self.args.tokens
+        blocks = 2 * n // BLOCK
+        k_cache = torch.empty(blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.empty_like(k_cache)
+        k, v = self.randn(n, KV_HEADS, HEAD_DIM), self.randn(n, KV_HEADS, HEAD_DIM)
+        slots = torch.randperm(blocks * BLOCK, device="cuda")[:n]
+        self.emit(kv_write_op(n, KV_HEADS, HEAD_DIM), {"tokens": n, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
+                  self.time(lambda: write_kv_triton(k, v, k_cache, v_cache, slots)),
+                  {"torch_reference": self.time(lambda: write_kv_ref(k, v, k_cache, v_cache, slots))})
+
+    # -- attention -----------------------------------------------------------------------------------------
+    def _paged(self, batch, context):
+        """A shuffled paged cache holding `context` tokens for each of `batch` sequences, and its block tables."""
+        torch = self.torch
+        per_seq = -(-context // BLOCK)
+        blocks = batch * per_seq
+        k_cache = self.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        v_cache = self.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        tables = torch.randperm(blocks, device="cuda", generator=self.gen).to(torch.int32).view(batch, per_seq)
+        return k_cache, v_cache, tables
+
+    def _sdpa(self, backend, q, k, v, causal=False, mask=None):
+        """(name suffix, seconds or error) for one SDPA backend over contiguous [B, H, S, D] tensors: GQA through
+        enable_gqa, else K/V expanded to every query head (the suffix says so)."""
+        torch = self.torch
+        from torch.nn.attention import sdpa_kernel
+
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def native():
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        result = self.try_time(native)
+        if not isinstance(result, str) or k.shape[1] == q.shape[1]:
+            return "", result
+        groups = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+        def expanded():
+            with sdpa_kernel(backend):
+                return sdpa(q, ke, ve, attn_mask=mask, is_causal=causal)
+        second = self.try_time(expanded)
+        if isinstance(second, str):
+            return "", f"{result}; with K/V expanded: {second}"
+        return "_kv_expanded", second
+
+    def _sdpa_peers(self, q, k, v, causal):
+        from torch.nn.attention import SDPBackend
+
+        peers = {}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            suffix, result = self._sdpa(backend, q, k, v, causal)
+            peers[name + suffix] = result
+        return peers
+
+    def decode(self):
+        from brrr.analysis.kernels import decode_attention_op
+        from brrr.kernels.attention import decode_attention_triton, decode_splits
+
+        torch = self.torch
+        for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
+            k_cache, v_cache, tables = self._paged(batch, context)
+            q = self.randn(batch, HEADS, HEAD_DIM)
+            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            scale = HEAD_DIM**-0.5
+            seconds = self.time(lambda: decode_attention_triton(q, k_cache, v_cache, cu, ctx, tables, scale,
+                                                                max_context_len=context, out=out))
+            # peers on contiguous K/V (what SDPA reads): the same tokens, gathered out of the pages once
+            k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, KVH, ctx, D]
+            v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            peers = self._sdpa_peers(q[:, :, None, :], k, v, causal=False)
+            splits = decode_splits(batch, KV_HEADS, context, q.device)
+            self.emit(decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM),
+                      {"batch": batch, "context": context, "heads": HEADS, "kv_heads": KV_HEADS,
+                       "head_dim": HEAD_DIM, "block_size": BLOCK, "paged": True}, seconds, peers,
+                      {"splits": splits})
+
+    def decode_sweep(self):
+        """Tile and split choices of the decode kernel at b=64 x 4k (the issue's target shape), one record each."""
+        from brrr.analysis.kernels import decode_attention_op
+        from brrr.kernels.attention import decode_attention_triton
+
+        torch = self.torch
+        batch, context = 64, 4096
+        k_cache, v_cache, tables = self._paged(batch, context)
+        q = self.randn(batch, HEADS, HEAD_DIM)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        op = decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM)
+        for splits in (1, 2, 4):
+            for block_n, warps, stages in DECODE_SWEEP:
+                seconds = self.try_time(lambda: decode_attention_triton(
+                    q, k_cache, v_cache, cu, ctx, tables, HEAD_DIM**-0.5, max_context_len=context, out=out,
+                    num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+                config = {"splits": splits, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+                if isinstance(seconds, str):
+                    print(json.dumps({"bench": "kernels", "op": op.name, "sweep": config, "error": seconds}))
+                    continue
+                record = {"bench": "kernels", "op": op.name, "sweep": config, "time_s": seconds,
+                          "gbps": op.bytes / seconds / 1e9, "roofline_fraction": op.bytes / self.gpu.bandwidth
+                          / seconds}
+                print(json.dumps(record), flush=True)
+                if self.out:
+                    self.out.write(json.dumps(record) + "\n")
+
+    def prefill(self):
+        from brrr.analysis.kernels import prefill_attention_op
+        from brrr.kernels.attention import _prefill_kernel_tuned, prefill_attention_triton
+
+        torch = self.torch
+        for batch, tokens in PREFILL_SHAPES[1:2] if self.args.quick else PREFILL_SHAPES:
+            n = batch * tokens
+            q, k, v = self.randn(n, HEADS, HEAD_DIM), self.randn(n, KV_HEADS, HEAD_DIM), self.randn(n, KV_HEADS,
+                                                                                                    HEAD_DIM)
+            cu = torch.arange(0, n + 1, tokens, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            seconds = self.time(lambda: prefill_attention_triton(q, k, v, cu, tokens, HEAD_DIM**-0.5, out=out))
+            config = getattr(_prefill_kernel_tuned, "best_config", None)
+            qs, ks, vs = (t.view(batch, tokens, t.shape[1], HEAD_DIM).transpose(1, 2).contiguous() for t in (q, k, v))
+            peers = self._sdpa_peers(qs, ks, vs, causal=True)
+            self.emit(prefill_attention_op(batch, tokens, HEADS, KV_HEADS, HEAD_DIM),
+                      {"batch": batch, "tokens": tokens, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                       "causal": True}, seconds, peers, {"config": str(config) if config else None})
+        self._prefill_with_prefix()
+
+    def _prefill_with_prefix(self):
+        """A 4k-token chunk over a 4k-token cached prefix (paged), one sequence; no SDPA peer reads a paged
+        cache, so the peer is SDPA (efficient backend, explicit mask) over the same tokens made contiguous."""
+        from brrr.analysis.kernels import prefill_attention_op
+        from brrr.kernels.attention import prefill_attention_triton, write_kv_triton
+
+        torch = self.torch
+        prefix, new = 4096, 4096
+        k_cache, v_cache, tables = self._paged(1, prefix + new)
+        q, k, v = self.randn(new, HEADS, HEAD_DIM), self.randn(new, KV_HEADS, HEAD_DIM), self.randn(new, KV_HEADS,
+                                                                                                    HEAD_DIM)
+        slots = (tables[0].long()[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()[prefix:]
+        write_kv_triton(k, v, k_cache, v_cache, slots)
+        cu = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        ctx = torch.tensor([prefix + new], dtype=torch.int32, device="cuda")
+        seconds = self.time(lambda: prefill_attention_triton(q, k, v, cu, new, HEAD_DIM**-0.5, k_cache, v_cache, ctx,
+                                                             tables))
+        kc = k_cache[tables[0].long()].flatten(0, 1).transpose(0, 1)[None].contiguous()
+        vc = v_cache[tables[0].long()].flatten(0, 1).transpose(0, 1)[None].contiguous()
+        qs = q.transpose(0, 1)[None].contiguous()
+        pos = torch.arange(prefix + new, device="cuda")
+        mask = pos[None, :] <= pos[prefix:, None]
+        from torch.nn.attention import SDPBackend
+
+        suffix, peer = self._sdpa(SDPBackend.EFFICIENT_ATTENTION, qs, kc, vc, mask=mask)
+        self.emit(prefill_attention_op(1, new, HEADS, KV_HEADS, HEAD_DIM, prefix=prefix),
+                  {"batch": 1, "tokens": new, "prefix": prefix, "heads": HEADS, "kv_heads": KV_HEADS,
+                   "head_dim": HEAD_DIM, "causal": True, "paged_prefix": True}, seconds,
+                  {"sdpa_efficient_masked" + suffix: peer})
+
+    def plot(self, path: str) -> str:
+        from brrr.analysis.roofline import plot
+
+        ops = [op for op, _ in self.placed]
+        return plot(self.gpu, ops, path, achieved={op.name: got for op, got in self.placed})

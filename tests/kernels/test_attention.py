@@ -1,0 +1,187 @@
+"""Paged attention: the Triton KV write, split-KV decode and varlen prefill kernels against attention_ref.
+
+Small shapes for Triton's CPU interpreter: odd lengths, GQA ratios 1/2/4 and MQA, contexts ending on and just past
+block boundaries, an empty prefix, a prefix ending mid-block, a full prefix hit (one new token over a cached
+prompt), sliding windows, head dims 64/128/256, and mixed decode + prefill steps through the `attention` path.
+"""
+import math
+
+import pytest
+import torch
+
+from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton,
+                                    decode_splits, prefill_attention_triton, write_kv_ref, write_kv_triton)
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_step(q_lens, ctx_lens, heads, kv_heads, dim, block_size, dtype, device, seed=0):
+    """A step over a shuffled paged cache already holding every sequence's prefix: (q, k, v, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    width = max(need)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(2))
+    n_tokens = sum(q_lens)
+    q = torch.randn(n_tokens, heads, dim, generator=g).to(dtype).to(device)
+    k, v = (torch.randn(n_tokens, kv_heads, dim, generator=g).to(dtype).to(device) for _ in range(2))
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, ql, c in zip(tables, q_lens, ctx_lens) for p in range(c - ql, c)]
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    meta = AttnMeta(cu_seqlens_q=cu.to(device), seqlens_q=list(q_lens), context_lens=list(ctx_lens),
+                    slot_mapping=torch.tensor(slots, device=device),
+                    block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                              device=device),
+                    kv_caches=[(k_cache, v_cache)])
+    return q, k, v, meta
+
+
+def clone_meta(meta):
+    return AttnMeta(cu_seqlens_q=meta.cu_seqlens_q, seqlens_q=meta.seqlens_q, context_lens=meta.context_lens,
+                    slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                    kv_caches=[(k.clone(), v.clone()) for k, v in meta.kv_caches])
+
+
+def run_both(q, k, v, meta, scale, window=None):
+    """Triton and reference over the same step, each on its own copy of the cache; the caches must agree too."""
+    ref_meta = clone_meta(meta)
+    want = attention_ref(q, k, v, ref_meta, 0, scale, window)
+    got = attention_triton(q, k, v, meta, 0, scale, window)
+    assert torch.equal(meta.kv_caches[0][0], ref_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], ref_meta.kv_caches[0][1])
+    return got, want
+
+
+def skip_interpreted_bf16(device, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); "
+                    "bf16 attention is checked on the GPU (here when CUDA is present, and tests/gpu)")
+
+
+def assert_close(got, want, dtype):
+    assert got.shape == want.shape and torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_write_kv_scatters_and_skips_padding(device):
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 4, 3, 16)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(5, 3, 16, generator=g).to(device) for _ in range(2))
+    slots = torch.tensor([22, 3, -1, 4, 17], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv_ref(k[keep], v[keep], want_k, want_v, slots[keep])
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 2)])
+def test_decode_step(device, dtype, heads, kv_heads):
+    """One new token per sequence; contexts of 1, a block, a block + 1 and a long odd one."""
+    skip_interpreted_bf16(device, dtype)
+    q, k, v, meta = make_step([1, 1, 1, 1], [1, 8, 9, 45], heads, kv_heads, 32, 8, dtype, device)
+    got, want = run_both(q, k, v, meta, 32**-0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_split_kv(device, splits, window):
+    """The split-KV partition and its reduction: splits that are empty, partial and longer than the context."""
+    q, k, v, meta = make_step([1, 1, 1], [3, 64, 37], 4, 2, 32, 16, torch.float32, device, seed=splits)
+    ref = attention_ref(q, k, v, clone_meta(meta), 0, 0.2, window)
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
+    out = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
+                                  num_splits=splits, block_n=16)
+    assert_close(out.view(3, -1), ref, torch.float32)
+
+
+def test_decode_low_context_bound_still_reads_everything(device):
+    """max_context_len below the real context (a caller's mistake): the last split reads to the end anyway."""
+    q, k, v, meta = make_step([1, 1], [50, 20], 4, 2, 32, 8, torch.float32, device)
+    ref = attention_ref(q, k, v, clone_meta(meta), 0, 0.2)
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
+    out = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2,
+                                  max_context_len=16, num_splits=2, block_n=16)
+    assert_close(out.view(2, -1), ref, torch.float32)
+
+
+def test_decode_padded_rows_and_prefill_rows(device):
+    """A zero context (a padded graph row) gives zeros; a sequence with several new tokens is left alone."""
+    q, k, v, meta = make_step([1, 3, 1], [10, 12, 5], 4, 2, 32, 8, torch.float32, device)
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor([10, 12, 0], dtype=torch.int32, device=device)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, out=out,
+                                num_splits=splits, block_n=16)
+        assert torch.isfinite(out[0]).all()
+        assert torch.isnan(out[1:4]).all()  # rows of the 3-token sequence: not the decode kernel's
+        assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_prefill_head_dims(device, dtype, dim):
+    """A new sequence (empty prefix) and a chunk over a prefix that ends mid-block, GQA 2."""
+    skip_interpreted_bf16(device, dtype)
+    q, k, v, meta = make_step([19, 6], [19, 29], 4, 2, dim, 8, dtype, device, seed=dim)
+    got, want = run_both(q, k, v, meta, dim**-0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5, 16])
+def test_mixed_step_through_attention(device, window):
+    """Decodes, a full prefix hit (1 new token over a 33-token cached prompt), chunks starting on and off block
+    boundaries, MQA, odd lengths; sliding windows narrower than a block and as wide as one."""
+    q, k, v, meta = make_step([1, 17, 1, 5, 33, 2], [9, 17, 34, 21, 49, 2], 4, 1, 32, 8, torch.float32, device)
+    got, want = run_both(q, k, v, meta, 0.25, window)
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_without_cache(device, window):
+    """Cache-free varlen causal attention (training-shaped metas, profiling, one-shot scoring)."""
+    lens = [1, 5, 17, 33]
+    g = torch.Generator().manual_seed(4)
+    n = sum(lens)
+    q = torch.randn(n, 4, 64, generator=g).to(device)
+    k, v = (torch.randn(n, 2, 64, generator=g).to(device) for _ in range(2))
+    meta = AttnMeta.causal(lens, device)
+    want = attention_ref(q, k, v, meta, 0, 0.125, window)
+    got = attention_triton(q, k, v, meta, 0, 0.125, window)
+    assert_close(got, want, torch.float32)
+
+
+def test_prefill_tile_configs(device):
+    """Tiles where BLOCK_N < BLOCK_M (several unmasked tiles before the diagonal) agree with square tiles."""
+    q, k, v, meta = make_step([40, 3], [50, 3], 4, 2, 32, 8, torch.float32, device)
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
+    outs = [prefill_attention_triton(q, k, v, meta.cu_seqlens_q, 40, 0.2, *meta.kv_caches[0], ctx,
+                                     meta.block_tables, config=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+                                                                    num_stages=1))
+            for bm, bn in ((16, 16), (32, 16), (32, 32))]
+    want = attention_ref(q, k, v, clone_meta(meta), 0, 0.2).view_as(outs[0])
+    for out in outs:
+        assert_close(out, want, torch.float32)
+
+
+def test_decode_splits_heuristic():
+    """Few sequences x kv heads on a long context split (never into parts under 512 keys); a full GPU does not."""
+    dev = torch.device("cpu")
+    assert decode_splits(64, 8, 4096, dev) == 1
+    assert decode_splits(1, 8, 32768, dev) == math.ceil(2 * 132 / 8)
+    assert decode_splits(1, 8, 1000, dev) == 2
+    assert decode_splits(1, 1, 10**6, dev) == 64

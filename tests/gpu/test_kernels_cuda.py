@@ -16,23 +16,24 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 
 
-def within_one_ulp(got, want):
-    """Same dtype and shape, |got - want| <= one bf16 ulp of want (the kernels round where torch rounds)."""
+def within_ulps(got, want, ulps):
+    """Same dtype and shape, |got - want| <= `ulps` bf16 ulps of want. The kernels round where torch rounds, so
+    outputs differ only where an fp32 sum (RMSNorm) or exp (SiLU) lands on the other side of a rounding step,
+    and such a step followed by the weight multiply can move the result by up to 2 ulps."""
     assert got.dtype == want.dtype and got.shape == want.shape
     err = (got.float() - want.float()).abs()
-    assert (err <= 2**-7 * want.float().abs() + 1e-6).all(), f"max error {err.max().item()}"
-    return (err == 0).float().mean().item()
+    assert (err <= ulps * 2**-7 * want.float().abs() + 1e-6).all(), f"max error {err.max().item()}"
 
 
 def test_rms_norm_and_fused_add_at_8b_width():
     g = torch.Generator(device="cuda").manual_seed(0)
     x, res = (torch.randn(1000, 4096, device="cuda", generator=g).to(BF16) for _ in range(2))
     w = torch.randn(4096, device="cuda", generator=g).to(BF16)
-    within_one_ulp(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+    within_ulps(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), 2)
     normed, new_res = add_rms_norm(x, res, w, 1e-5)
     want_normed, want_res = add_rms_norm_ref(x, res, w, 1e-5)
     assert torch.equal(new_res, want_res)
-    within_one_ulp(normed, want_normed)
+    within_ulps(normed, want_normed, 2)
 
 
 def test_rotary_llama3_scaling_bitwise():
@@ -52,7 +53,7 @@ def test_rotary_llama3_scaling_bitwise():
 
 def test_silu_and_mul_8b_width():
     gate, up = (torch.randn(512, 14336, device="cuda").to(BF16) * 3 for _ in range(2))
-    within_one_ulp(silu_and_mul(gate, up), silu_and_mul_ref(gate, up))
+    within_ulps(silu_and_mul(gate, up), silu_and_mul_ref(gate, up), 2)
 
 
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 16, 16), (128, 32, 8), (256, 8, 1)])

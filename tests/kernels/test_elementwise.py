@@ -42,7 +42,7 @@ def test_rms_norm(device, dtype, rows, hidden):
     g = torch.Generator().manual_seed(rows * hidden)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype).to(device)
     w = torch.randn(hidden, generator=g).to(dtype).to(device)
-    check(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+    check(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), ulps=2)  # rounding after normalise, then after w
 
 
 def test_rms_norm_strided_rows_and_promoted_weight(device):
@@ -68,7 +68,7 @@ def test_add_rms_norm(device, dtype):
     normed, new_res = add_rms_norm_triton(x, res, w, 1e-6)
     want_normed, want_res = add_rms_norm_ref(x, res, w, 1e-6)
     check(new_res, want_res, ulps=0 if dtype != torch.bfloat16 else 1)  # one rounded add
-    check(normed, want_normed)
+    check(normed, want_normed, ulps=2)
     assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
 
 

@@ -21,10 +21,12 @@ def main(path):
               f"{'; '.join(peers)} |")
     sweep = [r for r in records if "sweep" in r and "gbps" in r]
     if sweep:
-        print("\n| decode sweep (b=64 x 4k) | GB/s | % of copy bandwidth |")
-        print("| --- | --- | --- |")
-        for r in sorted(sweep, key=lambda r: -r["gbps"]):
-            print(f"| {r['sweep']} | {r['gbps']:.0f} | {r['roofline_fraction']:.0%} |")
+        print("\n| decode sweep: batch x context | splits | block_n, warps, stages | GB/s | % of copy bandwidth |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in sorted(sweep, key=lambda r: (r["sweep"].get("batch", 64), -r["gbps"])):
+            c = r["sweep"]
+            print(f"| {c.get('batch', 64)} x {c.get('context', 4096)} | {c['splits']} | {c['block_n']}, "
+                  f"{c['num_warps']}, {c['num_stages']} | {r['gbps']:.0f} | {r['roofline_fraction']:.0%} |")
     for r in records:
         if "error" in r and "sweep" not in r:
             print(f"\nERROR {r['op']}: {r['error'][:300]}")

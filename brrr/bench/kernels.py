@@ -25,7 +25,8 @@ OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 14336, 32, 8, 128, 16
 DECODE_SHAPES = ((64, 4096), (64, 16384), (1, 32768), (16, 8192))  # (batch, context)
 PREFILL_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))  # (batch, tokens): 16k tokens each
-DECODE_SWEEP = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 3))  # block_n, warps, stages
+DECODE_SWEEP = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3))  # block_n, warps, stages
+DECODE_SWEEP_SHAPES = {(64, 4096): (1, 2), (16, 8192): (1, 3, 5, 8), (1, 32768): (16, 33, 64)}  # -> splits
 
 
 def register(bench_sub) -> None:
@@ -35,7 +36,7 @@ def register(bench_sub) -> None:
     p.add_argument("--tokens", type=int, default=16384, help="rows for the elementwise ops (RMSNorm, RoPE, ...)")
     p.add_argument("--quick", action="store_true", help="one shape per attention op (a smoke run)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time the decode kernel's tile choices (block_n, warps, stages, splits) at b=64 x 4k")
+                   help="also time the decode kernel's tile and split choices at b=64 x 4k, 16 x 8k, 1 x 32k")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="also write the records here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the ops and what they reached on the "
                    "measured roofline")
@@ -267,33 +268,35 @@ class KernelBench:
                       {"splits": splits})
 
     def decode_sweep(self):
-        """Tile and split choices of the decode kernel at b=64 x 4k (the issue's target shape), one record each."""
+        """Tile and split choices of the decode kernel at three shapes (a full batch, a partial wave, one long
+        sequence), one record each: what the split heuristic (decode_splits) is checked against."""
         from brrr.analysis.kernels import decode_attention_op
         from brrr.kernels.attention import decode_attention_triton
 
         torch = self.torch
-        batch, context = 64, 4096
-        k_cache, v_cache, tables = self._paged(batch, context)
-        q = self.randn(batch, HEADS, HEAD_DIM)
-        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        op = decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM)
-        for splits in (1, 2, 4):
-            for block_n, warps, stages in DECODE_SWEEP:
-                seconds = self.try_time(lambda: decode_attention_triton(
-                    q, k_cache, v_cache, cu, ctx, tables, HEAD_DIM**-0.5, max_context_len=context, out=out,
-                    num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
-                config = {"splits": splits, "block_n": block_n, "num_warps": warps, "num_stages": stages}
-                if isinstance(seconds, str):
-                    print(json.dumps({"bench": "kernels", "op": op.name, "sweep": config, "error": seconds}))
-                    continue
-                record = {"bench": "kernels", "op": op.name, "sweep": config, "time_s": seconds,
-                          "gbps": op.bytes / seconds / 1e9, "roofline_fraction": op.bytes / self.gpu.bandwidth
-                          / seconds}
-                print(json.dumps(record), flush=True)
-                if self.out:
-                    self.out.write(json.dumps(record) + "\n")
+        for (batch, context), split_choices in DECODE_SWEEP_SHAPES.items():
+            k_cache, v_cache, tables = self._paged(batch, context)
+            q = self.randn(batch, HEADS, HEAD_DIM)
+            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            op = decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM)
+            for splits in split_choices:
+                for block_n, warps, stages in DECODE_SWEEP:
+                    seconds = self.try_time(lambda: decode_attention_triton(
+                        q, k_cache, v_cache, cu, ctx, tables, HEAD_DIM**-0.5, max_context_len=context, out=out,
+                        num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+                    config = {"batch": batch, "context": context, "splits": splits, "block_n": block_n,
+                              "num_warps": warps, "num_stages": stages}
+                    record = {"bench": "kernels", "op": op.name, "sweep": config}
+                    if isinstance(seconds, str):
+                        record["error"] = seconds
+                    else:
+                        record.update(time_s=seconds, gbps=op.bytes / seconds / 1e9,
+                                      roofline_fraction=op.bytes / self.gpu.bandwidth / seconds)
+                    print(json.dumps(record), flush=True)
+                    if self.out:
+                        self.out.write(json.dumps(record) + "\n")
 
     def prefill(self):
         from brrr.analysis.kernels import prefill_attention_op

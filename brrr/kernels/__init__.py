@@ -5,4 +5,5 @@ from brrr.kernels.attention import AttnMeta, attention
 from brrr.kernels.rms_norm import add_rms_norm, rms_norm
 from brrr.kernels.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin
 
-__all__ = ["AttnMeta", "add_rms_norm", "attention", "apply_rotary", "rms_norm", "rope_inv_freq", "rotary_cos_sin", "silu_and_mul"]
+__all__ = ["AttnMeta", "add_rms_norm", "attention", "apply_rotary", "rms_norm", "rope_inv_freq", "rotary_cos_sin",
+           "silu_and_mul"]

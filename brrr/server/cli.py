@@ -74,7 +74,7 @@ def cmd_serve(args) -> int:
     app = create_app(llm, pretrained.tokenizer, name, model_path=pretrained.path, api_key=api_key,
                      max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
     device = next(pretrained.model.parameters()).device
-    note = "" if args.model else " (brrr's UNTRAINED default model: its text is noise)"
+    note = "" if args.model else " (brrr's small default model: it completes Python and is not chat-tuned)"
     print(f"brrr serve: {name!r} from {pretrained.path} on {device}{note}; {engine.block_manager.num_blocks} KV "
           f"blocks of {config.block_size} tokens, context {engine.max_model_len}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

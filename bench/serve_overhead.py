@@ -1,0 +1,69 @@
+"""Server overhead: the offline `LLM`'s output tok/s on exactly the requests a `brrr bench serve` run sent, beside
+that run's output tok/s through HTTP. Issue 5's bar: at saturation (--request-rate inf) HTTP >= 90% of offline.
+
+    brrr serve --model M &                                   # same engine settings as below
+    brrr bench serve --request-rate inf --num-prompts 256 --save-result serve.json
+    python bench/serve_overhead.py --result serve.json --model M
+
+Prints one JSON record: both throughputs, their ratio, the workload and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from brrr.bench.datasets import pseudo_text, synthetic_prompts
+from brrr.engine import LLM, SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--result", required=True, help="JSON written by `brrr bench serve --save-result`")
+    p.add_argument("--model", default=None, help="the model the server ran (default: brrr's default model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = p.parse_args()
+
+    run = json.loads(open(args.result).read())
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    tok = llm.tokenizer
+    pool = sorted(set(tok.encode(pseudo_text(3000), add_special_tokens=False)))  # what the server's /tokenize gave
+    prompts = synthetic_prompts(run["dataset"], pool, run["num_prompts"], run["input_len"], run["output_len"],
+                                run["range_ratio"], run["prefix_len"], max(run["num_prefixes"], 1), run["seed"])
+    if run["endpoint"].endswith("/chat/completions"):
+        inputs = [tok.encode_chat([{"role": "user", "content": tok.decode(p.token_ids, skip_special_tokens=False)}])
+                  for p in prompts]
+    else:
+        inputs = [p.token_ids for p in prompts]
+    params = [SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=run["ignore_eos"]) for p in prompts]
+    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up, as the HTTP run had
+    device = next(llm.pretrained.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    offline = generated / seconds
+    print(json.dumps({
+        "what": "server overhead: output tok/s through HTTP (brrr bench serve) vs the offline LLM, same requests",
+        "model": run["model"], "endpoint": run["endpoint"], "dataset": run["dataset"],
+        "num_prompts": run["num_prompts"], "input_len": run["input_len"], "output_len": run["output_len"],
+        "request_rate": run["request_rate"], "max_concurrency": run["max_concurrency"],
+        "http_output_tok_s": run["output_throughput"], "offline_output_tok_s": offline,
+        "http_over_offline": run["output_throughput"] / offline, "offline_seconds": seconds,
+        "offline_generated_tokens": generated, "http_generated_tokens": run["total_output_tokens"],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

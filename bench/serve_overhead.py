@@ -28,7 +28,10 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     args = p.parse_args()
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
 
     run = json.loads(open(args.result).read())
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,

@@ -43,6 +43,8 @@ def register(sub) -> None:
                    help="KV-cache size (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads when serving on CPU (default: all cores but one, which the HTTP side gets)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -57,7 +59,8 @@ def cmd_serve(args) -> int:
     from brrr.pretrained import load
     from brrr.server.app import create_app
 
-    for name, low in (("port", 0), ("max_waiting", 0), ("max_body_bytes", 1), ("shutdown_timeout", 0)):
+    for name, low in (("port", 0), ("max_waiting", 0), ("max_body_bytes", 1), ("shutdown_timeout", 0),
+                      ("cpu_threads", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise BrrrError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -67,6 +70,10 @@ def cmd_serve(args) -> int:
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
     pretrained = load(args.model, dtype=args.dtype, device=args.device)
+    if next(pretrained.model.parameters()).device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(args.cpu_threads or max(1, torch.get_num_threads() - 1))
     engine = LLMEngine(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids)
     name = args.served_model_name or args.model or "brrr-default"
     llm = AsyncLLM(engine)

@@ -78,7 +78,7 @@ def roofline(gpu: GPU, ops: list[Op], dtype: str = "bf16") -> dict:
 def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16", achieved: dict[str, float] | None = None) -> str:
     """Write the roofline with its ridge point and the ops to a PNG (needs matplotlib: pip install 'brrr[plot]').
     achieved: op name -> measured FLOP/s; those ops also get a hollow marker at the measured height, joined to
-    their spot on the roof, and the name says the fraction reached."""
+    their spot on the roof, and their label gives the fraction of the roof reached."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -116,10 +116,14 @@ def plot(gpu: GPU, ops: list[Op], path: str, dtype: str = "bf16", achieved: dict
 
     def label(p):
         got = achieved.get(p["name"])
-        return f"{p['name']} ({p['bound']}" + (f", {got / p['attainable_flops']:.0%} reached)" if got else ")")
+        return f"{p['name']} ({p['bound']}" + (f", {got / p['attainable_flops']:.0%})" if got else ")")
     names = "\n".join(f"{i:>2}  {label(p)}" for i, p in enumerate(placed, 1))
-    fig.text(0.70, 0.5, names, fontsize=8, family="monospace", va="center")
-    fig.subplots_adjust(left=0.07, right=0.68, bottom=0.1, top=0.92)
+    # the name list beside the axes gets the width its longest line needs (8 pt monospace: ~0.067 in a character)
+    axes_in, text_in = 8.84, 0.3 + 0.067 * max(len(line) for line in names.splitlines())
+    width = axes_in + max(text_in, 4.16)
+    fig.set_size_inches(width, 6.5)
+    fig.text(axes_in / width * 0.995, 0.5, names, fontsize=8, family="monospace", va="center")
+    fig.subplots_adjust(left=0.91 / width, right=(axes_in - 0.26) / width, bottom=0.1, top=0.92)
     ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(f"Roofline: {gpu.name} ({gpu.source})", fontsize=10)

@@ -40,7 +40,32 @@ def register(bench_sub) -> None:
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="also write the records here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the ops and what they reached on the "
                    "measured roofline")
+    p.add_argument("--replot", default=None, metavar="FILE.jsonl",
+                   help="no benchmark: draw --plot from the records of an earlier run (no GPU needed)")
     p.set_defaults(func=cmd)
+
+
+def replot(records_path: str, png: str) -> str:
+    """The roofline plot of an earlier run, from its JSON records (the machine's measured ceilings are in them)."""
+    from dataclasses import replace
+
+    from brrr.analysis.hardware import GPU, _known_spec
+    from brrr.analysis.roofline import Op, plot
+
+    try:
+        records = [json.loads(line) for line in open(records_path) if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise BrrrError(f"--replot: cannot read records from {records_path}: {e}") from None
+    runs = [r for r in records if "triton" in r and r.get("flops")]
+    if not runs:
+        raise BrrrError(f"--replot: {records_path} holds no `brrr bench kernels` records")
+    m = runs[0]["machine"]
+    base = _known_spec(m["gpu"]) or GPU(m["gpu"], 0, 0)
+    gpu = replace(base, name=f"{m['gpu']} (measured)", bandwidth=m["copy_bandwidth"],
+                  flops={**base.flops, "bf16": m["bf16_matmul_flops"], "fp16": m["bf16_matmul_flops"]},
+                  source=f"measured copy and bf16 matmul, torch {m['torch']}, triton {m['triton']}", datasheet=base)
+    ops = [Op(r["op"], r["flops"], r["bytes"]) for r in runs]
+    return plot(gpu, ops, png, achieved={r["op"]: r["flops"] / r["triton"]["time_s"] for r in runs})
 
 
 def cmd(args) -> int:
@@ -48,6 +73,11 @@ def cmd(args) -> int:
 
     from brrr.kernels.dispatch import triton_available
 
+    if args.replot:
+        if not args.plot:
+            raise BrrrError("--replot needs --plot FILE.png (where to draw it)")
+        print(json.dumps({"plot": replot(args.replot, args.plot)}))
+        return 0
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
     if bad:

@@ -403,13 +403,25 @@ def _precision(q):
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device) -> int:
-    """How many parts to cut each context into so that batch x kv_heads x splits programs fill the GPU about
-    twice over; none below ~512 keys a part. Depends only on host-known bounds, so a captured graph keeps it."""
+    """How many parts to cut each context into. When batch x kv_heads programs already fill one wave of the GPU,
+    none (splitting a full batch only adds the reduction: 93% -> 88% of copy bandwidth at 64 x 4k on the H200);
+    below that, enough for ~4 programs per SM, never a part under 512 keys, at most MAX_SPLITS. Depends only on
+    host-known bounds, so a captured graph keeps it. (bench/results/kernels_h200.jsonl, the decode sweep.)"""
     programs = batch * n_kv
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    want = -(-2 * sms // programs)
-    return max(1, min(want, -(-max_context // 512), MAX_SPLITS))
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-4 * sms // programs), -(-max_context // 512), MAX_SPLITS))
+
+
+def decode_stages(splits: int, block_d: int) -> int:
+    """Pipeline depth of the decode kernel's K/V loads, from the H200 sweep: unsplit 3; split into a few parts 2
+    (more programs fit per SM: 16 x 8k, 5 splits: 87% vs 67% with 3); split into many parts (one long sequence) 4
+    (1 x 32k, 64 splits: 58% vs 50% with 2). hd256 tiles fit 2 stages."""
+    if block_d >= 256:
+        return 2
+    return 3 if splits == 1 else 4 if splits >= 32 else 2
 
 
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
@@ -428,8 +440,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         max_context_len = block_tables.shape[1] * block_size
     block_d = next_power_of_2(dim)
     block_n = block_n or (32 if block_d >= 256 else 64)
-    num_stages = num_stages or (2 if block_d >= 256 else 3)
     splits = num_splits or decode_splits(batch, n_kv, max_context_len, q.device)
+    num_stages = num_stages or decode_stages(splits, block_d)
     partition = -(-(-(-max_context_len // splits)) // block_n) * block_n
     group = n_heads // n_kv
     if splits > 1:

@@ -179,9 +179,12 @@ def test_prefill_tile_configs(device):
 
 
 def test_decode_splits_heuristic():
-    """Few sequences x kv heads on a long context split (never into parts under 512 keys); a full GPU does not."""
-    dev = torch.device("cpu")
+    """A batch that fills a wave of the GPU is not split; fewer sequences x kv heads on a long context are, to
+    ~4 programs per SM, never into parts under 512 keys, at most 64."""
+    dev = torch.device("cpu")  # 132 SMs assumed off a GPU
     assert decode_splits(64, 8, 4096, dev) == 1
-    assert decode_splits(1, 8, 32768, dev) == math.ceil(2 * 132 / 8)
+    assert decode_splits(17, 8, 4096, dev) == 1
+    assert decode_splits(16, 8, 8192, dev) == math.ceil(4 * 132 / 128)
+    assert decode_splits(1, 8, 32768, dev) == 64
     assert decode_splits(1, 8, 1000, dev) == 2
     assert decode_splits(1, 1, 10**6, dev) == 64

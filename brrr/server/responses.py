@@ -18,7 +18,8 @@ def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
 
 
 def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -98,6 +98,8 @@ class ServerState:
                     if out.error is not None:
                         raise APIError(500, f"generation failed: {out.error}", code="engine_error")
                     yield out
+        except BrrrError as e:  # validated already, so: the engine is shutting down
+            raise APIError(503, str(e), code="unavailable") from None
         finally:
             if waiting:
                 ticket.release()

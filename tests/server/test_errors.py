@@ -1,4 +1,5 @@
 """Every bad input gets its status and OpenAI's error shape, and the server keeps serving afterwards."""
+import json
 import threading
 import time
 
@@ -152,5 +153,35 @@ def test_queue_full_gets_429_with_retry_after(pretrained):
         waiter.join(timeout=30)
         assert queued["r"].status_code == 200
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+        server.wait_idle()
+        assert server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks
+
+
+def test_a_failed_engine_step_is_a_500_and_the_server_goes_on(pretrained):
+    """Fault injection: the model runner raises once. The engine fails that step's requests (freeing their
+    blocks); the server answers them in OpenAI's shape, mid-stream as an SSE error event, and keeps serving."""
+    with serve(pretrained) as server, httpx.Client(base_url=server.base_url, timeout=30) as http:
+        runner = server.engine.runner
+        real_execute, failures = runner.execute, []
+
+        def execute_failing_once(*args, **kwargs):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("injected kernel failure")
+            return real_execute(*args, **kwargs)
+
+        runner.execute = execute_failing_once
+        error = error_of(http.post("/v1/completions", json=COMPLETION), 500)
+        assert error["code"] == "engine_error" and "injected kernel failure" in error["message"]
+        assert error["type"] == "server_error"
+
+        failures.clear()
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected kernel failure" in events[-2]
+        assert set(json.loads(events[-2])) == {"error"}
+
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
         server.wait_idle()
         assert server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks

@@ -264,7 +264,7 @@ class EngineConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # KV blocks; else derived from kv_cache_memory, or on CUDA from a profiling run
-    kv_cache_memory: int | None = None  # bytes for the KV cache (default on CPU: 1 GiB, capped by what can be used)
+    kv_cache_memory: int | None = None  # bytes for the KV cache (default on CPU: 256 MiB, capped by what can be used)
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
     max_num_seqs: int = 256

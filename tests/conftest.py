@@ -4,7 +4,8 @@ import pytest
 import torch
 
 os.environ.setdefault("BRRR_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "brrr"))
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# One intra-op thread: on small CI machines (2 cores) more threads make the tiny test models ~10x slower.
+torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter (tests/kernels). `triton.jit` reads this when a
     # kernel is defined, so it must be set before any test module imports brrr.kernels.

@@ -7,7 +7,7 @@ import time
 
 
 def register(bench_sub) -> None:
-    p = bench_sub.add_parser("latency", help="decode tok/s, TTFT and % of the HBM roofline at batch 1..N")
+    p = bench_sub.add_parser("latency", help="decode tok/s, TTFT and %% of the HBM roofline at batch 1..N")
     p.add_argument("--model", default="llama-3.1-8b", help="preset name or model directory (random weights)")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=5)

@@ -18,7 +18,7 @@ from brrr.errors import BrrrError
 from brrr.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("brrr.engine")
-CPU_KV_DEFAULT = 1 << 30
+CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CPU machines
 
 
 class LLMEngine:

@@ -40,7 +40,7 @@ def register(sub) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV-cache size (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
+                   help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--cpu-threads", type=int, default=None,

@@ -1,4 +1,5 @@
-"""The engine on CUDA: KV pool sized by the profiling pass, greedy tokens equal transformers' in fp32."""
+"""The engine on CUDA (reference ops, CUDA graphs on): KV pool sized by the profiling pass, greedy tokens equal
+transformers' in fp32. The Triton path is held to a logit tolerance in tests/gpu/test_fast_path_parity.py."""
 import random
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from brrr import load_model
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
+from brrr.kernels.dispatch import use_reference
 from tests import hf_models
 
 pytestmark = pytest.mark.gpu
@@ -14,6 +16,11 @@ pytestmark = pytest.mark.gpu
 
 def test_engine_on_cuda_matches_transformers(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
+    with use_reference():
+        _check(tmp_path)
+
+
+def _check(tmp_path):
     hf_models.save(hf_models.build("qwen3-qknorm", max_position_embeddings=512), tmp_path)
     hf = type(hf_models.build("qwen3-qknorm")).from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
     model = load_model(tmp_path, dtype=torch.float32, device="cuda")

@@ -21,12 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(model_dir):
+def start_server(model_dir, shutdown_timeout: int):
     port = free_port()
     cmd = [sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port", str(port),
-           "--served-model-name", "tiny-cli", "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "20",
-           "--no-access-log", "--log-level", "warning"]
+           "--served-model-name", "tiny-cli", "--dtype", "float32", "--device", "cpu",
+           "--shutdown-timeout", str(shutdown_timeout), "--no-access-log", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "BRRR_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -35,11 +34,16 @@ def served(model_dir):
         assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, "brrr serve did not come up"
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    proc, url = start_server(model_dir, shutdown_timeout=20)
     yield proc, url
     if proc.poll() is None:
         proc.kill()
@@ -101,3 +105,23 @@ def test_sigterm_finishes_in_flight_requests_then_exits(served):
     chunks = [json.loads(e) for e in rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to the end, not cut off
     assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_cancels_what_outlives_the_shutdown_timeout(model_dir):
+    proc, url = start_server(model_dir, shutdown_timeout=1)
+    try:
+        body = {"model": "tiny-cli", "prompt": "x", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            with pytest.raises(httpx.RemoteProtocolError):  # the stream is cut, without [DONE]
+                rest = [line for line in lines if line.startswith("data: ")]
+                assert rest[-1] != "data: [DONE]", "the request finished within the timeout; make it longer"
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 10  # the timeout (1 s) cut it, not the request's own end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

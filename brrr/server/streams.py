@@ -18,7 +18,6 @@ class ClientDisconnected(Exception):
     pass
 
 
-
 async def merge(streams):
     """(prompt index, output) from several engine requests, in the order outputs arrive."""
     if len(streams) == 1:

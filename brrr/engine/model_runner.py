@@ -44,9 +44,11 @@ class ModelRunner:
         self.g_slots = torch.full((n,), self.num_blocks * self.block_size, dtype=torch.long, device=dev)
         self.g_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         self.g_ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
+        self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         pool = None
         for g in reversed(sizes):
-            meta = AttnMeta(cu_seqlens_q=torch.arange(g + 1, dtype=torch.int32, device=dev), seqlens_q=[1] * g,
+            meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g,
                             slot_mapping=self.g_slots[:g], block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
                             context_lens_t=self.g_ctx[:g])
 
@@ -59,7 +61,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=pool):
                 logits = step()
             pool = graph.pool()
-            self.graphs[g] = (graph, logits)
+            self.graphs[g] = (graph, logits, meta)
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up."""
@@ -77,7 +79,7 @@ class ModelRunner:
         self.g_slots[:g].copy_(torch.tensor(slots))
         self.g_tables[:g].copy_(tables)
         self.g_ctx[:g].copy_(torch.tensor([p + 1 for p in pos] + [1] * (g - b), dtype=torch.int32))
-        graph, logits = self.graphs[g]
+        graph, logits, _ = self.graphs[g]
         graph.replay()
         return logits[:b]
 

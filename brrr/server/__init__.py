@@ -1,5 +1,5 @@
 """The OpenAI-compatible server: `create_app(async_llm, tokenizer, model_name)` builds the FastAPI app that
-`brrr serve` runs on uvicorn (see docs/server.md). Imported lazily, so `brrr --help` does not load FastAPI."""
+`brrr serve` runs on uvicorn (see docs/serving.md). Imported lazily, so `brrr --help` does not load FastAPI."""
 
 
 def __getattr__(name):

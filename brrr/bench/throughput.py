@@ -58,6 +58,7 @@ def cmd_throughput(args) -> int:
                                                  max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 8,
                                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                                  cuda_graphs=args.cuda_graphs == "on"))
+    engine.stream_outputs = False  # offline: outputs only when requests finish, as LLM.generate does
     rng = random.Random(0)
     warm = SamplingParams(max_tokens=16, ignore_eos=True)
     engine.add_request("warm", [1] * 64, warm)

@@ -34,12 +34,16 @@ class LLM:
         for request in requests:  # all validated first: a bad prompt leaves nothing half-queued
             self.engine.enqueue(request)
         finished: dict[str, RequestOutput] = {}
-        with _progress(len(requests), use_tqdm) as advance:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        advance()
+        streaming, self.engine.stream_outputs = self.engine.stream_outputs, False
+        try:
+            with _progress(len(requests), use_tqdm) as advance:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            advance()
+        finally:
+            self.engine.stream_outputs = streaming
         return [finished[r.request_id] for r in requests]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:

@@ -35,6 +35,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
+        # Outputs for every request that progressed (streaming), or only for those that finished (offline
+        # batches: building a cumulative output per request per step is O(length) host work the GPU waits on).
+        self.stream_outputs = True
 
     def _num_blocks(self) -> int:
         ec, model = self.config, self.model
@@ -164,7 +167,7 @@ class LLMEngine:
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             self._append_token(seq, token, logprobs)
-        return [self._output(req) for req in touched.values()]
+        return [self._output(req) for req in touched.values() if self.stream_outputs or req.finished]
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)

@@ -1,6 +1,7 @@
 """ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
@@ -15,6 +16,14 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _cuda_capture(step, pool):
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = step()
+    return graph, logits
 
 
 class ModelRunner:
@@ -34,7 +43,7 @@ class ModelRunner:
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self, max_batch: int, max_blocks: int) -> None:
+    def capture_cuda_graphs(self, max_batch: int, max_blocks: int, capture=None) -> None:
         """Capture one decode step per batch size (largest first, one shared memory pool). A step of B
         sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block)."""
         sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
@@ -56,10 +65,7 @@ class ModelRunner:
                 return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
 
             step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = step()
+            graph, logits = (capture or _cuda_capture)(step, pool)
             pool = graph.pool()
             self.graphs[g] = (graph, logits, meta)
 
@@ -67,18 +73,14 @@ class ModelRunner:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up."""
         b = len(batch.items)
         g = next(size for size in sorted(self.graphs) if size >= b)
-        bs, rows = self.block_size, batch.items
-        pos = [seq.num_computed_tokens for seq, _ in rows]
-        tables = torch.zeros(g, self.g_tables.shape[1], dtype=torch.int32)
-        for i, (seq, _) in enumerate(rows):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        spare = self.num_blocks * bs
-        slots = [seq.block_table[p // bs] * bs + p % bs for (seq, _), p in zip(rows, pos)] + [spare] * (g - b)
-        self.g_ids[:g].copy_(torch.tensor([seq.token_ids[p] for (seq, _), p in zip(rows, pos)] + [0] * (g - b)))
-        self.g_pos[:g].copy_(torch.tensor(pos + [0] * (g - b)))
-        self.g_slots[:g].copy_(torch.tensor(slots))
-        self.g_tables[:g].copy_(tables)
-        self.g_ctx[:g].copy_(torch.tensor([p + 1 for p in pos] + [1] * (g - b), dtype=torch.int32))
+        ids, positions, slots, _, context_lens, tables = self._flatten(batch)
+        pad = g - b  # padded rows: token 0 at position 0, writing to the spare block, reading 1 token
+        self.g_ids[:g].copy_(torch.tensor(ids + [0] * pad))
+        self.g_pos[:g].copy_(torch.from_numpy(np.pad(positions, (0, pad))))
+        self.g_slots[:g].copy_(torch.from_numpy(np.pad(slots, (0, pad), constant_values=self.num_blocks * self.block_size)))
+        self.g_tables[:g].zero_()
+        self.g_tables[:b, : tables.shape[1]].copy_(torch.from_numpy(tables))
+        self.g_ctx[:g].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int32))
         graph, logits, _ = self.graphs[g]
         graph.replay()
         return logits[:b]
@@ -109,6 +111,25 @@ class ModelRunner:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    def _flatten(self, batch: ScheduledBatch):
+        """The step as flat arrays: token ids, positions and cache slots of every new token (numpy, not a Python
+        loop per token: prefill steps carry thousands), query lengths, context lengths, padded block tables."""
+        bs = self.block_size
+        ids, seqlens, context_lens = [], [], []
+        width = max(len(seq.block_table) for seq, _ in batch.items)
+        tables = np.zeros((len(batch.items), width), dtype=np.int32)
+        for i, (seq, n) in enumerate(batch.items):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            seqlens.append(n)
+            context_lens.append(start + n)
+            tables[i, : len(seq.block_table)] = seq.block_table
+        starts = np.repeat(np.array([seq.num_computed_tokens for seq, _ in batch.items]), seqlens)
+        rows = np.repeat(np.arange(len(seqlens)), seqlens)
+        positions = starts + np.arange(len(ids)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]],
                 logit_rows: list[int] = ()) -> tuple[SampleResult, torch.Tensor | None]:
@@ -120,25 +141,14 @@ class ModelRunner:
         if self.graphs and decode_only and not logit_rows and len(batch.items) <= max(self.graphs):
             logits = self._replay(batch)[rows]
             return sample(logits, [row for _, row in sample_rows]), None
-        bs, dev = self.block_size, self.device
-        ids, positions, slots, seqlens, context_lens = [], [], [], [], []
-        for seq, n in batch.items:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            pos = range(start, start + n)
-            positions += pos
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in pos]
-            seqlens.append(n)
-            context_lens.append(start + n)
-        width = max(len(seq.block_table) for seq, _ in batch.items)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch.items],
-                              dtype=torch.int32)
+        dev = self.device
+        ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(seqlens).cumsum(0)
         meta = AttnMeta(cu_seqlens_q=cu.to(dev), seqlens_q=seqlens, context_lens=context_lens,
-                        slot_mapping=torch.tensor(slots, device=dev), block_tables=tables.to(dev),
+                        slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(tables).to(dev),
                         kv_caches=self.kv_caches)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(positions).to(dev), meta)
         logits = self.model.compute_logits(hidden[rows + list(logit_rows)])
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None

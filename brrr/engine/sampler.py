@@ -64,9 +64,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             apply_penalties(logits[i], row)
             if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
                 logits[i, list(row.stop_ids)] = float("-inf")
-    greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+    greedy_rows = [r.params.greedy for r in rows]
     tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
+    if not all(greedy_rows):  # decided on the host: no device sync before the one .tolist() below
+        greedy = torch.tensor(greedy_rows, device=device)
         temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device, dtype=logits.dtype)
         top_k = torch.tensor([r.params.top_k for r in rows], device=device)
         top_p = torch.tensor([r.params.top_p for r in rows], device=device, dtype=logits.dtype)

@@ -61,8 +61,12 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     filled: set[str] = set()
+    from brrr.quant.checkpoint import quantization_config, swap_quantized  # quant imports this module
+
+    qc = quantization_config(path)
+    skip = swap_quantized(model, qc, files, device) if qc else set()  # projections -> QuantLinear, filled here
     for file in files:
-        _load_file(model, file, filled)
+        _load_file(model, file, filled, skip)
     missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -71,13 +75,15 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     return model
 
 
-def _load_file(model, file: Path, filled: set):
+def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
     except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
         raise BrrrError(f"cannot read {file}: {e} (the file may be truncated or corrupt)") from None
     with handle as f:
         for name in f.keys():
+            if name in skip:
+                continue
             try:
                 target = model.checkpoint_target(name)
             except AttributeError:

@@ -1,0 +1,102 @@
+"""Quantized checkpoints: model.safetensors holds the float tensors under their HF names and, for each quantized
+projection, its format's tensors as `<projection>.<tensor>` (e.g. model.layers.0.self_attn.q_proj.qweight);
+config.json carries `quantization_config` (quant_method "brrr", method, format, group size)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from brrr.errors import BrrrError
+from brrr.loader import hf_state_dict
+from brrr.quant.formats import DEQUANTIZE
+from brrr.quant.linear import QuantLinear, projections
+
+FORMAT_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"),
+                  "nf4": ("qweight", "absmax_q", "absmax_scales", "absmax_mean", "shape"), "fp8": ("qweight", "scales")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+def save_quantized(model, config: dict, out_dir: str | Path, source_dir: str | Path | None = None,
+                   dtype: torch.dtype | None = None):
+    """Write the quantized model (float tensors in `dtype`, default their own) and copy the tokenizer files."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for k, v in hf_state_dict(model).items():
+        is_float_param = v.is_floating_point() and not _is_quant_tensor(model, k)
+        tensors[k] = (v.to(dtype) if dtype and is_float_param else v).detach().contiguous().cpu()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf = model.config.to_hf()
+    hf["torch_dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    hf["quantization_config"] = config
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy(Path(source_dir) / name, out_dir / name)
+
+
+def _is_quant_tensor(model, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    try:
+        return isinstance(model.get_submodule(parent), QuantLinear) and leaf != "bias"
+    except AttributeError:
+        return False
+
+
+def quantization_config(path: Path) -> dict | None:
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "brrr":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise BrrrError(f"{path}/config.json: quantization_config quant_method {method!r} is not supported "
+                        "(brrr loads checkpoints written by `brrr quantize`, quant_method 'brrr')")
+    if qc.get("format") not in FORMAT_TENSORS:
+        raise BrrrError(f"{path}/config.json: quantization_config format must be one of "
+                        f"{', '.join(FORMAT_TENSORS)}; got {qc.get('format')!r}")
+    return qc
+
+
+def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
+    """Replace each projection of `model` (on meta or empty) with a QuantLinear built from the checkpoint's tensors.
+    Returns the checkpoint names consumed. Tensors that disagree with the config or the model: a clear error."""
+    fmt, names = qc["format"], FORMAT_TENSORS[qc["format"]]
+    found: dict[str, dict] = {}
+    consumed = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                parent, _, leaf = key.rpartition(".")
+                if leaf in names and parent.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "gate_proj", "up_proj", "down_proj"):
+                    found.setdefault(parent, {})[leaf] = f.get_tensor(key)
+                    consumed.add(key)
+    for name, linear in projections(model):
+        tensors = found.get(name, {})
+        missing = [t for t in names if t not in tensors]
+        if missing:
+            raise BrrrError(f"quantization_config says format {fmt!r}, but {name} lacks tensors {', '.join(missing)}")
+        try:
+            w = DEQUANTIZE[fmt](tensors)
+        except Exception as e:
+            raise BrrrError(f"{name}: {fmt} tensors do not fit together: {e}") from None
+        if tuple(w.shape) != (linear.out_features, linear.in_features):
+            raise BrrrError(f"{name}: {fmt} tensors dequantize to {tuple(w.shape)}, the config implies "
+                            f"{(linear.out_features, linear.in_features)} (does quantization_config match?)")
+        if fmt == "int4" and tensors["scales"].shape[1] * qc.get("group_size", 0) != linear.in_features:
+            raise BrrrError(f"{name}: {tensors['scales'].shape[1]} int4 groups, but quantization_config "
+                            f"group_size {qc.get('group_size')} implies {linear.in_features // qc.get('group_size', 1)}")
+        bias = None
+        if linear.bias is not None:
+            bias = torch.empty(linear.out_features, dtype=linear.bias.dtype, device=device)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, QuantLinear(
+            fmt, {k: tensors[k].to(device) for k in names}, linear.in_features, linear.out_features, bias))
+    return consumed

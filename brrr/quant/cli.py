@@ -1,0 +1,123 @@
+"""`brrr quantize` and `brrr eval ppl|compare`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+METHODS = ("rtn-int8", "rtn-int4", "gptq", "awq", "nf4", "fp8")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quantize", help="quantize a model's linear layers and write a checkpoint brrr loads and serves")
+    p.add_argument("--model", default=None, help="HF model directory (default: brrr's shipped model)")
+    p.add_argument("--method", required=True, choices=METHODS,
+                   help="rtn-int8 (per channel), rtn-int4/gptq/awq (int4 group-wise), nf4 (double-quantized), "
+                        "fp8 (E4M3 weights, per-row scales)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size: 32, 64 or 128")
+    p.add_argument("--symmetric", action="store_true", help="int4 without zero points")
+    p.add_argument("--no-act-order", action="store_true", help="gptq: quantize columns in order")
+    p.add_argument("--calib", default=None, help="calibration data (gptq, awq): brrr data dir or text file")
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_quantize)
+
+    ev = sub.add_parser("eval", help="evaluate models: ppl (sliding-window perplexity), compare (table)")
+    ev_sub = ev.add_subparsers(dest="eval_command", metavar="EVAL")
+    for name, func, helptext in (("ppl", cmd_ppl, "sliding-window perplexity of one model"),
+                                 ("compare", cmd_compare, "perplexity, bits/weight and size of several models")):
+        e = ev_sub.add_parser(name, help=helptext)
+        if name == "ppl":
+            e.add_argument("--model", default=None)
+        else:
+            e.add_argument("--models", nargs="+", required=True, help="model dirs; the first is the baseline")
+        e.add_argument("--data", required=True, help="brrr data dir (its val split) or a text file")
+        e.add_argument("--split", default="val")
+        e.add_argument("--window", type=int, default=512)
+        e.add_argument("--stride", type=int, default=256)
+        e.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+        e.add_argument("--device", default="cpu")
+        e.set_defaults(func=func)
+    ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    import brrr
+    from brrr.quant.calib import calibration_tokens
+    from brrr.quant.checkpoint import save_quantized
+    from brrr.quant.methods import NEEDS_CALIBRATION, quantize_model
+
+    pre = brrr.load(args.model, dtype="float32", device="cpu")
+    calib = None
+    if args.method in NEEDS_CALIBRATION or args.calib:
+        from brrr.quant.calib import load_tokens
+
+        load_tokens(args.calib, pre.tokenizer)  # a clear error when missing, before any work
+        calib = calibration_tokens(args.calib, pre.tokenizer, args.calib_samples, args.calib_seq_len)
+    t0 = time.perf_counter()
+    config = quantize_model(pre.model, args.method, args.group_size, args.symmetric, calib,
+                            act_order=not args.no_act_order)
+    save_quantized(pre.model, config, args.out, pre.path, dtype=torch.bfloat16)
+    print(json.dumps({"method": args.method, "out": args.out, "seconds": round(time.perf_counter() - t0, 2),
+                      **config}))
+    return 0
+
+
+def _eval_tokens(args, tokenizer):
+    from brrr.quant.calib import load_tokens
+
+    tokens = load_tokens(args.data, tokenizer, args.split)
+    return tokens[: args.max_tokens] if args.max_tokens else tokens
+
+
+def cmd_ppl(args) -> int:
+    import brrr
+    from brrr.quant.evaluate import perplexity
+
+    pre = brrr.load(args.model, dtype="float32", device=args.device)
+    result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride)
+    print(json.dumps({"model": str(pre.path), **result}))
+    return 0
+
+
+def model_summary(path: Path, model) -> dict:
+    """method, stored bits per projection weight, bytes of *.safetensors."""
+    from brrr.quant.checkpoint import quantization_config
+    from brrr.quant.linear import QuantLinear, projections
+
+    qc = quantization_config(path) or {}
+    bits = numel = 0
+    for _, m in projections(model):
+        n = m.in_features * m.out_features
+        if isinstance(m, QuantLinear):
+            bits += sum(t.numel() * t.element_size() * 8 for k, t in m.tensors().items() if k != "shape")
+        else:
+            bits += n * {"float32": 32}.get(model.config.torch_dtype, 16)  # as stored, not as loaded
+        numel += n
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return {"method": qc.get("method", "none"), "bits_per_weight": bits / numel, "bytes": size}
+
+
+def cmd_compare(args) -> int:
+    import brrr
+    from brrr.quant.evaluate import perplexity
+
+    rows, base = [], None
+    tokens = None
+    for spec in args.models:
+        pre = brrr.load(spec, dtype="float32", device=args.device)
+        if tokens is None:
+            tokens = _eval_tokens(args, pre.tokenizer)
+        row = {"model": spec, **model_summary(pre.path, pre.model),
+               **perplexity(pre.model, tokens, args.window, args.stride)}
+        base = base or row["ppl"]
+        row["delta_pct"] = 100 * (row["ppl"] / base - 1)
+        rows.append(row)
+    print(f"{'method':<10} {'bits/w':>7} {'MB':>8} {'ppl':>9} {'delta':>8}  model")
+    for r in rows:
+        print(f"{r['method']:<10} {r['bits_per_weight']:>7.2f} {r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} "
+              f"{r['delta_pct']:>+7.2f}%  {r['model']}")
+    return 0

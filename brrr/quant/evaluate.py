@@ -1,0 +1,54 @@
+"""Sliding-window perplexity: windows of `window` tokens every `stride`; each window scores only the tokens the
+previous one did not (the first window scores all but its first token), so every token after the first is scored
+exactly once, with up to window - stride tokens of context. Same tokens, same windows for every model."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+
+
+def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) of each window over n_tokens."""
+    if not 0 < stride <= window:
+        raise BrrrError(f"--stride must be in [1, --window={window}]; got {stride}")
+    if n_tokens < 2:
+        raise BrrrError(f"perplexity needs at least 2 tokens; got {n_tokens}")
+    out, scored_to = [], 1
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + window, n_tokens)
+        if end > scored_to:
+            out.append((begin, end, scored_to))
+            scored_to = end
+        if end == n_tokens:
+            break
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, tokens: torch.Tensor, window: int = 512, stride: int = 256, batch: int = 8) -> dict:
+    """{'ppl', 'nll', 'tokens'} of `tokens` (1-D) under `model`."""
+    max_pos = model.config.max_position_embeddings
+    if window > max_pos:
+        raise BrrrError(f"--window {window} exceeds the model's max_position_embeddings {max_pos}")
+    device = next(model.parameters()).device
+    spans = windows(len(tokens), window, stride)
+    total, count = 0.0, 0
+    for i in range(0, len(spans), batch):
+        group = spans[i:i + batch]
+        ids = torch.cat([tokens[b:e] for b, e, _ in group]).to(device)
+        positions = torch.cat([torch.arange(e - b) for b, e, _ in group]).to(device)
+        hidden = model(ids, positions, AttnMeta.causal([e - b for b, e, _ in group], device))
+        offset = 0
+        for b, e, first in group:
+            # hidden row r predicts token b + r + 1; score targets first..e-1
+            rows = hidden[offset + first - b - 1: offset + e - b - 1]
+            logits = model.compute_logits(rows)
+            target = tokens[first:e].to(device)
+            total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+            count += e - first
+            offset += e - b
+    return {"ppl": math.exp(total / count), "nll": total / count, "tokens": count}

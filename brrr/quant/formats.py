@@ -1,0 +1,139 @@
+"""Weight formats in plain torch: quantize a float weight [out, in] into stored tensors, and dequantize them back.
+
+int8   per output channel, symmetric: w ~ q * scale, q in [-127, 127].
+int4   per group of `group_size` input columns: asymmetric w ~ (q - zero) * scale, q, zero in [0, 15]; or symmetric
+       (zero fixed at 8). Two nibbles per uint8 along the input dim (column 2j in the low nibble, 2j+1 in the high).
+nf4    QLoRA's 16 normal-float levels, one absmax per block of 64 weights; double quantization stores the absmaxes
+       as int8 (after subtracting their mean) with one float scale per block of 256 absmaxes.
+fp8    float8_e4m3fn weights with a per-tensor or per-row float32 scale (448 = largest E4M3 value).
+"""
+from __future__ import annotations
+
+import torch
+
+from brrr.errors import BrrrError
+
+GROUP_SIZES = (32, 64, 128)
+NF4_LEVELS = torch.tensor([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
+                           0.0795803, 0.1609302, 0.2461123, 0.3379152, 0.4407098, 0.5626170, 0.7229568, 1.0])
+NF4_BLOCK, NF4_SCALE_BLOCK = 64, 256
+FP8_MAX = 448.0
+
+
+# ---- int8 per channel -------------------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> dict:
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"qweight": q, "scales": scale}
+
+
+def dequantize_int8(t: dict) -> torch.Tensor:
+    return t["qweight"].float() * t["scales"][:, None]
+
+
+# ---- int4 group-wise ----------------------------------------------------------------------------------------------
+def check_group(in_features: int, group_size: int):
+    if group_size not in GROUP_SIZES:
+        raise BrrrError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size}")
+    if in_features % group_size:
+        raise BrrrError(f"group_size {group_size} does not divide the input dimension {in_features}")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] integers in [0, 15] -> [out, in/2] uint8."""
+    if q.shape[-1] % 2:
+        raise BrrrError(f"int4 packing needs an even input dimension; got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in/2] uint8 -> [out, in] uint8 in [0, 15]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def int4_params(w: torch.Tensor, symmetric: bool, clip: torch.Tensor | float = 1.0):
+    """Scale and zero for each row of w [..., g] (the group's columns), shrinking the range by `clip`."""
+    if symmetric:
+        scale = (w.abs().amax(dim=-1) * clip / 7).clamp(min=1e-12)
+        return scale, torch.full_like(scale, 8.0)
+    hi, lo = (w.amax(dim=-1) * clip).clamp(min=0), (w.amin(dim=-1) * clip).clamp(max=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    return scale, torch.round(-lo / scale).clamp(0, 15)
+
+
+def int4_round(w, scale, zero):
+    """Quantize w with broadcastable scale/zero -> integer codes in [0, 15] (float)."""
+    return torch.round(w / scale + zero).clamp(0, 15)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False, clip=1.0) -> dict:
+    out, n = w.shape
+    check_group(n, group_size)
+    g = w.float().view(out, n // group_size, group_size)
+    scale, zero = int4_params(g, symmetric, clip)
+    q = int4_round(g, scale[..., None], zero[..., None]).view(out, n)
+    return from_codes(q, scale, zero)
+
+
+def from_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> dict:
+    """Stored int4 tensors from codes [out, in] and per-group scale/zero [out, groups]."""
+    return {"qweight": pack_int4(q), "scales": scale.float().contiguous(), "zeros": zero.to(torch.uint8).contiguous()}
+
+
+def dequantize_int4(t: dict) -> torch.Tensor:
+    q = unpack_int4(t["qweight"]).float()
+    out, n = q.shape
+    groups = t["scales"].shape[1]
+    q = q.view(out, groups, n // groups)
+    return ((q - t["zeros"].float()[..., None]) * t["scales"][..., None]).view(out, n)
+
+
+# ---- NF4 with double quantization -------------------------------------------------------------------------------
+def quantize_nf4(w: torch.Tensor) -> dict:
+    flat = w.float().flatten()
+    if flat.numel() % NF4_BLOCK:
+        raise BrrrError(f"nf4 needs a weight size divisible by {NF4_BLOCK}; got {tuple(w.shape)}")
+    blocks = flat.view(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1).clamp(min=1e-12)
+    codes = (blocks / absmax[:, None])[..., None].sub(NF4_LEVELS).abs().argmin(dim=-1)
+    # double quantization of the absmaxes: int8 around their mean, one scale per 256
+    mean = absmax.mean()
+    centered = absmax - mean
+    pad = (-centered.numel()) % NF4_SCALE_BLOCK
+    padded = torch.cat([centered, centered.new_zeros(pad)]).view(-1, NF4_SCALE_BLOCK)
+    scale2 = (padded.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    absmax_q = torch.round(padded / scale2[:, None]).clamp(-127, 127).to(torch.int8).flatten()[:absmax.numel()]
+    return {"qweight": pack_int4(codes.view(1, -1)).flatten(), "absmax_q": absmax_q, "absmax_scales": scale2,
+            "absmax_mean": mean.reshape(1), "shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+
+
+def dequantize_nf4(t: dict) -> torch.Tensor:
+    codes = unpack_int4(t["qweight"].view(1, -1)).flatten().long()
+    n = t["absmax_q"].numel()
+    scale2 = t["absmax_scales"].repeat_interleave(NF4_SCALE_BLOCK)[:n]
+    absmax = t["absmax_q"].float() * scale2 + t["absmax_mean"]
+    w = NF4_LEVELS[codes].view(-1, NF4_BLOCK) * absmax[:, None]
+    return w.view(*t["shape"].tolist())
+
+
+# ---- FP8 E4M3 -----------------------------------------------------------------------------------------------------
+def quantize_fp8(w: torch.Tensor, per_row: bool = True) -> dict:
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax().reshape(1, 1)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    return {"qweight": (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), "scales": scale.flatten()}
+
+
+def dequantize_fp8(t: dict) -> torch.Tensor:
+    s = t["scales"]
+    return t["qweight"].float() * (s[:, None] if s.numel() > 1 else s)
+
+
+DEQUANTIZE = {"int8": dequantize_int8, "int4": dequantize_int4, "nf4": dequantize_nf4, "fp8": dequantize_fp8}
+
+
+def bits_per_weight(fmt: str, tensors: dict, numel: int) -> float:
+    """Stored bits per weight, metadata (scales, zeros, absmaxes) included."""
+    return sum(t.numel() * t.element_size() * 8 for k, t in tensors.items() if k != "shape") / numel

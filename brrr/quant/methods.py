@@ -1,0 +1,95 @@
+"""Quantize a loaded model in place: RTN (int8, int4, nf4, fp8), GPTQ and AWQ (int4 group-wise).
+
+Each method ends in `swap_linears`, so the model file never changes; the returned dict is the checkpoint's
+`quantization_config`."""
+from __future__ import annotations
+
+import torch
+
+from brrr.errors import BrrrError
+from brrr.quant import formats
+from brrr.quant.awq import fold, fold_groups, search_clip, search_scale
+from brrr.quant.calib import record_inputs
+from brrr.quant.gptq import Hessian, gptq_quantize
+from brrr.quant.linear import QuantLinear, projections, swap_linears
+
+METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": "int4", "nf4": "nf4", "fp8": "fp8"}
+NEEDS_CALIBRATION = ("gptq", "awq")
+AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
+
+
+def quant_linear(fmt: str, linear, tensors: dict) -> QuantLinear:
+    device = linear.weight.device
+    return QuantLinear(fmt, {k: v.to(device) for k, v in tensors.items()}, linear.in_features,
+                       linear.out_features, linear.bias)
+
+
+def rtn_tensors(fmt: str, w: torch.Tensor, group_size: int, symmetric: bool) -> dict:
+    if fmt == "int8":
+        return formats.quantize_int8(w)
+    if fmt == "int4":
+        return formats.quantize_int4(w, group_size, symmetric)
+    if fmt == "nf4":
+        return formats.quantize_nf4(w)
+    return formats.quantize_fp8(w, per_row=True)
+
+
+def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = False,
+                   calib: torch.Tensor | None = None, act_order: bool = True) -> dict:
+    if method not in METHOD_FORMAT:
+        raise BrrrError(f"--method must be one of {', '.join(METHOD_FORMAT)}; got {method!r}")
+    fmt = METHOD_FORMAT[method]
+    if fmt == "int4":
+        for name, linear in projections(model):
+            formats.check_group(linear.in_features, group_size)
+    if method in NEEDS_CALIBRATION and (calib is None or calib.numel() == 0):
+        raise BrrrError(f"--method {method} needs calibration data: pass --calib DIR|FILE")
+    if method == "gptq":
+        tensors = _gptq(model, calib, group_size, symmetric, act_order)
+    elif method == "awq":
+        tensors = _awq(model, calib, group_size, symmetric)
+    else:
+        tensors = {n: rtn_tensors(fmt, m.weight, group_size, symmetric) for n, m in projections(model)}
+    swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name]))
+    config = {"quant_method": "brrr", "method": method, "format": fmt}
+    if fmt == "int4":
+        config.update(group_size=group_size, symmetric=symmetric)
+    if method == "gptq":
+        config["act_order"] = act_order
+    return config
+
+
+def _gptq(model, calib, group_size, symmetric, act_order) -> dict:
+    """Hessians from one float pass over the calibration data (inputs of the unquantized model)."""
+    hessians = {n: Hessian(m.in_features) for n, m in projections(model)}
+    record_inputs(model, calib, lambda name, x: hessians[name].add(x.cpu()))
+    return {n: gptq_quantize(m.weight.cpu(), hessians[n].H, group_size, symmetric, act_order)
+            for n, m in projections(model)}
+
+
+def _awq(model, calib, group_size, symmetric) -> dict:
+    inputs: dict[str, list] = {}
+    stride = max(1, calib.numel() // (2 * AWQ_TOKENS))  # keep ~2x the tokens needed, spread over all the data
+    record_inputs(model, calib,
+                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride].cpu()))
+    gen = torch.Generator().manual_seed(0)
+    xs = {}
+    for name, chunks in inputs.items():
+        x = torch.cat(chunks)
+        xs[name] = x[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
+    tensors = {}
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        for producer, consumers in fold_groups(layer, model.config):
+            mods = [layer.get_submodule(c) for c in consumers]
+            x = xs[prefix + consumers[0]]
+            s = search_scale([m.weight.cpu() for m in mods], x, group_size, symmetric)
+            fold(s.to(mods[0].weight.device), producer, mods)
+            for c in consumers:
+                xs[prefix + c] = xs[prefix + c] / s
+        for c in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            w = layer.get_submodule(c).weight.detach().float().cpu()
+            clip = search_clip(w, xs[prefix + c], group_size, symmetric)
+            tensors[prefix + c] = formats.quantize_int4(w, group_size, symmetric, clip)
+    return tensors

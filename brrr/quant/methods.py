@@ -67,29 +67,36 @@ def _gptq(model, calib, group_size, symmetric, act_order) -> dict:
             for n, m in projections(model)}
 
 
-def _awq(model, calib, group_size, symmetric) -> dict:
+def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
+    """Up to AWQ_TOKENS calibration inputs of each projection, spread over all the data."""
     inputs: dict[str, list] = {}
-    stride = max(1, calib.numel() // (2 * AWQ_TOKENS))  # keep ~2x the tokens needed, spread over all the data
+    stride = max(1, calib.numel() // (2 * AWQ_TOKENS))
     record_inputs(model, calib,
                   lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride].cpu()))
     gen = torch.Generator().manual_seed(0)
-    xs = {}
-    for name, chunks in inputs.items():
-        x = torch.cat(chunks)
-        xs[name] = x[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
-    tensors = {}
+    return {name: (x := torch.cat(chunks))[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
+            for name, chunks in inputs.items()}
+
+
+def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool):
+    """Search each fold group's scales and fold them in (the float model's function is unchanged); `xs` is
+    updated to the inputs the scaled projections now see."""
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         for producer, consumers in fold_groups(layer, model.config):
             mods = [layer.get_submodule(c) for c in consumers]
-            x = xs[prefix + consumers[0]]
-            s = search_scale([m.weight.cpu() for m in mods], x, group_size, symmetric)
+            s = search_scale([m.weight.cpu() for m in mods], xs[prefix + consumers[0]], group_size, symmetric)
             fold(s.to(mods[0].weight.device), producer, mods)
             for c in consumers:
                 xs[prefix + c] = xs[prefix + c] / s
-        for c in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            w = layer.get_submodule(c).weight.detach().float().cpu()
-            clip = search_clip(w, xs[prefix + c], group_size, symmetric)
-            tensors[prefix + c] = formats.quantize_int4(w, group_size, symmetric, clip)
+
+
+def _awq(model, calib, group_size, symmetric) -> dict:
+    xs = awq_inputs(model, calib)
+    fold_awq_scales(model, xs, group_size, symmetric)
+    tensors = {}
+    for name, linear in projections(model):
+        w = linear.weight.detach().float().cpu()
+        clip = search_clip(w, xs[name], group_size, symmetric)
+        tensors[name] = formats.quantize_int4(w, group_size, symmetric, clip)
     return tensors

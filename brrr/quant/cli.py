@@ -50,12 +50,13 @@ def cmd_quantize(args) -> int:
     from brrr.quant.checkpoint import save_quantized
     from brrr.quant.methods import NEEDS_CALIBRATION, quantize_model
 
+    from brrr.errors import BrrrError
+
+    if args.method in NEEDS_CALIBRATION and not args.calib:
+        raise BrrrError(f"--method {args.method} needs calibration data: pass --calib DIR|FILE")
     pre = brrr.load(args.model, dtype="float32", device="cpu")
     calib = None
-    if args.method in NEEDS_CALIBRATION or args.calib:
-        from brrr.quant.calib import load_tokens
-
-        load_tokens(args.calib, pre.tokenizer)  # a clear error when missing, before any work
+    if args.calib:
         calib = calibration_tokens(args.calib, pre.tokenizer, args.calib_samples, args.calib_seq_len)
     t0 = time.perf_counter()
     config = quantize_model(pre.model, args.method, args.group_size, args.symmetric, calib,

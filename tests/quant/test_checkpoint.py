@@ -1,0 +1,99 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from brrr.cli import main
+from brrr.engine import LLM, SamplingParams
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+from brrr.loader import load_model
+from brrr.quant.checkpoint import save_quantized
+from brrr.quant.linear import QuantLinear, projections
+from brrr.quant.methods import quantize_model
+
+
+def _logits(model, ids):
+    return model.compute_logits(model(ids, torch.arange(len(ids)), AttnMeta.causal([len(ids)], "cpu")))
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_dir, calib, tmp_path_factory):
+    out = {}
+    for method in ("rtn-int8", "gptq", "nf4", "fp8"):
+        model = load_model(tiny_dir, dtype=torch.float32)
+        config = quantize_model(model, method, group_size=32, calib=calib)
+        path = tmp_path_factory.mktemp(method)
+        save_quantized(model, config, path, source_dir=tiny_dir)
+        out[method] = (path, model)
+    return out
+
+
+@pytest.mark.parametrize("method", ["rtn-int8", "gptq", "nf4", "fp8"])
+@torch.no_grad()
+def test_a_saved_quantized_checkpoint_loads_into_the_same_model(quantized_dirs, method):
+    path, model = quantized_dirs[method]
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["method"] == method
+    loaded = load_model(path, dtype=torch.float32)
+    assert all(isinstance(m, QuantLinear) for _, m in projections(loaded))
+    ids = torch.arange(1, 40)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_a_quantized_tiny_model_generates_through_the_engine(quantized_dirs):
+    path, model = quantized_dirs["gptq"]
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = llm.generate([[5, 6, 7, 8]], params)[0]
+    ids = [5, 6, 7, 8]
+    with torch.no_grad():  # greedy tokens from the in-memory quantized model, one full forward per token
+        for _ in range(8):
+            ids.append(int(_logits(model, torch.tensor(ids))[-1].argmax()))
+    assert list(out.outputs[0].token_ids) == ids[4:]
+
+
+def _rewrite(src, dst, config_edit=None, tensor_edit=None):
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    if tensor_edit:
+        tensor_edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_a_checkpoint_whose_quantization_config_disagrees_with_its_tensors_is_a_clear_error(quantized_dirs, tmp_path):
+    gptq, int8 = quantized_dirs["gptq"][0], quantized_dirs["rtn-int8"][0]
+    bad = _rewrite(gptq, tmp_path / "group", lambda qc: qc.update(group_size=64))
+    with pytest.raises(BrrrError, match="group_size 64 implies 1"):
+        load_model(bad)
+    bad = _rewrite(int8, tmp_path / "fmt", lambda qc: qc.update(format="int4", group_size=32))
+    with pytest.raises(BrrrError, match="lacks tensors zeros"):
+        load_model(bad)
+    bad = _rewrite(gptq, tmp_path / "missing",
+                   tensor_edit=lambda t: t.pop("model.layers.1.mlp.down_proj.scales"))
+    with pytest.raises(BrrrError, match="model.layers.1.mlp.down_proj lacks tensors scales"):
+        load_model(bad)
+    bad = _rewrite(gptq, tmp_path / "method", lambda qc: qc.update(quant_method="bitnet"))
+    with pytest.raises(BrrrError, match="quant_method 'bitnet' is not supported"):
+        load_model(bad)
+
+
+def test_cli_quantize_and_eval(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 200)
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "awq", "--group-size", "32", "--calib", str(text),
+                 "--calib-seq-len", "32", "--calib-samples", "8", "--out", str(tmp_path / "awq")]) == 0
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "gptq", "--out", str(tmp_path / "x")]) == 2
+    assert "needs calibration data" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--model", str(tmp_path / "awq"), "--data", str(text), "--window", "64",
+                 "--stride", "32"]) == 0
+    ppl = json.loads(capsys.readouterr().out)["ppl"]
+    assert main(["eval", "compare", "--models", str(tiny_dir), str(tmp_path / "awq"), "--data", str(text),
+                 "--window", "64", "--stride", "32"]) == 0
+    table = capsys.readouterr().out
+    assert "awq" in table and f"{ppl:.4f}" in table

@@ -1,6 +1,7 @@
 """Sliding-window perplexity: windows of `window` tokens every `stride`; each window scores only the tokens the
 previous one did not (the first window scores all but its first token), so every token after the first is scored
-exactly once, with up to window - stride tokens of context. Same tokens, same windows for every model."""
+exactly once, with at least window - stride tokens of context after the first window. Same tokens, same windows
+for every model."""
 from __future__ import annotations
 
 import math
@@ -12,19 +13,18 @@ from brrr.kernels import AttnMeta
 
 
 def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored position) of each window over n_tokens."""
-    if not 0 < stride <= window:
-        raise BrrrError(f"--stride must be in [1, --window={window}]; got {stride}")
+    """(begin, end, first scored position) of each window over n_tokens. stride < window, so every scored token
+    has at least one token of context inside its window (at least window - stride after the first window)."""
+    if not 0 < stride < window:
+        raise BrrrError(f"--stride must be in [1, --window - 1 = {window - 1}]; got {stride}")
     if n_tokens < 2:
         raise BrrrError(f"perplexity needs at least 2 tokens; got {n_tokens}")
-    out, scored_to = [], 1
-    for begin in range(0, n_tokens, stride):
-        end = min(begin + window, n_tokens)
-        if end > scored_to:
-            out.append((begin, end, scored_to))
-            scored_to = end
-        if end == n_tokens:
-            break
+    end = min(window, n_tokens)
+    out = [(0, end, 1)]
+    while end < n_tokens:
+        new_end = min(end + stride, n_tokens)
+        out.append((max(0, new_end - window), new_end, end))
+        end = new_end
     return out
 
 

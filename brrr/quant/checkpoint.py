@@ -15,9 +15,12 @@ from brrr.errors import BrrrError
 from brrr.loader import hf_state_dict
 from brrr.quant.formats import DEQUANTIZE
 from brrr.quant.linear import QuantLinear, projections
+from brrr.quant.published import published_format
 
 FORMAT_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"),
-                  "nf4": ("qweight", "absmax_q", "absmax_scales", "absmax_mean", "shape"), "fp8": ("qweight", "scales")}
+                  "nf4": ("qweight", "absmax_q", "absmax_scales", "absmax_mean", "shape"), "fp8": ("qweight", "scales"),
+                  "gptq": ("qweight", "qzeros", "scales", "g_idx"), "gptq_v2": ("qweight", "qzeros", "scales", "g_idx"),
+                  "awq": ("qweight", "qzeros", "scales")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -54,10 +57,12 @@ def quantization_config(path: Path) -> dict | None:
     qc = raw.get("quantization_config")
     if qc is None:
         return None
+    if isinstance(qc, dict) and qc.get("quant_method") in ("gptq", "awq"):
+        return {**qc, "format": published_format(qc, f"{path}/config.json")}
     if not isinstance(qc, dict) or qc.get("quant_method") != "brrr":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise BrrrError(f"{path}/config.json: quantization_config quant_method {method!r} is not supported "
-                        "(brrr loads checkpoints written by `brrr quantize`, quant_method 'brrr')")
+                        "(brrr loads 'brrr' from `brrr quantize`, and 4-bit 'gptq' and 'awq')")
     if qc.get("format") not in FORMAT_TENSORS:
         raise BrrrError(f"{path}/config.json: quantization_config format must be one of "
                         f"{', '.join(FORMAT_TENSORS)}; got {qc.get('format')!r}")

@@ -131,7 +131,14 @@ def dequantize_fp8(t: dict) -> torch.Tensor:
     return t["qweight"].float() * (s[:, None] if s.numel() > 1 else s)
 
 
-DEQUANTIZE = {"int8": dequantize_int8, "int4": dequantize_int4, "nf4": dequantize_nf4, "fp8": dequantize_fp8}
+def _published():
+    from brrr.quant.published import dequantize_awq, dequantize_gptq, dequantize_gptq_v2
+
+    return {"gptq": dequantize_gptq, "gptq_v2": dequantize_gptq_v2, "awq": dequantize_awq}
+
+
+DEQUANTIZE = {"int8": dequantize_int8, "int4": dequantize_int4, "nf4": dequantize_nf4, "fp8": dequantize_fp8,
+              **_published()}
 
 
 def bits_per_weight(fmt: str, tensors: dict, numel: int) -> float:

@@ -95,9 +95,10 @@ def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
         if tuple(w.shape) != (linear.out_features, linear.in_features):
             raise BrrrError(f"{name}: {fmt} tensors dequantize to {tuple(w.shape)}, the config implies "
                             f"{(linear.out_features, linear.in_features)} (does quantization_config match?)")
-        if fmt == "int4" and tensors["scales"].shape[1] * qc.get("group_size", 0) != linear.in_features:
-            raise BrrrError(f"{name}: {tensors['scales'].shape[1]} int4 groups, but quantization_config "
-                            f"group_size {qc.get('group_size')} implies {linear.in_features // qc.get('group_size', 1)}")
+        group_size = qc.get("group_size") or 0
+        if fmt == "int4" and tensors["scales"].shape[1] * group_size != linear.in_features:
+            raise BrrrError(f"{name}: {tensors['scales'].shape[1]} int4 groups, but quantization_config group_size "
+                            f"{qc.get('group_size')} implies {linear.in_features // max(group_size, 1)}")
         bias = None
         if linear.bias is not None:
             bias = torch.empty(linear.out_features, dtype=linear.bias.dtype, device=device)

@@ -45,7 +45,6 @@ def test_gptq_handles_dead_inputs():
 
 
 def _logits(model, ids):
-    n = ids.numel()
     return model.compute_logits(model(ids.flatten(), torch.arange(ids.shape[1]).repeat(len(ids)),
                                       AttnMeta.causal([ids.shape[1]] * len(ids), "cpu")))
 

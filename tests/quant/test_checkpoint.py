@@ -97,3 +97,24 @@ def test_cli_quantize_and_eval(tiny_dir, tmp_path, capsys):
                  "--window", "64", "--stride", "32"]) == 0
     table = capsys.readouterr().out
     assert "awq" in table and f"{ppl:.4f}" in table
+
+
+def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(tiny_dir, tmp_path, capsys):
+    from brrr.quant.calib import calibration_tokens
+    from brrr.train.data import TokenData, build
+    from tests.train.conftest import write_sources
+
+    write_sources(tmp_path / "src", files=12)
+    build(tmp_path / "data", [str(tmp_path / "src")], vocab=300, val_fraction=0.2, show_progress=False)
+    train = TokenData(tmp_path / "data").splits["train"]
+    seqs = calibration_tokens(tmp_path / "data", tokenizer=None, n_samples=4, seq_len=32)
+    assert seqs.shape == (4, 32) and seqs.flatten().tolist() == train[:128].tolist()
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "gptq", "--group-size", "32",
+                 "--calib", str(tmp_path / "data"), "--calib-seq-len", "32", "--calib-samples", "4",
+                 "--out", str(tmp_path / "q")]) == 0
+    assert main(["eval", "ppl", "--model", str(tmp_path / "q"), "--data", str(tmp_path / "data"),
+                 "--window", "64", "--stride", "32"]) == 0  # the val split
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == len(TokenData(tmp_path / "data")
+                                                                                   .splits["val"]) - 1
+    with pytest.raises(BrrrError, match="fewer than one calibration sequence"):
+        calibration_tokens(tmp_path / "data", None, seq_len=10 ** 7)

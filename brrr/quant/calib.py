@@ -49,10 +49,11 @@ def run_model(model, seqs: torch.Tensor, batch: int = 8):
         model(ids, positions, AttnMeta.causal([chunk.shape[1]] * len(chunk), device))
 
 
-def record_inputs(model, seqs: torch.Tensor, on_input) -> None:
-    """Call on_input(name, x [tokens, in_features]) for each projection's input during a float forward."""
+def record_inputs(model, seqs: torch.Tensor, on_input, only: set[str] | None = None) -> None:
+    """Call on_input(name, x [tokens, in_features]) for each projection's input (those in `only`, if given)
+    during a forward pass over `seqs`."""
     handles = [m.register_forward_hook(lambda mod, args, out, name=name: on_input(name, args[0].float()))
-               for name, m in projections(model)]
+               for name, m in projections(model) if only is None or name in only]
     try:
         run_model(model, seqs)
     finally:

@@ -45,12 +45,13 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
     if method in NEEDS_CALIBRATION and (calib is None or calib.numel() == 0):
         raise BrrrError(f"--method {method} needs calibration data: pass --calib DIR|FILE")
     if method == "gptq":
-        tensors = _gptq(model, calib, group_size, symmetric, act_order)
-    elif method == "awq":
-        tensors = _awq(model, calib, group_size, symmetric)
+        _gptq(model, calib, group_size, symmetric, act_order)  # swaps each layer in as it goes
     else:
-        tensors = {n: rtn_tensors(fmt, m.weight, group_size, symmetric) for n, m in projections(model)}
-    swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name]))
+        if method == "awq":
+            tensors = _awq(model, calib, group_size, symmetric)
+        else:
+            tensors = {n: rtn_tensors(fmt, m.weight, group_size, symmetric) for n, m in projections(model)}
+        swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name]))
     config = {"quant_method": "brrr", "method": method, "format": fmt}
     if fmt == "int4":
         config.update(group_size=group_size, symmetric=symmetric)
@@ -59,12 +60,16 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
     return config
 
 
-def _gptq(model, calib, group_size, symmetric, act_order) -> dict:
-    """Hessians from one float pass over the calibration data (inputs of the unquantized model)."""
-    hessians = {n: Hessian(m.in_features) for n, m in projections(model)}
-    record_inputs(model, calib, lambda name, x: hessians[name].add(x.cpu()))
-    return {n: gptq_quantize(m.weight.cpu(), hessians[n].H, group_size, symmetric, act_order)
-            for n, m in projections(model)}
+def _gptq(model, calib, group_size, symmetric, act_order):
+    """Layer by layer, as the reference: each layer's Hessians come from a forward pass in which the layers before
+    it are already quantized, so GPTQ also corrects the error they pass on."""
+    for i, layer in enumerate(model.model.layers):
+        names = [n for n, _ in projections(model) if n.startswith(f"model.layers.{i}.")]
+        hessians = {n: Hessian(model.get_submodule(n).in_features) for n in names}
+        record_inputs(model, calib, lambda name, x: hessians[name].add(x.cpu()), only=set(names))
+        tensors = {n: gptq_quantize(model.get_submodule(n).weight.cpu(), hessians[n].H, group_size, symmetric,
+                                    act_order) for n in names}
+        swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:

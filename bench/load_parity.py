@@ -15,12 +15,10 @@ import torch
 import transformers
 
 import brrr
+from brrr.presets import PRESETS
 
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                        high_freq_factor=4.0, original_max_position_embeddings=8192),
-                   bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+# The published Llama-3.1-8B config.json (brrr.presets), as transformers builds it.
+LLAMA_31_8B = {k: v for k, v in PRESETS["llama-3.1-8b"].items() if k != "model_type"}
 
 
 def record(**kw):

@@ -140,8 +140,7 @@ class LLMEngine:
                 prompt_rows.append((seq, row, n))
             row += n
         logit_rows = [r for _, start, n in prompt_rows for r in range(start, start + n)]
-        rows = [(r, SampleRow(s.request.params, s.generator, s.request.prompt_token_ids, s.output_ids,
-                              self._stop_ids(s.request.params))) for r, s in sample_plan]
+        rows = [(r, self._sample_row(s)) for r, s in sample_plan]
         try:
             result, prompt_lp = self.runner.execute(batch, rows, logit_rows)
         except Exception as e:  # one bad step must not take the engine down: fail its requests, keep serving
@@ -168,6 +167,13 @@ class LLMEngine:
                 seq.request.first_token_time = now
             self._append_token(seq, token, logprobs)
         return [self._output(req) for req in touched.values() if self.stream_outputs or req.finished]
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        params = seq.request.params
+        # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
+        # per sequence per step is host work the GPU would wait on.
+        history = seq.output_ids if params.has_penalties or params.min_tokens else []
+        return SampleRow(params, seq.generator, seq.request.prompt_token_ids, history, self._stop_ids(params))
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)

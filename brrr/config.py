@@ -271,6 +271,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context
     cuda_graphs: bool = True  # capture decode steps at batch sizes 1, 2, 4, ... max_num_seqs (CUDA only)
+    pack_projections: bool | None = None  # one q/k/v GEMM and one gate/up GEMM; None: when the Triton kernels run
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

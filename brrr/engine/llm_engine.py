@@ -15,6 +15,8 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
 from brrr.errors import BrrrError
+from brrr.kernels.dispatch import fast_path
+from brrr.models.llama import LlamaForCausalLM, pack_projections
 from brrr.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("brrr.engine")
@@ -27,6 +29,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         cfg, ec = model.config, self.config
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
+        pack = ec.pack_projections
+        if pack is None:
+            pack = fast_path(next(model.parameters()).device)
+        if pack and isinstance(model, LlamaForCausalLM):
+            pack_projections(model)  # before sizing the KV cache: the packed copy is made layer by layer
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)

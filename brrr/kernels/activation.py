@@ -1,15 +1,15 @@
 """SwiGLU's elementwise half: silu(gate) * up, one pass over both inputs.
 
-gate and up stay two tensors (the model runs HF's separate gate_proj and up_proj GEMMs, docs/models.md says
-why), so the kernel reads two inputs instead of one packed [N, 2I] one. It rounds where torch's two ops do
-(silu's output, then the product), so bf16 results equal the reference's up to the exp's last bit.
+gate and up are two [N, I] tensors: HF's separate gate_proj and up_proj outputs, or the two halves of the packed
+gate_up GEMM's [N, 2I] output (rows strided, read in place). It rounds where torch's two ops do (silu's output,
+then the product), so bf16 results equal the reference's up to the exp's last bit.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import use_triton
+from brrr.kernels.dispatch import next_power_of_2, use_triton
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -25,27 +25,31 @@ except Exception:
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _silu_and_mul_kernel(G, U, O, stride_g, stride_u, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)
-        tl.store(O + offs, (s * u).to(O.dtype.element_ty), mask=mask)
+        tl.store(O + row * n + offs, (s * u).to(O.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    block = 2048
+    """gate, up [..., I] with unit-stride rows (any row stride)."""
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = min(2048, next_power_of_2(n))
     # no FMA contraction: the kernel must round where torch's two ops round
-    _silu_and_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8,
-                                                   enable_fp_fusion=False)
+    _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, g2.stride(0), u2.stride(0), n,
+                                                              BLOCK=block, num_warps=8 if block >= 1024 else 4,
+                                                              enable_fp_fusion=False)
     return out
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.shape == up.shape and gate.dtype == up.dtype and gate.numel() > 0 and use_triton(gate, up):
+    if (gate.shape == up.shape and gate.dtype == up.dtype and gate.numel() > 0 and gate.stride(-1) == up.stride(-1) == 1
+            and use_triton(gate, up)):
         return silu_and_mul_triton(gate, up)
     return silu_and_mul_ref(gate, up)

@@ -38,6 +38,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return triton_available()
 
 
+def fast_path(device: torch.device | str) -> bool:
+    """Whether ops on `device` take the Triton kernels here and now."""
+    return use_triton(torch.empty(0, device=device))
+
+
 @contextlib.contextmanager
 def use_reference():
     """Run every op through its plain-torch reference inside this block (a peer for benchmarks and tests)."""

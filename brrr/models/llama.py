@@ -61,11 +61,16 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
+        self.qkv_proj = None  # set by pack_projections (serving fast path)
 
     def forward(self, x, cos, sin, meta: AttnMeta):
-        q = self.q_proj(x).view(-1, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(-1, self.n_kv, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim] + [self.n_kv * self.head_dim] * 2, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(-1, self.n_heads, self.head_dim)
+        k = k.view(-1, self.n_kv, self.head_dim)
+        v = v.view(-1, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
@@ -78,8 +83,11 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = None  # set by pack_projections (serving fast path)
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            return self.down_proj(silu_and_mul(*self.gate_up_proj(x).chunk(2, -1)))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -143,3 +151,36 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # same storage as embed_tokens
         return self.get_parameter(name)
+
+
+def _packed(linears: list[nn.Linear]) -> nn.Linear | None:
+    if not all(type(m) is nn.Linear for m in linears):  # quantized or otherwise swapped: leave them
+        return None
+    w = linears[0].weight
+    out = nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None,
+                    device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
+    out.requires_grad_(False)
+    return out
+
+
+@torch.no_grad()
+def pack_projections(model: LlamaForCausalLM) -> int:
+    """Serving fast path: q/k/v become one GEMM and gate/up another, layer by layer (the originals are dropped as
+    each layer is packed, so peak memory grows by one layer). At small batch a GEMM is a read of its weights, and
+    three reads of 8-32 MB cost more than one of 48 MB (launches, tails). bf16 sums can round differently from
+    HF's separate GEMMs (docs/models.md), so the reference path and the checkpoint writers never pack.
+    Returns how many modules it packed. The packed model cannot be saved by name."""
+    packed = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None and (qkv := _packed([attn.q_proj, attn.k_proj, attn.v_proj])) is not None:
+            attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
+            packed += 1
+        if mlp.gate_up_proj is None and (gu := _packed([mlp.gate_proj, mlp.up_proj])) is not None:
+            mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gu, None, None
+            packed += 1
+    return packed

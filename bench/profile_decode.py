@@ -3,7 +3,9 @@
   replay   one captured decode step replayed back to back: the GPU's time per step, packed and unpacked q/k/v, gate/up
   engine   the engine's decode loop: wall time per step, and the same loop with replay() made a no-op (host alone)
   kernels  torch.profiler over eager decode steps: GPU time per kernel name, and the host's busiest functions
-    python bench/profile_decode.py --model llama-3.1-8b --out DIR
+  offline  `brrr bench throughput`'s workload, each step split into host time outside the runner, the runner's wall
+           time and the GPU time between events around it; plus a kernel table of 10 steady-state steps
+    python bench/profile_decode.py --model llama-3.1-8b --out DIR [--sections gemm,engine,kernels,offline]
 """
 from __future__ import annotations
 
@@ -117,11 +119,70 @@ def kernel_section(model, cfg, prof_dir):
     del engine
 
 
+def offline_section(model_name, f, prof_dir, num_requests=256):
+    import random
+    from torch.profiler import ProfilerActivity, profile
+
+    from brrr.engine import SamplingParams
+    cfg = model_config(model_name)
+    engine = LLMEngine(random_model(cfg, torch.bfloat16, "cuda"), None,
+                       EngineConfig(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=2056))
+    engine.stream_outputs = False
+    rng = random.Random(0)
+    engine.add_request("warm", [1] * 64, SamplingParams(max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(num_requests):
+        prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(100, 1024))]
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(100, 1024), temperature=0.6,
+                                                          ignore_eos=True, seed=i))
+    runner, real = engine.runner, engine.runner.execute
+    per_step = []
+
+    def timed(*a, **k):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        out = real(*a, **k)  # ends in the sampler's .tolist(): the GPU is done
+        e1.record()
+        t1 = time.perf_counter()
+        per_step.append([a[0], t1 - t0, e0, e1])
+        return out
+
+    runner.execute = timed
+    torch.cuda.synchronize()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        if steps == 300:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                for _ in range(10):
+                    engine.step()
+            open(f"{prof_dir}/offline_kernels_{model_name}.txt", "w").write(
+                p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+            open(f"{prof_dir}/offline_host_{model_name}.txt", "w").write(
+                p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+            steps += 10
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - start
+    torch.cuda.synchronize()
+    decode = [s for s in per_step if all(n == 1 for _, n in s[0].items)]
+    gpu = sum(s[2].elapsed_time(s[3]) for s in per_step) / 1e3
+    emit({"section": "offline", "model": model_name, "steps": steps, "wall_s": round(wall, 3),
+          "runner_wall_s": round(sum(s[1] for s in per_step), 3), "runner_gpu_s": round(gpu, 3),
+          "decode_steps": len(decode), "decode_runner_wall_s": round(sum(s[1] for s in decode), 3),
+          "decode_gpu_s": round(sum(s[2].elapsed_time(s[3]) for s in decode) / 1e3, 3),
+          "outside_runner_s": round(wall - sum(s[1] for s in per_step), 3)}, f)
+    del engine
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="gemm,engine,kernels")
+    ap.add_argument("--sections", default="gemm,engine,kernels,offline")
+    ap.add_argument("--offline-models", default="qwen3-0.6b")
     args = ap.parse_args()
     import os
     os.makedirs(args.out, exist_ok=True)
@@ -132,7 +193,7 @@ def main():
         emit({"section": "machine", "name": gpu.name, "bandwidth": round(gpu.bandwidth), "model": args.model}, f)
         if "gemm" in sections:
             gemm_bandwidth(cfg, f)
-        model = random_model(cfg, torch.bfloat16, "cuda")
+        model = random_model(cfg, torch.bfloat16, "cuda") if {"engine", "kernels"} & set(sections) else None
         if "engine" in sections:
             t = time.perf_counter()
             engine_section(model, cfg, False, gpu, f, args.out)
@@ -141,6 +202,11 @@ def main():
             emit({"section": "timing", "engine_sections_s": round(time.perf_counter() - t, 1)}, f)
         if "kernels" in sections:
             kernel_section(model, cfg, args.out)
+        del model
+        torch.cuda.empty_cache()
+        for name in args.offline_models.split(","):
+            if "offline" in sections:
+                offline_section(name, f, args.out)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,7 @@ def generate_tokens(model, prompt_ids: list[int], params: SamplingParams,
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     capacity = min(len(prompt_ids) + params.max_tokens, max_pos)
     caches = allocate_contiguous_cache(model, capacity)
-    generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
-    row = SampleRow(params, generator, list(prompt_ids), [], tuple(stop))
+    row = SampleRow(params, params.seed, 0, list(prompt_ids), [], tuple(stop))
     ids = torch.tensor(prompt_ids, device=device)
     pos = 0
     for _ in range(capacity - len(prompt_ids)):
@@ -62,6 +61,7 @@ def generate_tokens(model, prompt_ids: list[int], params: SamplingParams,
         hidden = model(ids, positions, _step_meta(pos, len(ids), caches, device))
         token = sample(model.compute_logits(hidden[-1:]), [row]).tokens[0]
         row.output_ids.append(token)
+        row.step += 1
         yield token
         if token in stop:
             return

@@ -24,7 +24,7 @@ def test_default_model_generates_and_chats():
 
 def test_sampling_seed_top_k_top_p():
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -5.0]])
-    draws = lambda p: {sample(logits, [SampleRow(p, torch.Generator().manual_seed(s))]).tokens[0] for s in range(300)}
+    draws = lambda p: {sample(logits, [SampleRow(p, seed=s)]).tokens[0] for s in range(300)}
     assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
     # softmax = [.66, .24, .09, .004, ...]: top_p 0.85 keeps tokens 0 and 1 (0.66 < 0.85 <= 0.90)
     assert draws(SamplingParams(temperature=1.0, top_p=0.85)) == {0, 1}

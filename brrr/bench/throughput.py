@@ -69,16 +69,16 @@ def cmd_throughput(args) -> int:
         params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
                                 seed=i)
         engine.add_request(str(i), prompt, params)
-    model_s, steps = 0.0, 0
+    schedule = []  # each step's (computed, new) per sequence; costed after the clock stops
     generated0 = engine.generation_tokens_total
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         batch = engine.scheduler.schedule()
-        model_s += step_cost(cfg, [(seq.num_computed_tokens, n) for seq, n in batch.items], gpu, short)
+        schedule.append([(seq.num_computed_tokens, n) for seq, n in batch.items])
         engine.step(batch)
-        steps += 1
     seconds = time.perf_counter() - start
+    model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule), len(schedule)
     out_tokens = engine.generation_tokens_total - generated0
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",

@@ -105,8 +105,7 @@ class LLMEngine:
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = request.params.seed
-        generator = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed + index)
-        seq = Sequence(self._next_seq_id, request, index, token_ids, generator)
+        seq = Sequence(self._next_seq_id, request, index, token_ids, None if seed is None else seed + index)
         if self.tokenizer is not None:
             seq.decoder = IncrementalDecoder(self.tokenizer, request.params.skip_special_tokens)
         self._next_seq_id += 1
@@ -180,7 +179,8 @@ class LLMEngine:
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
-        return SampleRow(params, seq.generator, seq.request.prompt_token_ids, history, self._stop_ids(params))
+        return SampleRow(params, seq.seed, len(seq.token_ids) - seq.num_prompt_tokens, seq.request.prompt_token_ids,
+                         history, self._stop_ids(params))
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
@@ -220,7 +220,7 @@ class LLMEngine:
                     seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     reason = "stop_string"
                     break
-        if reason is None and (len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason in ("stop", "length") and seq.decoder is not None:
             seq.text += seq.decoder.flush()  # an incomplete UTF-8 tail held back for a next token that won't come

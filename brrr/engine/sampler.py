@@ -1,7 +1,9 @@
 """The sampler: penalties -> min_tokens mask -> temperature -> top-k -> top-p -> min-p -> draw.
 
-Draws use the exponential race (argmax of p / E with E ~ Exp(1), equivalent to sampling from p). A seeded request
-draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+Draws use the Gumbel-max trick (brrr/kernels/sampling.py): argmax(logits / T + noise), the noise a hash of the row's
+key. A seeded request's key is (seed, tokens generated so far), so its tokens do not depend on what else is in the
+batch; unseeded rows take fresh keys from torch's global generator. Filtering costs a vocabulary sort only for rows
+that ask for top-p or min-p; top-k alone takes torch.topk; plain temperature sampling filters nothing.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from brrr.engine.sampling_params import SamplingParams
+from brrr.kernels.sampling import gumbel_argmax, row_keys
 
 
 @dataclass
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int | None = None
+    step: int = 0  # tokens this row has generated so far: with the seed, the key of its noise
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()  # masked while len(output_ids) < min_tokens
@@ -53,6 +57,14 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
+def top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Mask every logit below each row's k-th largest (0 = keep all): a partial top-k, not a sort of the vocabulary."""
+    vocab = logits.shape[1]
+    ks = [min(k, vocab) or vocab for k in top_k]
+    kth = logits.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """logits [B, V] fp32 (one row per SampleRow) -> one token per row."""
     device = logits.device
@@ -65,19 +77,26 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
                 logits[i, list(row.stop_ids)] = float("-inf")
     greedy_rows = [r.params.greedy for r in rows]
-    tokens = logits.argmax(-1)
+    tokens = logits.argmax(-1) if all(greedy_rows) or any(greedy_rows) else None  # all([]): no rows
     if not all(greedy_rows):  # decided on the host: no device sync before the one .tolist() below
-        greedy = torch.tensor(greedy_rows, device=device)
-        temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device, dtype=logits.dtype)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device, dtype=logits.dtype)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device, dtype=logits.dtype)
-        probs = filter_logits(logits / temp[:, None], top_k, top_p, min_p).softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
+        draw = [i for i, g in enumerate(greedy_rows) if not g]
+        sub = [rows[i] for i in draw]
+        drawn_logits = logits if tokens is None else logits.index_select(0, torch.tensor(draw, device=device))
+        temp = torch.tensor([r.params.temperature for r in sub], dtype=torch.float32)
+        if any(r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
+            # top-p and min-p read probabilities at the temperature: filter the scaled logits, draw at T = 1
+            top_k = torch.tensor([r.params.top_k for r in sub], device=device)
+            top_p = torch.tensor([r.params.top_p for r in sub], device=device, dtype=logits.dtype)
+            min_p = torch.tensor([r.params.min_p for r in sub], device=device, dtype=logits.dtype)
+            drawn_logits = filter_logits(drawn_logits / temp.to(device)[:, None], top_k, top_p, min_p)
+            temp = torch.ones_like(temp)
+        elif any(r.params.top_k > 0 for r in sub):
+            drawn_logits = top_k_only(drawn_logits, [r.params.top_k for r in sub])
+        unseeded = [r.seed is None for r in sub]
+        fresh = iter(torch.randint(0, 2**62, (sum(unseeded),)).tolist())
+        keys = row_keys([next(fresh) if u else r.seed for r, u in zip(sub, unseeded)], [r.step for r in sub])
+        drawn = gumbel_argmax(drawn_logits, temp.to(device), torch.from_numpy(keys).to(device))
+        tokens = drawn if tokens is None else tokens.index_copy(0, torch.tensor(draw, device=device), drawn)
     token_list = tokens.tolist()
     out_logprobs = []
     for i, k in enumerate(want_logprobs):

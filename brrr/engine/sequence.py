@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from brrr.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +20,7 @@ class Sequence:
     request: "Request"
     index: int  # which of the request's n samples
     token_ids: list[int]  # prompt + output
-    generator: torch.Generator | None = None
+    seed: int | None = None  # the request's seed + index: with the output length, the key of the sampler's noise
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full, computed blocks

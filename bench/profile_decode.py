@@ -3,8 +3,7 @@
   replay   one captured decode step replayed back to back: the GPU's time per step, packed and unpacked q/k/v, gate/up
   engine   the engine's decode loop: wall time per step, and the same loop with replay() made a no-op (host alone)
   kernels  torch.profiler over eager decode steps: GPU time per kernel name, and the host's busiest functions
-  offline  `brrr bench throughput`'s workload, each step split into host time outside the runner, the runner's wall
-           time and the GPU time between events around it; plus a kernel table of 10 steady-state steps
+  offline  `brrr bench throughput`'s workload: a kernel table and a trace of 10 steady-state steps
     python bench/profile_decode.py --model llama-3.1-8b --out DIR [--sections gemm,engine,kernels,offline]
 """
 from __future__ import annotations
@@ -136,20 +135,6 @@ def offline_section(model_name, f, prof_dir, num_requests=256):
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(100, 1024))]
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(100, 1024), temperature=0.6,
                                                           ignore_eos=True, seed=i))
-    runner, real = engine.runner, engine.runner.execute
-    per_step = []
-
-    def timed(*a, **k):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        e0.record()
-        out = real(*a, **k)  # ends in the sampler's .tolist(): the GPU is done
-        e1.record()
-        t1 = time.perf_counter()
-        per_step.append([a[0], t1 - t0, e0, e1])
-        return out
-
-    runner.execute = timed
     torch.cuda.synchronize()
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished_requests():
@@ -161,18 +146,11 @@ def offline_section(model_name, f, prof_dir, num_requests=256):
                 p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
             open(f"{prof_dir}/offline_host_{model_name}.txt", "w").write(
                 p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+            p.export_chrome_trace(f"{prof_dir}/offline_trace_{model_name}.json")
             steps += 10
         engine.step()
         steps += 1
-    wall = time.perf_counter() - start
-    torch.cuda.synchronize()
-    decode = [s for s in per_step if all(n == 1 for _, n in s[0].items)]
-    gpu = sum(s[2].elapsed_time(s[3]) for s in per_step) / 1e3
-    emit({"section": "offline", "model": model_name, "steps": steps, "wall_s": round(wall, 3),
-          "runner_wall_s": round(sum(s[1] for s in per_step), 3), "runner_gpu_s": round(gpu, 3),
-          "decode_steps": len(decode), "decode_runner_wall_s": round(sum(s[1] for s in decode), 3),
-          "decode_gpu_s": round(sum(s[2].elapsed_time(s[3]) for s in decode) / 1e3, 3),
-          "outside_runner_s": round(wall - sum(s[1] for s in per_step), 3)}, f)
+    emit({"section": "offline", "model": model_name, "steps": steps, "wall_s": round(time.perf_counter() - start, 3)}, f)
     del engine
     torch.cuda.empty_cache()
 

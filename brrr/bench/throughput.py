@@ -69,14 +69,12 @@ def cmd_throughput(args) -> int:
         params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
                                 seed=i)
         engine.add_request(str(i), prompt, params)
-    schedule = []  # each step's (computed, new) per sequence; costed after the clock stops
+    engine.schedule_log = schedule = []  # each step's (computed, new) per sequence; costed after the clock stops
     generated0 = engine.generation_tokens_total
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        batch = engine.scheduler.schedule()
-        schedule.append([(seq.num_computed_tokens, n) for seq, n in batch.items])
-        engine.step(batch)
+        engine.step()
     seconds = time.perf_counter() - start
     model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule), len(schedule)
     out_tokens = engine.generation_tokens_total - generated0

@@ -116,6 +116,10 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
             seq.block_hashes.append(h)
 
+    def allocate_block(self) -> int:
+        """One fresh block (the caller appends it to a table); the caller checked num_free_blocks."""
+        return self._take()
+
     def _needs_block(self, seq: Sequence) -> bool:
         return len(seq.block_table) < self.blocks_for(len(seq.token_ids))
 

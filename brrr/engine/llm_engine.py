@@ -10,7 +10,7 @@ from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from brrr.engine.sampler import SampleRow
+from brrr.engine.sampler import PendingTokens, SampleRow
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
@@ -45,6 +45,8 @@ class LLMEngine:
         # Outputs for every request that progressed (streaming), or only for those that finished (offline
         # batches: building a cumulative output per request per step is O(length) host work the GPU waits on).
         self.stream_outputs = True
+        self._ahead: tuple[ScheduledBatch, PendingTokens] | None = None  # a decode step launched, tokens unread
+        self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
     def _num_blocks(self) -> int:
         ec, model = self.config, self.model
@@ -128,10 +130,30 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self, batch: ScheduledBatch | None = None) -> list[RequestOutput]:
-        """Run one scheduled step (the scheduler's next one unless given) and apply its tokens."""
+        """Run one scheduled step (the scheduler's next one unless given) and apply its tokens.
+
+        Steady decoding is pipelined: step t+1 is queued on the GPU, its input ids gathered there from step t's
+        sampled tokens, before the host waits for t's tokens, so the host's bookkeeping for t (and its next
+        scheduling) overlaps the GPU's work on t+1 instead of leaving the GPU idle between steps."""
+        if self._ahead is not None:
+            if batch is not None:
+                raise BrrrError("step(batch) while a pipelined step is in flight: call step() without a batch")
+            ahead, self._ahead = self._ahead, None
+            if any(not seq.finished for seq, _ in ahead[0].items):
+                return self._finish_decode(*ahead)
+        explicit = batch is not None  # a caller's own batch: run just that, nothing queued behind it
         batch = batch if batch is not None else self.scheduler.schedule()
         if not batch.items:
             return []
+        if self.schedule_log is not None:
+            self.schedule_log.append([(seq.num_computed_tokens, n) for seq, n in batch.items])
+        if not explicit and self._pipelinable(batch):
+            try:
+                pending = self.runner.launch(batch, [self._sample_row(seq) for seq, _ in batch.items])
+            except Exception as e:
+                log.exception("step failed; aborting the %d requests in it", len(batch.items))
+                return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
+            return self._finish_decode(batch, pending)
         sample_plan, prompt_rows, forks, row = [], [], [], 0
         for seq, n in batch.items:
             last = row + n - 1
@@ -174,13 +196,73 @@ class LLMEngine:
             self._append_token(seq, token, logprobs)
         return [self._output(req) for req in touched.values() if self.stream_outputs or req.finished]
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _pipelinable(self, batch: ScheduledBatch) -> bool:
+        """Decode rows that need nothing from the host but their own state: no logprobs (read on the host), no
+        penalties or min_tokens (they read the output so far, which would lag a step behind)."""
+        return self.runner.can_launch(batch) and all(
+            seq.request.params.logprobs is None and not seq.request.params.has_penalties
+            and not seq.request.params.min_tokens and seq.request.params.n == 1 for seq, _ in batch.items)
+
+    def _launch_next(self, batch: ScheduledBatch, pending: PendingTokens) -> None:
+        """Queue step t+1 of the same sequences before step t's tokens reach the host, when nothing else could
+        want a place in it: no request waiting, every running sequence decoding in this batch. Sequences that step
+        t ends for sure (length) are left out; ones a stop token ends are computed and their token dropped."""
+        sched, bm = self.scheduler, self.block_manager
+        if sched.waiting or len(sched.running) != len(batch.items):
+            return
+        rows, items = [], []
+        for row, (seq, _) in enumerate(batch.items):
+            if seq.finished:
+                continue
+            n_out = len(seq.token_ids) + 1 - seq.num_prompt_tokens  # after step t's token
+            if n_out >= seq.request.params.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
+                continue
+            rows.append(row)
+            items.append((seq, 1))
+        need = sum(len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1) for seq, _ in items)
+        if not items or need > bm.num_free_blocks:
+            return
+        for seq, _ in items:  # step t+1 writes position len(token_ids): its block must exist
+            if len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1):
+                seq.block_table.append(bm.allocate_block())
+        nxt = ScheduledBatch(items)
+        if self.schedule_log is not None:
+            self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in items])
+        sample_rows = [self._sample_row(seq, ahead=1) for seq, _ in items]
+        index = torch.tensor(rows, dtype=torch.long)
+        index = index.pin_memory().to(pending.device_tokens.device, non_blocking=True) \
+            if pending.device_tokens.is_cuda else index
+        self._ahead = (nxt, self.runner.launch(nxt, sample_rows, (pending.device_tokens, index)))
+
+    def _finish_decode(self, batch: ScheduledBatch, pending: PendingTokens) -> list[RequestOutput]:
+        """Apply a launched decode step: queue the next one first, then wait for this one's tokens."""
+        try:
+            self._launch_next(batch, pending)
+            tokens = pending.tokens()
+        except Exception as e:
+            log.exception("step failed; aborting the %d requests in it", len(batch.items))
+            self._ahead = None
+            return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
+        self.num_steps += 1
+        now, touched = time.monotonic(), {}
+        for (seq, _), token in zip(batch.items, tokens):
+            if seq.finished:  # a stop token or an abort ended it while this step was in flight
+                continue
+            seq.num_computed_tokens += 1
+            self.block_manager.commit_computed(seq)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            self._append_token(seq, token, None)
+            touched[seq.request.request_id] = seq.request
+        return [self._output(req) for req in touched.values() if self.stream_outputs or req.finished]
+
+    def _sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
         params = seq.request.params
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
-        return SampleRow(params, seq.seed, len(seq.token_ids) - seq.num_prompt_tokens, seq.request.prompt_token_ids,
-                         history, self._stop_ids(params))
+        return SampleRow(params, seq.seed, len(seq.token_ids) + ahead - seq.num_prompt_tokens,
+                         seq.request.prompt_token_ids, history, self._stop_ids(params))
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)

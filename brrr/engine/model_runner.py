@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.engine.sampler import SampleResult, SampleRow, sample
+from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
 
@@ -69,21 +69,46 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[g] = (graph, logits, meta)
 
-    def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up."""
+    def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
+        (device tokens, device row index): the input ids are those tokens, gathered on the device (a step launched
+        before the host has read the previous step's tokens). Nothing here waits for the GPU."""
         b = len(batch.items)
         g = next(size for size in sorted(self.graphs) if size >= b)
-        ids, positions, slots, _, context_lens, tables = self._flatten(batch)
+        # Launched ahead (ids on the device), each sequence is one token further than the host has recorded.
+        ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ids_from is not None)
         pad = g - b  # padded rows: token 0 at position 0, writing to the spare block, reading 1 token
-        self.g_ids[:g].copy_(torch.tensor(ids + [0] * pad))
-        self.g_pos[:g].copy_(torch.from_numpy(np.pad(positions, (0, pad))))
-        self.g_slots[:g].copy_(torch.from_numpy(np.pad(slots, (0, pad), constant_values=self.num_blocks * self.block_size)))
+        spare = self.num_blocks * self.block_size
+        width = tables.shape[1]
+        # One pinned host buffer, one asynchronous copy; a pageable copy would make the host wait for the GPU.
+        host = np.zeros((4, g), dtype=np.int64)
+        host[0, :b], host[1, :b], host[2, :b], host[3, :b] = ids if ids_from is None else 0, positions, slots, context_lens
+        host[2, b:], host[3, b:] = spare, 1
+        rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
+        if ids_from is None:
+            self.g_ids[:g].copy_(rows[:g])
+        else:
+            self.g_ids[:g].zero_()
+            self.g_ids[:b].copy_(ids_from[0].index_select(0, ids_from[1]))
+        self.g_pos[:g].copy_(rows[g:2 * g])
+        self.g_slots[:g].copy_(rows[2 * g:3 * g])
+        self.g_ctx[:g].copy_(rows[3 * g:4 * g])
         self.g_tables[:g].zero_()
-        self.g_tables[:b, : tables.shape[1]].copy_(torch.from_numpy(tables))
-        self.g_ctx[:g].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int32))
+        self.g_tables[:b, :width].copy_(rows[4 * g:].view(b, width))
         graph, logits, _ = self.graphs[g]
         graph.replay()
         return logits[:b]
+
+    def can_launch(self, batch: ScheduledBatch) -> bool:
+        """Whether `launch` takes this batch: decode-only, no block copies, within the captured sizes."""
+        return (bool(self.graphs) and not batch.copies and len(batch.items) <= max(self.graphs)
+                and all(n == 1 for _, n in batch.items))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, rows: list[SampleRow],
+               ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingTokens:
+        """Queue a decode step and its sampling (rows without logprobs) on the GPU and return without waiting."""
+        return PendingTokens(draw(self._replay(batch, ids_from), rows)[0])
 
     @staticmethod
     @torch.inference_mode()
@@ -111,7 +136,7 @@ class ModelRunner:
             k[dst] = k[src]
             v[dst] = v[src]
 
-    def _flatten(self, batch: ScheduledBatch):
+    def _flatten(self, batch: ScheduledBatch, ahead: bool = False):
         """The step as flat arrays: token ids, positions and cache slots of every new token (numpy, not a Python
         loop per token: prefill steps carry thousands), query lengths, context lengths, padded block tables."""
         bs = self.block_size
@@ -119,14 +144,15 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq, _ in batch.items)
         tables = np.zeros((len(batch.items), width), dtype=np.int32)
         for i, (seq, n) in enumerate(batch.items):
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            start = seq.num_computed_tokens + ahead
+            if not ahead:
+                ids += seq.token_ids[start:start + n]
             seqlens.append(n)
             context_lens.append(start + n)
             tables[i, : len(seq.block_table)] = seq.block_table
-        starts = np.repeat(np.array([seq.num_computed_tokens for seq, _ in batch.items]), seqlens)
+        starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
         rows = np.repeat(np.arange(len(seqlens)), seqlens)
-        positions = starts + np.arange(len(ids)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
+        positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
@@ -137,9 +163,10 @@ class ModelRunner:
         log-probabilities the caller wants (prompt_logprobs). Returns the samples and those log-probs."""
         self._copy_blocks(batch.copies)
         rows = [r for r, _ in sample_rows]
-        decode_only = all(n == 1 for _, n in batch.items)
-        if self.graphs and decode_only and not logit_rows and len(batch.items) <= max(self.graphs):
-            logits = self._replay(batch)[rows]
+        if not logit_rows and self.can_launch(batch):
+            logits = self._replay(batch)
+            if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
+                logits = logits.index_select(0, torch.tensor(rows, device=self.device))
             return sample(logits, [row for _, row in sample_rows]), None
         dev = self.device
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)

@@ -61,45 +61,45 @@ def top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """Mask every logit below each row's k-th largest (0 = keep all): a partial top-k, not a sort of the vocabulary."""
     vocab = logits.shape[1]
     ks = [min(k, vocab) or vocab for k in top_k]
-    kth = logits.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
+    kth = logits.topk(max(ks), dim=-1).values.gather(1, h2d(ks, logits.device)[:, None] - 1)
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def h2d(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """Host values on `device` without making the host wait: on CUDA through pinned memory (torch's caching host
+    allocator keeps the buffer until the copy has run); a pageable copy would synchronize the stream."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class PendingTokens:
+    """A step's sampled tokens, on their way to the host: `tokens()` waits for them (and only for them)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.device_tokens = tokens
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """logits [B, V] fp32 (one row per SampleRow) -> one token per row."""
-    device = logits.device
-    want_logprobs = [r.params.logprobs for r in rows]
-    raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_logprobs) else None
-    if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            apply_penalties(logits[i], row)
-            if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
-                logits[i, list(row.stop_ids)] = float("-inf")
-    greedy_rows = [r.params.greedy for r in rows]
-    tokens = logits.argmax(-1) if all(greedy_rows) or any(greedy_rows) else None  # all([]): no rows
-    if not all(greedy_rows):  # decided on the host: no device sync before the one .tolist() below
-        draw = [i for i, g in enumerate(greedy_rows) if not g]
-        sub = [rows[i] for i in draw]
-        drawn_logits = logits if tokens is None else logits.index_select(0, torch.tensor(draw, device=device))
-        temp = torch.tensor([r.params.temperature for r in sub], dtype=torch.float32)
-        if any(r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
-            # top-p and min-p read probabilities at the temperature: filter the scaled logits, draw at T = 1
-            top_k = torch.tensor([r.params.top_k for r in sub], device=device)
-            top_p = torch.tensor([r.params.top_p for r in sub], device=device, dtype=logits.dtype)
-            min_p = torch.tensor([r.params.min_p for r in sub], device=device, dtype=logits.dtype)
-            drawn_logits = filter_logits(drawn_logits / temp.to(device)[:, None], top_k, top_p, min_p)
-            temp = torch.ones_like(temp)
-        elif any(r.params.top_k > 0 for r in sub):
-            drawn_logits = top_k_only(drawn_logits, [r.params.top_k for r in sub])
-        unseeded = [r.seed is None for r in sub]
-        fresh = iter(torch.randint(0, 2**62, (sum(unseeded),)).tolist())
-        keys = row_keys([next(fresh) if u else r.seed for r, u in zip(sub, unseeded)], [r.step for r in sub])
-        drawn = gumbel_argmax(drawn_logits, temp.to(device), torch.from_numpy(keys).to(device))
-        tokens = drawn if tokens is None else tokens.index_copy(0, torch.tensor(draw, device=device), drawn)
+    tokens, raw_logprobs = draw(logits, rows)
     token_list = tokens.tolist()
     out_logprobs = []
-    for i, k in enumerate(want_logprobs):
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
         if k is None:
             out_logprobs.append(None)
             continue
@@ -109,3 +109,38 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             entry.update(zip(top.indices.tolist(), top.values.tolist()))
         out_logprobs.append(entry)
     return SampleResult(token_list, out_logprobs)
+
+
+def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens [B] on the device, queued without a host synchronization, and the raw log-probs when any row
+    wants them."""
+    device = logits.device
+    raw_logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
+    if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            apply_penalties(logits[i], row)
+            if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
+                logits[i, list(row.stop_ids)] = float("-inf")
+    greedy_rows = [r.params.greedy for r in rows]
+    tokens = logits.argmax(-1) if any(greedy_rows) or not rows else None
+    if not all(greedy_rows):  # decided on the host: nothing here waits for the GPU
+        drawn_rows = [i for i, g in enumerate(greedy_rows) if not g]
+        sub = [rows[i] for i in drawn_rows]
+        drawn_logits = logits if tokens is None else logits.index_select(0, h2d(drawn_rows, device))
+        temp = torch.tensor([r.params.temperature for r in sub], dtype=torch.float32)
+        if any(r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
+            # top-p and min-p read probabilities at the temperature: filter the scaled logits, draw at T = 1
+            top_k = h2d([r.params.top_k for r in sub], device)
+            top_p = h2d([r.params.top_p for r in sub], device, logits.dtype)
+            min_p = h2d([r.params.min_p for r in sub], device, logits.dtype)
+            drawn_logits = filter_logits(drawn_logits / h2d(temp, device)[:, None], top_k, top_p, min_p)
+            temp = torch.ones_like(temp)
+        elif any(r.params.top_k > 0 for r in sub):
+            drawn_logits = top_k_only(drawn_logits, [r.params.top_k for r in sub])
+        unseeded = [r.seed is None for r in sub]
+        fresh = iter(torch.randint(0, 2**62, (sum(unseeded),)).tolist())
+        keys = row_keys([next(fresh) if u else r.seed for r, u in zip(sub, unseeded)], [r.step for r in sub])
+        drawn = gumbel_argmax(drawn_logits, h2d(temp, device), h2d(keys, device))
+        tokens = drawn if tokens is None else tokens.index_copy(0, h2d(drawn_rows, device), drawn)
+    return tokens, raw_logprobs

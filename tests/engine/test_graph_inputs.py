@@ -32,12 +32,39 @@ def test_graph_replay_inputs_give_transformers_tokens(models):  # noqa: F811
     replays = {"n": 0}
     real = engine.runner._replay
 
-    def counting(batch):
+    def counting(batch, ids_from=None):
         replays["n"] += 1
-        return real(batch)
+        replays["pipelined"] = replays.get("pipelined", 0) + (ids_from is not None)
+        return real(batch, ids_from)
 
     engine.runner._replay = counting
     done = run_all(engine, reqs)
     assert replays["n"] > 5  # most decode steps went through the graph path (batches of 5, 4, ... padded up)
+    assert replays["pipelined"] > 5  # and most of those were queued before the previous step's tokens were read
     for i, p in enumerate(prompts):
         assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, p, 12), f"request {i}"
+
+
+def test_pipelined_decode_equals_step_by_step(models):  # noqa: F811
+    """Steps queued ahead of the host (graph path) give the tokens the plain path gives: seeded sampling keys,
+    stop tokens met while the next step is in flight, a request aborted mid-flight, and every block freed."""
+    _, model = models
+    stop = hf_greedy(models[0], [9, 8, 7], 12)[5]  # request "stop" meets its stop token at the 6th token
+    reqs = [("greedy", [5, 9, 2], SamplingParams(max_tokens=14, temperature=0)),
+            ("seeded", list(range(40, 60)), SamplingParams(max_tokens=16, temperature=0.9, seed=7)),
+            ("stop", [9, 8, 7], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop])),
+            ("topk", [7] * 17, SamplingParams(max_tokens=9, temperature=1.2, top_k=5, seed=3)),
+            ("aborted", [3, 3, 3], SamplingParams(max_tokens=30, temperature=0))]
+    outs = []
+    for graphs in (False, True):
+        engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_seqs=6, max_model_len=256))
+        if graphs:
+            engine.runner.capture_cuda_graphs(6, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+        outs.append(run_all(engine, reqs, abort_at={"aborted": 8}))
+        assert engine._ahead is None or all(seq.finished for seq, _ in engine._ahead[0].items)
+    plain, pipelined = outs
+    assert set(plain) == set(pipelined) == {"greedy", "seeded", "stop", "topk"}
+    for rid in plain:
+        assert pipelined[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
+    stopped = plain["stop"].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop and len(stopped.token_ids) <= 6

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from brrr.errors import BrrrError
 from brrr.loader import hf_state_dict
 from brrr.quant.formats import DEQUANTIZE
-from brrr.quant.linear import QuantLinear, projections
+from brrr.quant.linear import ACTIVATIONS, QuantLinear, projections
 from brrr.quant.published import published_format
 
 FORMAT_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"),
@@ -66,6 +66,11 @@ def quantization_config(path: Path) -> dict | None:
     if qc.get("format") not in FORMAT_TENSORS:
         raise BrrrError(f"{path}/config.json: quantization_config format must be one of "
                         f"{', '.join(FORMAT_TENSORS)}; got {qc.get('format')!r}")
+    act = qc.get("activations")
+    if act is not None and ACTIVATIONS.get(act) != qc["format"]:
+        raise BrrrError(f"{path}/config.json: quantization_config activations {act!r} needs format "
+                        f"{ACTIVATIONS.get(act, 'int8 or fp8')!r} (activations are one of {', '.join(ACTIVATIONS)}, "
+                        f"each with weights of its own kind); got format {qc['format']!r}")
     return qc
 
 
@@ -104,5 +109,6 @@ def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
             bias = torch.empty(linear.out_features, dtype=linear.bias.dtype, device=device)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, QuantLinear(
-            fmt, {k: tensors[k].to(device) for k in names}, linear.in_features, linear.out_features, bias))
+            fmt, {k: tensors[k].to(device) for k in names}, linear.in_features, linear.out_features, bias,
+            dtype=linear.weight.dtype, activations=qc.get("activations")))
     return consumed

@@ -5,7 +5,7 @@ import json
 import time
 from pathlib import Path
 
-METHODS = ("rtn-int8", "rtn-int4", "gptq", "awq", "nf4", "fp8")
+METHODS = ("rtn-int8", "rtn-int4", "gptq", "awq", "nf4", "fp8", "smoothquant", "fp8-w8a8")
 
 
 def register(sub) -> None:
@@ -13,11 +13,13 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: brrr's shipped model)")
     p.add_argument("--method", required=True, choices=METHODS,
                    help="rtn-int8 (per channel), rtn-int4/gptq/awq (int4 group-wise), nf4 (double-quantized), "
-                        "fp8 (E4M3 weights, per-row scales)")
+                        "fp8 (E4M3 weights, per-row scales), smoothquant (W8A8 int8: smoothed int8 weights, int8 "
+                        "per-token activations), fp8-w8a8 (E4M3 weights and per-token E4M3 activations)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size: 32, 64 or 128")
     p.add_argument("--symmetric", action="store_true", help="int4 without zero points")
     p.add_argument("--no-act-order", action="store_true", help="gptq: quantize columns in order")
-    p.add_argument("--calib", default=None, help="calibration data (gptq, awq): brrr data dir or text file")
+    p.add_argument("--calib", default=None,
+                   help="calibration data (gptq, awq, smoothquant): brrr data dir or text file")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--out", required=True)
@@ -94,7 +96,7 @@ def model_summary(path: Path, model) -> dict:
     for _, m in projections(model):
         n = m.in_features * m.out_features
         if isinstance(m, QuantLinear):
-            bits += sum(t.numel() * t.element_size() * 8 for k, t in m.tensors().items() if k != "shape")
+            bits += m.stored_bits
         else:
             bits += n * {"float32": 32}.get(model.config.torch_dtype, 16)  # as stored, not as loaded
         numel += n

@@ -1,5 +1,13 @@
-"""QuantLinear: the one seam through which quant/ replaces nn.Linear. It stores a format's tensors as buffers and
-its reference forward dequantizes them in torch (Triton W4A16/W8A16 kernels are the next step behind this seam).
+"""QuantLinear: the one seam through which quant/ replaces nn.Linear.
+
+It takes a format's tensors as a checkpoint stores them and keeps them in the layout its matmul reads:
+  int4 (and 4-bit GPTQ/AWQ without act-order): the kernel layout of brrr/kernels/quant_matmul.py (codes packed per
+       group half, scales and zeros [K/g, N]); forward = `w4a16_matmul` (Triton on CUDA, torch reference elsewhere)
+  int8: as stored; forward = `w8a16_matmul`, or with activations="int8" (SmoothQuant W8A8) per-token int8
+       activations through `torch._int_mm` (brrr/quant/w8a8.py)
+  fp8: as stored; weight-only dequantizes, activations="fp8" (FP8 W8A8) runs `torch._scaled_mm`
+  nf4, act-order GPTQ: as stored; forward dequantizes the weight in torch (correct, not fast).
+`state_dict()` gives the checkpoint format back, so `save_quantized` writes what the loader reads.
 
 The model file is untouched: `swap_linears` replaces the decoder layers' projections (HF names q_proj ... down_proj)
 after load; embeddings, norms and lm_head stay in floating point."""
@@ -9,31 +17,90 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brrr.quant.formats import DEQUANTIZE
+from brrr.kernels.quant_matmul import (dequantize_w4, pack_int4_kernel, unpack_int4_kernel, w4a16_matmul,
+                                       w8a16_matmul)
+from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
+from brrr.quant.published import published_int4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype = torch.float32, activations: str | None = None):
         super().__init__()
-        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
-        self.tensor_names = tuple(tensors)
-        for name, t in tensors.items():
+        self.fmt, self.in_features, self.out_features, self.activations = fmt, in_features, out_features, activations
+        # stored bits of the checkpoint's tensors (what `brrr eval compare` reports), metadata included
+        self.stored_bits = sum(t.numel() * t.element_size() * 8 for k, t in tensors.items() if k != "shape")
+        self.group_size = 0
+        int4 = _int4_codes(fmt, tensors)
+        if int4 is not None:
+            codes, scales, zeros = int4  # codes [N, K], scales/zeros [K/g, N]
+            self.fmt, self.group_size = "int4", in_features // scales.shape[0]
+            symmetric = bool((zeros == 8).all())
+            # bf16 models keep bf16 scales (what the kernel's bf16 dequant multiplies by); others fp32
+            kernel = {"qweight": pack_int4_kernel(codes, self.group_size),
+                      "scales": scales.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32).contiguous(),
+                      "zeros": None if symmetric else zeros.to(torch.uint8).contiguous()}
+        else:
+            kernel = dict(tensors)
+        self.tensor_names = tuple(kernel)
+        for name, t in kernel.items():
             self.register_buffer(name, t)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def tensors(self) -> dict:
+        """The in-memory (kernel-layout) tensors."""
         return {name: getattr(self, name) for name in self.tensor_names}
 
+    def checkpoint_tensors(self) -> dict:
+        """The tensors in the checkpoint format of `self.fmt` (formats.py)."""
+        if self.fmt != "int4":
+            return self.tensors()
+        codes = unpack_int4_kernel(self.qweight, self.group_size)
+        zeros = torch.full_like(self.scales, 8, dtype=torch.uint8) if self.zeros is None else self.zeros
+        return {"qweight": pack_int4(codes), "scales": self.scales.t().float().contiguous(),
+                "zeros": zeros.t().contiguous()}
+
     def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        if self.fmt == "int4":
+            return dequantize_w4(self.qweight, self.scales, self.zeros, self.group_size)
         return DEQUANTIZE[self.fmt](self.tensors())
 
     def forward(self, x):
-        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.activations is not None:
+            from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
+
+            run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
+            return run(x, self.qweight, self.scales, bias)
+        if self.fmt == "int4":
+            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+        if self.fmt == "int8":
+            return w8a16_matmul(x, self.qweight, self.scales, bias)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, t in self.checkpoint_tensors().items():
+            destination[prefix + name] = t if keep_vars else t.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def extra_repr(self):
-        return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+        act = f", activations={self.activations}" if self.activations else ""
+        group = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        return f"fmt={self.fmt}{group}{act}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _int4_codes(fmt: str, tensors: dict):
+    """(codes [N, K], scales [K/g, N], zeros [K/g, N]) for int4-style formats the kernel can run, else None."""
+    if fmt == "int4":
+        return unpack_int4(tensors["qweight"]), tensors["scales"].t(), tensors["zeros"].t()
+    if fmt in ("gptq", "gptq_v2", "awq"):
+        return published_int4(fmt, tensors)  # None for act-order GPTQ (groups not contiguous)
+    return None
 
 
 def projections(model) -> list[tuple[str, nn.Module]]:

@@ -1,7 +1,9 @@
-"""Quantize a loaded model in place: RTN (int8, int4, nf4, fp8), GPTQ and AWQ (int4 group-wise).
+"""Quantize a loaded model in place: RTN (int8, int4, nf4, fp8), GPTQ and AWQ (int4 group-wise), SmoothQuant
+(W8A8 int8) and FP8 W8A8.
 
 Each method ends in `swap_linears`, so the model file never changes; the returned dict is the checkpoint's
-`quantization_config`."""
+`quantization_config` ("activations": "int8" | "fp8" marks the W8A8 methods, whose activations are quantized per
+token at run time)."""
 from __future__ import annotations
 
 import torch
@@ -12,16 +14,19 @@ from brrr.quant.awq import fold, fold_groups, search_clip, search_scale
 from brrr.quant.calib import record_inputs
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.linear import QuantLinear, projections, swap_linears
+from brrr.quant.smoothquant import ALPHA, smooth_model
 
-METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": "int4", "nf4": "nf4", "fp8": "fp8"}
-NEEDS_CALIBRATION = ("gptq", "awq")
+METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": "int4", "nf4": "nf4", "fp8": "fp8",
+                 "smoothquant": "int8", "fp8-w8a8": "fp8"}
+METHOD_ACTIVATIONS = {"smoothquant": "int8", "fp8-w8a8": "fp8"}
+NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
 AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
 
 
-def quant_linear(fmt: str, linear, tensors: dict) -> QuantLinear:
+def quant_linear(fmt: str, linear, tensors: dict, activations: str | None = None) -> QuantLinear:
     device = linear.weight.device
     return QuantLinear(fmt, {k: v.to(device) for k, v in tensors.items()}, linear.in_features,
-                       linear.out_features, linear.bias)
+                       linear.out_features, linear.bias, dtype=linear.weight.dtype, activations=activations)
 
 
 def rtn_tensors(fmt: str, w: torch.Tensor, group_size: int, symmetric: bool) -> dict:
@@ -50,9 +55,16 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
         if method == "awq":
             tensors = _awq(model, calib, group_size, symmetric)
         else:
+            if method == "smoothquant":
+                smooth_model(model, calib)  # then plain per-channel int8 of the smoothed weights
             tensors = {n: rtn_tensors(fmt, m.weight, group_size, symmetric) for n, m in projections(model)}
-        swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name]))
+        act = METHOD_ACTIVATIONS.get(method)
+        swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name], act))
     config = {"quant_method": "brrr", "method": method, "format": fmt}
+    if method in METHOD_ACTIVATIONS:
+        config["activations"] = METHOD_ACTIVATIONS[method]
+    if method == "smoothquant":
+        config["alpha"] = ALPHA
     if fmt == "int4":
         config.update(group_size=group_size, symmetric=symmetric)
     if method == "gptq":

@@ -54,6 +54,22 @@ def dequantize_awq(t: dict) -> torch.Tensor:
     return ((q - zeros.repeat_interleave(group, 0)) * t["scales"].float().repeat_interleave(group, 0)).T.contiguous()
 
 
+def published_int4(fmt: str, t: dict):
+    """(codes [out, in] uint8, scales [groups, out], zeros [groups, out]) of a GPTQ/AWQ linear whose groups are
+    contiguous runs of input channels (what brrr's int4 kernel layout holds); None for act-order GPTQ."""
+    if fmt == "awq":
+        q = _awq_unorder(unpack_int32(t["qweight"], dim=1))
+        zeros = _awq_unorder(unpack_int32(t["qzeros"], dim=1))
+    else:
+        q = unpack_int32(t["qweight"], dim=0)
+        zeros = unpack_int32(t["qzeros"], dim=1) + (1 if fmt == "gptq" else 0)
+        groups = t["scales"].shape[0]
+        if q.shape[0] % groups or not torch.equal(t["g_idx"].long().cpu(),
+                                                  torch.arange(q.shape[0]) // (q.shape[0] // groups)):
+            return None
+    return q.T.to(torch.uint8), t["scales"], zeros.to(torch.uint8)
+
+
 def published_format(qc: dict, source: str) -> str:
     """brrr's format name for a published quantization_config, or a clear error for what brrr cannot read."""
     method = qc.get("quant_method")

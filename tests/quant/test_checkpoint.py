@@ -21,7 +21,7 @@ def _logits(model, ids):
 @pytest.fixture(scope="module")
 def quantized_dirs(tiny_dir, calib, tmp_path_factory):
     out = {}
-    for method in ("rtn-int8", "gptq", "nf4", "fp8"):
+    for method in ("rtn-int8", "gptq", "nf4", "fp8", "smoothquant", "fp8-w8a8"):
         model = load_model(tiny_dir, dtype=torch.float32)
         config = quantize_model(model, method, group_size=32, calib=calib)
         path = tmp_path_factory.mktemp(method)
@@ -30,7 +30,7 @@ def quantized_dirs(tiny_dir, calib, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("method", ["rtn-int8", "gptq", "nf4", "fp8"])
+@pytest.mark.parametrize("method", ["rtn-int8", "gptq", "nf4", "fp8", "smoothquant", "fp8-w8a8"])
 @torch.no_grad()
 def test_a_saved_quantized_checkpoint_loads_into_the_same_model(quantized_dirs, method):
     path, model = quantized_dirs[method]
@@ -41,8 +41,9 @@ def test_a_saved_quantized_checkpoint_loads_into_the_same_model(quantized_dirs, 
     torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids))
 
 
-def test_a_quantized_tiny_model_generates_through_the_engine(quantized_dirs):
-    path, model = quantized_dirs["gptq"]
+@pytest.mark.parametrize("method", ["gptq", "smoothquant", "fp8-w8a8"])
+def test_a_quantized_tiny_model_generates_through_the_engine(quantized_dirs, method):
+    path, model = quantized_dirs[method]
     llm = LLM(str(path), dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = llm.generate([[5, 6, 7, 8]], params)[0]

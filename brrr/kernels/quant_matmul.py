@@ -1,0 +1,486 @@
+"""Quantized matmuls: y = x @ W^T (+ bias) with int4 group-wise (W4A16) or int8 per-channel (W8A16) weights
+dequantized in registers, and the per-token activation quantization that W8A8 (int8, FP8) runs before its GEMM.
+
+Weight layouts (brrr/quant/linear.py converts the checkpoint's to these at load):
+  int4  qweight uint8 [N, K/2]. Within each group of g input columns, byte j holds column j in its low nibble and
+        column j + g/2 in its high nibble: a group's two halves then multiply two contiguous slices of x, so the
+        kernel never interleaves nibbles in registers. scales [K/g, N] (bf16 for bf16 models, else fp32), zeros
+        uint8 [K/g, N] or None (symmetric, zero 8): w[n, k] = (q[n, k] - zeros[k/g, n]) * scales[k/g, n].
+  int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n].
+
+One Triton kernel per format, two paths (config families) each:
+  small M (decode, M <= 16): 16-row tensor-core tiles, narrow column strips (16-64 rows of W per program, so the
+        8B shapes give 64-900 programs without splitting K) and optional split-K (fp32 atomics) for the shapes
+        that still give too few.
+  tiled (prefill): 64-128 x 64-256 output tiles in grouped order (row tiles that share a weight strip run
+        together, so the strip is read from HBM about once).
+The integer codes go to the tensor cores as exact small integers (x @ q per group); the group's zero point and
+scale are applied to the [BM, BN] partial sum (y += s * (x.q - z * sum(x))), a multiply per output instead of
+per weight. On the GPU, bf16/fp16 codes come from a magic-number trick on packed pairs (inline PTX: no
+int-to-float instructions); under Triton's interpreter and for fp32 the same values come from plain casts.
+Configs are timed once per (shape, path) on the GPU and the fastest kept (`_pick`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
+
+SMALL_M = 16  # rows at or below which the small-M (decode) path runs
+INT4_GROUPS = (32, 64, 128)
+FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
+MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
+
+
+# ---- int4 kernel layout --------------------------------------------------------------------------------------------
+def pack_int4_kernel(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """codes [N, K] in [0, 15] -> uint8 [N, K/2] in the kernel layout (per group: low nibbles = first half)."""
+    n, k = codes.shape
+    halves = codes.to(torch.uint8).view(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4_kernel(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """uint8 [N, K/2] kernel layout -> codes uint8 [N, K]."""
+    n, half_k = packed.shape
+    p = packed.view(n, 2 * half_k // group_size, group_size // 2)
+    return torch.cat([p & 0xF, p >> 4], dim=2).reshape(n, 2 * half_k)
+
+
+def dequantize_w4(qweight, scales, zeros, group_size) -> torch.Tensor:
+    """float32 [N, K] from the int4 kernel layout."""
+    codes = unpack_int4_kernel(qweight, group_size).float()
+    n, k = codes.shape
+    z = 8.0 if zeros is None else zeros.t().float()[:, :, None]
+    return ((codes.view(n, k // group_size, group_size) - z) * scales.t().float()[:, :, None]).view(n, k)
+
+
+# ---- references ----------------------------------------------------------------------------------------------------
+def w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias=None):
+    w = dequantize_w4(qweight, scales, zeros, group_size)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def w8a16_matmul_ref(x, qweight, scales, bias=None):
+    w = qweight.float() * scales.float()[:, None]
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype):
+    """x [M, K] -> (codes [M, K] int8 or float8_e4m3fn, scales [M, 1] fp32): each row's absmax maps to the largest
+    code (127; 448 for E4M3). int8 rounds half to even, as torch.round does."""
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    v = (x32 / scale).clamp(-qmax, qmax)
+    return (v.round() if dtype == torch.int8 else v).to(dtype), scale
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the dispatcher takes the reference when triton is missing
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIZZLE: tl.constexpr):
+        """(row tile, column tile) of this program; SWIZZLE row tiles run next to each other per column tile."""
+        pid = tl.program_id(0)
+        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        width = SWIZZLE * grid_n
+        first_m = (pid // width) * SWIZZLE
+        size_m = tl.minimum(grid_m - first_m, SWIZZLE)
+        return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+    @triton.jit
+    def _nibbles(p, DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """uint8 tile -> (low nibbles, high nibbles) in DTYPE, each offset by NIBBLE_BIAS (FAST: 128 for bf16,
+        1024 for fp16; else 0). FAST is inline PTX: per 4 bytes, move bytes 0,1 (then 2,3) into the low byte of
+        each 16-bit half, and OR in the bits of the bias, whose last mantissa place is 1, so each half reads
+        bias + nibble exactly: 8 integer instructions per 8 weights, none of them an int-to-float conversion.
+        The kernel subtracts the bias with the zero point, once per group and output. Registers: $0,$1 low
+        nibbles of bytes 0-3, $2,$3 high nibbles, $4 the 4 input bytes."""
+        if FAST:
+            if DTYPE == tl.bfloat16:
+                lo, hi = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 zero, t0, t1, u0, u1;
+                    mov.b32 zero, 0;
+                    prmt.b32 t0, $4, zero, 0x4140;
+                    prmt.b32 t1, $4, zero, 0x4342;
+                    shr.b32 u0, t0, 4;
+                    shr.b32 u1, t1, 4;
+                    lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $2, u0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $3, u1, 0x000F000F, 0x43004300, 0xEA;
+                    }""",
+                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 zero, t0, t1, u0, u1;
+                    mov.b32 zero, 0;
+                    prmt.b32 t0, $4, zero, 0x4140;
+                    prmt.b32 t1, $4, zero, 0x4342;
+                    shr.b32 u0, t0, 4;
+                    shr.b32 u1, t1, 4;
+                    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA;
+                    }""",
+                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo = (p & 15).to(tl.float32).to(DTYPE)  # through fp32: the interpreter casts int -> bf16 as uint16
+            hi = (p >> 4).to(tl.float32).to(DTYPE)
+        return lo, hi
+
+    @triton.jit
+    def _int8_to(q, DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """int8 tile -> exact values in DTYPE. FAST (bf16/fp16, inline PTX): per 4 bytes, flip the sign bits
+        (q + 128), then one prmt per byte builds the fp32 2^23 + q + 128 (byte under the exponent bits 0x4B),
+        one subtraction makes it q, and one cvt packs two: 2.75 instructions a weight, no int-to-float."""
+        if FAST:
+            if DTYPE == tl.bfloat16:
+                w = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 u, magic, f0, f1, f2, f3;
+                    xor.b32 u, $2, 0x80808080;
+                    mov.b32 magic, 0x4B000000;
+                    prmt.b32 f0, u, magic, 0x7440;
+                    prmt.b32 f1, u, magic, 0x7441;
+                    prmt.b32 f2, u, magic, 0x7442;
+                    prmt.b32 f3, u, magic, 0x7443;
+                    sub.f32 f0, f0, 0f4B000080;
+                    sub.f32 f1, f1, 0f4B000080;
+                    sub.f32 f2, f2, 0f4B000080;
+                    sub.f32 f3, f3, 0f4B000080;
+                    cvt.rn.bf16x2.f32 $0, f1, f0;
+                    cvt.rn.bf16x2.f32 $1, f3, f2;
+                    }""",
+                    constraints="=r,=r,r", args=[q], dtype=tl.bfloat16, is_pure=True, pack=4)
+            else:
+                w = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 u, magic, f0, f1, f2, f3;
+                    xor.b32 u, $2, 0x80808080;
+                    mov.b32 magic, 0x4B000000;
+                    prmt.b32 f0, u, magic, 0x7440;
+                    prmt.b32 f1, u, magic, 0x7441;
+                    prmt.b32 f2, u, magic, 0x7442;
+                    prmt.b32 f3, u, magic, 0x7443;
+                    sub.f32 f0, f0, 0f4B000080;
+                    sub.f32 f1, f1, 0f4B000080;
+                    sub.f32 f2, f2, 0f4B000080;
+                    sub.f32 f3, f3, 0f4B000080;
+                    cvt.rn.f16x2.f32 $0, f1, f0;
+                    cvt.rn.f16x2.f32 $1, f3, f2;
+                    }""",
+                    constraints="=r,=r,r", args=[q], dtype=tl.float16, is_pure=True, pack=4)
+        else:  # through fp32: the interpreter casts int -> bf16 as int -> uint16
+            w = q.to(tl.float32).to(DTYPE)
+        return w
+
+    @triton.jit
+    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, SWIZZLE: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+                      NIBBLE_BIAS: tl.constexpr, IEEE: tl.constexpr):
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
+        pid_k = tl.program_id(1)
+        HALF: tl.constexpr = GROUP // 2
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_h = tl.arange(0, HALF)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        n_groups = K // GROUP
+        per_split = tl.cdiv(n_groups, SPLIT_K)
+        g_begin = pid_k * per_split
+        g_end = tl.minimum(g_begin + per_split, n_groups)
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
+        p_ptrs = P + offs_n.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g0 in range(g_begin, g_end, GROUPS_PER_ITER):
+            for t in tl.static_range(GROUPS_PER_ITER):
+                g = g0 + t
+                # this group exists (the last iteration may run past g_end); tensor compares keep masks boolean
+                # under the interpreter, where a scalar compare gives a Python bool
+                m_ok, n_ok = m_mask & (offs_m * 0 + g < g_end), n_mask & (offs_n * 0 + g < g_end)
+                x_mask, w_mask = m_ok[:, None], n_ok[:, None]
+                x_lo = tl.load(x_ptrs + g * GROUP, mask=x_mask, other=0.0)
+                x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=x_mask, other=0.0)
+                p = tl.load(p_ptrs + g * HALF, mask=w_mask, other=0)
+                q_lo, q_hi = _nibbles(p, X.dtype.element_ty, FAST)
+                part = _dot(x_lo, q_lo, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+                part = _dot(x_hi, q_hi, part, IEEE)
+                x_sum = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
+                if HAS_ZEROS:
+                    z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0).to(tl.float32) + NIBBLE_BIAS
+                    part -= x_sum[:, None] * z[None, :]
+                else:
+                    part -= (8.0 + NIBBLE_BIAS) * x_sum[:, None]
+                s = tl.load(S + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                acc += part * s[None, :]
+        _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b^T. IEEE: in fp32 with exact products (fp32 models, where tf32 would round the inputs; and
+        16-bit inputs under the interpreter, whose dot multiplies bf16 bit patterns as integers)."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(b), acc)
+
+    @triton.jit
+    def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+        """Write y = acc (+ bias). Split K: each of the SPLIT_K programs of a tile stores its partial sum in the
+        fp32 workspace WS [SPLIT_K, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
+        index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
+        output and no second pass."""
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K > 1:
+            pid_k, tile = tl.program_id(1), tl.program_id(0)
+            ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
+            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+                acc = tl.zeros_like(acc)
+                for k in range(SPLIT_K):  # .cg: read through L2, never a stale L1 line
+                    acc += tl.load(ws_ptrs + k * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+                tl.atomic_xchg(LOCKS + tile, 0)
+        else:
+            _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+
+    @triton.jit
+    def _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        t_begin = pid_k * per_split
+        t_end = tl.minimum(t_begin + per_split, k_tiles)
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in range(t_begin, t_end):
+            k_mask = (t * BLOCK_K + offs_k) < K
+            x = tl.load(x_ptrs + t * BLOCK_K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            q = tl.load(q_ptrs + t * BLOCK_K, mask=n_mask[:, None] & k_mask[None, :], other=0)
+            w = _int8_to(q, X.dtype.element_ty, FAST)
+            acc = _dot(x, w, acc, IEEE)
+        s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS,
+               SPLIT_K)
+
+    @triton.jit
+    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, INT8: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-12)
+        v = tl.math.div_rn(x, scale)  # correctly rounded, as torch divides
+        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        if INT8:
+            v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 127 < 2^22)
+        tl.store(Q + row * stride_q + offs, v.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + row, scale)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- configs and the once-per-shape choice among them ----------------------------------------------------------------
+# (BLOCK_N, input columns per iteration, SPLIT_K, warps, stages). SPLIT_K "auto": enough K slices for ~2 programs
+# per SM. Small M always uses 16-row tiles (the smallest tensor-core tile).
+SMALL_CONFIGS = [(128, 256, "auto", 4, 3), (256, 256, "auto", 8, 3), (64, 256, "auto", 4, 4), (128, 512, "auto", 4, 3),
+                 (128, 256, 1, 4, 3), (64, 512, 1, 4, 3)]
+TILED_CONFIGS = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)]
+
+
+def w4_configs(m: int, group_size: int) -> list[dict]:
+    """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture)."""
+    per = lambda bk: max(1, bk // group_size)  # noqa: E731  (whole groups per iteration)
+    if m <= SMALL_M:
+        return [dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
+                     num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in TILED_CONFIGS]
+
+
+def w8_configs(m: int) -> list[dict]:
+    if m <= SMALL_M:
+        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
+                for bn, bk, sk, w, st in SMALL_CONFIGS]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in TILED_CONFIGS]
+
+
+def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
+    split = cfg["SPLIT_K"]
+    if split == "auto":
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        sms = num_sms(device.index or 0) if device.type == "cuda" else 4
+        split = max(1, min(16, (2 * sms) // tiles))
+    return max(1, min(split, k_steps))
+
+
+_TUNED: dict[tuple, dict] = {}
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counts for split K: zeroed once, each left at zero by the launch that used it."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < tiles:
+        locks = _LOCKS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return locks
+
+
+def _pick(key: tuple, configs: list[dict], run) -> dict:
+    """The fastest of `configs` for `key`, timed once on the GPU (a few ms each, L2 flushed between runs). The first
+    config, untimed, under the interpreter or inside a CUDA-graph capture (timing there would break the capture;
+    the engine's warm-up step before each capture tunes the same shapes)."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if len(configs) == 1 or _interpreting() or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    times = []
+    for cfg in configs:
+        try:
+            times.append(triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20))
+        except Exception:  # e.g. a config needing more shared memory than the GPU has
+            times.append(float("inf"))
+    _TUNED[key] = configs[min(range(len(configs)), key=times.__getitem__)]
+    return _TUNED[key]
+
+
+def _bucket(m: int) -> int:
+    return 0 if m <= SMALL_M else min(next_power_of_2(m), 8192)
+
+
+def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts):
+    """Launch `kernel` with config `cfg` (split K resolved here); returns y [M, N]."""
+    cfg = dict(cfg)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    m = x2.shape[0]
+    cfg["SPLIT_K"] = split = _split_k(cfg, m, n, k_steps, x2.device)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
+    locks = _locks(x2.device, tiles) if split > 1 else y
+    x_arg, w_arg, s_arg, *rest = args
+    kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
+                           w_arg.stride(0), y.stride(0), num_warps=warps, num_stages=stages, **consts, **cfg)
+    return y
+
+
+# ---- Triton entry points ------------------------------------------------------------------------------------------
+def _rows(x):
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None):
+    """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one."""
+    k, n = x.shape[-1], qweight.shape[0]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
+                  NIBBLE_BIAS=(128.0 if x.dtype == torch.bfloat16 else 1024.0) if fast else 0.0,
+                  IEEE=x.dtype == torch.float32 or _interpreting())
+    # unused pointer arguments get a real tensor (scales) so every launch has the same signature
+    args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
+
+    def run(cfg):
+        return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts)
+
+    if config is None:
+        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast)
+        config = _pick(key, w4_configs(m, group_size), run)
+    return run(config).view(*x.shape[:-1], n)
+
+
+def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None):
+    k, n = x.shape[-1], qweight.shape[0]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting())
+    args = (x2, qweight, scales, scales if bias is None else bias)
+
+    def run(cfg):
+        return _launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts)
+
+    if config is None:
+        config = _pick(("w8", _bucket(m), n, k, x.dtype, bias is not None, fast), w8_configs(m), run)
+    return run(config).view(*x.shape[:-1], n)
+
+
+def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype):
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = next_power_of_2(k)
+        _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), QMAX=127.0 if dtype == torch.int8
+                                      else 448.0, INT8=dtype == torch.int8, BLOCK=block,
+                                      num_warps=min(16, max(1, block // 1024)))
+    return q, s
+
+
+# ---- dispatchers ----------------------------------------------------------------------------------------------------
+def _dtype_ok(x) -> bool:
+    return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None):
+    """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere."""
+    tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
+    if group_size in INT4_GROUPS and x.shape[-1] % group_size == 0 and _dtype_ok(x) and use_triton(*tensors):
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias)
+    return w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias)
+
+
+def w8a16_matmul(x, qweight, scales, bias=None):
+    tensors = [x, qweight, scales] + ([bias] if bias is not None else [])
+    if _dtype_ok(x) and qweight.is_contiguous() and use_triton(*tensors):
+        return w8a16_matmul_triton(x, qweight, scales, bias)
+    return w8a16_matmul_ref(x, qweight, scales, bias)
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype):
+    """x [M, K] -> (int8 or float8_e4m3fn codes [M, K], fp32 scales [M, 1]), one scale per row."""
+    if x.shape[-1] <= MAX_QUANT_ROW and x.stride(-1) == 1 and _dtype_ok(x) and use_triton(x):
+        return quantize_per_token_triton(x, dtype)
+    return quantize_per_token_ref(x, dtype)

@@ -1,0 +1,113 @@
+"""W4A16 / W8A16 matmul kernels and per-token activation quantization: Triton against the torch references.
+
+On the CPU they run under Triton's interpreter, where the kernels take their portable paths (plain casts of the
+codes, fp32 dot products); the inline-PTX dequantization runs only on the GPU (tests/gpu/test_quant_cuda.py).
+Shapes are small and odd on purpose: M = 1, 3 (decode path), 17 (tiled path); N not a multiple of the column
+tile; K a multiple of the group size but not of the columns one iteration reads, so the last iteration is partial;
+split K forced on some cases (the last program of a tile adds the partial sums)."""
+import pytest
+import torch
+
+from brrr.kernels import quant_matmul as qm
+
+# (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); index 4 does not
+W4_CASES = [(32, 1, False, 0), (32, 3, True, 4), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, 4),
+            (64, 17, True, 2), (128, 1, False, 4), (128, 3, False, 0), (128, 17, False, 1)]
+
+
+def _w4_problem(group, m, symmetric, n=40, groups=5, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = group * groups
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(groups, n, generator=g) * 0.1 + 0.01).to(dtype if dtype == torch.bfloat16 else torch.float32)
+    zeros = None if symmetric else torch.randint(0, 16, (groups, n), generator=g).to(torch.uint8)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    return x, qm.pack_int4_kernel(codes, group), scales, zeros, bias, codes
+
+
+def test_int4_kernel_layout_packs_each_group_s_halves_into_low_and_high_nibbles():
+    codes = torch.randint(0, 16, (3, 128), generator=torch.Generator().manual_seed(1))
+    packed = qm.pack_int4_kernel(codes, 64)
+    assert packed.shape == (3, 64) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, 0] & 0xF, codes[:, 0].to(torch.uint8))
+    assert torch.equal(packed[:, 0] >> 4, codes[:, 32].to(torch.uint8))  # column j + g/2 of group 0
+    assert torch.equal(packed[:, 32] & 0xF, codes[:, 64].to(torch.uint8))  # group 1 starts at byte g/2
+    assert torch.equal(qm.unpack_int4_kernel(packed, 64), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("group,m,symmetric,cfg", W4_CASES)
+def test_w4a16_kernel_matches_reference(device, group, m, symmetric, cfg):
+    x, qweight, scales, zeros, bias, _ = _w4_problem(group, m, symmetric)
+    x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
+    zeros = None if zeros is None else zeros.to(device)
+    config = qm.w4_configs(m, group)[cfg]
+    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, group, bias, config=config)
+    want = qm.w4a16_matmul_ref(x, qweight, scales, zeros, group, bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_w4a16_reference_is_the_dequantized_weight():
+    x, qweight, scales, zeros, bias, codes = _w4_problem(32, 2, False)
+    w = ((codes.view(40, 5, 32) - zeros.t().float()[:, :, None]) * scales.t()[:, :, None]).view(40, 160)
+    torch.testing.assert_close(qm.w4a16_matmul_ref(x, qweight, scales, zeros, 32, bias), x @ w.T + bias)
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_w4a16_bf16(device, m):
+    """bf16: the kernel multiplies exact codes and applies each group's scale to the fp32 partial sum, the
+    reference rounds each dequantized weight to bf16 first; they agree to bf16 precision."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(128, m, False, dtype=torch.bfloat16)
+    args = [t.to(device) for t in (x, qweight, scales, zeros)]
+    got = qm.w4a16_matmul_triton(*args, 128, bias.to(device))
+    assert got.dtype == torch.bfloat16 and _rel(got, qm.w4a16_matmul_ref(*args, 128, bias.to(device))) < 1e-2
+
+
+def _w8_problem(m, n=40, k=300, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01 + 1e-3
+    return torch.randn(m, k, generator=g).to(dtype), q, scales, torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, 4, False), (17, 0, True), (17, 3, False)])
+def test_w8a16_kernel_matches_reference(device, m, cfg, with_bias):
+    x, q, scales, bias = (t.to(device) for t in _w8_problem(m))
+    bias = bias if with_bias else None
+    got = qm.w8a16_matmul_triton(x, q, scales, bias, config=qm.w8_configs(m)[cfg])
+    torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, scales, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_w8a16_bf16(device):
+    x, q, scales, bias = (t.to(device) for t in _w8_problem(3, dtype=torch.bfloat16))
+    got = qm.w8a16_matmul_triton(x, q, scales, bias)
+    assert got.dtype == torch.bfloat16 and _rel(got, qm.w8a16_matmul_ref(x, q, scales, bias)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_int8_quantization_is_exact(device, dtype):
+    """Same codes (round half to even) and scales as the reference; a zero row gets the smallest scale."""
+    x = (torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    x[1] = 0
+    x[3, :4] = torch.tensor([0.5, -1.5, 2.5, 127.0]).to(dtype)  # ties, once the scale is 1
+    x[3, 4:] = 0
+    q, s = qm.quantize_per_token_triton(x.to(device), torch.int8)
+    q_ref, s_ref = qm.quantize_per_token_ref(x, torch.int8)
+    assert q.dtype == torch.int8 and s.shape == (5, 1)
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+    assert q_ref[3, :4].tolist() == [0, -2, 2, 127]
+
+
+def test_per_token_fp8_scales(device):
+    """Scales are exact here; the codes are compared on the GPU only: Triton's interpreter converts fp32 -> E4M3
+    wrongly when rounding carries into the exponent (124.3 becomes 64, not 128)."""
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(3)) * 5
+    q, s = qm.quantize_per_token_triton(x.to(device), torch.float8_e4m3fn)
+    q_ref, s_ref = qm.quantize_per_token_ref(x, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(s.cpu(), s_ref)
+    if device == "cuda":
+        assert torch.equal(q.cpu().float(), q_ref.float())

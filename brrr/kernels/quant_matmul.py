@@ -187,10 +187,10 @@ if triton is not None:
             w = q.to(tl.float32).to(DTYPE)
         return w
 
-    @triton.jit
-    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym,
+    @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for every M and split, not one for M = 1
+    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, SWIZZLE: tl.constexpr,
+                      GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
                       NIBBLE_BIAS: tl.constexpr, IEEE: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
@@ -201,7 +201,7 @@ if triton is not None:
         offs_h = tl.arange(0, HALF)
         m_mask, n_mask = offs_m < M, offs_n < N
         n_groups = K // GROUP
-        per_split = tl.cdiv(n_groups, SPLIT_K)
+        per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
@@ -228,7 +228,7 @@ if triton is not None:
                     part -= (8.0 + NIBBLE_BIAS) * x_sum[:, None]
                 s = tl.load(S + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 acc += part * s[None, :]
-        _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS, SPLIT_K)
+        _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -239,21 +239,21 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
-    def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-               SPLIT_K: tl.constexpr):
-        """Write y = acc (+ bias). Split K: each of the SPLIT_K programs of a tile stores its partial sum in the
-        fp32 workspace WS [SPLIT_K, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
+    def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+        """Write y = acc (+ bias). Split K (SPLIT): each of the split_k programs of a tile stores its partial sum in the
+        fp32 workspace WS [split_k, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
         index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
         output and no second pass."""
         mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K > 1:
+        if SPLIT:
             pid_k, tile = tl.program_id(1), tl.program_id(0)
             ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
-            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
                 acc = tl.zeros_like(acc)
-                for k in range(SPLIT_K):  # .cg: read through L2, never a stale L1 line
+                for k in range(split_k):  # .cg: read through L2, never a stale L1 line
                     acc += tl.load(ws_ptrs + k * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
                 tl.atomic_xchg(LOCKS + tile, 0)
@@ -267,9 +267,9 @@ if triton is not None:
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mask)
 
-    @triton.jit
-    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                       SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         pid_k = tl.program_id(1)
@@ -278,7 +278,7 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         m_mask, n_mask = offs_m < M, offs_n < N
         k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        per_split = tl.cdiv(k_tiles, split_k)
         t_begin = pid_k * per_split
         t_end = tl.minimum(t_begin + per_split, k_tiles)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
@@ -291,8 +291,8 @@ if triton is not None:
             w = _int8_to(q, X.dtype.element_ty, FAST)
             acc = _dot(x, w, acc, IEEE)
         s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, HAS_BIAS,
-               SPLIT_K)
+        _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
+               HAS_BIAS, SPLIT)
 
     @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, INT8: tl.constexpr,
@@ -389,14 +389,16 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts):
     cfg = dict(cfg)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     m = x2.shape[0]
-    cfg["SPLIT_K"] = split = _split_k(cfg, m, n, k_steps, x2.device)
+    split = _split_k(cfg, m, n, k_steps, x2.device)
+    del cfg["SPLIT_K"]
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = _locks(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
     kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
-                           w_arg.stride(0), y.stride(0), num_warps=warps, num_stages=stages, **consts, **cfg)
+                           w_arg.stride(0), y.stride(0), split, SPLIT=split > 1, num_warps=warps,
+                           num_stages=stages, **consts, **cfg)
     return y
 
 

@@ -50,6 +50,36 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, t)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def concat(cls, mods: list["QuantLinear"]) -> "QuantLinear | None":
+        """One QuantLinear computing the given ones side by side (their outputs concatenated), for packed q/k/v
+        and gate/up GEMMs; None when they cannot be joined (different formats, nf4, act-order GPTQ)."""
+        first = mods[0]
+        same = all(m.fmt == first.fmt and m.activations == first.activations and m.group_size == first.group_size
+                   and m.in_features == first.in_features and (m.bias is None) == (first.bias is None) for m in mods)
+        if not same or first.fmt not in ("int4", "int8", "fp8"):
+            return None
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.fmt, new.in_features, new.activations = first.fmt, first.in_features, first.activations
+        new.out_features, new.group_size = sum(m.out_features for m in mods), first.group_size
+        new.stored_bits, new.tensor_names = sum(m.stored_bits for m in mods), first.tensor_names
+        if first.fmt == "int4":  # qweight [N, K/2] by rows; scales, zeros [K/g, N] by columns
+            zeros = None
+            if any(m.zeros is not None for m in mods):
+                zeros = torch.cat([torch.full_like(m.scales, 8, dtype=torch.uint8) if m.zeros is None else m.zeros
+                                   for m in mods], dim=1)
+            tensors = {"qweight": torch.cat([m.qweight for m in mods]),
+                       "scales": torch.cat([m.scales for m in mods], dim=1), "zeros": zeros}
+        else:  # qweight [N, K], scales [N] (an fp8 per-tensor scale [1] repeats per row)
+            tensors = {"qweight": torch.cat([m.qweight for m in mods]),
+                       "scales": torch.cat([m.scales.expand(m.out_features) for m in mods])}
+        for name, t in tensors.items():
+            new.register_buffer(name, t)
+        new.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias for m in mods]),
+                                                                 requires_grad=False)
+        return new
+
     def tensors(self) -> dict:
         """The in-memory (kernel-layout) tensors."""
         return {name: getattr(self, name) for name in self.tensor_names}
@@ -101,6 +131,26 @@ def _int4_codes(fmt: str, tensors: dict):
     if fmt in ("gptq", "gptq_v2", "awq"):
         return published_int4(fmt, tensors)  # None for act-order GPTQ (groups not contiguous)
     return None
+
+
+@torch.no_grad()
+def pack_quantized_projections(model) -> int:
+    """The serving fast path for quantized models: q/k/v as one QuantLinear and gate/up as another, layer by layer
+    (what models/llama.pack_projections does for nn.Linear, whose `_packed` leaves QuantLinear alone). One GEMM
+    reads the three weights in one launch; W8A8 also quantizes the shared input once. Returns how many it packed.
+    Like the float packing, the packed model cannot be saved by name."""
+    packed = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "qkv_proj", "absent") is None and isinstance(attn.q_proj, QuantLinear):
+            if (qkv := QuantLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])) is not None:
+                attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
+                packed += 1
+        if getattr(mlp, "gate_up_proj", "absent") is None and isinstance(mlp.gate_proj, QuantLinear):
+            if (gu := QuantLinear.concat([mlp.gate_proj, mlp.up_proj])) is not None:
+                mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gu, None, None
+                packed += 1
+    return packed
 
 
 def projections(model) -> list[tuple[str, nn.Module]]:

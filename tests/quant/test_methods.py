@@ -83,3 +83,17 @@ def test_bad_method_input_is_a_clear_error(tiny_dir, calib):
         quantize_model(model, "rtn-int4", group_size=128)
     with pytest.raises(BrrrError, match="--method must be one of"):
         quantize_model(model, "int3")
+
+
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "smoothquant", "fp8-w8a8"])
+@torch.no_grad()
+def test_packed_quantized_projections_compute_what_the_separate_ones_do(tiny_dir, calib, method):
+    from brrr.quant.linear import pack_quantized_projections
+
+    model = load_model(tiny_dir, dtype=torch.float32)
+    quantize_model(model, method, group_size=32, calib=calib)
+    before = _logits(model, calib)
+    assert pack_quantized_projections(model) == 4  # q/k/v and gate/up in each of 2 layers
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj is None and isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 192
+    torch.testing.assert_close(_logits(model, calib), before, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,266 @@
+"""Quantized inference speed on one GPU, Llama-3.1-8B shapes, random weights (speed does not depend on values).
+
+Three sections, one JSON record per result (stdout, and appended to --out):
+  gemm     per-GEMM device time of the W8A16 / W4A16 g128 Triton kernels vs bf16 F.linear at M = 1 and 16 for the
+           8B projections (q/o 4096x4096, k/v 1024x4096, packed qkv 6144x4096, gate/up 14336x4096, packed gate_up
+           28672x4096, down 4096x14336). Timed as CUDA-graph replays over enough weight copies to exceed L2, so
+           every call streams its weights from HBM and no host launch cost is counted; GB/s = stored bytes / time.
+  prefill  FP8 W8A8 `torch._scaled_mm` (row-wise scales) vs bf16 at M = 2048, 4096: the GEMM alone, with fast
+           accumulation, and the whole linear (per-token activation quantization included); SmoothQuant's
+           `torch._int_mm` and the W4A16 / W8A16 tiled kernels beside them.
+  decode   batch-1 and batch-16 decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
+           for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine packs the
+           bf16 model, pack_quantized_projections the quantized ones), plus the device time of one captured decode
+           step (graph replay alone), which separates kernel speed from the engine's host work per step.
+
+  PYTHONPATH=$PWD python bench/quant_speed.py --out bench/results/quant_speed_h200.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from brrr.kernels import quant_matmul as qm  # noqa: E402
+from brrr.quant import formats  # noqa: E402
+from brrr.quant.linear import QuantLinear  # noqa: E402
+
+GEMM_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "qkv": (6144, 4096), "gate/up": (14336, 4096),
+               "gate_up": (28672, 4096), "down": (4096, 14336)}
+PREFILL_SHAPES = {"q/o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+BF16 = torch.bfloat16
+
+
+def emit(record: dict, out: str | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def graph_time_us(calls, replays: int = 20) -> float:
+    """Mean device time of one call: all `calls` captured in one CUDA graph, replayed `replays` times."""
+    for c in calls:  # warm-up: compilation and tuning happen here, outside the capture
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def replay_time_us(graph, replays: int = 50) -> float:
+    """Device time of one replay of an already captured graph (the engine's decode step)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def bench_us(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def quant_linear(fmt: str, w: torch.Tensor) -> QuantLinear:
+    t = formats.quantize_int4(w, 128) if fmt == "int4" else formats.quantize_int8(w)
+    return QuantLinear(fmt, t, w.shape[1], w.shape[0], None, dtype=BF16)
+
+
+def stored_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.tensors().values() if t is not None)
+
+
+def section_gemm(args, machine):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in GEMM_SHAPES.items():
+        copies = max(3, math.ceil(4 * 60e6 / (n * k / 2)))  # even the int4 copies span ~4x the 60 MB L2
+        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02 for _ in range(copies)]
+        variants = {"bf16": weights}
+        variants["w8a16"] = [quant_linear("int8", w) for w in weights]
+        variants["w4a16-g128"] = [quant_linear("int4", w) for w in weights]
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            base = None
+            for variant, mods in variants.items():
+                for fast in ((True, False) if variant == "w4a16-g128" else (True,)):
+                    qm.FAST_DEQUANT = fast
+                    if variant == "bf16":
+                        calls, nbytes = [lambda w=w: F.linear(x, w) for w in mods], n * k * 2
+                    else:
+                        calls, nbytes = [lambda q=q: q(x) for q in mods], stored_bytes(mods[0])
+                    us = graph_time_us(calls)
+                    base = base or us
+                    label = variant if fast else variant + "-portable-dequant"
+                    emit({"bench": "quant_gemm", "machine": machine, "shape": name, "n": n, "k": k, "m": m,
+                          "variant": label, "us": round(us, 2), "weight_bytes": nbytes,
+                          "gb_s": round(nbytes / us / 1e3, 1), "speedup_vs_bf16": round(base / us, 2)}, args.out)
+            qm.FAST_DEQUANT = True
+        del weights, variants
+        torch.cuda.empty_cache()
+
+
+def section_prefill(args, machine):
+    from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, (n, k) in PREFILL_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
+        f8 = formats.quantize_fp8(w.float())
+        sw = f8["scales"].reshape(1, n).contiguous()
+        i8 = formats.quantize_int8(w.float())
+        w4, w8 = quant_linear("int4", w), quant_linear("int8", w)
+        for m in (2048, 4096):
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=BF16)
+            xq, sx = qm.quantize_per_token(x, torch.float8_e4m3fn)
+            xi, _ = qm.quantize_per_token(x, torch.int8)
+            flops = 2 * m * n * k
+            runs = {
+                "bf16": lambda: F.linear(x, w),
+                "fp8-scaled_mm": lambda: torch._scaled_mm(xq, f8["qweight"].t(), scale_a=sx, scale_b=sw,
+                                                          out_dtype=BF16),
+                "fp8-scaled_mm-fast-accum": lambda: torch._scaled_mm(xq, f8["qweight"].t(), scale_a=sx,
+                                                                     scale_b=sw, out_dtype=BF16,
+                                                                     use_fast_accum=True),
+                "fp8-w8a8-linear (with activation quant)": lambda: fp8_w8a8_linear(x, f8["qweight"], f8["scales"]),
+                "int8-int_mm": lambda: torch._int_mm(xi, i8["qweight"].t()),
+                "int8-w8a8-linear (with activation quant)": lambda: int8_w8a8_linear(x, i8["qweight"],
+                                                                                     i8["scales"]),
+                "w8a16-tiled": lambda: w8(x),
+                "w4a16-g128-tiled": lambda: w4(x),
+            }
+            base = None
+            for variant, fn in runs.items():
+                try:
+                    us = bench_us(fn)
+                except Exception as e:  # record what failed instead of losing the section
+                    emit({"bench": "quant_prefill", "shape": name, "m": m, "variant": variant,
+                          "error": f"{type(e).__name__}: {e}"[:300]}, args.out)
+                    continue
+                base = base or us
+                emit({"bench": "quant_prefill", "machine": machine, "shape": name, "n": n, "k": k, "m": m,
+                      "variant": variant, "us": round(us, 1), "tflop_s": round(flops / us / 1e6, 1),
+                      "speedup_vs_bf16": round(base / us, 2)}, args.out)
+        torch.cuda.empty_cache()
+
+
+def model_bytes(model) -> int:
+    """Bytes a decode step reads for weights: every parameter and buffer except the embedding table."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" not in name and t is not None:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def section_decode(args, machine, bandwidth):
+    from brrr.bench.latency import run_batch
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
+    from brrr.quant.linear import pack_quantized_projections
+    from brrr.quant.methods import quantize_model
+
+    cfg = model_config("llama-3.1-8b")
+    max_len = args.prompt_len + args.new_tokens
+    base = {}
+    for variant in args.variants:
+        t0 = time.perf_counter()
+        model = random_model(cfg, BF16, torch.device("cuda"))
+        if variant != "bf16":
+            quantize_model(model, {"w8a16": "rtn-int8", "w4a16-g128": "rtn-int4"}[variant], group_size=128)
+            pack_quantized_projections(model)
+        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=16,
+                                                     num_blocks=16 * -(-max_len // 16) + 8, cuda_graphs=True))
+        run_batch(engine, 1, args.prompt_len, 8, cfg.vocab_size, seed=99)  # warm-up (prefill tuning)
+        run_batch(engine, 16, args.prompt_len, 8, cfg.vocab_size, seed=98)
+        nbytes = model_bytes(model)
+        setup_s = time.perf_counter() - t0
+        for batch in (1, 16):
+            ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
+            tok_s = batch * (args.new_tokens - 1) / decode_s
+            graphs = getattr(engine.runner, "graphs", {})
+            step_us = replay_time_us(graphs[batch][0]) if batch in graphs else None
+            base.setdefault(batch, (tok_s, step_us))
+            kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * (args.prompt_len +
+                                                                                    args.new_tokens // 2)
+            rec = {"bench": "quant_decode", "machine": machine, "model": "llama-3.1-8b (random weights)",
+                   "variant": variant, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                   "decode_tok_s": round(tok_s, 1), "speedup_vs_bf16": round(tok_s / base[batch][0], 2),
+                   "ttft_s": round(ttft, 4), "bytes_per_step": nbytes + kv,
+                   "roofline_tok_s": round(batch * bandwidth / (nbytes + kv), 1),
+                   "fraction_of_roofline": round(tok_s * (nbytes + kv) / (batch * bandwidth), 3),
+                   "setup_s": round(setup_s, 1)}
+            if step_us:
+                rec.update(graph_step_us=round(step_us, 1), graph_tok_s=round(batch * 1e6 / step_us, 1),
+                           graph_speedup_vs_bf16=round(base[batch][1] / step_us, 2) if base[batch][1] else None)
+            emit(rec, args.out)
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="append the JSON records to this file")
+    p.add_argument("--sections", nargs="+", default=["gemm", "prefill", "decode"],
+                   choices=["gemm", "prefill", "decode"])
+    p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128"],
+                   choices=["bf16", "w8a16", "w4a16-g128"])
+    p.add_argument("--prompt-len", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=200)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/quant_speed.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from brrr.analysis.hardware import measure
+
+    gpu = measure()
+    machine = f"{gpu.name}, torch {torch.__version__}"
+    emit({"bench": "quant_machine", "machine": machine, "copy_bandwidth_gb_s": round(gpu.bandwidth / 1e9),
+          "bf16_matmul_tflop_s": round(gpu.flops["bf16"] / 1e12)}, args.out)
+    for section in args.sections:
+        t0 = time.perf_counter()
+        try:
+            if section == "gemm":
+                section_gemm(args, machine)
+            elif section == "prefill":
+                section_prefill(args, machine)
+            else:
+                section_decode(args, machine, gpu.bandwidth)
+        except Exception as e:  # keep the other sections' records
+            import traceback
+
+            traceback.print_exc()
+            emit({"bench": f"quant_{section}", "error": f"{type(e).__name__}: {e}"[:500]}, args.out)
+        print(f"# section {section}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,5 +25,6 @@ def test_packed_model_matches_unpacked(tmp_path, family):
 
 def test_silu_and_mul_reads_strided_halves():
     gate_up = torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(1))
+    gate_up = gate_up.cuda() if torch.cuda.is_available() else gate_up  # Triton runs on CUDA, or interpreted
     gate, up = gate_up.chunk(2, -1)  # row stride 600: the packed GEMM's output, read in place
     torch.testing.assert_close(silu_and_mul_triton(gate, up), silu_and_mul_ref(gate, up), rtol=1e-6, atol=1e-6)

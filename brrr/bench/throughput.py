@@ -59,11 +59,17 @@ def cmd_throughput(args) -> int:
                                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                                  cuda_graphs=args.cuda_graphs == "on"))
     engine.stream_outputs = False  # offline: outputs only when requests finish, as LLM.generate does
-    rng = random.Random(0)
-    warm = SamplingParams(max_tokens=16, ignore_eos=True)
-    engine.add_request("warm", [1] * 64, warm)
+    # A rehearsal of the workload's shapes (long prompts, chunked prefill, sampled decodes) with its own random
+    # stream: Triton compiles and autotunes a kernel the first time it meets a shape, seconds that would otherwise
+    # land in the timed run.
+    warm = random.Random(1)
+    for i in range(16):
+        length = args.max_len if i < 4 else warm.randint(args.min_len, args.max_len)
+        engine.add_request(f"warm-{i}", [warm.randrange(cfg.vocab_size) for _ in range(length)],
+                           SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, seed=i))
     while engine.has_unfinished_requests():
         engine.step()
+    rng = random.Random(0)
     for i in range(args.num_requests):
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]
         params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,

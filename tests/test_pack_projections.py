@@ -28,3 +28,12 @@ def test_silu_and_mul_reads_strided_halves():
     gate_up = gate_up.cuda() if torch.cuda.is_available() else gate_up  # Triton runs on CUDA, or interpreted
     gate, up = gate_up.chunk(2, -1)  # row stride 600: the packed GEMM's output, read in place
     torch.testing.assert_close(silu_and_mul_triton(gate, up), silu_and_mul_ref(gate, up), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_reads_heads_cut_from_the_packed_output():
+    from brrr.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+    qkv = torch.randn(7, (4 + 2 * 2) * 16, generator=torch.Generator().manual_seed(2))
+    qkv = qkv.cuda() if torch.cuda.is_available() else qkv
+    q = qkv.split([64, 32, 32], -1)[0].view(7, 4, 16)  # row stride 128, heads 16 apart: not viewable as 2-D
+    w = torch.rand(16, generator=torch.Generator().manual_seed(3)).to(qkv.device)
+    torch.testing.assert_close(rms_norm_triton(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), rtol=1e-6, atol=1e-6)

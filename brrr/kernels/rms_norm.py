@@ -36,13 +36,16 @@ except Exception:  # the dispatcher takes the reference when triton is missing
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RES_OUT, n_rows, n_cols, stride_x, stride_r, stride_y, stride_ro, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Y, RES_OUT, n_rows, n_cols, n_inner, stride_xo, stride_x, stride_r, stride_y,
+                         stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Row r of X sits at (r // n_inner) * stride_xo + (r % n_inner) * stride_x: a [N, heads, D] view (q or k
+        cut from the packed q/k/v output) is read in place, without a copy to make it 2-D."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_H)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows = rows.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        x_rows = (rows // n_inner) * stride_xo + (rows % n_inner) * stride_x
+        x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded, as `x + residual` is
@@ -57,21 +60,26 @@ if triton is not None:
 
 def _launch(x, residual, weight, eps):
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is None and x.dim() == 3 and x.stride(1) >= hidden:  # [N, heads, D], rows of heads maybe apart
+        x2, n_inner, stride_xo, stride_x = x, x.shape[1], x.stride(0), x.stride(1)
+        rows = x.shape[0] * x.shape[1]
+    else:
+        x2 = x.reshape(-1, hidden)
+        n_inner, stride_xo, stride_x, rows = 1, x2.stride(0), 0, x2.shape[0]
+    out = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block_h = next_power_of_2(hidden)
     block_r = max(1, 2048 // block_h)  # narrow rows (per-head q/k norm): several per program
     warps = min(16, max(1, block_r * block_h // 512))
     # enable_fp_fusion=False: no FMA contraction, so each step rounds where the reference's torch ops round
-    grid = (triton.cdiv(x2.shape[0], block_r),)
+    grid = (triton.cdiv(rows, block_r),)
     if residual is None:
-        _rms_norm_kernel[grid](x2, x2, weight, out, x2, x2.shape[0], hidden, x2.stride(0), 0, out.stride(0), 0, eps,
-                               HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
+        _rms_norm_kernel[grid](x2, x2, weight, out, x2, rows, hidden, n_inner, stride_xo, stride_x, 0, out.stride(0),
+                               0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
                                enable_fp_fusion=False)
         return out.view(*x.shape[:-1], hidden), None
     r2 = residual.reshape(-1, hidden)
     new_residual = torch.empty_like(x2)
-    _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, x2.shape[0], hidden, x2.stride(0), r2.stride(0),
+    _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, rows, hidden, 1, x2.stride(0), 0, r2.stride(0),
                            out.stride(0), new_residual.stride(0), eps,
                            HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
                            enable_fp_fusion=False)

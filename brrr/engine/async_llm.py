@@ -1,80 +1,193 @@
-"""AsyncLLM: the engine stepping in its own thread, streaming outputs to asyncio callers (the server)."""
+"""AsyncLLM: the engine streaming outputs to asyncio callers (the server).
+
+`AsyncLLM.spawn(spec)` runs the engine in a process of its own (`brrr serve`): this process validates and
+tokenizes, the engine process schedules, runs the model and detokenizes, and the two talk over pipes
+(engine_process.py). `AsyncLLM(engine)` runs the same engine loop on an engine object in a thread of this process
+(tests that build an engine). Either way, requests are validated here by the engine's own checks before anything is
+queued, and each engine step arrives as one message whose deltas are turned back into `RequestOutput`s.
+"""
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
-from collections import deque
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
+from brrr.engine.engine_process import EngineInfo, EngineSpec
+from brrr.engine.engine_process_client import EngineClient
+from brrr.engine.engine_process_outputs import RequestAssembly, merge_outputs
 from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import RequestOutput
 from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+
+
+class EngineLimits:
+    """The engine's request checks without the engine: `LLMEngine.make_request` itself, on the limits the engine
+    reported (context, vocabulary, KV blocks), so a request that passes here is one the engine takes."""
+
+    make_request = LLMEngine.make_request
+
+    def __init__(self, info: EngineInfo, tokenizer):
+        self.tokenizer, self.max_model_len = tokenizer, info.max_model_len
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=info.vocab_size))
+        block_size = info.block_size
+        self.block_manager = SimpleNamespace(num_blocks=info.num_blocks, block_size=block_size,
+                                             blocks_for=lambda tokens: -(-tokens // block_size))
+
+
+class _LatestOutput:
+    """A request's outputs that its consumer has not taken yet, merged into one: a consumer that falls behind the
+    engine gets fewer, larger outputs instead of a growing queue."""
+
+    def __init__(self):
+        self.pending: RequestOutput | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else merge_outputs(self.pending, out)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        if self.pending is None:
+            await self.ready.wait()
+        out, self.pending = self.pending, None
+        self.ready.clear()
+        return out
+
+
+class _Stream:
+    __slots__ = ("loop", "assembly", "outputs")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, assembly: RequestAssembly):
+        self.loop, self.assembly, self.outputs = loop, assembly, _LatestOutput()
 
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: deque = deque()  # ("add", request, queue, loop) | ("abort", request_id); the thread applies them
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        self._wake = threading.Event()
-        self._stopped = False
-        self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="brrr-engine", daemon=True)
-        self._thread.start()
+        """The engine loop in a thread of this process, on this engine object (which `engine` keeps pointing to)."""
+        self.engine: LLMEngine | None = engine
+        self._start(EngineClient.in_thread(engine), engine.tokenizer)
 
+    @classmethod
+    def spawn(cls, spec: EngineSpec) -> "AsyncLLM":
+        """The engine in its own process, built there from `spec`. Returns once it is loaded and warmed up;
+        raises BrrrError (with the engine's reason) if it could not start."""
+        from brrr.tokenizer import Tokenizer
+
+        self = cls.__new__(cls)
+        self.engine = None
+        client = EngineClient.spawn(spec)
+        try:
+            tokenizer = Tokenizer.from_dir(spec.model)  # while the engine process loads the model
+        except BaseException:
+            client.shutdown()
+            raise
+        self._start(client, tokenizer)
+        return self
+
+    def _start(self, client: EngineClient, tokenizer) -> None:
+        self.client, self.tokenizer = client, tokenizer
+        self.info: EngineInfo = client.wait_ready()
+        self.limits = EngineLimits(self.info, tokenizer)
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        client.start_reading(self._on_deltas, self._on_failure)
+
+    # ---- what the server reads --------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is gone, or None while it runs."""
+        return self.client.failure
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.alive and not self._stopped
+
+    def stats(self) -> dict:
+        """`LLMEngine.stats()` as of the engine's latest step, plus num_free_blocks, num_unfinished_requests and
+        num_unfinished_seqs."""
+        return self.client.stats
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        """Validate and tokenize as the engine does; raises BrrrError naming the problem. Queues nothing."""
+        return self.limits.make_request(request_id, prompt, params)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields incremental outputs until the request finishes. Invalid input raises BrrrError (a ValueError)
-        before anything is queued. Leaving the iterator early (or being cancelled) aborts the request."""
+        before anything is queued. Leaving the iterator early (or being cancelled) aborts the request. If the
+        engine dies, the last output carries the error."""
         if self._stopped:
             raise BrrrError("the engine is shutting down")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise BrrrError(f"request_id {request_id!r} is already in use")
-        request = self.engine.make_request(request_id, prompt, params)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (queue, asyncio.get_running_loop())
-        self._command("add", request)
+        request = self.make_request(request_id, prompt, params)
+        stream = _Stream(asyncio.get_running_loop(), RequestAssembly(
+            request_id, request.prompt, request.prompt_token_ids, request.params, request.arrival_time))
+        self._streams[request_id] = stream  # before the failure check: _on_failure then sees it, or we see failure
         finished = False
         try:
+            # the prompt's text stays here: the engine needs only the ids
+            self.client.send(("add", Request(request_id, None, request.prompt_token_ids, request.params,
+                                             request.arrival_time)))
             while not finished:
-                out = await queue.get()
-                finished = out.finished
+                out = await stream.outputs.get()
+                finished = out.finished or out.error is not None
                 yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._command("abort", request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop the request in the engine and free its KV blocks (on the engine's next turn)."""
         self._streams.pop(request_id, None)
-        self._command("abort", request_id)
+        if self.client.alive:
+            try:
+                self.client.send(("abort", request_id))
+            except BrrrError:
+                pass  # the engine is gone, and its requests with it
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self.client.shutdown()
 
-    def _command(self, *cmd) -> None:
-        self._commands.append(cmd)
-        self._wake.set()
+    # ---- the reader thread's callbacks ------------------------------------------------------------------------
+    def _on_deltas(self, deltas: list) -> None:
+        """One engine step: hand each delta to its stream's event loop, one call per loop (not per request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for delta in deltas:
+            stream = self._streams.get(delta[0])
+            if stream is not None:  # else its consumer has left, and the abort is on its way
+                by_loop.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
 
-    def _run(self) -> None:
-        while not self._stopped:
-            if not self._commands and not self.engine.has_unfinished_requests():
-                self._wake.wait()
-                self._wake.clear()
-            while self._commands:
-                kind, arg = self._commands.popleft()
-                if kind == "add":
-                    self.engine.enqueue(arg)
-                else:
-                    self.engine.abort(arg)
-            if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream:
-                        queue, loop = stream
-                        loop.call_soon_threadsafe(queue.put_nowait, out)
+    def _on_failure(self, why: str) -> None:
+        for stream in list(self._streams.values()):
+            _call_soon(stream.loop, _fail, stream, why)
+
+
+def _deliver(items) -> None:
+    for stream, delta in items:
+        stream.outputs.put(stream.assembly.apply(delta))
+
+
+def _fail(stream: _Stream, why: str) -> None:
+    stream.outputs.put(stream.assembly.fail(f"{why}; the request was lost"))
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # that loop has closed: nobody is waiting there
+        pass

@@ -48,6 +48,8 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
 
     @app.get("/health")
     async def health():
+        if not llm.healthy:  # the engine is gone (or stopping): load balancers and orchestrators should know
+            return JSONResponse({"status": "unhealthy", "reason": llm.failure or "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -57,7 +59,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "brrr",
-                "root": state.model_path, "max_model_len": state.engine.max_model_len}
+                "root": state.model_path, "max_model_len": llm.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
@@ -72,7 +74,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
                 ids = tokenizer.encode_chat(template_messages(body.messages), body.add_generation_prompt)
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
-        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

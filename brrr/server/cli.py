@@ -1,12 +1,14 @@
 """`brrr serve`: the OpenAI-compatible server on uvicorn.
 
-brrr/cli.py wires it through `register(subparsers)`. SIGTERM / Ctrl-C: uvicorn stops accepting connections, lets
-in-flight requests finish for up to --shutdown-timeout seconds, cancels what is left (which aborts those engine
-requests), then the engine thread stops and the process exits 0.
+brrr/cli.py wires it through `register(subparsers)`. The engine runs in a process of its own (engine_process.py),
+which loads the model and warms up before the server listens. SIGTERM / Ctrl-C: uvicorn stops accepting
+connections, lets in-flight requests finish for up to --shutdown-timeout seconds, cancels what is left (which aborts
+those engine requests), then the engine process stops and the server exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -45,6 +47,9 @@ def register(sub) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when serving on CPU (default: all cores but one, which the HTTP side gets)")
+    g.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine in a thread of the server process instead of a process of its own "
+                        "(slower under load: both share one GIL; for comparison and debugging)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -55,9 +60,8 @@ def cmd_serve(args) -> int:
         raise BrrrError("brrr serve needs fastapi, uvicorn, pydantic and prometheus-client: "
                         "pip install fastapi uvicorn pydantic prometheus-client") from None
     from brrr.config import EngineConfig
-    from brrr.engine import AsyncLLM, LLMEngine
-    from brrr.pretrained import load
-    from brrr.server.app import create_app
+    from brrr.engine.engine_process import EngineSpec
+    from brrr.hub import resolve_model
 
     for name, low in (("port", 0), ("max_waiting", 0), ("max_body_bytes", 1), ("shutdown_timeout", 0),
                       ("cpu_threads", 1)):
@@ -69,31 +73,44 @@ def cmd_serve(args) -> int:
                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
-    pretrained = load(args.model, dtype=args.dtype, device=args.device)
-    if next(pretrained.model.parameters()).device.type == "cpu":
-        import torch
-
-        torch.set_num_threads(args.cpu_threads or max(1, torch.get_num_threads() - 1))
-    engine = LLMEngine(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids)
-    name = args.served_model_name or args.model or "brrr-default"
-    llm = AsyncLLM(engine)
-    api_key = args.api_key or os.environ.get("BRRR_API_KEY") or None
-    app = create_app(llm, pretrained.tokenizer, name, model_path=pretrained.path, api_key=api_key,
-                     max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
-    device = next(pretrained.model.parameters()).device
-    note = "" if args.model else " (brrr's small default model: it completes Python and is not chat-tuned)"
-    print(f"brrr serve: {name!r} from {pretrained.path} on {device}{note}; {engine.block_manager.num_blocks} KV "
-          f"blocks of {config.block_size} tokens, context {engine.max_model_len}; "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                          access_log=not args.no_access_log,
-                                          timeout_graceful_shutdown=args.shutdown_timeout))
-    # uvicorn handles SIGTERM while it runs (drain, then stop) and re-raises it afterwards; by then it is dealt with,
-    # so a no-op handler lets the engine shut down and the process exit 0 instead of dying by the signal.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,
+                      log_level=args.log_level)
+    llm = _start_engine(spec, in_thread=args.engine_in_thread)
     try:
-        server.run()
+        from brrr.server.app import create_app
+
+        name = args.served_model_name or args.model or "brrr-default"
+        api_key = args.api_key or os.environ.get("BRRR_API_KEY") or None
+        app = create_app(llm, llm.tokenizer, name, model_path=spec.model, api_key=api_key,
+                         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+        info = llm.info
+        where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
+        note = "" if args.model else " (brrr's small default model: it completes Python and is not chat-tuned)"
+        print(f"brrr serve: {name!r} from {spec.model} on {info.device} ({where}){note}; {info.num_blocks} KV "
+              f"blocks of {info.block_size} tokens, context {info.max_model_len}; warm-up "
+              f"{info.warm_up_seconds:.1f} s; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                              access_log=not args.no_access_log,
+                                              timeout_graceful_shutdown=args.shutdown_timeout))
+        # uvicorn handles SIGTERM while it runs (drain, then stop) and re-raises it afterwards; by then it is dealt
+        # with, so a no-op handler lets the engine shut down and the process exit 0 instead of dying by the signal.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        gc.collect()  # start-up's objects live as long as the server: keep full collections from walking them
+        gc.freeze()
+        try:
+            server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         llm.shutdown()
     return 0 if server.started else 1
+
+
+def _start_engine(spec, in_thread: bool):
+    from brrr.engine import AsyncLLM
+
+    if not in_thread:
+        return AsyncLLM.spawn(spec)
+    from brrr.engine.engine_process import build_engine
+
+    return AsyncLLM(build_engine(spec))

@@ -1,8 +1,9 @@
 """Prometheus metrics, named like vLLM's with a `brrr:` prefix, each labelled with the served model name.
 
 Engine state (running/waiting requests, KV cache usage, prefix-cache and token counters, preemptions) is read from
-`engine.stats()` at scrape time, so it is never stale; per-request latencies are histograms the server observes
-as outputs stream back. Each app gets its own registry, so several servers can live in one process (tests).
+`AsyncLLM.stats()` at scrape time: the engine's stats as of its latest step, which every step message carries.
+Per-request latencies are histograms the server observes as outputs stream back. Each app gets its own registry,
+so several servers can live in one process (tests).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class _EngineCollector:
-    """Gauges and cumulative counters straight from the engine's own bookkeeping."""
+    """Gauges and cumulative counters straight from the engine's own bookkeeping (anything with `stats()`)."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
@@ -93,9 +94,18 @@ class RequestTracker:
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        if any(c.delta_token_ids for c in out.outputs):
-            if self.last_output_time is not None:
-                self.metrics.itl.observe(now - self.last_output_time)
+        steps = max((len(c.delta_token_ids) for c in out.outputs), default=0)  # a sample gains 1 token per step
+        if steps:
+            # Outputs of steps the server fell behind on arrive merged: one gap per step, the time split evenly.
+            # Gaps run from the previous output, or for a merged first output from the engine's first token.
+            if self.last_output_time is None:
+                start, gaps = out.metrics.first_token_time, steps - 1
+            else:
+                start, gaps = self.last_output_time, steps
+            if gaps and start is not None:
+                gap = max(0.0, now - start) / gaps
+                for _ in range(gaps):
+                    self.metrics.itl.observe(gap)
             self.last_output_time = now
         m = out.metrics
         if out.finished and out.error is None:

@@ -35,13 +35,13 @@ class Ticket:
 
 class ServerState:
     def __init__(self, llm: AsyncLLM, tokenizer, model_name: str, model_path: str | None, max_waiting: int | None):
-        self.llm, self.engine, self.tokenizer = llm, llm.engine, tokenizer
+        self.llm, self.tokenizer = llm, tokenizer
         self.model_name, self.model_path, self.max_waiting = model_name, model_path, max_waiting
-        self.metrics = ServerMetrics(self.engine, model_name)
+        self.metrics = ServerMetrics(llm, model_name)
         self.num_waiting = 0  # admitted engine requests that have not produced an output yet
         self.created = int(time.time())
-        bm = self.engine.block_manager
-        self.max_total_tokens = min(self.engine.max_model_len, bm.num_blocks * bm.block_size)
+        info = llm.info
+        self.max_total_tokens = min(info.max_model_len, info.num_blocks * info.block_size)
         self.token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self.token_width = lru_cache(maxsize=1 << 16)(lambda t: len(tokenizer.decode([t], skip_special_tokens=True)))
 
@@ -69,7 +69,7 @@ class ServerState:
 
     def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str) -> None:
         try:
-            self.engine.make_request(request_id, ids, params)
+            self.llm.make_request(request_id, ids, params)
         except BrrrError as e:
             raise as_api_error(e, prompt_field) from None
 
@@ -98,7 +98,7 @@ class ServerState:
                     if out.error is not None:
                         raise APIError(500, f"generation failed: {out.error}", code="engine_error")
                     yield out
-        except BrrrError as e:  # validated already, so: the engine is shutting down
+        except BrrrError as e:  # validated already, so: the engine is shutting down, or gone
             raise APIError(503, str(e), code="unavailable") from None
         finally:
             if waiting:

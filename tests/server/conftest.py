@@ -1,18 +1,23 @@
-"""A tiny random model with a chat template, and real uvicorn servers on 127.0.0.1 (port 0) in background threads."""
+"""A tiny random model with a chat template, and real uvicorn servers on 127.0.0.1 (port 0) in background threads,
+their engines in a process of their own (as `brrr serve` runs) or, where a test reaches into the engine, in a
+thread."""
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from brrr.config import EngineConfig
 from brrr.engine import AsyncLLM, LLMEngine
+from brrr.engine.engine_process import EngineSpec
 from brrr.pretrained import load
 from tests import hf_models
 
 MODEL_NAME = "tiny"
 API_KEY = "test-key"
 CONTEXT = 2048
+LINUX = Path("/proc/self/stat").exists()  # tests that look for processes read /proc
 
 
 @pytest.fixture(scope="session")
@@ -29,27 +34,51 @@ def pretrained(model_dir):
 
 
 class RunningServer:
-    def __init__(self, base_url, engine, llm):
-        self.base_url, self.engine, self.llm = base_url, engine, llm
+    def __init__(self, base_url, llm):
+        self.base_url, self.llm = base_url, llm
 
-    def wait_idle(self, timeout=10.0):
-        """Until the engine has applied every abort and holds no request (the engine thread is asynchronous)."""
+    @property
+    def engine(self):
+        """The LLMEngine object when the engine runs in a thread of this process; None for an engine process."""
+        return self.llm.engine
+
+    def stats(self) -> dict:
+        return self.llm.stats()
+
+    def wait_idle(self, timeout=10.0) -> dict:
+        """Until the engine has applied every abort and holds no request (it runs asynchronously). Its stats."""
         deadline = time.monotonic() + timeout
-        while self.engine.has_unfinished_requests() or self.engine.scheduler.num_unfinished:
-            assert time.monotonic() < deadline, "the engine still holds requests"
+        while True:
+            stats = self.llm.stats()
+            if stats["num_unfinished_requests"] == 0 and stats["num_unfinished_seqs"] == 0:
+                return stats
+            assert time.monotonic() < deadline, f"the engine still holds requests: {stats}"
             time.sleep(0.01)
+
+    def assert_all_blocks_free(self, timeout=10.0) -> None:
+        stats = self.wait_idle(timeout)
+        assert stats["num_free_blocks"] == stats["num_blocks"], stats
+        if self.engine is not None:
+            self.engine.block_manager.check_invariants([])
+
+
+def start_engine(model_dir, pretrained, engine_config=None, in_thread=False):
+    """An engine process built from the model directory (as `brrr serve` does), or, in_thread, the engine loop on
+    an engine object in a thread of this process (faster to start; tests that reach into the engine)."""
+    config = engine_config or EngineConfig(num_blocks=512)
+    if in_thread:
+        return AsyncLLM(LLMEngine(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids))
+    return AsyncLLM.spawn(EngineSpec(str(model_dir), "float32", "cpu", config, cpu_threads=1, log_level="WARNING"))
 
 
 @contextmanager
-def serve(pretrained, engine_config=None, **app_kwargs):
+def serve(llm, model_path, **app_kwargs):
+    """uvicorn on 127.0.0.1 (a free port) in a thread, serving llm, which it shuts down at the end."""
     import uvicorn
 
     from brrr.server import create_app
 
-    engine = LLMEngine(pretrained.model, pretrained.tokenizer, engine_config or EngineConfig(num_blocks=512),
-                       pretrained.eos_token_ids)
-    llm = AsyncLLM(engine)
-    app = create_app(llm, pretrained.tokenizer, MODEL_NAME, model_path=pretrained.path, **app_kwargs)
+    app = create_app(llm, llm.tokenizer, MODEL_NAME, model_path=model_path, **app_kwargs)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -59,7 +88,7 @@ def serve(pretrained, engine_config=None, **app_kwargs):
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, llm)
+        yield RunningServer(f"http://127.0.0.1:{port}", llm)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -67,9 +96,18 @@ def serve(pretrained, engine_config=None, **app_kwargs):
 
 
 @pytest.fixture(scope="session")
-def server(pretrained):
-    """The shared server: API key required, 64 KiB body limit, 512 KV blocks of 16 tokens."""
-    with serve(pretrained, api_key=API_KEY, max_body_bytes=64 << 10) as running:
+def server(model_dir, pretrained):
+    """The shared server, its engine in a process of its own: API key required, 64 KiB body limit, 512 KV blocks of
+    16 tokens."""
+    with serve(start_engine(model_dir, pretrained), model_dir, api_key=API_KEY, max_body_bytes=64 << 10) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def thread_server(model_dir, pretrained):
+    """The same, with the engine loop in a thread of this process on an engine object tests can reach into."""
+    with serve(start_engine(model_dir, pretrained, in_thread=True), model_dir, api_key=API_KEY,
+               max_body_bytes=64 << 10) as running:
         yield running
 
 
@@ -78,3 +116,25 @@ def offline(model_dir):
     from brrr.engine import LLM
 
     return LLM(str(model_dir), dtype="float32", device="cpu")
+
+
+def engine_processes(server_pid: int) -> list[int]:
+    """The live engine processes a `brrr serve` started (Linux: read from /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(parent) == server_pid and state != "Z" and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by whoever adopts it, which may take a while)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,4 +1,5 @@
-"""`brrr serve` as a real process: `brrr bench serve` against it, then SIGTERM drains in-flight requests and exits."""
+"""`brrr serve` as a real process: `brrr bench serve` against it, then SIGTERM drains in-flight requests, cancels
+what outlives the shutdown timeout, and exits, its engine process with it."""
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from brrr.cli import main
-from tests.server.conftest import CONTEXT
+from tests.server.conftest import CONTEXT, LINUX, engine_processes, running
 
 
 def free_port() -> int:
@@ -43,7 +44,7 @@ def start_server(model_dir, shutdown_timeout: int):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    proc, url = start_server(model_dir, shutdown_timeout=20)
+    proc, url = start_server(model_dir, shutdown_timeout=1)
     yield proc, url
     if proc.poll() is None:
         proc.kill()
@@ -70,7 +71,10 @@ def test_bench_serve_prints_the_summary_and_saves_json(served, tmp_path, capsys)
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs loose enough for all
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
     assert result["max_concurrent_requests"] <= 6
-    assert all(len(itl) == 8 - 1 for itl in result["requests"]["itls"])  # a chunk per token, gaps between them
+    # a chunk per engine step, each with one token; when the HTTP side falls behind the engine, it merges the
+    # steps it missed into one chunk, so there are at most 7 gaps
+    print("gaps per request:", [len(itl) for itl in result["requests"]["itls"]])
+    assert all(len(itl) <= 8 - 1 for itl in result["requests"]["itls"])
     assert re.search(r"^Successful requests:\s+12$", summary, re.M)
     assert re.search(r"^Failed requests:\s+0$", summary, re.M)
     assert re.search(rf"^Total generated tokens:\s+{12 * 8}$", summary, re.M)
@@ -89,39 +93,33 @@ def test_bench_serve_rejects_requests_over_the_context(served, capsys):
     assert f"needs {CONTEXT + 8} tokens (input + output); the server's context is {CONTEXT}" in capsys.readouterr().err
 
 
-def test_sigterm_finishes_in_flight_requests_then_exits(served):
+def test_sigterm_drains_cancels_what_outlives_the_timeout_and_exits(served):
+    """One SIGTERM, two streams: the short one finishes during the drain, the long one outlives --shutdown-timeout
+    (1 s) and is cut. New connections are refused meanwhile; the server and its engine process exit."""
     proc, url = served
-    body = {"model": "tiny-cli", "prompt": "x", "max_tokens": 800, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+    engines = engine_processes(proc.pid) if LINUX else []
+    assert len(engines) == 1 or not LINUX
+    short = {"model": "tiny-cli", "prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    long = {**short, "max_tokens": CONTEXT - 16}  # about 2.6 s on a 2-core CI machine
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=long) as long_r, \
+            http.stream("POST", url + "/v1/completions", json=short) as short_r:
+        long_lines = long_r.iter_lines()
+        assert next(line for line in long_lines if line.startswith("data: "))
+        events = (line[6:] for line in short_r.iter_lines() if line.startswith("data: "))
         first = json.loads(next(events))
         assert first["choices"][0]["finish_reason"] is None  # still generating
         proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):  # no new connections while draining
             httpx.get(url + "/health", timeout=2)
         rest = list(events)
-    assert rest[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in rest[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to the end, not cut off
+        assert rest[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in rest[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to the end, not cut off
+        with pytest.raises(httpx.RemoteProtocolError):  # the long stream is cut, without [DONE]
+            rest = [line for line in long_lines if line.startswith("data: ")]
+            assert rest[-1] != "data: [DONE]", "the long request finished within the timeout; make it longer"
     assert proc.wait(timeout=30) == 0
-
-
-def test_sigterm_cancels_what_outlives_the_shutdown_timeout(model_dir):
-    proc, url = start_server(model_dir, shutdown_timeout=1)
-    try:
-        body = {"model": "tiny-cli", "prompt": "x", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
-            start = time.monotonic()
-            with pytest.raises(httpx.RemoteProtocolError):  # the stream is cut, without [DONE]
-                rest = [line for line in lines if line.startswith("data: ")]
-                assert rest[-1] != "data: [DONE]", "the request finished within the timeout; make it longer"
-        assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - start < 10  # the timeout (1 s) cut it, not the request's own end
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert time.monotonic() - start < 10  # the timeout (1 s) cut it, not the request's own end
+    assert not [pid for pid in engines if running(pid)]  # the engine process stopped with it

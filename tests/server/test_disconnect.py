@@ -5,6 +5,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from brrr.engine import SamplingParams
@@ -19,7 +20,15 @@ def counters(server) -> dict:
             for s in fam.samples if s.name.endswith("_total")}
 
 
-def test_32_streaming_clients_8_disconnect(server, offline):
+@pytest.fixture(params=["engine_process", "engine_thread"])
+def any_server(request):
+    """The shared server of each kind: the engine in its own process (what `brrr serve` runs), and in a thread on an
+    engine object (which lets the test check the block manager's invariants too)."""
+    return request.getfixturevalue("server" if request.param == "engine_process" else "thread_server")
+
+
+def test_32_streaming_clients_8_disconnect(any_server, offline):
+    server = any_server
     prompts = [f"client {i}: def add(a, b):" for i in range(32)]
     quitters = set(range(0, 32, 4))  # 8 of them
     before = counters(server)
@@ -45,10 +54,7 @@ def test_32_streaming_clients_8_disconnect(server, offline):
             return await asyncio.gather(*(client(i, api) for i in range(32)))
 
     texts = asyncio.run(run())
-    server.wait_idle()
-    bm = server.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks  # every KV block is back
-    bm.check_invariants([])
+    server.assert_all_blocks_free()  # every KV block is back
 
     stayers = [i for i in range(32) if i not in quitters]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -66,7 +72,7 @@ def test_32_streaming_clients_8_disconnect(server, offline):
 
 
 def test_non_streaming_client_that_times_out_is_aborted(server):
-    before = server.engine.stats()["generation_tokens"]
+    before = server.stats()["generation_tokens"]
     max_tokens = CONTEXT - 16
     start = time.monotonic()
     try:
@@ -75,9 +81,8 @@ def test_non_streaming_client_that_times_out_is_aborted(server):
         raise AssertionError("the request finished before the client's timeout; make it longer")
     except httpx.ReadTimeout:
         pass
-    server.wait_idle(timeout=5)
-    generated = server.engine.stats()["generation_tokens"] - before
+    stats = server.wait_idle(timeout=5)
+    generated = stats["generation_tokens"] - before
     assert 0 < generated < max_tokens, f"{generated} tokens: the request ran on after its client left"
     assert time.monotonic() - start < 5
-    bm = server.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert stats["num_free_blocks"] == stats["num_blocks"]

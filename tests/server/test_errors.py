@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from brrr.config import EngineConfig
-from tests.server.conftest import API_KEY, CONTEXT, MODEL_NAME, serve
+from tests.server.conftest import API_KEY, CONTEXT, MODEL_NAME, serve, start_engine
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -81,7 +81,7 @@ def test_out_of_range_and_unsupported_fields(http):
 
 def test_context_overflow_names_the_numbers(http, server):
     error = error_of(http.post("/v1/completions", json={**COMPLETION, "max_tokens": CONTEXT}), 400)
-    n_prompt = len(server.engine.tokenizer.encode("hi"))
+    n_prompt = len(server.llm.tokenizer.encode("hi"))
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     assert f"prompt ({n_prompt} tokens) + max_tokens ({CONTEXT}) = {n_prompt + CONTEXT}" in error["message"]
     assert f"context of {CONTEXT} tokens" in error["message"]
@@ -130,9 +130,10 @@ def test_still_serving_after_bad_input(http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_queue_full_gets_429_with_retry_after(pretrained):
+def test_queue_full_gets_429_with_retry_after(model_dir, pretrained):
     """One sequence at a time, one waiting request at most: a third concurrent request is turned away."""
-    with serve(pretrained, EngineConfig(num_blocks=512, max_num_seqs=1), max_waiting=1) as server, \
+    llm = start_engine(model_dir, pretrained, EngineConfig(num_blocks=512, max_num_seqs=1), in_thread=True)
+    with serve(llm, model_dir, max_waiting=1) as server, \
             httpx.Client(base_url=server.base_url, timeout=30) as http:
         body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as running:
@@ -142,7 +143,7 @@ def test_queue_full_gets_429_with_retry_after(pretrained):
             waiter = threading.Thread(target=lambda: queued.update(r=http.post("/v1/completions", json=COMPLETION)))
             waiter.start()
             deadline = time.monotonic() + 10
-            while server.engine.stats()["num_requests_waiting"] != 1:
+            while server.stats()["num_requests_waiting"] != 1:
                 assert time.monotonic() < deadline, "the second request never queued"
                 time.sleep(0.01)
             rejected = http.post("/v1/chat/completions", json=CHAT)
@@ -153,14 +154,14 @@ def test_queue_full_gets_429_with_retry_after(pretrained):
         waiter.join(timeout=30)
         assert queued["r"].status_code == 200
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
-        server.wait_idle()
-        assert server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks
+        server.assert_all_blocks_free()
 
 
-def test_a_failed_engine_step_is_a_500_and_the_server_goes_on(pretrained):
+def test_a_failed_engine_step_is_a_500_and_the_server_goes_on(model_dir, pretrained):
     """Fault injection: the model runner raises once. The engine fails that step's requests (freeing their
     blocks); the server answers them in OpenAI's shape, mid-stream as an SSE error event, and keeps serving."""
-    with serve(pretrained) as server, httpx.Client(base_url=server.base_url, timeout=30) as http:
+    llm = start_engine(model_dir, pretrained, in_thread=True)  # in this process: the test reaches into the runner
+    with serve(llm, model_dir) as server, httpx.Client(base_url=server.base_url, timeout=30) as http:
         runner = server.engine.runner
         real_execute, failures = runner.execute, []
 
@@ -183,5 +184,4 @@ def test_a_failed_engine_step_is_a_500_and_the_server_goes_on(pretrained):
         assert set(json.loads(events[-2])) == {"error"}
 
         assert http.post("/v1/completions", json=COMPLETION).status_code == 200
-        server.wait_idle()
-        assert server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks
+        server.assert_all_blocks_free()

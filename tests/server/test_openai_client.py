@@ -168,6 +168,6 @@ def test_metrics_track_requests(client, server):
         assert after[f"brrr:{name}_count"] == before[f"brrr:{name}_count"] + 1
     assert after["brrr:inter_token_latency_seconds_count"] == before["brrr:inter_token_latency_seconds_count"] + 6
     assert after["brrr:prefix_cache_queries_total"] >= before["brrr:prefix_cache_queries_total"] + r.usage.prompt_tokens
-    stats = server.engine.stats()
+    stats = server.stats()
     assert after["brrr:prompt_tokens_total"] == stats["prompt_tokens"]
     assert after["brrr:kv_cache_usage_perc"] == 0.0 and after["brrr:num_requests_running"] == 0.0

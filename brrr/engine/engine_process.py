@@ -1,0 +1,203 @@
+"""The engine side of `brrr serve`: an LLMEngine stepping in a process of its own, so that its per-step Python never
+waits on the HTTP process's GIL (event loop, JSON and SSE for every stream) and the other way round.
+
+`run_engine_process` is the spawned process: it loads the model from the same arguments the server got (`EngineSpec`;
+nothing heavy is pickled), warms the engine up, says "ready" with what the server needs to know (`EngineInfo`), then
+runs `EngineLoop`. The loop also runs in a thread of the server process (`AsyncLLM(engine)`, for tests that hand
+over an engine object): same messages, same code.
+
+Over two one-way pipes:
+  server -> engine:  ("add", Request) | ("abort", request_id) | ("shutdown",)
+  engine -> server:  ("ready", EngineInfo, stats) or ("failed", message) once at start; then, for each step that
+                     made progress or applied commands, ("step", [delta per request], stats) (see
+                     engine_process_outputs.Delta). stats are `LLMEngine.stats()` plus free blocks and unfinished
+                     requests, so /metrics and tests read the engine's state without asking it.
+The engine process ignores SIGINT and SIGTERM: the server process decides when it stops (after draining). It exits
+on "shutdown", or when the server's end of the pipe closes, which is what happens when the server dies.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from brrr.config import EngineConfig
+from brrr.engine.engine_process_outputs import DeltaEncoder, failure_delta
+from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.sequence import Request
+from brrr.errors import BrrrError
+
+log = logging.getLogger("brrr.engine")
+# Counters the warm-up moves; reported relative to where it left them, so metrics count only real requests.
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+            "num_steps")
+PARENT_CHECK_SECONDS = 1.0  # while idle, how often the engine process checks that the server still exists
+
+
+@dataclass
+class EngineSpec:
+    """How to build the engine in the engine process: the server's own arguments, small enough to pickle."""
+
+    model: str  # a resolved model directory
+    dtype: str = "auto"
+    device: str | None = None
+    config: EngineConfig = field(default_factory=EngineConfig)
+    cpu_threads: int | None = None  # torch threads on CPU (default: all cores but one, which the HTTP side keeps)
+    warm_up: bool = True
+    log_level: str = "INFO"
+
+
+@dataclass
+class EngineInfo:
+    """What the server needs to know about the engine to validate requests and describe itself."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    pid: int
+    warm_up_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, engine: LLMEngine, warm_up_seconds: float = 0.0) -> "EngineInfo":
+        bm = engine.block_manager
+        return cls(engine.max_model_len, engine.model.config.vocab_size, bm.num_blocks, bm.block_size,
+                   engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds)
+
+
+def engine_stats(engine: LLMEngine, baseline: dict | None = None) -> dict:
+    stats = engine.stats()
+    for key in COUNTERS if baseline else ():
+        stats[key] -= baseline[key]
+    stats["num_free_blocks"] = engine.block_manager.num_free_blocks
+    stats["num_unfinished_requests"] = len(engine.requests)
+    stats["num_unfinished_seqs"] = engine.scheduler.num_unfinished
+    return stats
+
+
+class EngineLoop:
+    """Applies commands between steps, steps while there is work, and sends one message per step. Blocks on the
+    command pipe while idle."""
+
+    def __init__(self, engine: LLMEngine, commands: Connection, outputs: Connection, baseline: dict | None = None,
+                 parent_pid: int | None = None):
+        self.engine, self.commands, self.outputs = engine, commands, outputs
+        self.baseline, self.parent_pid = baseline, parent_pid
+        self.encoder = DeltaEncoder()
+        self.failed: list = []  # deltas for requests the engine refused, sent with the next message
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.engine.has_unfinished_requests():
+                    self._wait_for_commands()
+                applied = self._apply_commands()
+                if applied is None:
+                    return
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if outputs or applied or self.failed:
+                    deltas = self.encoder.encode(outputs)
+                    if self.failed:
+                        deltas, self.failed = self.failed + deltas, []
+                    self.outputs.send(("step", deltas, engine_stats(self.engine, self.baseline)))
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            log.info("the server closed its end of the engine pipe; the engine stops")
+        except BaseException as e:  # a bug: tell the server why before going away
+            log.exception("the engine loop failed")
+            try:
+                self.outputs.send(("failed", f"the engine loop failed: {type(e).__name__}: {e}"))
+            except OSError:
+                pass
+        finally:
+            self.outputs.close()
+
+    def _wait_for_commands(self) -> None:
+        while not self.commands.poll(PARENT_CHECK_SECONDS):
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise EOFError("the server process is gone")
+
+    def _apply_commands(self) -> bool | None:
+        """Every command waiting in the pipe. None: told to shut down; else whether anything was applied."""
+        applied = False
+        while self.commands.poll():
+            command = self.commands.recv()
+            kind = command[0]
+            if kind == "add":
+                request: Request = command[1]
+                try:
+                    self.engine.enqueue(request)
+                except BrrrError as e:
+                    self.failed.append(failure_delta(request.request_id, str(e), request.arrival_time))
+            elif kind == "abort":
+                self.engine.abort(command[1])
+                self.encoder.forget(command[1])
+            elif kind == "shutdown":
+                return None
+            else:
+                raise ValueError(f"unknown engine command {kind!r}")
+            applied = True
+        return applied
+
+
+def build_engine(spec: EngineSpec) -> LLMEngine:
+    import torch
+
+    from brrr.pretrained import load
+
+    pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
+    if next(pretrained.model.parameters()).device.type == "cpu":
+        # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
+        torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
+    return LLMEngine(pretrained.model, pretrained.tokenizer, spec.config, pretrained.eos_token_ids)
+
+
+def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connection, parent_pid: int) -> None:
+    """The engine process's main: build, warm up, report ready (or why not), then serve until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server drains first
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        engine = build_engine(spec)
+        baseline, seconds = None, 0.0
+        if spec.warm_up:
+            from brrr.engine.engine_process_warmup import warm_up
+
+            start = time.perf_counter()
+            warm_up(engine)
+            seconds = time.perf_counter() - start
+            baseline = engine_stats(engine)
+            log.info("warm-up: %d steps in %.1f s", baseline["num_steps"], seconds)
+        # What start-up made (torch's modules, the model) lives as long as the process: out of the collector's
+        # sight, full collections stay short instead of pausing a step for every object torch ever imported.
+        gc.collect()
+        gc.freeze()
+        outputs.send(("ready", EngineInfo.of(engine, seconds), engine_stats(engine, baseline)))
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the server reports it and exits
+        if isinstance(e, BrrrError):
+            message = str(e)
+        else:
+            message = f"{type(e).__name__}: {e}"
+            log.exception("engine start-up failed")
+        try:
+            outputs.send(("failed", message))
+        except OSError:
+            pass
+        _exit(1)
+    EngineLoop(engine, commands, outputs, baseline, parent_pid).run()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown, which takes seconds with torch and a large KV cache, and which nothing
+    here needs: the pipes are closed and the logs flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -18,6 +18,7 @@ import torch
 
 from brrr.bench.datasets import pseudo_text, synthetic_prompts
 from brrr.engine import LLM, SamplingParams
+from brrr.engine.engine_process_warmup import warm_up
 
 
 def main() -> None:
@@ -28,14 +29,15 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on CPU (default: all cores but one, as brrr serve's engine has)")
     args = p.parse_args()
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
 
     run = json.loads(open(args.result).read())
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
+    if next(llm.pretrained.model.parameters()).device.type == "cpu":
+        torch.set_num_threads(args.cpu_threads or max(1, torch.get_num_threads() - 1))
     tok = llm.tokenizer
     pool = sorted(set(tok.encode(pseudo_text(3000), add_special_tokens=False)))  # what the server's /tokenize gave
     prompts = synthetic_prompts(run["dataset"], pool, run["num_prompts"], run["input_len"], run["output_len"],
@@ -46,7 +48,8 @@ def main() -> None:
     else:
         inputs = [p.token_ids for p in prompts]
     params = [SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=run["ignore_eos"]) for p in prompts]
-    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up, as the HTTP run had
+    warm_up(llm.engine)  # what `brrr serve` does before it listens: no kernel compiles inside the timed run
+    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # and the benchmark's own warm-up requests
     device = next(llm.pretrained.model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -418,12 +418,13 @@ def decode_splits(batch: int, n_kv: int, max_context: int, device) -> int:
 
 
 def decode_stages(splits: int, block_d: int) -> int:
-    """Pipeline depth of the decode kernel's K/V loads, from the H200 sweep: unsplit 3; split into a few parts 2
-    (more programs fit per SM: 16 x 8k, 5 splits: 87% vs 67% with 3); split into many parts (one long sequence) 4
-    (1 x 32k, 64 splits: 58% vs 50% with 2). hd256 tiles fit 2 stages."""
+    """Pipeline depth of the decode kernel's K/V loads, from the H200 sweeps: unsplit 2 (bench/results/
+    decode_layout_h200.jsonl: 3.66 vs 3.57 TB/s at 256 sequences of 100-2000 keys, 4.07 vs 3.98 at 64 x 4k); split
+    into a few parts 2 (more programs fit per SM: 16 x 8k, 5 splits: 87% vs 67% with 3); split into many parts
+    (one long sequence) 4 (1 x 32k, 64 splits: 58% vs 50% with 2). hd256 tiles fit 2 stages."""
     if block_d >= 256:
         return 2
-    return 3 if splits == 1 else 4 if splits >= 32 else 2
+    return 4 if splits >= 32 else 2
 
 
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,

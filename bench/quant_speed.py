@@ -193,15 +193,17 @@ def section_decode(args, machine, bandwidth):
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
         if variant != "bf16":
-            quantize_model(model, {"w8a16": "rtn-int8", "w4a16-g128": "rtn-int4"}[variant], group_size=128)
-            pack_quantized_projections(model)
+            method = "rtn-int8" if variant == "w8a16" else "rtn-int4"
+            quantize_model(model, method, group_size=128)
+            if not variant.endswith("-unpacked"):
+                pack_quantized_projections(model)
         engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=16,
                                                      num_blocks=16 * -(-max_len // 16) + 8, cuda_graphs=True))
         run_batch(engine, 1, args.prompt_len, 8, cfg.vocab_size, seed=99)  # warm-up (prefill tuning)
         run_batch(engine, 16, args.prompt_len, 8, cfg.vocab_size, seed=98)
         nbytes = model_bytes(model)
         setup_s = time.perf_counter() - t0
-        for batch in (1, 16):
+        for batch in ((1,) if variant.endswith("-unpacked") else (1, 16)):
             ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
             tok_s = batch * (args.new_tokens - 1) / decode_s
             graphs = getattr(engine.runner, "graphs", {})
@@ -225,13 +227,24 @@ def section_decode(args, machine, bandwidth):
         torch.cuda.empty_cache()
 
 
+def emit_tuning(args, machine, section):
+    """The config each tuned kernel shape chose, with every candidate's time (brrr.kernels.quant_matmul._pick)."""
+    for key, timed in qm.TIMINGS.items():
+        best = min(timed, key=lambda ct: ct[1])
+        emit({"bench": "quant_tuning", "section": section, "machine": machine, "key": [str(k) for k in key],
+              "best": best[0], "best_us": round(best[1] * 1e3, 2),
+              "candidates_us": [round(t * 1e3, 2) for _, t in timed]}, args.out)
+    qm.TIMINGS.clear()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append the JSON records to this file")
     p.add_argument("--sections", nargs="+", default=["gemm", "prefill", "decode"],
                    choices=["gemm", "prefill", "decode"])
-    p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128"],
-                   choices=["bf16", "w8a16", "w4a16-g128"])
+    p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
+                   choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
+                   help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only)")
     p.add_argument("--prompt-len", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=200)
     args = p.parse_args(argv)
@@ -253,6 +266,7 @@ def main(argv=None) -> int:
                 section_prefill(args, machine)
             else:
                 section_decode(args, machine, gpu.bandwidth)
+            emit_tuning(args, machine, section)
         except Exception as e:  # keep the other sections' records
             import traceback
 

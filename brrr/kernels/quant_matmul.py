@@ -74,7 +74,9 @@ def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype):
     code (127; 448 for E4M3). int8 rounds half to even, as torch.round does."""
     qmax = 127.0 if dtype == torch.int8 else 448.0
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    # absmax times the fp32 reciprocal of qmax: torch on CUDA divides a tensor by a Python scalar that way (on the
+    # CPU it divides), so writing the product keeps the kernel and both devices' references to the same bits
+    scale = (x32.abs().amax(dim=-1, keepdim=True) * (1.0 / qmax)).clamp(min=1e-12)
     v = (x32 / scale).clamp(-qmax, qmax)
     return (v.round() if dtype == torch.int8 else v).to(dtype), scale
 
@@ -98,47 +100,75 @@ if triton is not None:
         return first_m + (pid % width) % size_m, (pid % width) // size_m
 
     @triton.jit
-    def _nibbles(p, DTYPE: tl.constexpr, FAST: tl.constexpr):
-        """uint8 tile -> (low nibbles, high nibbles) in DTYPE, each offset by NIBBLE_BIAS (FAST: 128 for bf16,
-        1024 for fp16; else 0). FAST is inline PTX: per 4 bytes, move bytes 0,1 (then 2,3) into the low byte of
-        each 16-bit half, and OR in the bits of the bias, whose last mantissa place is 1, so each half reads
-        bias + nibble exactly: 8 integer instructions per 8 weights, none of them an int-to-float conversion.
-        The kernel subtracts the bias with the zero point, once per group and output. Registers: $0,$1 low
-        nibbles of bytes 0-3, $2,$3 high nibbles, $4 the 4 input bytes."""
+    def _dequant_int4(p, z, s, DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """uint8 tile [BN, g/2] and the group's zero points and scales (fp32 [BN]) -> the weights of the group's
+        low-nibble and high-nibble halves, (q - z) * s rounded once to DTYPE (as the reference rounds them).
+
+        FAST (bf16/fp16 on the GPU) is inline PTX on packed pairs, per 4 bytes (8 weights): two prmt move bytes
+        0,1 (then 2,3) into the low byte of each 16-bit half, a shift exposes the high nibbles, and a lop3 ORs in
+        the bits of 128 (bf16 0x4300; fp16 1024, 0x6400), whose last mantissa place is 1, so each half reads
+        128 + q exactly; one fma subtracts 128 + z (exact: small integers), one fma multiplies by s. Two
+        instructions a weight and no int-to-float conversion. Registers: $0,$1 low halves of bytes 0-3, $2,$3 high
+        halves; $4 the bytes, $5,$6 -(128 + z) and $7,$8 s, two elements each."""
         if FAST:
+            BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
+            nz = tl.broadcast_to((-(z + BIAS)).to(DTYPE)[:, None], p.shape)
+            sc = tl.broadcast_to(s.to(DTYPE)[:, None], p.shape)
             if DTYPE == tl.bfloat16:
                 lo, hi = tl.inline_asm_elementwise(
                     asm="""{
-                    .reg .b32 zero, t0, t1, u0, u1;
+                    .reg .b32 zero, one, nzero, t0, t1, u0, u1;
                     mov.b32 zero, 0;
+                    mov.b32 one, 0x3F803F80;
+                    mov.b32 nzero, 0x80008000;
                     prmt.b32 t0, $4, zero, 0x4140;
                     prmt.b32 t1, $4, zero, 0x4342;
                     shr.b32 u0, t0, 4;
                     shr.b32 u1, t1, 4;
-                    lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $2, u0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $3, u1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 u0, u0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 u1, u1, 0x000F000F, 0x43004300, 0xEA;
+                    fma.rn.bf16x2 t0, t0, one, $5;
+                    fma.rn.bf16x2 t1, t1, one, $6;
+                    fma.rn.bf16x2 u0, u0, one, $5;
+                    fma.rn.bf16x2 u1, u1, one, $6;
+                    fma.rn.bf16x2 $0, t0, $7, nzero;
+                    fma.rn.bf16x2 $1, t1, $8, nzero;
+                    fma.rn.bf16x2 $2, u0, $7, nzero;
+                    fma.rn.bf16x2 $3, u1, $8, nzero;
                     }""",
-                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                    constraints="=r,=r,=r,=r,r,r,r,r,r", args=[p, nz, sc], dtype=(tl.bfloat16, tl.bfloat16),
+                    is_pure=True, pack=4)
             else:
                 lo, hi = tl.inline_asm_elementwise(
                     asm="""{
-                    .reg .b32 zero, t0, t1, u0, u1;
+                    .reg .b32 zero, one, nzero, t0, t1, u0, u1;
                     mov.b32 zero, 0;
+                    mov.b32 one, 0x3C003C00;
+                    mov.b32 nzero, 0x80008000;
                     prmt.b32 t0, $4, zero, 0x4140;
                     prmt.b32 t1, $4, zero, 0x4342;
                     shr.b32 u0, t0, 4;
                     shr.b32 u1, t1, 4;
-                    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 u0, u0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 u1, u1, 0x000F000F, 0x64006400, 0xEA;
+                    fma.rn.f16x2 t0, t0, one, $5;
+                    fma.rn.f16x2 t1, t1, one, $6;
+                    fma.rn.f16x2 u0, u0, one, $5;
+                    fma.rn.f16x2 u1, u1, one, $6;
+                    fma.rn.f16x2 $0, t0, $7, nzero;
+                    fma.rn.f16x2 $1, t1, $8, nzero;
+                    fma.rn.f16x2 $2, u0, $7, nzero;
+                    fma.rn.f16x2 $3, u1, $8, nzero;
                     }""",
-                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                    constraints="=r,=r,=r,=r,r,r,r,r,r", args=[p, nz, sc], dtype=(tl.float16, tl.float16),
+                    is_pure=True, pack=4)
         else:
-            lo = (p & 15).to(tl.float32).to(DTYPE)  # through fp32: the interpreter casts int -> bf16 as uint16
-            hi = (p >> 4).to(tl.float32).to(DTYPE)
+            lo = (((p & 15).to(tl.float32) - z[:, None]) * s[:, None]).to(DTYPE)
+            hi = (((p >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(DTYPE)
         return lo, hi
 
     @triton.jit
@@ -192,7 +222,7 @@ if triton is not None:
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-                      NIBBLE_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                      IEEE: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         pid_k = tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
@@ -217,17 +247,14 @@ if triton is not None:
                 x_lo = tl.load(x_ptrs + g * GROUP, mask=x_mask, other=0.0)
                 x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=x_mask, other=0.0)
                 p = tl.load(p_ptrs + g * HALF, mask=w_mask, other=0)
-                q_lo, q_hi = _nibbles(p, X.dtype.element_ty, FAST)
-                part = _dot(x_lo, q_lo, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
-                part = _dot(x_hi, q_hi, part, IEEE)
-                x_sum = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
                 if HAS_ZEROS:
-                    z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0).to(tl.float32) + NIBBLE_BIAS
-                    part -= x_sum[:, None] * z[None, :]
+                    z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
                 else:
-                    part -= (8.0 + NIBBLE_BIAS) * x_sum[:, None]
+                    z = tl.full((BLOCK_N,), 8.0, tl.float32)
                 s = tl.load(S + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                acc += part * s[None, :]
+                w_lo, w_hi = _dequant_int4(p, z, s, X.dtype.element_ty, FAST)
+                acc = _dot(x_lo, w_lo, acc, IEEE)
+                acc = _dot(x_hi, w_hi, acc, IEEE)
         _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
 
     @triton.jit
@@ -295,14 +322,14 @@ if triton is not None:
                HAS_BIAS, SPLIT)
 
     @triton.jit
-    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, INT8: tl.constexpr,
-                                BLOCK: tl.constexpr):
+    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, QINV: tl.constexpr,
+                                INT8: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-12)
+        scale = tl.maximum(amax * QINV, 1e-12)
         v = tl.math.div_rn(x, scale)  # correctly rounded, as torch divides
         v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
         if INT8:
@@ -317,10 +344,12 @@ def _interpreting() -> bool:
 
 # ---- configs and the once-per-shape choice among them ----------------------------------------------------------------
 # (BLOCK_N, input columns per iteration, SPLIT_K, warps, stages). SPLIT_K "auto": enough K slices for ~2 programs
-# per SM. Small M always uses 16-row tiles (the smallest tensor-core tile).
-SMALL_CONFIGS = [(128, 256, "auto", 4, 3), (256, 256, "auto", 8, 3), (64, 256, "auto", 4, 4), (128, 512, "auto", 4, 3),
-                 (128, 256, 1, 4, 3), (64, 512, 1, 4, 3)]
-TILED_CONFIGS = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)]
+# per SM ("auto4": ~4). Small M always uses 16-row tiles (the smallest tensor-core tile). The candidates trade
+# column-strip width against programs per SM (shared memory per program = stages x (x tile + weight tile)).
+SMALL_CONFIGS = [(128, 256, "auto", 4, 3), (64, 256, "auto", 4, 4), (64, 128, "auto", 4, 4), (128, 128, "auto", 4, 4),
+                 (128, 256, "auto", 8, 3), (256, 256, "auto", 8, 2), (128, 512, "auto", 4, 2), (64, 512, "auto", 4, 3),
+                 (32, 256, "auto", 4, 4), (64, 256, "auto4", 4, 4), (128, 256, "auto4", 4, 3), (128, 256, 1, 4, 3)]
+TILED_CONFIGS = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (64, 256, 128, 4, 3), (64, 128, 128, 4, 4)]
 
 
 def w4_configs(m: int, group_size: int) -> list[dict]:
@@ -343,14 +372,15 @@ def w8_configs(m: int) -> list[dict]:
 
 def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
     split = cfg["SPLIT_K"]
-    if split == "auto":
+    if split in ("auto", "auto4"):
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         sms = num_sms(device.index or 0) if device.type == "cuda" else 4
-        split = max(1, min(16, (2 * sms) // tiles))
+        split = max(1, min(16, ((2 if split == "auto" else 4) * sms) // tiles))
     return max(1, min(split, k_steps))
 
 
 _TUNED: dict[tuple, dict] = {}
+TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -376,6 +406,7 @@ def _pick(key: tuple, configs: list[dict], run) -> dict:
             times.append(triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20))
         except Exception:  # e.g. a config needing more shared memory than the GPU has
             times.append(float("inf"))
+    TIMINGS[key] = list(zip(configs, times))
     _TUNED[key] = configs[min(range(len(configs)), key=times.__getitem__)]
     return _TUNED[key]
 
@@ -417,7 +448,6 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         return x.new_empty(*x.shape[:-1], n)
     fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                  NIBBLE_BIAS=(128.0 if x.dtype == torch.bfloat16 else 1024.0) if fast else 0.0,
                   IEEE=x.dtype == torch.float32 or _interpreting())
     # unused pointer arguments get a real tensor (scales) so every launch has the same signature
     args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
@@ -455,9 +485,9 @@ def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype):
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = next_power_of_2(k)
-        _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), QMAX=127.0 if dtype == torch.int8
-                                      else 448.0, INT8=dtype == torch.int8, BLOCK=block,
-                                      num_warps=min(16, max(1, block // 1024)))
+        qmax = 127.0 if dtype == torch.int8 else 448.0
+        _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), QMAX=qmax, QINV=1.0 / qmax,
+                                      INT8=dtype == torch.int8, BLOCK=block, num_warps=min(16, max(1, block // 1024)))
     return q, s
 
 

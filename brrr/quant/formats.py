@@ -114,7 +114,7 @@ def dequantize_nf4(t: dict) -> torch.Tensor:
     n = t["absmax_q"].numel()
     scale2 = t["absmax_scales"].repeat_interleave(NF4_SCALE_BLOCK)[:n]
     absmax = t["absmax_q"].float() * scale2 + t["absmax_mean"]
-    w = NF4_LEVELS[codes].view(-1, NF4_BLOCK) * absmax[:, None]
+    w = NF4_LEVELS.to(codes.device)[codes].view(-1, NF4_BLOCK) * absmax[:, None]
     return w.view(*t["shape"].tolist())
 
 

@@ -43,7 +43,7 @@ def dequantize_gptq_v2(t: dict) -> torch.Tensor:
 
 def _awq_unorder(x: torch.Tensor) -> torch.Tensor:
     """Undo AWQ's interleave: column 8j + k of the unpacked nibbles holds output 8j + AWQ_ORDER[k]."""
-    inverse = torch.tensor(sorted(range(8), key=lambda k: AWQ_ORDER[k]))
+    inverse = torch.tensor(sorted(range(8), key=lambda k: AWQ_ORDER[k]), device=x.device)
     return x.view(x.shape[0], -1, 8)[..., inverse].reshape(x.shape)
 
 

@@ -162,8 +162,12 @@ def quantized_default(tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4", "nf4", "fp8"])
 def test_quantized_default_model_engine_matches_reference_generation(quantized_default, method):
+    """Weight-only methods, reference ops, fp32: the engine's greedy tokens are the contiguous-cache generator's.
+    (W8A8 is left out of this exact check: its per-token activation rounding turns a last-bit difference between
+    cuBLAS's M = 1 and batched fp32 GEMMs into a different code, and so can flip a near-tied token; the logits and
+    graph tests below cover it.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = _prompts()
     with use_reference():
@@ -182,7 +186,7 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
     vs `use_reference()`; packed q/k/v and gate/up too."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(quantized_default[method], dtype=dtype, device="cuda")
-    ids = torch.tensor(_prompts(1)[0] * 2, device="cuda")[:120]
+    ids = torch.randint(0, 8192, (120,), generator=torch.Generator().manual_seed(0)).cuda()
 
     def logits(rows):
         with torch.no_grad():

@@ -10,9 +10,9 @@ import torch
 
 from brrr.kernels import quant_matmul as qm
 
-# (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); index 4 does not
-W4_CASES = [(32, 1, False, 0), (32, 3, True, 4), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, 4),
-            (64, 17, True, 2), (128, 1, False, 4), (128, 3, False, 0), (128, 17, False, 1)]
+# (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); its last does not
+W4_CASES = [(32, 1, False, 0), (32, 3, True, -1), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, -1),
+            (64, 17, True, 2), (128, 1, False, -1), (128, 3, False, 0), (128, 17, False, 3)]
 
 
 def _w4_problem(group, m, symmetric, n=40, groups=5, dtype=torch.float32, seed=0):
@@ -74,7 +74,7 @@ def _w8_problem(m, n=40, k=300, dtype=torch.float32, seed=0):
     return torch.randn(m, k, generator=g).to(dtype), q, scales, torch.randn(n, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, 4, False), (17, 0, True), (17, 3, False)])
+@pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, -1, False), (17, 0, True), (17, 3, False)])
 def test_w8a16_kernel_matches_reference(device, m, cfg, with_bias):
     x, q, scales, bias = (t.to(device) for t in _w8_problem(m))
     bias = bias if with_bias else None

@@ -21,6 +21,9 @@ def test_packed_model_matches_unpacked(tmp_path, family):
         want = ref.compute_logits(ref(ids, torch.arange(11), AttnMeta.causal([11], "cpu")))
         got = packed.compute_logits(packed(ids, torch.arange(11), AttnMeta.causal([11], "cpu")))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    from brrr.loader import hf_state_dict
+    split, names = hf_state_dict(packed), hf_state_dict(ref)
+    assert split.keys() == names.keys() and all(torch.equal(split[k], names[k]) for k in names)  # saved as HF names
 
 
 def test_silu_and_mul_reads_strided_halves():

@@ -93,12 +93,14 @@ def peer_transformers(model, cfg, batches, args, gpu) -> None:
     import torch
     import transformers
 
+    from brrr.loader import hf_state_dict
+
     fields = {k: v for k, v in cfg.to_hf().items() if v is not None}
     hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     p = next(model.parameters())
     with torch.device(p.device):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=p.dtype).eval()
-    hf.load_state_dict(model.state_dict(), strict=not cfg.tie_word_embeddings)
+    hf.load_state_dict(hf_state_dict(model), strict=not cfg.tie_word_embeddings)  # brrr's engine packed q/k/v
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), device=hf.device)
         gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,

@@ -99,8 +99,9 @@ def test_sigterm_drains_cancels_what_outlives_the_timeout_and_exits(served):
     proc, url = served
     engines = engine_processes(proc.pid) if LINUX else []
     assert len(engines) == 1 or not LINUX
-    short = {"model": "tiny-cli", "prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    long = {**short, "max_tokens": CONTEXT - 16}  # about 2.6 s on a 2-core CI machine
+    short = {"model": "tiny-cli", "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    # 8 samples of the whole context: about 8 s on a 2-core CI machine, so far past the timeout on faster ones too
+    long = {**short, "max_tokens": CONTEXT - 16, "n": 8}
     with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=long) as long_r, \
             http.stream("POST", url + "/v1/completions", json=short) as short_r:
         long_lines = long_r.iter_lines()

@@ -16,6 +16,9 @@ SHAPES = {  # name: (batch, contexts, heads, kv_heads)
     "throughput-0.6b": (256, "uniform 100..2000", 16, 8),
     "batch64-4k": (64, "4096", 32, 8),
     "batch1-32k": (1, "32768", 32, 8),
+    "throughput-8b": (256, "uniform 100..2000", 32, 8),
+    "batch128-1k": (128, "1024", 32, 8),
+    "batch256-512": (256, "512", 16, 8),
 }
 
 
@@ -29,10 +32,13 @@ def contexts(spec, batch, rng):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--layouts", default="token-major,head-major")
     args = ap.parse_args()
     rng, bs, d = random.Random(0), 16, 128
     with open(args.out, "w") as f:
-        for name, (batch, spec, heads, kv) in SHAPES.items():
+        for name in args.shapes.split(","):
+            batch, spec, heads, kv = SHAPES[name]
             ctx = contexts(spec, batch, rng)
             per_seq = [-(-c // bs) for c in ctx]
             width, blocks = max(per_seq), sum(per_seq)
@@ -50,7 +56,8 @@ def main():
                 "token-major": lambda: torch.randn(blocks, bs, kv, d, device="cuda", dtype=torch.bfloat16),
                 "head-major": lambda: torch.randn(blocks, kv, bs, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2),
             }
-            for layout, make in layouts.items():
+            for layout in args.layouts.split(","):
+                make = layouts[layout]
                 k_cache, v_cache = make(), make()
                 out = torch.empty_like(q)
                 for block_n in (32, 64, 128):

@@ -71,7 +71,7 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
     engine = LLMEngine(model, None, EngineConfig(max_model_len=512, max_num_seqs=64, num_blocks=64 * 32 + 8,
                                                  pack_projections=packed))
     for b in (1, 8, 64):
-        ms = replay_ms(engine.runner.graphs[b][0])
+        ms = replay_ms((engine.runner.short_graphs or engine.runner.graphs)[b][0])  # contexts here are short
         floor = decode_bytes_per_step(cfg, b, 1, "bf16") / gpu.bandwidth * 1e3
         emit({"section": "replay", "packed": packed, "batch": b, "gpu_ms_per_step": round(ms, 4),
               "roofline_ms": round(floor, 4), "fraction": round(floor / ms, 3)}, f)
@@ -80,11 +80,12 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
     emit({"section": "engine", "packed": packed, "batch": 1, "wall_ms_per_step": round(decode_s / 199 * 1e3, 4),
           "tok_s": round(199 / decode_s, 1)}, f)
     # The host alone: the same loop with the GPU's step removed (replay a no-op, logits left as they were).
-    graphs = engine.runner.graphs
-    real = {b: g for b, g in graphs.items()}
+    runner = engine.runner
+    real = (dict(runner.graphs), dict(runner.short_graphs))
     noop = type("NoGraph", (), {"replay": lambda self: None})()
-    for b, (g, logits, meta) in real.items():
-        graphs[b] = (noop, logits, meta)
+    for graphs in (runner.graphs, runner.short_graphs):
+        for b, (g, logits, meta) in list(graphs.items()):
+            graphs[b] = (noop, logits, meta)
     ttft, decode_s = run_batch(engine, 1, 5, 200, cfg.vocab_size, seed=2)
     emit({"section": "engine", "packed": packed, "batch": 1, "host_only_ms_per_step": round(decode_s / 199 * 1e3, 4)}, f)
     if packed:
@@ -95,7 +96,8 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
         open(f"{prof_dir}/host_cprofile.txt", "w").write(s.getvalue())
-    graphs.update(real)
+    runner.graphs.update(real[0])
+    runner.short_graphs.update(real[1])
     if packed:  # a torch.profiler trace of real graph steps: GPU busy vs idle between steps
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:

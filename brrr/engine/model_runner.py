@@ -8,6 +8,7 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
+from brrr.kernels.attention import SHORT_CONTEXT
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -37,7 +38,8 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
+        self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
@@ -56,18 +58,23 @@ class ModelRunner:
         # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
         self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         pool = None
+        # Two graphs per size when contexts can outgrow SHORT_CONTEXT: one whose decode kernel is tiled for short
+        # contexts (bound SHORT_CONTEXT), replayed while the batch's longest context fits, and one for any context.
+        bound = max_blocks * self.block_size
+        bounds = [None] + ([SHORT_CONTEXT] if bound > SHORT_CONTEXT else [])
         for g in reversed(sizes):
-            meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g,
-                            slot_mapping=self.g_slots[:g], block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
-                            context_lens_t=self.g_ctx[:g])
+            for short in bounds:
+                meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
+                                block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
+                                context_lens_t=self.g_ctx[:g], max_context_len=short)
 
-            def step(g=g, meta=meta):
-                return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
+                def step(g=g, meta=meta):
+                    return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
 
-            step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
-            graph, logits = (capture or _cuda_capture)(step, pool)
-            pool = graph.pool()
-            self.graphs[g] = (graph, logits, meta)
+                step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
+                graph, logits = (capture or _cuda_capture)(step, pool)
+                pool = graph.pool()
+                (self.graphs if short is None else self.short_graphs)[g] = (graph, logits, meta)
 
     def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
@@ -95,7 +102,8 @@ class ModelRunner:
         self.g_ctx[:g].copy_(rows[3 * g:4 * g])
         self.g_tables[:g].zero_()
         self.g_tables[:b, :width].copy_(rows[4 * g:].view(b, width))
-        graph, logits, _ = self.graphs[g]
+        short = g in self.short_graphs and max(context_lens) <= SHORT_CONTEXT
+        graph, logits, _ = (self.short_graphs if short else self.graphs)[g]
         graph.replay()
         return logits[:b]
 

@@ -417,6 +417,12 @@ def decode_splits(batch: int, n_kv: int, max_context: int, device) -> int:
     return max(1, min(-(-4 * sms // programs), -(-max_context // 512), MAX_SPLITS))
 
 
+# Unsplit batches whose contexts are all this short take 128-key tiles, 3 stages: 3.95-3.97 vs 3.69 TB/s at 256
+# sequences of 100-2000 keys, 3.78 vs 3.59 at 128 x 1k; at 64 x 4k they lose (3.48 vs 4.15), so longer contexts keep
+# 64 (bench/results/decode_tiles_h200.jsonl). CUDA graphs capture both and replay by the batch's longest context.
+SHORT_CONTEXT = 2048
+
+
 def decode_stages(splits: int, block_d: int) -> int:
     """Pipeline depth of the decode kernel's K/V loads, from the H200 sweeps: unsplit 2 (bench/results/
     decode_layout_h200.jsonl: 3.66 vs 3.57 TB/s at 256 sequences of 100-2000 keys, 4.07 vs 3.98 at 64 x 4k); split
@@ -442,9 +448,10 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     block_d = next_power_of_2(dim)
-    block_n = block_n or (32 if block_d >= 256 else 64)
     splits = num_splits or decode_splits(batch, n_kv, max_context_len, q.device)
-    num_stages = num_stages or decode_stages(splits, block_d)
+    short = splits == 1 and max_context_len <= SHORT_CONTEXT and block_d <= 128
+    block_n = block_n or (128 if short else 32 if block_d >= 256 else 64)
+    num_stages = num_stages or (3 if short and block_n == 128 else decode_stages(splits, block_d))
     partition = -(-(-(-max_context_len // splits)) // block_n) * block_n
     group = n_heads // n_kv
     if splits > 1:

@@ -5,7 +5,7 @@ import torch
 
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
-from tests.engine.test_engine import hf_greedy, models, run_all  # noqa: F401  (fixture)
+from tests.engine.test_engine import VOCAB, hf_greedy, models, run_all  # noqa: F401  (fixture)
 
 
 class EagerReplay:
@@ -68,3 +68,28 @@ def test_pipelined_decode_equals_step_by_step(models):  # noqa: F811
         assert pipelined[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
     stopped = plain["stop"].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop and len(stopped.token_ids) <= 6
+
+
+def test_short_and_long_context_graphs(tmp_path):
+    """Past SHORT_CONTEXT the runner switches from the graphs tiled for short contexts to the general ones."""
+    from brrr import load_model
+    from brrr.kernels.attention import SHORT_CONTEXT
+    from tests import hf_models
+    model = load_model(hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=4096), tmp_path),
+                       dtype=torch.float32)
+    prompt = [(7 * i) % VOCAB for i in range(SHORT_CONTEXT - 6)]
+    req = [("long", prompt, SamplingParams(max_tokens=12, temperature=0))]
+    outs, used = [], []
+    for graphs in (False, True):
+        engine = LLMEngine(model, config=EngineConfig(num_blocks=300, max_num_seqs=2, max_model_len=4096,
+                                                      max_num_batched_tokens=4096))
+        if graphs:
+            runner = engine.runner
+            runner.capture_cuda_graphs(2, 4096 // 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+            for table in (runner.graphs, runner.short_graphs):
+                for size, (g, logits, meta) in table.items():
+                    g.replay = (lambda g=g, short=table is runner.short_graphs: (used.append(short), type(g).replay(g)))
+        outs.append(run_all(engine, req)["long"].outputs[0].token_ids)
+    assert outs[0] == outs[1]
+    assert True in used and False in used  # both kinds replayed, short first
+    assert used.index(False) > used.index(True)

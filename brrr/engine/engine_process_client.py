@@ -63,8 +63,12 @@ class EngineClient:
         output_reader, output_writer = multiprocessing.Pipe(duplex=False)
 
         def run():
-            output_writer.send(("ready", EngineInfo.of(engine), engine_stats(engine)))
-            EngineLoop(engine, command_reader, output_writer).run()
+            try:
+                output_writer.send(("ready", EngineInfo.of(engine), engine_stats(engine)))
+                EngineLoop(engine, command_reader, output_writer).run()
+            finally:
+                command_reader.close()
+                output_writer.close()
 
         thread = threading.Thread(target=run, name="brrr-engine", daemon=True)
         thread.start()
@@ -125,6 +129,9 @@ class EngineClient:
                     break
         except (EOFError, OSError):
             pass
+        except Exception as e:  # a bug on this side: fail the requests rather than leave them waiting forever
+            log.exception("reading the engine's outputs failed")
+            reason = f"the server stopped reading the engine: {type(e).__name__}: {e}"
         if not self._stopping:
             self.failure = reason or self._exit_description()
             log.error("%s; requests in flight fail, and /health reports it", self.failure)

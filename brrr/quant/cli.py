@@ -119,8 +119,8 @@ def cmd_compare(args) -> int:
         base = base or row["ppl"]
         row["delta_pct"] = 100 * (row["ppl"] / base - 1)
         rows.append(row)
-    print(f"{'method':<10} {'bits/w':>7} {'MB':>8} {'ppl':>9} {'delta':>8}  model")
+    print(f"{'method':<12} {'bits/w':>7} {'MB':>8} {'ppl':>9} {'delta':>8}  model")
     for r in rows:
-        print(f"{r['method']:<10} {r['bits_per_weight']:>7.2f} {r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} "
+        print(f"{r['method']:<12} {r['bits_per_weight']:>7.2f} {r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} "
               f"{r['delta_pct']:>+7.2f}%  {r['model']}")
     return 0

@@ -55,29 +55,52 @@ def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
         assert _rel(got, want) < 8e-3, (fmt, n, k, m, _rel(got, want))
 
 
-@pytest.mark.parametrize("m", [1, 7, 300])
-def test_every_config_and_both_dequant_paths_at_4096(m, monkeypatch):
-    """Every candidate config (split K included) of the inline-PTX path, int4 g128 asymmetric and int8 with a bias;
-    the portable conversion (FAST_DEQUANT off) and int4 g32 symmetric in each path's default config."""
+def _launchable(run):
+    """run() -> tensor, or None when the config needs more shared memory than this GPU has (the tuner skips it)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return run()
+    except OutOfResources:
+        return None
+
+
+@pytest.mark.parametrize("m,index", [(1, i) for i in range(len(qm.SMALL_CONFIGS))] +
+                         [(300, i) for i in range(len(qm.TILED_CONFIGS))])
+def test_every_candidate_config(m, index):
+    """Each config the tuner may pick (split K included), inline-PTX dequantization: int4 g128 asymmetric, int8
+    with a bias (7 rows: the decode path's masking)."""
+    x = torch.randn(m if m > 1 else 7, 4096, device="cuda", dtype=BF16)
+    q4, q8 = _linear("int4", 4096, 4096), _linear("int8", 4096, 4096)
+    bias = torch.randn(4096, device="cuda", dtype=BF16)
+    cfg4, cfg8 = qm.w4_configs(m, 128)[index], qm.w8_configs(m)[index]
+    got4 = _launchable(lambda: qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=cfg4))
+    if got4 is not None:
+        assert _rel(got4, qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)) < 8e-3, cfg4
+    got8 = _launchable(lambda: qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg8))
+    if got8 is not None:
+        assert _rel(got8, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales, bias)) < 8e-3, cfg8
+    if index == 0:  # the default configs must always run
+        assert got4 is not None and got8 is not None
+
+
+@pytest.mark.parametrize("m", [1, 300])
+def test_portable_dequant_and_symmetric_groups(m, monkeypatch):
+    """The portable conversion (FAST_DEQUANT off: plain casts, as under the interpreter) and int4 g32 symmetric,
+    in each path's default config."""
+    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
     x = torch.randn(m, 4096, device="cuda", dtype=BF16)
     q4, q4s = _linear("int4", 4096, 4096), _linear("int4", 4096, 4096, group_size=32, symmetric=True)
-    q8, bias = _linear("int8", 4096, 4096), torch.randn(4096, device="cuda", dtype=BF16)
+    q8 = _linear("int8", 4096, 4096)
     assert q4s.zeros is None and q4.zeros is not None
-    want4 = qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)
-    want4s = qm.w4a16_matmul_ref(x, q4s.qweight, q4s.scales, None, 32)
-    want8 = qm.w8a16_matmul_ref(x, q8.qweight, q8.scales, bias)
-    for fast in (True, False):
-        monkeypatch.setattr(qm, "FAST_DEQUANT", fast)
-        for i, cfg in enumerate(qm.w4_configs(m, 128)):
-            if fast or i == 0:
-                got = qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=cfg)
-                assert _rel(got, want4) < 8e-3, (fast, cfg, _rel(got, want4))
-        got = qm.w4a16_matmul_triton(x, q4s.qweight, q4s.scales, None, 32, config=qm.w4_configs(m, 32)[0])
-        assert _rel(got, want4s) < 8e-3, (fast, "g32", _rel(got, want4s))
-        for i, cfg in enumerate(qm.w8_configs(m)):
-            if fast or i == 0:
-                got = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg)
-                assert _rel(got, want8) < 8e-3, (fast, cfg, _rel(got, want8))
+    got = qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=qm.w4_configs(m, 128)[0])
+    assert _rel(got, qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)) < 8e-3
+    monkeypatch.setattr(qm, "FAST_DEQUANT", True)
+    got = qm.w4a16_matmul_triton(x, q4s.qweight, q4s.scales, None, 32, config=qm.w4_configs(m, 32)[0])
+    assert _rel(got, qm.w4a16_matmul_ref(x, q4s.qweight, q4s.scales, None, 32)) < 8e-3
+    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
+    got = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, config=qm.w8_configs(m)[0])
+    assert _rel(got, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales)) < 8e-3
 
 
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
@@ -183,7 +206,8 @@ def test_quantized_default_model_engine_matches_reference_generation(quantized_d
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_quantized_model_triton_kernels_match_reference_logits(quantized_default, method, dtype):
     """The same quantized model, the same prompt, Triton kernels (prefill: tiled path; one-row call: decode path)
-    vs `use_reference()`; packed q/k/v and gate/up too."""
+    vs `use_reference()`; packed q/k/v and gate/up too. W8A8 gets a wider fp32 bound: the Triton and reference
+    norms/attention differ in the last bits, and per-token int8/FP8 rounding can turn that into a code step."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(quantized_default[method], dtype=dtype, device="cuda")
     ids = torch.randint(0, 8192, (120,), generator=torch.Generator().manual_seed(0)).cuda()
@@ -195,7 +219,7 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
 
     with use_reference():
         want = {r: logits(r) for r in (1, 120)}
-    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    tol = 3e-2 if dtype == BF16 else (1e-2 if method in ("smoothquant", "fp8-w8a8") else 2e-3)
     for rows in (1, 120):
         assert _rel(logits(rows), want[rows]) < tol, (method, rows)
     pack_quantized_projections(model)

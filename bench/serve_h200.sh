@@ -39,9 +39,11 @@ PY
   # loading, CUDA-graph capture and the warm-up (Triton compiles and autotunes) all happen before /health answers
   for _ in $(seq 900); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   grep "brrr serve:" "$OUT/$preset-server.log"
+  seed=0
   for rate in $RATES; do
+    seed=$((seed + 1))  # fresh prompts per rate: a later run must not find the earlier runs' prompts in the prefix cache
     python -m brrr bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts $NUM_PROMPTS --input-len $INPUT_LEN \
-      --output-len $OUTPUT_LEN --request-rate $rate --goodput ttft:500 tpot:50 --num-warmups 4 \
+      --output-len $OUTPUT_LEN --request-rate $rate --goodput ttft:500 tpot:50 --num-warmups 4 --seed $seed \
       --save-result "$OUT/$preset-rate-$rate.json" > "$OUT/$preset-rate-$rate.txt" 2>&1
     tail -n 30 "$OUT/$preset-rate-$rate.txt" | grep -iE "throughput|P99|goodput" | head -8
   done

@@ -49,7 +49,11 @@ def main() -> None:
         inputs = [p.token_ids for p in prompts]
     params = [SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=run["ignore_eos"]) for p in prompts]
     warm_up(llm.engine)  # what `brrr serve` does before it listens: no kernel compiles inside the timed run
-    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # and the benchmark's own warm-up requests
+    # and the benchmark's own warm-up requests, as it sent them (its first prompts, at most 16 tokens): the same
+    # prompts then sit in the prefix cache for both runs
+    warm = min(run["num_warmups"], len(inputs))
+    llm.generate(inputs[:warm], [SamplingParams(max_tokens=min(prompts[0].output_len, 16), temperature=0.0,
+                                                ignore_eos=run["ignore_eos"])] * warm, use_tqdm=False)
     device = next(llm.pretrained.model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)

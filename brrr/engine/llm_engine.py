@@ -46,6 +46,7 @@ class LLMEngine:
         # batches: building a cumulative output per request per step is O(length) host work the GPU waits on).
         self.stream_outputs = True
         self._ahead: tuple[ScheduledBatch, PendingTokens] | None = None  # a decode step launched, tokens unread
+        self.delta_outputs = False  # outputs carry only what is new (a consumer that accumulates: the engine process)
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
     def _num_blocks(self) -> int:
@@ -323,18 +324,25 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:
+        """The request's output after this step. With `delta_outputs`, only what is new (delta_text,
+        delta_token_ids, the new logprobs; text and token_ids empty): no copy of the output so far per step."""
         holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        want_logprobs = req.params.logprobs is not None
         completions = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
-            visible = seq.text if seq.finished else seq.text[: max(seq.emitted_chars, len(seq.text) - holdback)]
-            delta_text = visible[seq.emitted_chars:]
-            seq.emitted_chars = len(visible)
-            out_ids = seq.output_ids
-            new_ids = out_ids[seq.emitted_tokens:]
-            seq.emitted_tokens = len(out_ids)
-            completions.append(CompletionOutput(seq.index, visible, list(out_ids), seq.finish_reason,
-                                                list(seq.output_logprobs) if req.params.logprobs is not None else None,
-                                                delta_text, new_ids))
+            end = len(seq.text) if seq.finished else max(seq.emitted_chars, len(seq.text) - holdback)
+            delta_text = seq.text[seq.emitted_chars:end]
+            seq.emitted_chars = end
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
+            new_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_tokens:]
+            if self.delta_outputs:
+                logprobs = seq.output_logprobs[seq.emitted_tokens:] if want_logprobs else None
+                completion = CompletionOutput(seq.index, "", [], seq.finish_reason, logprobs, delta_text, new_ids)
+            else:
+                completion = CompletionOutput(seq.index, seq.text[:end], seq.output_ids, seq.finish_reason,
+                                              list(seq.output_logprobs) if want_logprobs else None, delta_text, new_ids)
+            seq.emitted_tokens = n_out
+            completions.append(completion)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
                                  req.num_cached_tokens)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,

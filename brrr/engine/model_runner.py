@@ -69,8 +69,7 @@ class ModelRunner:
                                 context_lens_t=self.g_ctx[:g], max_context_len=short)
 
                 def step(g=g, meta=meta):
-                    # logits in the model's dtype: a [256, vocab] fp32 copy per step is bandwidth the sampler rarely needs
-                    return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta), float32=False)
+                    return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
 
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = (capture or _cuda_capture)(step, pool)

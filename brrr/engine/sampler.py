@@ -94,7 +94,7 @@ class PendingTokens:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """logits [B, V] (fp32, or the model's 16-bit dtype), one row per SampleRow -> one token per row."""
+    """logits [B, V] fp32 (one row per SampleRow) -> one token per row."""
     tokens, raw_logprobs = draw(logits, rows)
     token_list = tokens.tolist()
     out_logprobs = []
@@ -115,12 +115,6 @@ def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, tor
     """The tokens [B] on the device, queued without a host synchronization, and the raw log-probs when any row
     wants them."""
     device = logits.device
-    # 16-bit logits (the CUDA-graph path) are upcast only for rows that compute on them; argmax, top-k and the
-    # Gumbel draw read them as they are (each bf16 value converts to fp32 exactly, so the choice is the same)
-    if logits.dtype != torch.float32 and any(
-            r.params.logprobs is not None or r.params.has_penalties or r.params.min_tokens or r.params.top_p < 1
-            or r.params.min_p > 0 for r in rows):
-        logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()

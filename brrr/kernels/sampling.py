@@ -51,8 +51,8 @@ def gumbel_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (fp32 or 16-bit), temperature [B] fp32 (> 0), keys [B] int64 -> tokens [B] int64."""
-    return (logits.float() / temperature[:, None] + gumbel_noise_ref(keys, logits.shape[1])).argmax(-1)
+    """logits [B, V] fp32, temperature [B] fp32 (> 0), keys [B] int64 -> tokens [B] int64."""
+    return (logits / temperature[:, None] + gumbel_noise_ref(keys, logits.shape[1])).argmax(-1)
 
 
 try:
@@ -64,25 +64,25 @@ except Exception:
 if triton is not None:
 
     @triton.jit
-    def _fmix32_tl(h):  # uint32: products wrap mod 2^32 and shifts are logical, as the reference's masks make them
+    def _fmix32_tl(h):
         h = h ^ (h >> 16)
-        h = h * 0x85EBCA6B
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
         h = h ^ (h >> 13)
-        h = h * 0xC2B2AE35
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
         return h ^ (h >> 16)
 
     @triton.jit
     def _gumbel_argmax_kernel(L, T, KEYS, OUT, vocab, stride, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        key = tl.load(KEYS + row).to(tl.uint32)
+        key = tl.load(KEYS + row).to(tl.int64)
         temp = tl.load(T + row)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
-            x = tl.load(L + row.to(tl.int64) * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            h = _fmix32_tl(_fmix32_tl(key ^ (cols.to(tl.uint32) * 0x9E3779B9)) + key)
+            x = tl.load(L + row.to(tl.int64) * stride + cols, mask=mask, other=float("-inf"))
+            h = _fmix32_tl((_fmix32_tl(key ^ ((cols.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)) + key) & 0xFFFFFFFF)
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
             v = tl.where(mask, x / temp - tl.log(-tl.log(u)), float("-inf"))
             take = v > best  # strict: the first column of a tie wins, as torch.argmax
@@ -100,8 +100,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: torch.Tensor, keys: 
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    if (logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and temperature.dtype == torch.float32
-            and logits.stride(-1) == 1 and logits.shape[0] > 0
+    if (logits.dtype == temperature.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[0] > 0
             and use_triton(logits, temperature, keys)):
         return gumbel_argmax_triton(logits, temperature, keys)
     return gumbel_argmax_ref(logits, temperature, keys)

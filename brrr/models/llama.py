@@ -141,10 +141,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [N] -> final hidden states [N, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """float32=False keeps the head's dtype: the serving sampler upcasts only rows that need it."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
     def checkpoint_target(self, name: str) -> torch.nn.Parameter | None:
         """The parameter checkpoint tensor `name` goes into, or None for tensors to skip. Unknown: AttributeError."""

@@ -91,6 +91,16 @@ def dequantize_int4(t: dict) -> torch.Tensor:
 
 
 # ---- NF4 with double quantization -------------------------------------------------------------------------------
+_NF4_ON: dict = {}
+
+
+def _nf4_levels(device) -> torch.Tensor:
+    """NF4_LEVELS on `device`, copied once (the first dequantize runs eagerly; a copy from the CPU inside a
+    CUDA-graph capture would fail)."""
+    if device not in _NF4_ON:
+        _NF4_ON[device] = NF4_LEVELS.to(device)
+    return _NF4_ON[device]
+
 def quantize_nf4(w: torch.Tensor) -> dict:
     flat = w.float().flatten()
     if flat.numel() % NF4_BLOCK:
@@ -114,7 +124,7 @@ def dequantize_nf4(t: dict) -> torch.Tensor:
     n = t["absmax_q"].numel()
     scale2 = t["absmax_scales"].repeat_interleave(NF4_SCALE_BLOCK)[:n]
     absmax = t["absmax_q"].float() * scale2 + t["absmax_mean"]
-    w = NF4_LEVELS.to(codes.device)[codes].view(-1, NF4_BLOCK) * absmax[:, None]
+    w = _nf4_levels(codes.device)[codes].view(-1, NF4_BLOCK) * absmax[:, None]
     return w.view(*t["shape"].tolist())
 
 

@@ -20,11 +20,20 @@ from brrr.errors import BrrrError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+_ON_DEVICE: dict = {}
+
+
+def _on(name: str, make, device) -> torch.Tensor:
+    """A small constant tensor on `device`, made once: act-order GPTQ dequantizes in every forward, and a copy from
+    the CPU inside a CUDA-graph capture would fail."""
+    if (name, device) not in _ON_DEVICE:
+        _ON_DEVICE[name, device] = make().to(device)
+    return _ON_DEVICE[name, device]
 
 
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 tensor -> nibbles (int64), each int32 expanded into 8 along `dim` (nibble k = bits 4k..4k+3)."""
-    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> SHIFTS) & 0xF  # [..., 8]
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> _on("shifts", lambda: SHIFTS, packed.device)) & 0xF
     if dim == 0:
         return nibbles.permute(0, 2, 1).reshape(packed.shape[0] * 8, packed.shape[1]).long()
     return nibbles.reshape(packed.shape[0], packed.shape[1] * 8).long()
@@ -43,7 +52,7 @@ def dequantize_gptq_v2(t: dict) -> torch.Tensor:
 
 def _awq_unorder(x: torch.Tensor) -> torch.Tensor:
     """Undo AWQ's interleave: column 8j + k of the unpacked nibbles holds output 8j + AWQ_ORDER[k]."""
-    inverse = torch.tensor(sorted(range(8), key=lambda k: AWQ_ORDER[k]), device=x.device)
+    inverse = _on("awq_inverse", lambda: torch.tensor(sorted(range(8), key=lambda k: AWQ_ORDER[k])), x.device)
     return x.view(x.shape[0], -1, 8)[..., inverse].reshape(x.shape)
 
 

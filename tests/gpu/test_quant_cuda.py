@@ -163,7 +163,8 @@ def _prompts(n=8):
 
 
 def _engine_tokens(model, prompts, max_tokens=16, **config):
-    engine = LLMEngine(model, config=EngineConfig(gpu_memory_utilization=0.02, max_num_batched_tokens=128, **config))
+    # a fixed KV pool: profiling would count whatever else this test process still holds on the GPU
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=256, max_num_batched_tokens=128, **config))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -207,7 +208,8 @@ def test_quantized_default_model_engine_matches_reference_generation(quantized_d
 def test_quantized_model_triton_kernels_match_reference_logits(quantized_default, method, dtype):
     """The same quantized model, the same prompt, Triton kernels (prefill: tiled path; one-row call: decode path)
     vs `use_reference()`; packed q/k/v and gate/up too. W8A8 gets a wider fp32 bound: the Triton and reference
-    norms/attention differ in the last bits, and per-token int8/FP8 rounding can turn that into a code step."""
+    norms/attention differ in the last bits, and per-token rounding can turn that into a code step (an E4M3 step
+    is 1/8 of the value: FP8 measured 2.7% on the H200, int8 within 1%)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(quantized_default[method], dtype=dtype, device="cuda")
     ids = torch.randint(0, 8192, (120,), generator=torch.Generator().manual_seed(0)).cuda()
@@ -219,7 +221,7 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
 
     with use_reference():
         want = {r: logits(r) for r in (1, 120)}
-    tol = 3e-2 if dtype == BF16 else (1e-2 if method in ("smoothquant", "fp8-w8a8") else 2e-3)
+    tol = 3e-2 if dtype == BF16 else {"smoothquant": 1e-2, "fp8-w8a8": 5e-2}.get(method, 2e-3)
     for rows in (1, 120):
         assert _rel(logits(rows), want[rows]) < tol, (method, rows)
     pack_quantized_projections(model)
@@ -229,16 +231,18 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
 
 @pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "smoothquant"])
 def test_cuda_graph_decode_through_the_quant_kernels_agrees_with_eager_decode(quantized_default, method):
-    """bf16, Triton everywhere, packed projections: the captured graphs replay the tuned kernels (split K and its
-    arrival counts included). Graphs pad the decode batch (M 5 -> 8), which can move a cuBLAS lm_head's rounding
-    and so flip a near-tied greedy token; a broken replay (stale counts, freed workspace) would instead garble
-    nearly every token. So: the first token of every request, and 90% of all, agree with the eager engine."""
+    """Triton everywhere, packed projections, fp32: the captured graphs replay the quant kernels (split K and its
+    arrival counts included). Token 0 comes from the (eager) prefill, token 1 from the first decode step, replayed
+    from a graph in one engine and run eagerly in the other: those must agree for every request. Graphs pad the
+    batch (M 5 -> 8), which can move a cuBLAS GEMM's last bits and later flip a near-tied greedy token (in bf16
+    on the H200, 107 and 114 of 128 tokens agreed after such flips), so the rest need only mostly agree; a broken
+    replay (stale counts, freed workspace) garbles every decode token."""
     prompts = _prompts()
     runs = []
     for graphs in (True, False):
-        model = load_model(quantized_default[method], dtype=BF16, device="cuda")
+        model = load_model(quantized_default[method], dtype=torch.float32, device="cuda")
         pack_quantized_projections(model)
         runs.append(_engine_tokens(model, prompts, cuda_graphs=graphs))
-    assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]]
+    assert [r[:2] for r in runs[0]] == [r[:2] for r in runs[1]]
     same = sum(a == b for x, y in zip(*runs) for a, b in zip(x, y))
-    assert same >= 0.9 * sum(map(len, runs[1])), runs
+    assert same >= 0.75 * sum(map(len, runs[1])), runs

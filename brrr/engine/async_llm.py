@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 from brrr.engine.engine_process import EngineInfo, EngineSpec
 from brrr.engine.engine_process_client import EngineClient
 from brrr.engine.engine_process_outputs import RequestAssembly, merge_outputs
-from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.llm_engine import LLMEngine, check_request
 from brrr.engine.outputs import RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Request
@@ -24,17 +23,16 @@ from brrr.errors import BrrrError
 
 
 class EngineLimits:
-    """The engine's request checks without the engine: `LLMEngine.make_request` itself, on the limits the engine
-    reported (context, vocabulary, KV blocks), so a request that passes here is one the engine takes."""
-
-    make_request = LLMEngine.make_request
+    """The engine's request checks without the engine (`check_request`, what `LLMEngine.make_request` runs) on the
+    limits the engine reported (context, vocabulary, KV blocks): a request that passes here is one the engine takes."""
 
     def __init__(self, info: EngineInfo, tokenizer):
-        self.tokenizer, self.max_model_len = tokenizer, info.max_model_len
-        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=info.vocab_size))
-        block_size = info.block_size
-        self.block_manager = SimpleNamespace(num_blocks=info.num_blocks, block_size=block_size,
-                                             blocks_for=lambda tokens: -(-tokens // block_size))
+        self.info, self.tokenizer = info, tokenizer
+
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
+        i = self.info
+        return check_request(request_id, prompt, params, self.tokenizer, i.vocab_size, i.max_model_len, i.block_size,
+                             i.num_blocks)
 
 
 class _LatestOutput:

@@ -23,6 +23,35 @@ log = logging.getLogger("brrr.engine")
 CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CPU machines
 
 
+def check_request(request_id: str, prompt: str | list[int], params: SamplingParams | None, tokenizer,
+                  vocab_size: int, max_model_len: int, block_size: int, num_blocks: int) -> Request:
+    """A validated, tokenized Request for an engine of these limits, or a BrrrError naming what is wrong. Shared by
+    `LLMEngine.make_request` and the server process, which checks requests before they reach the engine process."""
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise BrrrError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BrrrError("this engine has no tokenizer: pass the prompt as token ids")
+        ids, text = tokenizer.encode(prompt), prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids, text = list(prompt), None
+    else:
+        raise BrrrError("prompt must be a string or a list of token ids")
+    if not ids:
+        raise BrrrError("prompt is empty: it must have at least one token")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BrrrError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) + params.max_tokens > max_model_len:
+        raise BrrrError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                        f"{len(ids) + params.max_tokens} exceeds the model's context of {max_model_len} tokens")
+    need = -(-(len(ids) + params.max_tokens) // block_size)
+    if need > num_blocks:
+        raise BrrrError(f"prompt + max_tokens needs {need} KV blocks; the cache has {num_blocks}")
+    return Request(request_id, text, ids, params)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_token_ids=()):
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
@@ -71,30 +100,9 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
         """Validate and tokenize, without touching engine state (safe from another thread)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise BrrrError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise BrrrError("this engine has no tokenizer: pass the prompt as token ids")
-            ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, text = list(prompt), None
-        else:
-            raise BrrrError("prompt must be a string or a list of token ids")
-        if not ids:
-            raise BrrrError("prompt is empty: it must have at least one token")
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise BrrrError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise BrrrError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                            f"{len(ids) + params.max_tokens} exceeds the model's context of {self.max_model_len} tokens")
-        need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise BrrrError(f"prompt + max_tokens needs {need} KV blocks; the cache has {self.block_manager.num_blocks}")
-        return Request(request_id, text, ids, params)
+        bm = self.block_manager
+        return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
+                             self.max_model_len, bm.block_size, bm.num_blocks)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
         return self.enqueue(self.make_request(request_id, prompt, params))

@@ -91,7 +91,7 @@ class EngineLoop:
         self.engine, self.commands, self.outputs = engine, commands, outputs
         self.baseline, self.parent_pid = baseline, parent_pid
         self.encoder = DeltaEncoder()
-        engine.delta_outputs = True  # the encoder reads only the deltas: skip copying each output so far per step
+        engine.delta_outputs = True  # the engine builds the wire deltas itself: no output objects per request per step
         self.failed: list = []  # deltas for requests the engine refused, sent with the next message
 
     def run(self) -> None:

@@ -24,8 +24,9 @@ class DeltaEncoder:
     def __init__(self):
         self._prompt_logprobs_sent: dict[str, int] = {}
 
-    def encode(self, outputs: list[RequestOutput]) -> list[Delta]:
-        return [self._delta(out) for out in outputs]
+    def encode(self, outputs: list) -> list[Delta]:
+        """RequestOutputs to deltas; an engine in `delta_outputs` mode hands out Delta tuples already."""
+        return [out if isinstance(out, tuple) else self._delta(out) for out in outputs]
 
     def forget(self, request_id: str) -> None:
         self._prompt_logprobs_sent.pop(request_id, None)

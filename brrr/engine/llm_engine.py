@@ -77,7 +77,8 @@ class LLMEngine:
         # batches: building a cumulative output per request per step is O(length) host work the GPU waits on).
         self.stream_outputs = True
         self._ahead: tuple[ScheduledBatch, PendingTokens] | None = None  # a decode step launched, tokens unread
-        self.delta_outputs = False  # outputs carry only what is new (a consumer that accumulates: the engine process)
+        # outputs as wire deltas (engine_process_outputs.Delta tuples: only what is new), for the engine process
+        self.delta_outputs = False
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
     def _num_blocks(self) -> int:
@@ -329,13 +330,18 @@ class LLMEngine:
         for req in requests:
             self.abort(req.request_id)
             out = self._output(req)
-            out.error = error
+            if self.delta_outputs:  # the wire tuple: (request_id, finished, error, ...)
+                out = out[:2] + (error,) + out[3:]
+            else:
+                out.error = error
             outputs.append(out)
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:
-        """The request's output after this step. With `delta_outputs`, only what is new (delta_text,
-        delta_token_ids, the new logprobs; text and token_ids empty): no copy of the output so far per step."""
+        """The request's output after this step: cumulative, or with `delta_outputs` only what is new, as the engine
+        process's wire tuple (engine_process_outputs.Delta), with no output object built per request per step."""
+        if self.delta_outputs:
+            return self._delta(req)
         holdback = max((len(s) for s in req.params.stop), default=1) - 1
         want_logprobs = req.params.logprobs is not None
         completions = []
@@ -343,20 +349,36 @@ class LLMEngine:
             end = len(seq.text) if seq.finished else max(seq.emitted_chars, len(seq.text) - holdback)
             delta_text = seq.text[seq.emitted_chars:end]
             seq.emitted_chars = end
-            n_out = len(seq.token_ids) - seq.num_prompt_tokens
             new_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_tokens:]
-            if self.delta_outputs:
-                logprobs = seq.output_logprobs[seq.emitted_tokens:] if want_logprobs else None
-                completion = CompletionOutput(seq.index, "", [], seq.finish_reason, logprobs, delta_text, new_ids)
-            else:
-                completion = CompletionOutput(seq.index, seq.text[:end], seq.output_ids, seq.finish_reason,
-                                              list(seq.output_logprobs) if want_logprobs else None, delta_text, new_ids)
-            seq.emitted_tokens = n_out
-            completions.append(completion)
+            completions.append(CompletionOutput(seq.index, seq.text[:end], seq.output_ids, seq.finish_reason,
+                                                list(seq.output_logprobs) if want_logprobs else None, delta_text,
+                                                new_ids))
+            seq.emitted_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
                                  req.num_cached_tokens)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              req.prompt_logprobs if req.params.prompt_logprobs is not None else None, metrics)
+
+    def _delta(self, req: Request) -> tuple:
+        params = req.params
+        holdback = max(map(len, params.stop)) - 1 if params.stop else 0
+        completions = []
+        for seq in req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index):
+            end = len(seq.text) if seq.finished else max(seq.emitted_chars, len(seq.text) - holdback)
+            delta_text = seq.text[seq.emitted_chars:end]
+            seq.emitted_chars = end
+            sent = seq.emitted_tokens
+            new_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+            seq.emitted_tokens = sent + len(new_ids)
+            logprobs = seq.output_logprobs[sent:] if params.logprobs is not None else None
+            completions.append((seq.index, delta_text, new_ids, seq.finish_reason, logprobs))
+        new_prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            new_prompt_logprobs = req.prompt_logprobs[req.prompt_logprobs_sent:]
+            req.prompt_logprobs_sent = len(req.prompt_logprobs)
+        metrics = (req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
+                   req.num_cached_tokens)
+        return req.request_id, req.finished, None, metrics, new_prompt_logprobs, completions
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -58,6 +58,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs_sent: int = 0  # how many of them a delta output has carried
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

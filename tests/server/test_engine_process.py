@@ -45,6 +45,21 @@ def test_deltas_rebuild_the_engines_outputs(pretrained):
     assert len(got.prompt_logprobs) == len(prompt)
     assert not encoder._prompt_logprobs_sent  # nothing kept for a finished request
 
+    # the engine process's mode: the engine hands out the wire deltas itself; they rebuild the same outputs
+    cumulative, direct = engine(pretrained, max_num_batched_tokens=8), engine(pretrained, max_num_batched_tokens=8)
+    direct.delta_outputs = True
+    request = cumulative.add_request("r", prompt, params)
+    direct.add_request("r", prompt, params)
+    assembly = RequestAssembly("r", None, prompt, params, request.arrival_time)
+    while cumulative.has_unfinished_requests():
+        wants, deltas = cumulative.step(), direct.step()
+        assert len(wants) == len(deltas) and all(isinstance(d, tuple) for d in deltas)
+        for want, delta in zip(wants, deltas):
+            got = assembly.apply(delta)
+            assert (got.outputs, got.prompt_logprobs, got.finished) == (want.outputs, want.prompt_logprobs,
+                                                                        want.finished)
+    assert not direct.has_unfinished_requests() and got.finished
+
 
 def test_a_consumer_that_falls_behind_gets_one_merged_output(pretrained):
     eng = engine(pretrained)

@@ -217,10 +217,14 @@ class LLMEngine:
 
     def _launch_next(self, batch: ScheduledBatch, pending: PendingTokens) -> None:
         """Queue step t+1 of the same sequences before step t's tokens reach the host, when nothing else could
-        want a place in it: no request waiting, every running sequence decoding in this batch. Sequences that step
-        t ends for sure (length) are left out; ones a stop token ends are computed and their token dropped."""
+        take a place in it: every running sequence decoding in this batch, and no waiting request that could be
+        admitted now (a full batch, or too few free blocks for the queue's head, keeps it waiting either way; one
+        admitted after a finish joins a step later). Sequences that step t ends for sure (length) are left out;
+        ones a stop token ends are computed and their token dropped."""
         sched, bm = self.scheduler, self.block_manager
-        if sched.waiting or len(sched.running) != len(batch.items):
+        if len(sched.running) != len(batch.items):
+            return
+        if sched.waiting and len(sched.running) < sched.max_num_seqs and bm.can_allocate(sched.waiting[0]):
             return
         rows, items = [], []
         for row, (seq, _) in enumerate(batch.items):

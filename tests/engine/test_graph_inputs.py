@@ -93,3 +93,27 @@ def test_short_and_long_context_graphs(tmp_path):
     assert outs[0] == outs[1]
     assert True in used and False in used  # both kinds replayed, short first
     assert used.index(False) > used.index(True)
+
+
+def test_pipelining_with_a_queue_that_cannot_be_admitted(models):  # noqa: F811
+    """More requests than max_num_seqs: while the batch is full the waiting ones cannot join, so decode stays
+    pipelined; each is admitted once a place frees, and every token equals the step-by-step engine's."""
+    _, model = models
+    reqs = [(str(i), [(5 * i + j) % VOCAB for j in range(3 + i)], SamplingParams(max_tokens=4 + (i % 5), temperature=0))
+            for i in range(9)]
+    outs, pipelined = [], {"n": 0}
+    for graphs in (False, True):
+        engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_seqs=3, max_model_len=256))
+        if graphs:
+            runner = engine.runner
+            runner.capture_cuda_graphs(3, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+            real = runner._replay
+
+            def counting(batch, ids_from=None, real=real):
+                pipelined["n"] += ids_from is not None and bool(engine.scheduler.waiting)
+                return real(batch, ids_from)
+            runner._replay = counting
+        done = run_all(engine, reqs)
+        outs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
+    assert outs[0] == outs[1] and len(outs[0]) == 9
+    assert pipelined["n"] > 3  # steps queued ahead while requests were waiting

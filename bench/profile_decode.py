@@ -22,6 +22,7 @@ from brrr.analysis.hardware import measure
 from brrr.analysis.model import decode_bytes_per_step
 from brrr.bench.latency import run_batch
 from brrr.bench.random_model import model_config, random_model
+from brrr.bench.timing import graph_time_us, replay_time_us
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.models.llama import pack_projections
@@ -30,18 +31,6 @@ from brrr.models.llama import pack_projections
 def emit(rec, f):
     print(json.dumps(rec), flush=True)
     f.write(json.dumps(rec) + "\n")
-
-
-def replay_ms(graph, n=50) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def gemm_bandwidth(cfg, f):
@@ -53,16 +42,9 @@ def gemm_bandwidth(cfg, f):
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for m in (1, 8, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for w in ws[:2]:
-                F.linear(x, w)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for w in ws:
-                    F.linear(x, w)
-            us = replay_ms(g, 10) * 1e3 / copies
+            us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws], replays=10)
             emit({"section": "gemm", "shape": name, "n": n, "k": k, "m": m, "us": round(us, 2),
                   "gb_s": round(n * k * 2 / us / 1e3, 1)}, f)
-            del g
         del ws
         torch.cuda.empty_cache()
 
@@ -71,7 +53,7 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
     engine = LLMEngine(model, None, EngineConfig(max_model_len=512, max_num_seqs=64, num_blocks=64 * 32 + 8,
                                                  pack_projections=packed))
     for b in (1, 8, 64):
-        ms = replay_ms((engine.runner.short_graphs or engine.runner.graphs)[b][0])  # contexts here are short
+        ms = replay_time_us((engine.runner.short_graphs or engine.runner.graphs)[b][0]) / 1e3  # short contexts
         floor = decode_bytes_per_step(cfg, b, 1, "bf16") / gpu.bandwidth * 1e3
         emit({"section": "replay", "packed": packed, "batch": b, "gpu_ms_per_step": round(ms, 4),
               "roofline_ms": round(floor, 4), "fraction": round(floor / ms, 3)}, f)

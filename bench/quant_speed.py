@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import sys
 import time
@@ -30,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from brrr.bench.latency import emit  # noqa: E402
+from brrr.bench.timing import graph_time_us, replay_time_us  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
 from brrr.quant import formats  # noqa: E402
 from brrr.quant.linear import QuantLinear  # noqa: E402
@@ -38,47 +39,6 @@ GEMM_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "qkv": (6144, 4096), "g
                "gate_up": (28672, 4096), "down": (4096, 14336)}
 PREFILL_SHAPES = {"q/o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
 BF16 = torch.bfloat16
-
-
-def emit(record: dict, out: str | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
-
-
-def graph_time_us(calls, replays: int = 20) -> float:
-    """Mean device time of one call: all `calls` captured in one CUDA graph, replayed `replays` times."""
-    for c in calls:  # warm-up: compilation and tuning happen here, outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
-
-
-def replay_time_us(graph, replays: int = 50) -> float:
-    """Device time of one replay of an already captured graph (the engine's decode step)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
 
 
 def bench_us(fn) -> float:

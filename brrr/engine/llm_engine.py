@@ -10,7 +10,7 @@ from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from brrr.engine.sampler import PendingTokens, SampleRow
+from brrr.engine.sampler import PendingTokens, SampleRow, h2d
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
@@ -228,26 +228,21 @@ class LLMEngine:
             return
         rows, items = [], []
         for row, (seq, _) in enumerate(batch.items):
-            if seq.finished:
-                continue
-            n_out = len(seq.token_ids) + 1 - seq.num_prompt_tokens  # after step t's token
-            if n_out >= seq.request.params.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
+            if seq.finished or self._at_length(seq, pending=1):  # step t's token ends it
                 continue
             rows.append(row)
             items.append((seq, 1))
-        need = sum(len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1) for seq, _ in items)
-        if not items or need > bm.num_free_blocks:
+        # step t+1 writes position len(token_ids): its block must exist
+        grow = [seq for seq, _ in items if len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1)]
+        if not items or len(grow) > bm.num_free_blocks:
             return
-        for seq, _ in items:  # step t+1 writes position len(token_ids): its block must exist
-            if len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1):
-                seq.block_table.append(bm.allocate_block())
+        for seq in grow:
+            seq.block_table.append(bm.allocate_block())
         nxt = ScheduledBatch(items)
         if self.schedule_log is not None:
             self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in items])
         sample_rows = [self._sample_row(seq, ahead=1) for seq, _ in items]
-        index = torch.tensor(rows, dtype=torch.long)
-        index = index.pin_memory().to(pending.device_tokens.device, non_blocking=True) \
-            if pending.device_tokens.is_cuda else index
+        index = h2d(rows, pending.device_tokens.device, torch.long)
         self._ahead = (nxt, self.runner.launch(nxt, sample_rows, (pending.device_tokens, index)))
 
     def _finish_decode(self, batch: ScheduledBatch, pending: PendingTokens) -> list[RequestOutput]:
@@ -277,8 +272,13 @@ class LLMEngine:
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
-        return SampleRow(params, seq.seed, len(seq.token_ids) + ahead - seq.num_prompt_tokens,
+        return SampleRow(params, seq.seed, seq.num_output_tokens + ahead,
                          seq.request.prompt_token_ids, history, self._stop_ids(params))
+
+    def _at_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether seq has reached max_tokens or the context, counting `pending` tokens not yet appended."""
+        return (seq.num_output_tokens + pending >= seq.request.params.max_tokens
+                or len(seq.token_ids) + pending >= self.max_model_len)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
@@ -318,7 +318,7 @@ class LLMEngine:
                     seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     reason = "stop_string"
                     break
-        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and self._at_length(seq):
             reason = "length"
         if reason in ("stop", "length") and seq.decoder is not None:
             seq.text += seq.decoder.flush()  # an incomplete UTF-8 tail held back for a next token that won't come
@@ -357,7 +357,7 @@ class LLMEngine:
             completions.append(CompletionOutput(seq.index, seq.text[:end], seq.output_ids, seq.finish_reason,
                                                 list(seq.output_logprobs) if want_logprobs else None, delta_text,
                                                 new_ids))
-            seq.emitted_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            seq.emitted_tokens = seq.num_output_tokens
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
                                  req.num_cached_tokens)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,

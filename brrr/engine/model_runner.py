@@ -89,7 +89,8 @@ class ModelRunner:
         width = tables.shape[1]
         # One pinned host buffer, one asynchronous copy; a pageable copy would make the host wait for the GPU.
         host = np.zeros((4, g), dtype=np.int64)
-        host[0, :b], host[1, :b], host[2, :b], host[3, :b] = ids if ids_from is None else 0, positions, slots, context_lens
+        host[0, :b] = ids if ids_from is None else 0
+        host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = spare, 1
         rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
         if ids_from is None:

@@ -41,6 +41,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

@@ -8,7 +8,7 @@ Weight layouts (brrr/quant/linear.py converts the checkpoint's to these at load)
         uint8 [K/g, N] or None (symmetric, zero 8): w[n, k] = (q[n, k] - zeros[k/g, n]) * scales[k/g, n].
   int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n].
 
-One Triton kernel per format, two paths (config families) each:
+One Triton kernel per format for two paths (config families), plus a GEMV kernel per format:
   small M (decode, M <= 16): 16-row tensor-core tiles, narrow column strips (16-64 rows of W per program, so the
         8B shapes give 64-900 programs without splitting K) and optional split-K (fp32 atomics) for the shapes
         that still give too few.
@@ -18,6 +18,9 @@ The integer codes go to the tensor cores as exact small integers (x @ q per grou
 scale are applied to the [BM, BN] partial sum (y += s * (x.q - z * sum(x))), a multiply per output instead of
 per weight. On the GPU, bf16/fp16 codes come from a magic-number trick on packed pairs (inline PTX: no
 int-to-float instructions); under Triton's interpreter and for fp32 the same values come from plain casts.
+  GEMV (M <= 4, tuning candidates beside the small-M ones): CUDA cores in fp32, each code turned into exact fp32
+        with a magic-number trick (no int-to-float instruction) and multiplied by every row of x; see the section
+        "GEMV path" below.
 Configs are timed once per (shape, path) on the GPU and the fastest kept (`_pick`).
 """
 from __future__ import annotations
@@ -321,6 +324,217 @@ if triton is not None:
         _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
                HAS_BIAS, SPLIT)
 
+    # ---- GEMV path (M <= GEMV_M): CUDA cores, fp32, no tensor cores and no shared memory --------------------------
+    # Weights are read as int32 words, 16 bytes (4 words) per thread per row per step; a thread holds R rows and
+    # loads the x its words multiply once for all of them. A code becomes fp32 without an int-to-float instruction:
+    # each half word under the exponent bits of 2^23 (`_halves`: 0x4B00xxxx), a code at bit p masked out (one lop3)
+    # reads 2^23 + code * 2^p, and one fma with 2^-p and -(2^(23-p) + zero) (both exact) leaves code - zero exactly;
+    # one more fma per row of x accumulates it. int8: each byte as 2^23 + q + 128 (`_bytes`), one subtraction. int4
+    # threads sum a chunk's 32 products and scale the sum by the group's scale once; the accumulators are reduced
+    # across threads once, after the K loop. Main loop on sm_90 (SASS, M = 1): ~3.9-4.4 instructions a weight
+    # (int4 g128), ~3.8-4.1 (int8), depending on R.
+    @triton.jit
+    def _f32(bits):
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _halves(w, FAST: tl.constexpr):
+        """Each half of the int32 words under the exponent bits of 2^23: (0x4B00 << 16) | bits 0-15, and the same
+        for bits 16-31. FAST: one prmt each (in plain Triton, ptxas folds the OR back into every code's lop3 and
+        then needs the magic constant in a register, which it re-materializes with a mov per code)."""
+        if FAST:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 magic;
+                mov.b32 magic, 0x4B000000;
+                prmt.b32 $0, $2, magic, 0x7610;
+                prmt.b32 $1, $2, magic, 0x7632;
+                }""",
+                constraints="=r,=r,r", args=[w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            lo = (w & 0xFFFF) | 0x4B000000
+            hi = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | 0x4B000000
+        return lo, hi
+
+    @triton.jit
+    def _bytes(w, FAST: tl.constexpr):
+        """Each byte b of the int32 words as the fp32 bits of 2^23 + (b ^ 0x80), i.e. 2^23 + q + 128 for an int8 q.
+        FAST: one xor per word and one prmt per byte (the byte under the exponent bits 0x4B)."""
+        if FAST:
+            b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 u, magic;
+                xor.b32 u, $4, 0x80808080;
+                mov.b32 magic, 0x4B000000;
+                prmt.b32 $0, u, magic, 0x7540;
+                prmt.b32 $1, u, magic, 0x7541;
+                prmt.b32 $2, u, magic, 0x7542;
+                prmt.b32 $3, u, magic, 0x7543;
+                }""",
+                constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True, pack=1)
+        else:
+            b0 = (w & 0xFF) ^ 0x4B000080
+            b1 = ((w >> 8) & 0xFF) ^ 0x4B000080
+            b2 = ((w >> 16) & 0xFF) ^ 0x4B000080
+            b3 = ((w >> 24) & 0xFF) ^ 0x4B000080
+        return b0, b1, b2, b3
+
+    @triton.jit
+    def _load(ptrs, mask, ALL: tl.constexpr):
+        """tl.load with zeros where masked; ALL: every element is in bounds (no predicates, no zero fill)."""
+        if ALL:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=mask, other=0)
+
+    @triton.jit
+    def _fma_rows(p0, p1, p2, p3, d, xp, x_mask, stride_xm, ROWS: tl.constexpr, X_ALL: tl.constexpr):
+        """p_m + d * x_m for each row m < ROWS of x: one dequantized tile `d` [BLOCK_N, CHUNKS, 4] serves every row.
+        xp, x_mask [CHUNKS, 4]: row 0's columns of x."""
+        p0 = tl.fma(d, _load(xp, x_mask, X_ALL).to(tl.float32)[None, :, :], p0)
+        if ROWS > 1:
+            p1 = tl.fma(d, _load(xp + stride_xm, x_mask, X_ALL).to(tl.float32)[None, :, :], p1)
+        if ROWS > 2:
+            p2 = tl.fma(d, _load(xp + 2 * stride_xm, x_mask, X_ALL).to(tl.float32)[None, :, :], p2)
+        if ROWS > 3:
+            p3 = tl.fma(d, _load(xp + 3 * stride_xm, x_mask, X_ALL).to(tl.float32)[None, :, :], p3)
+        return p0, p1, p2, p3
+
+    @triton.jit
+    def _gemv_out(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+        """The per-row accumulators [BLOCK_N, CHUNKS] -> the y tile [BLOCK_M, BLOCK_N] (fp32)."""
+        offs_m = tl.arange(0, BLOCK_M)
+        out = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        if ROWS > 1:
+            out = tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=1)[None, :], out)
+        if ROWS > 2:
+            out = tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=1)[None, :], out)
+        if ROWS > 3:
+            out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], out)
+        return out
+
+    @triton.jit(do_not_specialize=["split_k", "stride_sn"])
+    def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
+                           GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr):
+        """P: the int4 kernel layout viewed as int32 words [N, K/8] (stride_pn in words). One loop iteration is one
+        group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
+        each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
+        CHUNKS] tiles (each thread the rows it holds) through stride_sn, their stride along N (1) left unspecialized:
+        known contiguous, the compiler would load them in a layout of their own and convert it through shared
+        memory on every group."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        SUB: tl.constexpr = GROUP // 32 // CHUNKS
+        HALF: tl.constexpr = GROUP // 2
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_c = tl.arange(0, CHUNKS)
+        offs_i = tl.arange(0, 4)
+        n_mask = offs_n < N
+        n_groups = K // GROUP
+        per_split = tl.cdiv(n_groups, split_k)
+        g_begin = pid_k * per_split
+        g_end = tl.minimum(g_begin + per_split, n_groups)
+        p_ptrs = (P + offs_n.to(tl.int64)[:, None, None] * stride_pn + (offs_c * 4)[None, :, None]
+                  + offs_i[None, None, :])
+        w_mask = n_mask[:, None, None] & (offs_i[None, None, :] < 4)
+        xo = (offs_c * 16)[:, None] + (offs_i * 4)[None, :]  # byte 0's column of each word in a step
+        sz_offs = offs_n[:, None] * stride_sn + offs_c[None, :] * 0
+        sz_mask = n_mask[:, None] & (offs_c[None, :] < CHUNKS)
+        x_mask = xo >= 0  # unused: K is a multiple of GROUP, x is always in bounds
+        acc0 = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        for g in range(g_begin, g_end):
+            s = _load(S + g * N + sz_offs, sz_mask, EVEN_N).to(tl.float32)
+            if HAS_ZEROS:
+                z = _load(Z + g * N + sz_offs, sz_mask, EVEN_N).to(tl.int32)
+            else:
+                z = tl.full((BLOCK_N, CHUNKS), 8, tl.int32)
+            # -(2^(23-p) + z) for the nibble positions p = 0, 4, 8, 12: sign, exponent 150 - p, z at bit p
+            nz0 = _f32(z - 0x35000000)[:, :, None]  # 0xCB000000
+            nz4 = _f32((z << 4) - 0x37000000)[:, :, None]  # 0xC9000000
+            nz8 = _f32((z << 8) - 0x39000000)[:, :, None]  # 0xC7000000
+            nz12 = _f32((z << 12) - 0x3B000000)[:, :, None]  # 0xC5000000
+            for sub in tl.static_range(SUB):
+                w = _load(p_ptrs + (g * SUB + sub) * (CHUNKS * 4), w_mask, EVEN_N)
+                lo, hi = _halves(w, FAST)  # 0x4B00xxxx; then one lop3 with one constant per code
+                xp = X + (g * GROUP + sub * (CHUNKS * 16)) + xo
+                # one code position at a time, each used by every row of x at once: few values live per thread
+                p0 = tl.zeros((BLOCK_N, CHUNKS, 4), dtype=tl.float32)
+                p1, p2, p3 = p0, p0, p0
+                d = _f32(lo & -65521) + nz0  # byte 0 low nibble: column 0 of the word's 4
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(lo & -65296), 0.0625, nz4)  # byte 0 high nibble: column HALF
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + HALF, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(lo & -61696), 0.00390625, nz8)
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 1, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(lo & -4096), 0.000244140625, nz12)
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 1 + HALF, x_mask, stride_xm, ROWS, True)
+                d = _f32(hi & -65521) + nz0
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 2, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(hi & -65296), 0.0625, nz4)
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 2 + HALF, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(hi & -61696), 0.00390625, nz8)
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 3, x_mask, stride_xm, ROWS, True)
+                d = tl.fma(_f32(hi & -4096), 0.000244140625, nz12)
+                p0, p1, p2, p3 = _fma_rows(p0, p1, p2, p3, d, xp + 3 + HALF, x_mask, stride_xm, ROWS, True)
+                # the sum over a thread's 4 words stays in the thread; one scale multiply per row and chunk
+                acc0 = tl.fma(tl.sum(p0, axis=2), s, acc0)
+                if ROWS > 1:
+                    acc1 = tl.fma(tl.sum(p1, axis=2), s, acc1)
+                if ROWS > 2:
+                    acc2 = tl.fma(tl.sum(p2, axis=2), s, acc2)
+                if ROWS > 3:
+                    acc3 = tl.fma(tl.sum(p3, axis=2), s, acc3)
+        out = _gemv_out(acc0, acc1, acc2, acc3, BLOCK_M, ROWS)
+        offs_m = tl.arange(0, BLOCK_M)
+        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
+
+    @triton.jit(do_not_specialize=["split_k"])
+    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+                           ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+                           SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr):
+        """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
+        row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
+        BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_c = tl.arange(0, CHUNKS)
+        offs_i = tl.arange(0, 4)
+        n_mask = offs_n < N
+        k_words = K // 4
+        steps = tl.cdiv(k_words, CHUNKS * 4)
+        per_split = tl.cdiv(steps, split_k)
+        s_begin = pid_k * per_split
+        s_end = tl.minimum(s_begin + per_split, steps)
+        words = (offs_c * 4)[:, None] + offs_i[None, :]  # [CHUNKS, 4]
+        q_ptrs = Q + offs_n.to(tl.int64)[:, None, None] * stride_qn + words[None, :, :]
+        w_mask = n_mask[:, None, None] & (words[None, :, :] >= 0)
+        acc0 = tl.zeros((BLOCK_N, CHUNKS, 4), dtype=tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        for step in range(s_begin, s_end):
+            word = step * (CHUNKS * 4) + words
+            x_mask = word < k_words
+            w = _load(q_ptrs + step * (CHUNKS * 4), w_mask & x_mask[None, :, :], EVEN_N and EVEN_K)
+            b0, b1, b2, b3 = _bytes(w, FAST)
+            xp = X + word * 4
+            # one byte position at a time, each used by every row of x at once: few values live per thread. No
+            # per-group scale: the products go straight into the [BLOCK_N, CHUNKS, 4] accumulators.
+            d = _f32(b0) - 8388736.0  # - (2^23 + 128): q
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, d, xp, x_mask, stride_xm, ROWS, EVEN_K)
+            d = _f32(b1) - 8388736.0
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, d, xp + 1, x_mask, stride_xm, ROWS, EVEN_K)
+            d = _f32(b2) - 8388736.0
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, d, xp + 2, x_mask, stride_xm, ROWS, EVEN_K)
+            d = _f32(b3) - 8388736.0
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, d, xp + 3, x_mask, stride_xm, ROWS, EVEN_K)
+        s = _load(S + offs_n, n_mask, EVEN_N).to(tl.float32)
+        out = _gemv_out(tl.sum(acc0, axis=2), tl.sum(acc1, axis=2), tl.sum(acc2, axis=2), tl.sum(acc3, axis=2),
+                        BLOCK_M, ROWS) * s[None, :]
+        offs_m = tl.arange(0, BLOCK_M)
+        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
+
     @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, QINV: tl.constexpr,
                                 INT8: tl.constexpr, BLOCK: tl.constexpr):
@@ -351,22 +565,39 @@ SMALL_CONFIGS = [(64, 256, "auto4", 4, 4), (128, 256, "auto", 4, 3), (64, 256, "
                  (128, 512, "auto", 4, 2), (64, 512, "auto", 4, 3), (32, 256, "auto", 4, 4), (128, 256, "auto4", 4, 3),
                  (32, 256, "auto4", 4, 4), (64, 256, "auto8", 4, 4), (64, 512, "auto4", 4, 3), (128, 256, 1, 4, 3)]
 TILED_CONFIGS = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (64, 256, 128, 4, 3), (64, 128, 128, 4, 4)]
+# GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
+# picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps). Rows of W per thread R = BLOCK_N *
+# CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4)
+# share a group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps
+# the smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.
+GEMV_M = 4
+GEMV_CONFIGS = [(256, 4, "auto4", 4), (128, 4, "auto4", 4), (256, 2, "auto4", 2), (128, 2, "auto8", 2),
+                (128, 4, "auto8", 2), (64, 4, "auto8", 2), (512, 4, "auto", 8)]
 
 
-def w4_configs(m: int, group_size: int) -> list[dict]:
-    """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture)."""
+def _gemv_configs(m: int) -> list[dict]:
+    if m > GEMV_M:
+        return []
+    max_rows = 16 if m == 1 else 8 if m == 2 else 4  # R * M accumulators per thread
+    return [dict(BLOCK_M=next_power_of_2(m), ROWS=m, BLOCK_N=bn, CHUNKS=c, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, c, sk, w in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
+
+
+def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
+    """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture). GEMV candidates
+    (a `CHUNKS` key) come last, for M <= GEMV_M."""
     per = lambda bk: max(1, bk // group_size)  # noqa: E731  (whole groups per iteration)
     if m <= SMALL_M:
         return [dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
-                     num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
+                     num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
     return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
             for bm, bn, bk, w, st in TILED_CONFIGS]
 
 
-def w8_configs(m: int) -> list[dict]:
+def w8_configs(m: int, gemv: bool = True) -> list[dict]:
     if m <= SMALL_M:
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
-                for bn, bk, sk, w, st in SMALL_CONFIGS]
+                for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
             for bm, bn, bk, w, st in TILED_CONFIGS]
 
@@ -413,11 +644,14 @@ def _pick(key: tuple, configs: list[dict], run) -> dict:
 
 
 def _bucket(m: int) -> int:
-    return 0 if m <= SMALL_M else min(next_power_of_2(m), 8192)
+    """Tuning bucket of M: each M <= GEMV_M alone (the GEMV candidates are compiled per M and cost grows with M),
+    then the rest of the small-M path, then powers of two."""
+    return m if m <= GEMV_M else 0 if m <= SMALL_M else min(next_power_of_2(m), 8192)
 
 
-def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts):
-    """Launch `kernel` with config `cfg` (split K resolved here); returns y [M, N]."""
+def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
+    """Launch `kernel` with config `cfg` (split K resolved here); returns y [M, N]. `extra`: arguments after
+    split_k."""
     cfg = dict(cfg)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     m = x2.shape[0]
@@ -429,7 +663,7 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts):
     locks = _locks(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
     kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
-                           w_arg.stride(0), y.stride(0), split, SPLIT=split > 1, num_warps=warps,
+                           w_arg.stride(0), y.stride(0), split, *extra, SPLIT=split > 1, num_warps=warps,
                            num_stages=stages, **consts, **cfg)
     return y
 
@@ -438,6 +672,23 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts):
 def _rows(x):
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _words(qweight: torch.Tensor):
+    """The byte weights viewed as int32 words [N, K/4 bytes] for the GEMV kernels, or None when the rows do not
+    start on 4-byte boundaries (then only the tensor-core configs are candidates)."""
+    if qweight.stride(1) != 1 or qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
+        return None
+    return qweight.view(torch.int32)
+
+
+def _gemv(cfg: dict) -> bool:
+    return "CHUNKS" in cfg
+
+
+def _gemv_chunks(cfg: dict, group_size: int) -> dict:
+    """An int4 GEMV step never spans groups: at most group_size / 32 chunks."""
+    return dict(cfg, CHUNKS=min(cfg["CHUNKS"], group_size // 32))
 
 
 def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None):
@@ -452,13 +703,21 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
                   IEEE=x.dtype == torch.float32 or _interpreting())
     # unused pointer arguments get a real tensor (scales) so every launch has the same signature
     args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
+    words = _words(qweight)
 
     def run(cfg):
+        if _gemv(cfg):
+            if words is None:
+                raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
+            gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+                               FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
+            return _launch(_w4a16_gemv_kernel, x2, n, k // group_size, x.dtype, _gemv_chunks(cfg, group_size),
+                           (x2, words, *args[2:]), gemv_consts, extra=(scales.stride(1),))
         return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts)
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
         key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast)
-        configs = w4_configs(m, group_size)
+        configs = w4_configs(m, group_size, gemv=words is not None)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
     return run(config).view(*x.shape[:-1], n)
 
@@ -472,12 +731,20 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting())
     args = (x2, qweight, scales, scales if bias is None else bias)
+    words = _words(qweight)
 
     def run(cfg):
+        if _gemv(cfg):
+            if words is None:
+                raise ValueError("the GEMV kernel reads qweight as int32 words: K must be a multiple of 4")
+            gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
+                               EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)
+            return _launch(_w8a16_gemv_kernel, x2, n, triton.cdiv(k, 16 * cfg["CHUNKS"]), x.dtype, cfg,
+                           (x2, words, *args[2:]), gemv_consts)
         return _launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts)
 
     if config is None:
-        configs = w8_configs(m)
+        configs = w8_configs(m, gemv=words is not None)
         key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
     return run(config).view(*x.shape[:-1], n)

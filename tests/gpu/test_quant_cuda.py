@@ -1,5 +1,6 @@
 """Quantization on CUDA: the W4A16/W8A16 Triton kernels at the Llama-3.1-8B shapes against their torch
-references (every candidate config, the inline-PTX and the portable dequantization), per-token activation
+references (every candidate config, the tensor-core and the GEMV paths, the inline-PTX and the portable
+dequantization), per-token activation
 quantization, the `torch._int_mm` (SmoothQuant) and `torch._scaled_mm` (FP8) W8A8 paths, and quantized default
 models through the engine: reference ops vs contiguous-cache generation, Triton kernels vs reference logits, and
 CUDA-graph decode vs eager decode."""
@@ -39,10 +40,10 @@ def _linear(fmt, n, k, seed=0, group_size=128, symmetric=False):
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B)
-@pytest.mark.parametrize("m", [1, 16, 2048])
+@pytest.mark.parametrize("m", [1, 3, 16, 2048])
 def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
-    """The tuned config of each path (decode M <= 16, tiled prefill), bf16: within bf16 rounding of the reference,
-    which rounds every dequantized weight to bf16 before its matmul."""
+    """The tuned config of each path (decode M <= 16, GEMV candidates included at M <= 4, tiled prefill), bf16:
+    within bf16 rounding of the reference, which rounds every dequantized weight to bf16 before its matmul."""
     x = torch.randn(m, k, device="cuda", dtype=BF16)
     for fmt in ("int4", "int8"):
         q = _linear(fmt, n, k)
@@ -103,6 +104,41 @@ def test_portable_dequant_and_symmetric_groups(m, monkeypatch):
     assert _rel(got, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales)) < 8e-3
 
 
+GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(qm._gemv_configs(m)))]
+
+
+@pytest.mark.parametrize("n,k", SHAPES_8B + [(1024, 4096)])
+@pytest.mark.parametrize("m,index", GEMV_CASES)
+def test_every_gemv_candidate_at_8b_shapes(m, index, n, k, monkeypatch):
+    """Each GEMV candidate (M <= 4, CUDA cores) the tuner may pick, bf16: int4 g128 asymmetric and int8 with a bias
+    within bf16 rounding of the reference (the GEMV's weights are exact in fp32); the prmt dequantization and the
+    portable one (FAST_DEQUANT off) compute the same fp32 values in the same order, so they give the same bits."""
+    cfg = qm._gemv_configs(m)[index]
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    q4, q8 = _linear("int4", n, k), _linear("int8", n, k)
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    got4 = qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=cfg)
+    got8 = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg)
+    assert _rel(got4, qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)) < 8e-3, cfg
+    assert _rel(got8, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales, bias)) < 8e-3, cfg
+    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
+    assert torch.equal(qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=cfg), got4), cfg
+    assert torch.equal(qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg), got8), cfg
+
+
+@pytest.mark.parametrize("index", range(len(qm._gemv_configs(2))))
+def test_gemv_symmetric_and_small_groups(index):
+    """int4 g32 symmetric and g64 asymmetric (fewer 16-byte chunks per group than the config asks for), M = 2,
+    packed qkv's N = 6144."""
+    cfg = qm._gemv_configs(2)[index]
+    x = torch.randn(2, 4096, device="cuda", dtype=BF16)
+    for group, symmetric in ((32, True), (64, False)):
+        q = _linear("int4", 6144, 4096, group_size=group, symmetric=symmetric)
+        assert (q.zeros is None) == symmetric
+        got = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, group, config=cfg)
+        assert _rel(got, qm.w4a16_matmul_ref(x, q.qweight, q.scales, q.zeros, group)) < 8e-3, (group, cfg)
+
+
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     """The last program of each tile sums the partials in index order: the same bits on every launch, captured or
     not, and the arrival counts are left at zero for the next launch."""
@@ -115,6 +151,17 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    assert int(qm._LOCKS[x.device].sum()) == 0
+    # the GEMV kernel shares the workspace-and-counter reduction
+    gemv = dict(qm._gemv_configs(1)[0], SPLIT_K=8)
+    first = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=gemv)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=gemv)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

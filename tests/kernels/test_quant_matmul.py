@@ -4,15 +4,20 @@ On the CPU they run under Triton's interpreter, where the kernels take their por
 codes, fp32 dot products); the inline-PTX dequantization runs only on the GPU (tests/gpu/test_quant_cuda.py).
 Shapes are small and odd on purpose: M = 1, 3 (decode path), 17 (tiled path); N not a multiple of the column
 tile; K a multiple of the group size but not of the columns one iteration reads, so the last iteration is partial;
-split K forced on some cases (the last program of a tile adds the partial sums)."""
+split K forced on some cases (the last program of a tile adds the partial sums). The GEMV candidates (M <= 4, CUDA
+cores) run here with their portable dequantization (plain shifts and masks; the GPU takes prmt for the same bits)
+at M = 1-4 for every group size, int4 symmetric and asymmetric, int8, K not a multiple of the int8 step, N a multiple
+of BLOCK_N or not, fp32/bf16/fp16 inputs, with and without bias."""
 import pytest
 import torch
 
 from brrr.kernels import quant_matmul as qm
 
-# (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); its last does not
-W4_CASES = [(32, 1, False, 0), (32, 3, True, -1), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, -1),
-            (64, 17, True, 2), (128, 1, False, -1), (128, 3, False, 0), (128, 17, False, 3)]
+# (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); its last tensor-core
+# config (LAST_TC) does not
+LAST_TC = len(qm.SMALL_CONFIGS) - 1
+W4_CASES = [(32, 1, False, 0), (32, 3, True, LAST_TC), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, LAST_TC),
+            (64, 17, True, 2), (128, 1, False, LAST_TC), (128, 3, False, 0), (128, 17, False, 3)]
 
 
 def _w4_problem(group, m, symmetric, n=40, groups=5, dtype=torch.float32, seed=0):
@@ -74,7 +79,7 @@ def _w8_problem(m, n=40, k=300, dtype=torch.float32, seed=0):
     return torch.randn(m, k, generator=g).to(dtype), q, scales, torch.randn(n, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, -1, False), (17, 0, True), (17, 3, False)])
+@pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, LAST_TC, False), (17, 0, True), (17, 3, False)])
 def test_w8a16_kernel_matches_reference(device, m, cfg, with_bias):
     x, q, scales, bias = (t.to(device) for t in _w8_problem(m))
     bias = bias if with_bias else None
@@ -111,3 +116,79 @@ def test_per_token_fp8_scales(device):
     assert q.dtype == torch.float8_e4m3fn and torch.equal(s.cpu(), s_ref)
     if device == "cuda":
         assert torch.equal(q.cpu().float(), q_ref.float())
+
+
+# ---- GEMV path (M <= 4) ---------------------------------------------------------------------------------------------
+def _gemv(m, index):
+    """The GEMV candidate `index` (mod their count) for M = m, with a small BLOCK_N: the interpreter's cost grows with
+    the tile, and BLOCK_N = 64 against N = 64 takes the unmasked (EVEN_N) path."""
+    configs = qm._gemv_configs(m)
+    return dict(configs[index % len(configs)], BLOCK_N=min(64, configs[index % len(configs)]["BLOCK_N"]))
+
+
+def test_gemv_candidates_join_the_small_m_tuning_only():
+    """M <= 4: the tensor-core candidates first (the untimed default is unchanged), then the GEMV ones; each M <= 4 is
+    its own tuning bucket; M > 4 has no GEMV candidate; a qweight whose rows are not 4-byte aligned gets none."""
+    for m in (1, 2, 3, 4):
+        w4, w8 = qm.w4_configs(m, 128), qm.w8_configs(m)
+        assert w4[:len(qm.SMALL_CONFIGS)] == qm.w4_configs(16, 128)
+        assert [c for c in w4 if "CHUNKS" in c] == [c for c in w8 if "CHUNKS" in c] == qm._gemv_configs(m) != []
+        assert "CHUNKS" not in w4[0] and "CHUNKS" not in w8[0]
+        assert all(c["ROWS"] == m and c["BLOCK_M"] >= m for c in qm._gemv_configs(m))
+    assert not qm._gemv_configs(5) and not any("CHUNKS" in c for c in qm.w4_configs(5, 128) + qm.w8_configs(16))
+    assert len({qm._bucket(m) for m in (1, 2, 3, 4, 5, 16)}) == 5 and qm._bucket(5) == qm._bucket(16)
+    odd = torch.zeros(8, 67, dtype=torch.uint8)[:, 1:]  # rows 67 bytes apart
+    assert qm._words(odd) is None and qm._words(torch.zeros(8, 64, dtype=torch.uint8)).shape == (8, 16)
+
+
+# (group, M, symmetric, N, with bias, config index)
+GEMV_W4_CASES = [(g, m, sym, n, bias, i) for i, (g, m, sym, n, bias) in enumerate(
+    [(32, 1, True, 40, True), (32, 2, False, 64, False), (32, 3, True, 64, True), (32, 4, False, 40, False),
+     (64, 1, False, 64, False), (64, 2, True, 40, True), (64, 3, False, 40, False), (64, 4, True, 64, True),
+     (128, 1, False, 40, True), (128, 1, True, 64, False), (128, 2, False, 40, False), (128, 3, True, 40, True),
+     (128, 4, False, 64, True)])]
+
+
+@pytest.mark.parametrize("group,m,symmetric,n,with_bias,index", GEMV_W4_CASES)
+def test_w4a16_gemv_matches_reference(device, group, m, symmetric, n, with_bias, index):
+    """fp32: exact codes, fp32 products and sums; only the summation order differs from the reference."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(group, m, symmetric, n=n, groups=3)
+    x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
+    zeros = None if zeros is None else zeros.to(device)
+    bias = bias if with_bias else None
+    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, group, bias, config=_gemv(m, index))
+    torch.testing.assert_close(got, qm.w4a16_matmul_ref(x, qweight, scales, zeros, group, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,n,with_bias,index", [(1, 300, 40, True, 0), (2, 320, 64, False, 1), (3, 300, 64, True, 2),
+                                                   (4, 256, 40, False, 0), (1, 256, 64, False, 6)])
+def test_w8a16_gemv_matches_reference(device, m, k, n, with_bias, index):
+    """K = 300: the last 16-byte step is partial (masked by word); 256, 320: whole steps."""
+    x, q, scales, bias = (t.to(device) for t in _w8_problem(m, n=n, k=k))
+    q[0, :4] = -128  # the one code outside the format's [-127, 127] the bit trick must still get right
+    bias = bias if with_bias else None
+    got = qm.w8a16_matmul_triton(x, q, scales, bias, config=_gemv(m, index))
+    torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, scales, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_16_bit_inputs(device, dtype, m):
+    """bf16/fp16 x (bf16 scales with bf16): the GEMV computes with the exact dequantized weight in fp32, the reference
+    rounds it to the input dtype first; they agree to that rounding."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(128, m, False, dtype=dtype, groups=3)
+    args = [t.to(device) for t in (x, qweight, scales, zeros)]
+    got = qm.w4a16_matmul_triton(*args, 128, bias.to(device), config=_gemv(m, m))
+    assert got.dtype == dtype and _rel(got, qm.w4a16_matmul_ref(*args, 128, bias.to(device))) < 1e-2
+    x, q, s, bias = (t.to(device) for t in _w8_problem(m, dtype=dtype))
+    got = qm.w8a16_matmul_triton(x, q, s, bias, config=_gemv(m, m))
+    assert got.dtype == dtype and _rel(got, qm.w8a16_matmul_ref(x, q, s, bias)) < 1e-2
+
+
+def test_gemv_rejects_unaligned_weight_rows(device):
+    x, q, scales, _ = _w8_problem(1, k=301)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        qm.w8a16_matmul_triton(x.to(device), q.to(device), scales.to(device), config=_gemv(1, 0))
+    # the tuned path simply has no GEMV candidate there and takes the tensor-core kernel
+    got = qm.w8a16_matmul_triton(x.to(device), q.to(device), scales.to(device))
+    torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, scales).to(device), rtol=1e-5, atol=1e-4)

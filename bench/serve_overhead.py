@@ -18,6 +18,7 @@ import torch
 
 from brrr.bench.datasets import pseudo_text, synthetic_prompts
 from brrr.engine import LLM, SamplingParams
+from brrr.engine.engine_process import engine_stats, write_trace
 from brrr.engine.engine_process_warmup import warm_up
 
 
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads on CPU (default: all cores but one, as brrr serve's engine has)")
+    p.add_argument("--trace", default=None,
+                   help="write one line per engine step (as BRRR_ENGINE_TRACE does for the server's engine)")
     args = p.parse_args()
 
     run = json.loads(open(args.result).read())
@@ -57,9 +60,23 @@ def main() -> None:
     device = next(llm.pretrained.model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if args.trace:
+        trace, step = [], llm.engine.step
+
+        def traced_step(*a, **k):
+            begin = time.perf_counter()
+            out = step(*a, **k)
+            end = time.perf_counter()
+            trace.append((begin, end, end, engine_stats(llm.engine)))
+            return out
+
+        llm.engine.step = traced_step
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    if args.trace:
+        llm.engine.step = step
+        write_trace(args.trace, trace)
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     offline = generated / seconds
     print(json.dumps({

@@ -242,7 +242,7 @@ async def run_benchmark(args) -> dict:
         offsets = arrival_offsets(len(prompts), args.request_rate, args.burstiness, args.seed)
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         results = [RequestResult(input_len=p.input_len) for p in prompts]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
 
         async def one(i: int, prompt: BenchPrompt):
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -258,7 +258,11 @@ async def run_benchmark(args) -> dict:
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - start
-    return summarize(args, model, results, duration, slos, percentiles)
+        # the client is one Python process too: near 1.0 it, not the server, may be what limits the rate
+        client_cpu = (time.process_time() - cpu_start) / duration
+    # start: time.perf_counter() at the first request (CLOCK_MONOTONIC on Linux: comparable with server-side traces)
+    return summarize(args, model, results, duration, slos, percentiles) | {"client_cpu_utilization": client_cpu,
+                                                                           "start": start}
 
 
 def _percentiles(text: str) -> list[float]:
@@ -360,6 +364,8 @@ def format_summary(result: dict) -> str:
         lines.append(f"  (SLOs: {slos})")
     row("Output token throughput (tok/s):", result["output_throughput"])
     row("Total token throughput (tok/s):", result["total_token_throughput"])
+    if "client_cpu_utilization" in result:
+        row("Client CPU (busy fraction of a core):", result["client_cpu_utilization"])
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f" {title} ".center(width, "-"))

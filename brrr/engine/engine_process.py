@@ -93,6 +93,10 @@ class EngineLoop:
         self.encoder = DeltaEncoder()
         engine.delta_outputs = True  # the engine builds the wire deltas itself: no output objects per request per step
         self.failed: list = []  # deltas for requests the engine refused, sent with the next message
+        # BRRR_ENGINE_TRACE=FILE (benchmarks): one line per step, written at shutdown: when it started, when the
+        # step returned, when its message was sent, and the engine's counters after it
+        self.trace_path = os.environ.get("BRRR_ENGINE_TRACE")
+        self.trace: list | None = [] if self.trace_path else None
 
     def run(self) -> None:
         try:
@@ -102,12 +106,17 @@ class EngineLoop:
                 applied = self._apply_commands()
                 if applied is None:
                     return
+                start = time.perf_counter()
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                stepped = time.perf_counter()
                 if outputs or applied or self.failed:
                     deltas = self.encoder.encode(outputs)
                     if self.failed:
                         deltas, self.failed = self.failed + deltas, []
-                    self.outputs.send(("step", deltas, engine_stats(self.engine, self.baseline)))
+                    stats = engine_stats(self.engine, self.baseline)
+                    self.outputs.send(("step", deltas, stats))
+                    if self.trace is not None:
+                        self.trace.append((start, stepped, time.perf_counter(), stats))
         except (EOFError, BrokenPipeError, ConnectionResetError):
             log.info("the server closed its end of the engine pipe; the engine stops")
         except BaseException as e:  # a bug: tell the server why before going away
@@ -140,11 +149,21 @@ class EngineLoop:
                 self.engine.abort(command[1])
                 self.encoder.forget(command[1])
             elif kind == "shutdown":
+                if self.trace:
+                    write_trace(self.trace_path, self.trace)
                 return None
             else:
                 raise ValueError(f"unknown engine command {kind!r}")
             applied = True
         return applied
+
+
+def write_trace(path: str, trace: list) -> None:
+    import json
+
+    with open(path, "w") as f:
+        for start, stepped, sent, stats in trace:
+            f.write(json.dumps({"start": start, "stepped": stepped, "sent": sent, **stats}) + "\n")
 
 
 def build_engine(spec: EngineSpec) -> LLMEngine:

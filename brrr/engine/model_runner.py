@@ -179,6 +179,9 @@ class ModelRunner:
             return sample(logits, [row for _, row in sample_rows]), None
         dev = self.device
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
+        # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
+        # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.
+        tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(seqlens).cumsum(0)
         meta = AttnMeta(cu_seqlens_q=cu.to(dev), seqlens_q=seqlens, context_lens=context_lens,

@@ -97,7 +97,10 @@ class QuantLinear(nn.Module):
         """The float32 weight [out, in]."""
         if self.fmt == "int4":
             return dequantize_w4(self.qweight, self.scales, self.zeros, self.group_size)
-        return DEQUANTIZE[self.fmt](self.tensors())
+        tensors = self.tensors()
+        if "shape" in tensors:  # known on the host: reading the stored one from the GPU would sync (and break capture)
+            tensors["shape"] = torch.tensor([self.out_features, self.in_features])
+        return DEQUANTIZE[self.fmt](tensors)
 
     def forward(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)

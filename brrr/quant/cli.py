@@ -22,6 +22,9 @@ def register(sub) -> None:
                    help="calibration data (gptq, awq, smoothquant): brrr data dir or text file")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--device", default="cpu",
+                   help="where the model is loaded and quantized (cuda: the calibration forward passes run on the "
+                        "GPU; GPTQ's Hessians and solves and AWQ's searches stay on the CPU)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_quantize)
 
@@ -40,6 +43,10 @@ def register(sub) -> None:
         e.add_argument("--stride", type=int, default=256)
         e.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
         e.add_argument("--device", default="cpu")
+        e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="compute dtype (bfloat16: what the GPU kernels serve; float32 isolates the quantization)")
+        if name == "compare":
+            e.add_argument("--json", default=None, help="also write the settings and rows to this JSON file")
         e.set_defaults(func=func)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
 
@@ -56,7 +63,7 @@ def cmd_quantize(args) -> int:
 
     if args.method in NEEDS_CALIBRATION and not args.calib:
         raise BrrrError(f"--method {args.method} needs calibration data: pass --calib DIR|FILE")
-    pre = brrr.load(args.model, dtype="float32", device="cpu")
+    pre = brrr.load(args.model, dtype="float32", device=args.device)
     calib = None
     if args.calib:
         calib = calibration_tokens(args.calib, pre.tokenizer, args.calib_samples, args.calib_seq_len)
@@ -80,7 +87,7 @@ def cmd_ppl(args) -> int:
     import brrr
     from brrr.quant.evaluate import perplexity
 
-    pre = brrr.load(args.model, dtype="float32", device=args.device)
+    pre = brrr.load(args.model, dtype=args.dtype, device=args.device)
     result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride)
     print(json.dumps({"model": str(pre.path), **result}))
     return 0
@@ -111,7 +118,7 @@ def cmd_compare(args) -> int:
     rows, base = [], None
     tokens = None
     for spec in args.models:
-        pre = brrr.load(spec, dtype="float32", device=args.device)
+        pre = brrr.load(spec, dtype=args.dtype, device=args.device)
         if tokens is None:
             tokens = _eval_tokens(args, pre.tokenizer)
         row = {"model": spec, **model_summary(pre.path, pre.model),
@@ -123,4 +130,9 @@ def cmd_compare(args) -> int:
     for r in rows:
         print(f"{r['method']:<12} {r['bits_per_weight']:>7.2f} {r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} "
               f"{r['delta_pct']:>+7.2f}%  {r['model']}")
+    if args.json:
+        settings = {k: getattr(args, k) for k in ("data", "split", "window", "stride", "max_tokens", "device",
+                                                  "dtype")}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({**settings, "rows": rows}, indent=2) + "\n")
     return 0

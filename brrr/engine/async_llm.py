@@ -123,28 +123,34 @@ class AsyncLLM:
         """Yields incremental outputs until the request finishes. Invalid input raises BrrrError (a ValueError)
         before anything is queued. Leaving the iterator early (or being cancelled) aborts the request. If the
         engine dies, the last output carries the error."""
+        outputs = self.submit(self.make_request(request_id or f"req-{next(self._ids)}", prompt, params))
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            outputs.close()
+
+    def submit(self, request: Request) -> "RequestStream":
+        """Queue a request `make_request` made, now, from the calling event loop's thread, and return its outputs.
+        A server submits in its handler: the engine sees a burst of requests as they are parsed, not after every
+        one of them has also started its response. The caller must close() what this returns."""
         if self._stopped:
             raise BrrrError("the engine is shutting down")
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request.request_id
         if request_id in self._streams:
             raise BrrrError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), RequestAssembly(
             request_id, request.prompt, request.prompt_token_ids, request.params, request.arrival_time))
         self._streams[request_id] = stream  # before the failure check: _on_failure then sees it, or we see failure
-        finished = False
+        outputs = RequestStream(self, request_id, stream)
         try:
             # the prompt's text stays here: the engine needs only the ids
             self.client.send(("add", Request(request_id, None, request.prompt_token_ids, request.params,
                                              request.arrival_time)))
-            while not finished:
-                out = await stream.outputs.get()
-                finished = out.finished or out.error is not None
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        except BaseException:
+            outputs.close()
+            raise
+        return outputs
 
     def abort(self, request_id: str) -> None:
         """Stop the request in the engine and free its KV blocks (on the engine's next turn)."""
@@ -173,6 +179,31 @@ class AsyncLLM:
     def _on_failure(self, why: str) -> None:
         for stream in list(self._streams.values()):
             _call_soon(stream.loop, _fail, stream, why)
+
+
+class RequestStream:
+    """A queued request's outputs, as they arrive (an async iterator). close() aborts it unless it has finished,
+    whether or not anyone iterated: KV blocks never outlive their reader."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream):
+        self.llm, self.request_id, self.stream, self.finished = llm, request_id, stream, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.stream.outputs.get()
+        if out.finished or out.error is not None:
+            self.finished = True
+            self.llm._streams.pop(self.request_id, None)
+        return out
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.llm.abort(self.request_id)
 
 
 def _deliver(items) -> None:

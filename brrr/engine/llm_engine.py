@@ -35,14 +35,14 @@ def check_request(request_id: str, prompt: str | list[int], params: SamplingPara
         if tokenizer is None:
             raise BrrrError("this engine has no tokenizer: pass the prompt as token ids")
         ids, text = tokenizer.encode(prompt), prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:  # C loops: a server checks every request
         ids, text = list(prompt), None
     else:
         raise BrrrError("prompt must be a string or a list of token ids")
     if not ids:
         raise BrrrError("prompt is empty: it must have at least one token")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise BrrrError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(ids) + params.max_tokens > max_model_len:
         raise BrrrError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "

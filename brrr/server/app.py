@@ -24,7 +24,7 @@ from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   TokenizeRequest, as_api_error, template_messages, validation_error)
 from brrr.server.responses import total_usage
-from brrr.server.state import ServerState
+from brrr.server.state import ServerState, close_all
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
                                  join_logprobs, merge, until_disconnected)
 
@@ -103,8 +103,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else state.default_max_tokens(len(ids))
             params = state.sampling_params(body, max_tokens, k, k if body.echo and k is not None else None, "prompt")
-            state.validate(f"{response_id}-{i}", ids, params, "prompt")
-            jobs.append((f"{response_id}-{i}", ids, params))
+            jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt"))
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else
                                   tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens))
@@ -112,12 +111,13 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
                 echo_texts.append(None)
         ticket = state.admit(len(jobs))
         fmt = state.formatter(response_id)
-        streams = [state.stream(ids, params, job_id, ticket) for job_id, ids, params in jobs]
+        streams = state.submit(jobs, ticket)
         if body.stream:
-            return EventStream(completion_events(body, fmt, echo_texts, streams), ticket)
+            return EventStream(completion_events(body, fmt, echo_texts, streams), ticket, streams)
         try:
             finals = await until_disconnected(request, final_outputs(merge(streams), len(streams)))
         finally:
+            close_all(streams)
             ticket.release_all()
         choices = []
         for i, out in enumerate(finals):
@@ -144,20 +144,24 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = state.sampling_params(body, max_tokens, k, None, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        state.validate(response_id, ids, params, "messages")
+        job = state.validate(response_id, ids, params, "messages")
         ticket = state.admit(1)
         fmt = state.formatter(response_id)
-        stream = state.stream(ids, params, response_id, ticket)
+        streams = state.submit([job], ticket)
         if body.stream:
-            return EventStream(chat_events(body, fmt, k, stream), ticket)
+            return EventStream(chat_events(body, fmt, k, streams[0]), ticket, streams)
         try:
-            (out,) = await until_disconnected(request, final_outputs(merge([stream]), 1))
+            (out,) = await until_disconnected(request, final_outputs(merge(streams), 1))
         finally:
+            close_all(streams)
             ticket.release_all()
         choices = [fmt.chat_choice(c.index, c, None if k is None else fmt.chat_logprobs(c.token_ids, c.logprobs, k))
                    for c in out.outputs]
         return JSONResponse(fmt.chat(choices, total_usage([out])))
 
+    # Starlette tries routes in order, a regex each: the generation endpoints first, ahead of FastAPI's docs routes
+    hot = ("/v1/completions", "/v1/chat/completions")
+    app.router.routes.sort(key=lambda route: getattr(route, "path", "") not in hot)
     return app
 
 

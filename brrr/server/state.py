@@ -1,13 +1,14 @@
 """Server state: the engine, the tokenizer and the served name; request validation and admission (the --max-waiting
-queue cap); and `stream`, one engine request's outputs with metrics observed and the admission place given back."""
+queue cap); and `submit`: engine requests queued from the handler, each a ServedStream of outputs with metrics
+observed and the admission place given back."""
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import aclosing
 from functools import lru_cache
 
 from brrr.engine import AsyncLLM, SamplingParams
+from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 from brrr.server.metrics import ServerMetrics
 from brrr.server.protocol import APIError, as_api_error
@@ -67,9 +68,9 @@ class ServerState:
         except BrrrError as e:
             raise as_api_error(e, prompt_field) from None
 
-    def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str) -> None:
+    def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str) -> Request:
         try:
-            self.llm.make_request(request_id, ids, params)
+            return self.llm.make_request(request_id, ids, params)
         except BrrrError as e:
             raise as_api_error(e, prompt_field) from None
 
@@ -84,24 +85,52 @@ class ServerState:
         return Ticket(self, count)
 
     # ---- generation -------------------------------------------------------------------------------------------
-    async def stream(self, ids: list[int], params: SamplingParams, request_id: str, ticket: Ticket):
-        """One engine request's outputs. Closing this generator early aborts the request (AsyncLLM frees its
-        KV blocks)."""
-        tracker, waiting = self.metrics.request_tracker(), True
+    def submit(self, requests: list[Request], ticket: Ticket) -> list["ServedStream"]:
+        """Queue validated requests in the engine now (not when the response starts streaming: under a burst that
+        is after every other request's handler has run). The caller closes what this returns."""
+        streams = []
         try:
-            async with aclosing(self.llm.generate(ids, params, request_id)) as outputs:
-                async for out in outputs:
-                    if waiting:
-                        waiting = False
-                        ticket.release()
-                    tracker.observe(out)
-                    if out.error is not None:
-                        raise APIError(500, f"generation failed: {out.error}", code="engine_error")
-                    yield out
+            for request in requests:
+                streams.append(ServedStream(self, self.llm.submit(request), ticket))
         except BrrrError as e:  # validated already, so: the engine is shutting down, or gone
+            close_all(streams)
             raise APIError(503, str(e), code="unavailable") from None
-        finally:
-            if waiting:
-                ticket.release()
-            tracker.close()
+        return streams
 
+
+class ServedStream:
+    """One queued engine request's outputs (an async iterator) with metrics observed and its admission place given
+    back at its first output. close() (or aclose()) aborts it unless it finished, iterated or not."""
+
+    def __init__(self, state: ServerState, outputs, ticket: Ticket):
+        self.outputs, self.ticket = outputs, ticket
+        self.tracker, self.waiting, self.closed = state.metrics.request_tracker(), True, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        out = await self.outputs.__anext__()
+        if self.waiting:
+            self.waiting = False
+            self.ticket.release()
+        self.tracker.observe(out)
+        if out.error is not None:
+            raise APIError(500, f"generation failed: {out.error}", code="engine_error")
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.outputs.close()
+            if self.waiting:
+                self.ticket.release()
+            self.tracker.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def close_all(streams) -> None:
+    for stream in streams:
+        stream.close()

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from brrr.engine.outputs import RequestOutput
 from brrr.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from brrr.server.responses import Formatter, sse, total_usage
-from brrr.server.state import Ticket
+from brrr.server.state import Ticket, close_all
 
 
 class ClientDisconnected(Exception):
@@ -86,19 +86,20 @@ async def until_disconnected(request: Request, work_coro):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events. Whatever ends the response (done, client gone, shutdown) closes the event generator,
-    which aborts unfinished engine requests, and gives back unused admission places."""
+    """Server-sent events. Whatever ends the response (done, client gone, shutdown) closes the event generator
+    and the engine requests (aborting unfinished ones), and gives back unused admission places."""
 
-    def __init__(self, events, ticket: Ticket):
+    def __init__(self, events, ticket: Ticket, streams):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.ticket = ticket
+        self.ticket, self.streams = ticket, streams
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            close_all(self.streams)  # the events may never have started (a client gone before the first byte)
             self.ticket.release_all()
 
 

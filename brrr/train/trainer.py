@@ -215,6 +215,8 @@ class Trainer:
         self.model_cfg = resolve_config(cfg.model, self.data.vocab_size, self.data.special_tokens, cfg.seq_len)
         if cfg.device:
             self.device = torch.device(cfg.device)
+            if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's GPU
+                self.device = torch.device("cuda", self.dist.local_rank)
         elif torch.cuda.is_available():
             self.device = torch.device("cuda", self.dist.local_rank)
         else:

@@ -107,7 +107,7 @@ def quantize_nf4(w: torch.Tensor) -> dict:
         raise BrrrError(f"nf4 needs a weight size divisible by {NF4_BLOCK}; got {tuple(w.shape)}")
     blocks = flat.view(-1, NF4_BLOCK)
     absmax = blocks.abs().amax(dim=1).clamp(min=1e-12)
-    codes = (blocks / absmax[:, None])[..., None].sub(NF4_LEVELS).abs().argmin(dim=-1)
+    codes = (blocks / absmax[:, None])[..., None].sub(_nf4_levels(blocks.device)).abs().argmin(dim=-1)
     # double quantization of the absmaxes: int8 around their mean, one scale per 256
     mean = absmax.mean()
     centered = absmax - mean

@@ -144,29 +144,19 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     not, and the arrival counts are left at zero for the next launch."""
     q = _linear("int4", 4096, 14336)
     x = torch.randn(1, 14336, device="cuda", dtype=BF16)
-    cfg = dict(qm.w4_configs(1, 128)[0], SPLIT_K=8)
-    first = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
-    for _ in range(3):
-        assert torch.equal(qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg), first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    assert int(qm._LOCKS[x.device].sum()) == 0
-    # the GEMV kernel shares the workspace-and-counter reduction
-    gemv = dict(qm._gemv_configs(1)[0], SPLIT_K=8)
-    first = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=gemv)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=gemv)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    assert int(qm._LOCKS[x.device].sum()) == 0
+    # the tensor-core and the GEMV kernels share the workspace-and-counter reduction
+    for cfg in (dict(qm.w4_configs(1, 128)[0], SPLIT_K=8), dict(qm._gemv_configs(1)[0], SPLIT_K=8)):
+        first = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
+        for _ in range(3):
+            assert torch.equal(qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg), first)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, first)
+        assert int(qm._LOCKS[x.device].sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])

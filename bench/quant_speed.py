@@ -1,14 +1,14 @@
 """Quantized inference speed on one GPU, Llama-3.1-8B shapes, random weights (speed does not depend on values).
 
 Three sections, one JSON record per result (stdout, and appended to --out):
-  gemm     per-GEMM device time of the W8A16 / W4A16 g128 Triton kernels vs bf16 F.linear at M = 1 and 16 for the
-           8B projections (q/o 4096x4096, k/v 1024x4096, packed qkv 6144x4096, gate/up 14336x4096, packed gate_up
+  gemm     per-GEMM device time of W8A16 / W4A16 g128 (tuned: Triton kernels, or dequantize + F.linear at larger M)
+           vs bf16 F.linear at M = 1, 16, 64, 256 (--gemm-m) for the 8B projections (q/o 4096x4096, k/v 1024x4096, packed qkv 6144x4096, gate/up 14336x4096, packed gate_up
            28672x4096, down 4096x14336). Timed as CUDA-graph replays over enough weight copies to exceed L2, so
            every call streams its weights from HBM and no host launch cost is counted; GB/s = stored bytes / time.
   prefill  FP8 W8A8 `torch._scaled_mm` (row-wise scales) vs bf16 at M = 2048, 4096: the GEMM alone, with fast
            accumulation, and the whole linear (per-token activation quantization included); SmoothQuant's
-           `torch._int_mm` and the W4A16 / W8A16 tiled kernels beside them.
-  decode   batch-1 and batch-16 decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
+           `torch._int_mm` and the tuned W4A16 / W8A16 paths beside them.
+  decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
            for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine packs the
            bf16 model, pack_quantized_projections the quantized ones), plus the device time of one captured decode
            step (graph replay alone), which separates kernel speed from the engine's host work per step.
@@ -64,11 +64,11 @@ def section_gemm(args, machine):
         variants = {"bf16": weights}
         variants["w8a16"] = [quant_linear("int8", w) for w in weights]
         variants["w4a16-g128"] = [quant_linear("int4", w) for w in weights]
-        for m in (1, 16):
+        for m in args.gemm_m:
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             base = None
             for variant, mods in variants.items():
-                for fast in ((True, False) if variant == "w4a16-g128" else (True,)):
+                for fast in ((True, False) if variant == "w4a16-g128" and m <= qm.SMALL_M else (True,)):
                     qm.FAST_DEQUANT = fast
                     if variant == "bf16":
                         calls, nbytes = [lambda w=w: F.linear(x, w) for w in mods], n * k * 2
@@ -111,8 +111,8 @@ def section_prefill(args, machine):
                 "int8-int_mm": lambda: torch._int_mm(xi, i8["qweight"].t()),
                 "int8-w8a8-linear (with activation quant)": lambda: int8_w8a8_linear(x, i8["qweight"],
                                                                                      i8["scales"]),
-                "w8a16-tiled": lambda: w8(x),
-                "w4a16-g128-tiled": lambda: w4(x),
+                "w8a16": lambda: w8(x),  # tuned: tiled kernel or dequantize + F.linear
+                "w4a16-g128": lambda: w4(x),
             }
             base = None
             for variant, fn in runs.items():
@@ -157,13 +157,14 @@ def section_decode(args, machine, bandwidth):
             quantize_model(model, method, group_size=128)
             if not variant.endswith("-unpacked"):
                 pack_quantized_projections(model)
-        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=16,
-                                                     num_blocks=16 * -(-max_len // 16) + 8, cuda_graphs=True))
-        run_batch(engine, 1, args.prompt_len, 8, cfg.vocab_size, seed=99)  # warm-up (prefill tuning)
-        run_batch(engine, 16, args.prompt_len, 8, cfg.vocab_size, seed=98)
+        seqs = max(args.batches)
+        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
+                                                     num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
+        for i, batch in enumerate(args.batches):  # warm-up: prefill and per-batch tuning
+            run_batch(engine, batch, args.prompt_len, 8, cfg.vocab_size, seed=90 + i)
         nbytes = model_bytes(model)
         setup_s = time.perf_counter() - t0
-        for batch in ((1,) if variant.endswith("-unpacked") else (1, 16)):
+        for batch in ((1,) if variant.endswith("-unpacked") else args.batches):
             ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
             tok_s = batch * (args.new_tokens - 1) / decode_s
             graphs = getattr(engine.runner, "graphs", {})
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
                    choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
                    help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="decode batch sizes")
+    p.add_argument("--gemm-m", nargs="+", type=int, default=[1, 16, 64, 256], help="rows of x in the gemm section")
     p.add_argument("--prompt-len", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=200)
     args = p.parse_args(argv)

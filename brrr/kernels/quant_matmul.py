@@ -8,16 +8,18 @@ Weight layouts (brrr/quant/linear.py converts the checkpoint's to these at load)
         uint8 [K/g, N] or None (symmetric, zero 8): w[n, k] = (q[n, k] - zeros[k/g, n]) * scales[k/g, n].
   int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n].
 
-One Triton kernel per format for two paths (config families), plus a GEMV kernel per format:
+One Triton kernel per format for three config families, plus a GEMV kernel per format and a dequantize kernel:
   small M (decode, M <= 16): 16-row tensor-core tiles, narrow column strips (16-64 rows of W per program, so the
-        8B shapes give 64-900 programs without splitting K) and optional split-K (fp32 atomics) for the shapes
-        that still give too few.
+        8B shapes give 64-900 programs without splitting K) and optional split K for the shapes that still give
+        too few.
+  mid M (16 < M <= 128, batched decode): 32-64-row tiles, the same narrow strips and split K.
   tiled (prefill): 64-128 x 64-256 output tiles in grouped order (row tiles that share a weight strip run
         together, so the strip is read from HBM about once).
-The integer codes go to the tensor cores as exact small integers (x @ q per group); the group's zero point and
-scale are applied to the [BM, BN] partial sum (y += s * (x.q - z * sum(x))), a multiply per output instead of
-per weight. On the GPU, bf16/fp16 codes come from a magic-number trick on packed pairs (inline PTX: no
-int-to-float instructions); under Triton's interpreter and for fp32 the same values come from plain casts.
+  dequantize (M > 16): the weight written once in 16 bits, then F.linear: at a few hundred rows cuBLAS's bf16
+        GEMM beats any of the mixed-input tiles (on the H200, 8B shapes at M = 2048: about 2x).
+Each weight is dequantized in registers to (q - z) * s rounded once to the input dtype (what the reference does)
+and goes to the tensor cores. On the GPU, bf16/fp16 codes come from a magic-number trick on packed pairs (inline
+PTX: no int-to-float instructions); under Triton's interpreter and for fp32 the same values come from plain casts.
   GEMV (M <= 4, tuning candidates beside the small-M ones): CUDA cores in fp32, each code turned into exact fp32
         with a magic-number trick (no int-to-float instruction) and multiplied by every row of x; see the section
         "GEMV path" below.
@@ -535,6 +537,42 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
 
+    # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
+    # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
+    # writing the whole weight once (4.25 or 8 bits read, 16 written per weight) and calling F.linear wins; the
+    # tuner decides where per shape. The values are the references' exactly: (q - z) * s in fp32, rounded once.
+    @triton.jit
+    def _dequant_w4_kernel(P, S, Z, W, N, stride_pn, stride_wn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HAS_ZEROS: tl.constexpr, FAST: tl.constexpr):
+        pid_n, g = tl.program_id(0), tl.program_id(1)  # BLOCK_N rows x one group
+        HALF: tl.constexpr = GROUP // 2
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_h = tl.arange(0, HALF)
+        n_mask = offs_n < N
+        mask = n_mask[:, None] & (offs_h[None, :] < HALF)
+        p = tl.load(P + offs_n.to(tl.int64)[:, None] * stride_pn + g * HALF + offs_h[None, :], mask=mask, other=0)
+        if HAS_ZEROS:
+            z = tl.load(Z + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        s = tl.load(S + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        lo, hi = _dequant_int4(p, z, s, W.dtype.element_ty, FAST)
+        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + g * GROUP + offs_h[None, :]
+        tl.store(w_ptrs, lo, mask=mask)
+        tl.store(w_ptrs + HALF, hi, mask=mask)
+
+    @triton.jit
+    def _dequant_w8_kernel(Q, S, W, N, K, stride_qn, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+        rows = offs_n.to(tl.int64)[:, None]
+        q = tl.load(Q + rows * stride_qn + offs_k[None, :], mask=mask, other=0)
+        s = tl.load(S + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(W + rows * stride_wn + offs_k[None, :], (q.to(tl.float32) * s[:, None]).to(W.dtype.element_ty),
+                 mask=mask)
+
     @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, QINV: tl.constexpr,
                                 INT8: tl.constexpr, BLOCK: tl.constexpr):
@@ -565,6 +603,13 @@ SMALL_CONFIGS = [(64, 256, "auto4", 4, 4), (128, 256, "auto", 4, 3), (64, 256, "
                  (128, 512, "auto", 4, 2), (64, 512, "auto", 4, 3), (32, 256, "auto", 4, 4), (128, 256, "auto4", 4, 3),
                  (32, 256, "auto4", 4, 4), (64, 256, "auto8", 4, 4), (64, 512, "auto4", 4, 3), (128, 256, 1, 4, 3)]
 TILED_CONFIGS = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (64, 256, 128, 4, 3), (64, 128, 128, 4, 4)]
+# SMALL_M < M <= MID_M (batched decode): 32-64-row tiles over narrow column strips with split K, as the small-M
+# ones: the tiled configs give too few programs there (8B q/o at M = 64: 32). (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+# warps, stages)
+MID_M = 128
+MID_CONFIGS = [(32, 64, 256, "auto4", 4, 3), (64, 64, 128, "auto4", 4, 3), (32, 128, 256, "auto", 4, 3),
+               (64, 128, 128, "auto", 4, 3)]
+DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight once, then F.linear (cuBLAS)
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps). Rows of W per thread R = BLOCK_N *
 # CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4)
@@ -590,16 +635,22 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     if m <= SMALL_M:
         return [dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
                      num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
-    return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in TILED_CONFIGS]
+    tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
+             for bm, bn, bk, w, st in TILED_CONFIGS]
+    mid = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
+           for bm, bn, bk, sk, w, st in MID_CONFIGS] if m <= MID_M else []
+    return tiled + mid + [DEQUANT]
 
 
 def w8_configs(m: int, gemv: bool = True) -> list[dict]:
     if m <= SMALL_M:
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
                 for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
-    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in TILED_CONFIGS]
+    tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
+             for bm, bn, bk, w, st in TILED_CONFIGS]
+    mid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
+           for bm, bn, bk, sk, w, st in MID_CONFIGS] if m <= MID_M else []
+    return tiled + mid + [DEQUANT]
 
 
 def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
@@ -706,6 +757,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
     words = _words(qweight)
 
     def run(cfg):
+        if cfg.get("DEQUANT"):
+            return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if _gemv(cfg):
             if words is None:
                 raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
@@ -734,6 +787,8 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     words = _words(qweight)
 
     def run(cfg):
+        if cfg.get("DEQUANT"):
+            return F.linear(x2, dequantize_w8_triton(qweight, scales, x.dtype), bias)
         if _gemv(cfg):
             if words is None:
                 raise ValueError("the GEMV kernel reads qweight as int32 words: K must be a multiple of 4")
@@ -748,6 +803,25 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
         key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
     return run(config).view(*x.shape[:-1], n)
+
+
+def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` from the int4 kernel layout: dequantize_w4's values, rounded once to dtype."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    fast = FAST_DEQUANT and dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    _dequant_w4_kernel[(triton.cdiv(n, 64), k // group_size)](
+        qweight, scales, scales if zeros is None else zeros, w, n, qweight.stride(0), w.stride(0), GROUP=group_size,
+        BLOCK_N=64, HAS_ZEROS=zeros is not None, FAST=fast)
+    return w
+
+
+def dequantize_w8_triton(qweight, scales, dtype: torch.dtype) -> torch.Tensor:
+    n, k = qweight.shape
+    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    _dequant_w8_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](qweight, scales, w, n, k, qweight.stride(0),
+                                                                  w.stride(0), BLOCK_N=32, BLOCK_K=256)
+    return w
 
 
 def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype):

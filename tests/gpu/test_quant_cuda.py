@@ -40,9 +40,10 @@ def _linear(fmt, n, k, seed=0, group_size=128, symmetric=False):
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B)
-@pytest.mark.parametrize("m", [1, 3, 16, 2048])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 2048])
 def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
-    """The tuned config of each path (decode M <= 16, GEMV candidates included at M <= 4, tiled prefill), bf16:
+    """The tuned config of each path (decode M <= 16, GEMV candidates included at M <= 4, mid-M split-K tiles at 64,
+    tiled or dequantize-then-F.linear beyond), bf16:
     within bf16 rounding of the reference, which rounds every dequantized weight to bf16 before its matmul."""
     x = torch.randn(m, k, device="cuda", dtype=BF16)
     for fmt in ("int4", "int8"):
@@ -56,6 +57,18 @@ def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
         assert _rel(got, want) < 8e-3, (fmt, n, k, m, _rel(got, want))
 
 
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+def test_dequantize_kernels_are_the_reference_rounded_once(n, k):
+    """The bf16 weight the large-M candidate hands to F.linear is bit for bit the reference's (inline-PTX int4)."""
+    for group, symmetric in ((128, False), (32, True)):
+        q = _linear("int4", n, k, group_size=group, symmetric=symmetric)
+        got = qm.dequantize_w4_triton(q.qweight, q.scales, q.zeros, group, BF16)
+        assert torch.equal(got, qm.dequantize_w4(q.qweight, q.scales, q.zeros, group).to(BF16))
+    q = _linear("int8", n, k)
+    assert torch.equal(qm.dequantize_w8_triton(q.qweight, q.scales, BF16),
+                       (q.qweight.float() * q.scales.float()[:, None]).to(BF16))
+
+
 def _launchable(run):
     """run() -> tensor, or None when the config needs more shared memory than this GPU has (the tuner skips it)."""
     from triton.runtime.errors import OutOfResources
@@ -67,7 +80,8 @@ def _launchable(run):
 
 
 @pytest.mark.parametrize("m,index", [(1, i) for i in range(len(qm.SMALL_CONFIGS))] +
-                         [(300, i) for i in range(len(qm.TILED_CONFIGS))])
+                         [(64, i) for i in range(len(qm.w4_configs(64, 128)))] +
+                         [(300, i) for i in range(len(qm.w4_configs(300, 128)))])
 def test_every_candidate_config(m, index):
     """Each config the tuner may pick (split K included), inline-PTX dequantization: int4 g128 asymmetric, int8
     with a bias (7 rows: the decode path's masking)."""

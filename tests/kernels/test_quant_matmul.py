@@ -72,6 +72,55 @@ def test_w4a16_bf16(device, m):
     assert got.dtype == torch.bfloat16 and _rel(got, qm.w4a16_matmul_ref(*args, 128, bias.to(device))) < 1e-2
 
 
+# ---- M > 16: mid-M split-K tiles and dequantize-then-F.linear ------------------------------------------------------
+def test_large_m_candidates():
+    """Above the small-M path: the tiled configs (the untimed default first), the mid-M split-K tiles up to MID_M,
+    and dequantize-then-F.linear last; at most the tiled ones and the dequantize one beyond MID_M."""
+    for configs in (qm.w4_configs(64, 128), qm.w8_configs(64)):
+        assert configs[-1] == qm.DEQUANT and configs[0]["SPLIT_K"] == 1 and configs[0]["BLOCK_M"] >= 64
+        assert len(configs) == len(qm.TILED_CONFIGS) + len(qm.MID_CONFIGS) + 1
+    assert len(qm.w4_configs(qm.MID_M + 1, 128)) == len(qm.w8_configs(4096)) == len(qm.TILED_CONFIGS) + 1
+    assert qm.DEQUANT not in qm.w4_configs(16, 128) + qm.w8_configs(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
+def test_dequantize_w4_kernel_is_the_reference_rounded_once(device, dtype, group, symmetric):
+    _, qweight, scales, zeros, _, _ = _w4_problem(group, 1, symmetric, n=70, dtype=dtype)
+    args = [t if t is None else t.to(device) for t in (qweight, scales, zeros)]
+    got = qm.dequantize_w4_triton(*args, group, dtype)
+    want = qm.dequantize_w4(qweight, scales, zeros, group).to(dtype)
+    assert got.dtype == dtype
+    if device == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16: one unit apart
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_w8_kernel_is_the_reference_rounded_once(device, dtype):
+    _, q, scales, _ = _w8_problem(1, n=45, k=300)
+    got, want = qm.dequantize_w8_triton(q.to(device), scales.to(device), dtype).cpu(), (q.float() * scales[:, None])
+    if device == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16
+        torch.testing.assert_close(got, want.to(dtype), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("which", ["mid", "dequant"])
+def test_large_m_paths_match_reference(device, which):
+    """M = 33: a mid-M config with split K forced, and the dequantize candidate, for int4 (asymmetric) and int8."""
+    cfg_w4 = dict(qm.w4_configs(33, 32)[len(qm.TILED_CONFIGS)], SPLIT_K=2) if which == "mid" else qm.DEQUANT
+    cfg_w8 = dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3) if which == "mid" else qm.DEQUANT
+    x, qweight, scales, zeros, bias, _ = _w4_problem(32, 33, False)
+    args = [t.to(device) for t in (x, qweight, scales, zeros)]
+    got = qm.w4a16_matmul_triton(*args, 32, bias.to(device), config=cfg_w4)
+    torch.testing.assert_close(got, qm.w4a16_matmul_ref(*args, 32, bias.to(device)), rtol=1e-5, atol=1e-4)
+    x, q, s, bias = (t.to(device) for t in _w8_problem(33))
+    got = qm.w8a16_matmul_triton(x, q, s, bias, config=cfg_w8)
+    torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, s, bias), rtol=1e-5, atol=1e-4)
+
+
 def _w8_problem(m, n=40, k=300, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)

@@ -2,7 +2,7 @@
 one scale per row (absmax / 127 for int8, / 448 for FP8 E4M3), so the GEMM itself runs on 8-bit tensor cores.
 
   int8 (SmoothQuant): codes x int8 codes through `torch._int_mm` (int32 accumulate, exact), then
-      y = acc * s_x[:, None] * s_w[None, :]. Where `_int_mm` cannot run (CUDA needs M > 16 and K, N multiples of
+      y = acc * s_x[:, None] * s_w[None, :] (one Triton pass on CUDA: brrr/kernels/int8_rescale.py). Where `_int_mm` cannot run (CUDA needs M > 16 and K, N multiples of
       8; older CPU builds lack it) the same integers multiply exactly in float64 (< 2^53).
   fp8: `torch._scaled_mm` with row-wise scales on CUDA sm90+ (bf16 activations); elsewhere the dequantized
       reference (codes * scales, multiplied in fp32), the function `_scaled_mm` computes.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from brrr.kernels.int8_rescale import int8_rescale
 from brrr.kernels.quant_matmul import quantize_per_token
 
 
@@ -40,11 +41,7 @@ def int8_w8a8_linear(x, qweight, scales, bias=None):
     """x [..., K] float, qweight int8 [N, K], scales [N] -> [..., N] in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, sx = quantize_per_token(x2, torch.int8)
-    acc = _int_mm(xq, qweight.t())
-    y = acc * sx * scales.float()[None, :]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], -1)
+    return int8_rescale(_int_mm(xq, qweight.t()), sx, scales, bias, x.dtype).view(*x.shape[:-1], -1)
 
 
 def _scaled_mm_ok(x2, qweight) -> bool:

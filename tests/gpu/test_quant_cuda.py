@@ -21,6 +21,7 @@ from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
 from brrr.quant.linear import QuantLinear, pack_quantized_projections
 from brrr.quant.methods import quantize_model
+from brrr.kernels.int8_rescale import int8_rescale_ref
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
 
 pytestmark = pytest.mark.gpu
@@ -184,13 +185,15 @@ def test_per_token_quantization_matches_the_reference_bitwise(dtype, m, k):
 
 @pytest.mark.parametrize("m", [1, 16, 2048])
 def test_int8_w8a8_through_int_mm_is_exact(m):
-    """torch._int_mm (M padded past 16 for cuBLASLt) gives the exact integer product."""
+    """torch._int_mm (M padded past 16 for cuBLASLt) gives the exact integer product; the linear rescales it."""
     n, k = 4096, 4096
     t = formats.quantize_int8(torch.randn(n, k, device="cuda"))
     x = torch.randn(m, k, device="cuda", dtype=BF16)
-    xq, _ = qm.quantize_per_token(x, torch.int8)
+    xq, sx = qm.quantize_per_token(x, torch.int8)
     assert torch.equal(_int_mm(xq, t["qweight"].t()), int_mm_ref(xq, t["qweight"].t()))
     y = int8_w8a8_linear(x, t["qweight"], t["scales"])
+    # the fused epilogue (one Triton pass) is torch's four-op expression bit for bit
+    assert torch.equal(y, int8_rescale_ref(int_mm_ref(xq, t["qweight"].t()), sx, t["scales"], None, BF16))
     assert _rel(y, x.float() @ formats.dequantize_int8(t).T) < 0.03  # int8 activations: ~1% error each
 
 

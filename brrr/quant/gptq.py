@@ -12,14 +12,13 @@ from brrr.quant.formats import check_group, from_codes, int4_params, int4_round
 
 
 class Hessian:
-    """Running (2/n) sum x x^T over calibration tokens, in float64 on `device` (the model's: on a GPU the products
-    are tensor-core work instead of the host's)."""
+    """Running (2/n) sum x x^T over calibration tokens."""
 
-    def __init__(self, dim: int, device=None):
-        self.H, self.n = torch.zeros(dim, dim, dtype=torch.float64, device=device), 0
+    def __init__(self, dim: int):
+        self.H, self.n = torch.zeros(dim, dim, dtype=torch.float64), 0
 
     def add(self, x: torch.Tensor):
-        x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float64)
+        x = x.reshape(-1, x.shape[-1]).double()
         total = self.n + len(x)
         self.H *= self.n / total
         self.H += (2 / total) * x.T @ x
@@ -42,13 +41,13 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, group_size: int = 128, symme
     H.diagonal().add_(damp * H.diagonal().mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros_like(W)
-    group_of = (perm // group_size).tolist()  # on the host: one read, not one device sync per column
+    group_of = perm // group_size
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
-        W1, Hinv1, Err1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], W.new_zeros(out, i2 - i1)
+        W1, Hinv1, Err1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], torch.zeros(out, i2 - i1)
         for i in range(i2 - i1):
             col = i1 + i
-            g = group_of[col]
+            g = int(group_of[col])
             if not static and col % group_size == 0:
                 scale[:, g], zero[:, g] = int4_params(W1[:, i:i + group_size], symmetric)
             q = int4_round(W1[:, i], scale[:, g], zero[:, g])

@@ -17,12 +17,11 @@ from brrr.generate import generate_tokens
 from brrr.kernels import AttnMeta
 from brrr.kernels import quant_matmul as qm
 from brrr.kernels.dispatch import use_reference
-from brrr.kernels.int8_rescale import int8_rescale_ref
 from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
-from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.linear import QuantLinear, pack_quantized_projections
 from brrr.quant.methods import quantize_model
+from brrr.kernels.int8_rescale import int8_rescale_ref
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
 
 pytestmark = pytest.mark.gpu
@@ -210,26 +209,6 @@ def test_fp8_w8a8_through_scaled_mm_matches_the_dequantized_reference(m, n, k):
 
 
 METHODS = ["rtn-int8", "rtn-int4", "nf4", "fp8", "smoothquant", "fp8-w8a8"]
-
-
-def test_gptq_runs_on_the_gpu():
-    """Hessians and the column sweep on the weight's device, at a real width: everything stays on the GPU and GPTQ
-    keeps its property against RTN on the same correlated, uneven-scale inputs (as tests/quant checks on the CPU)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out, n, tokens = 512, 2048, 4096
-    w = torch.randn(out, n, device="cuda", generator=g)
-    mix = torch.randn(n, n, device="cuda", generator=g) / n ** 0.5 + torch.eye(n, device="cuda")
-    x = (torch.randn(tokens, n, device="cuda", generator=g) @ mix) * torch.rand(n, device="cuda", generator=g).mul(4).exp()
-    h = Hessian(n, w.device)
-    for chunk in x.split(1000):
-        h.add(chunk)
-    t = gptq_quantize(w, h.H, 128)
-    assert h.H.is_cuda and all(v.is_cuda for v in t.values())
-
-    def err(tensors):
-        return ((x @ formats.dequantize_int4(tensors).T - x @ w.T) ** 2).mean().item()
-
-    assert err(t) < 0.7 * err(formats.quantize_int4(w, 128))
 
 
 def _prompts(n=8):

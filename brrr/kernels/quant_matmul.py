@@ -177,6 +177,18 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """Group g's packed tile p [BLOCK_N, g/2] (rows offs_n) -> its two halves' weights, with the group's zero
+        points (8 when symmetric) and scales loaded from the [K/g, N] tensors."""
+        if HAS_ZEROS:
+            z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        s = tl.load(S + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        return _dequant_int4(p, z, s, DTYPE, FAST)
+
+    @triton.jit
     def _int8_to(q, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """int8 tile -> exact values in DTYPE. FAST (bf16/fp16, inline PTX): per 4 bytes, flip the sign bits
         (q + 128), then one prmt per byte builds the fp32 2^23 + q + 128 (byte under the exponent bits 0x4B),
@@ -252,12 +264,7 @@ if triton is not None:
                 x_lo = tl.load(x_ptrs + g * GROUP, mask=x_mask, other=0.0)
                 x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=x_mask, other=0.0)
                 p = tl.load(p_ptrs + g * HALF, mask=w_mask, other=0)
-                if HAS_ZEROS:
-                    z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-                else:
-                    z = tl.full((BLOCK_N,), 8.0, tl.float32)
-                s = tl.load(S + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                w_lo, w_hi = _dequant_int4(p, z, s, X.dtype.element_ty, FAST)
+                w_lo, w_hi = _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N, HAS_ZEROS, X.dtype.element_ty, FAST)
                 acc = _dot(x_lo, w_lo, acc, IEEE)
                 acc = _dot(x_hi, w_hi, acc, IEEE)
         _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
@@ -551,12 +558,7 @@ if triton is not None:
         n_mask = offs_n < N
         mask = n_mask[:, None] & (offs_h[None, :] < HALF)
         p = tl.load(P + offs_n.to(tl.int64)[:, None] * stride_pn + g * HALF + offs_h[None, :], mask=mask, other=0)
-        if HAS_ZEROS:
-            z = tl.load(Z + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N,), 8.0, tl.float32)
-        s = tl.load(S + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        lo, hi = _dequant_int4(p, z, s, W.dtype.element_ty, FAST)
+        lo, hi = _group_weights(p, Z, S, g, N, offs_n, n_mask, BLOCK_N, HAS_ZEROS, W.dtype.element_ty, FAST)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + g * GROUP + offs_h[None, :]
         tl.store(w_ptrs, lo, mask=mask)
         tl.store(w_ptrs + HALF, hi, mask=mask)

@@ -333,6 +333,146 @@ if triton is not None:
         _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
                HAS_BIAS, SPLIT)
 
+    # ---- MMA decode path (M <= SMALL_M): the weight tile is the MMA's left operand, straight from registers -------
+    # A decode GEMM is bound by reading the weights, and at 4 bits the instructions that unpack them come close to the
+    # issue limit (the H200 reads ~8e12 int4 weights a second; at 100% issue that leaves ~4 thread-instructions a
+    # weight). Here the weight tile [BLOCK_N, K] is the left operand and x^T [K, 16] the right one, so on sm_90
+    # Triton emits wgmma with the weights in registers: no shared-memory round trip for them. The tile's rows and
+    # K columns are relabeled (the dot product does not care, as long as x's columns follow K's) so that each
+    # thread's wgmma fragment is exactly the 16 contiguous bytes per row it loaded (`_mma_order`). Each byte gives
+    # two exact codes q - z (1.5 instructions a weight, `_codes_minus_zero`); the group's scale multiplies the fp32
+    # partial sum once. sm_90 SASS, g128, BLOCK_N 256, 8 warps: ~2.4 thread-instructions a weight in the loop, where
+    # the 16-row tensor-core kernel above takes ~4.0-4.5 and the GEMV ~3.9-4.4.
+    @triton.jit
+    def _codes_minus_zero(p, z, DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """uint8 tile [R, g/2] and its rows' zero points (fp32 [R]) -> q - z of the low and high nibbles, exact in
+        DTYPE (|q - z| <= 15). FAST: per 4 bytes two prmt and two shifts spread the nibbles into 16-bit
+        halves, four lop3 OR in the bits of 128 (bf16 0x4300; fp16 1024, 0x6400) so each half reads 128 + q, and
+        four packed adds of -(128 + z)."""
+        if FAST:
+            BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
+            nz = tl.broadcast_to((-(z + BIAS)).to(DTYPE)[:, None], p.shape)
+            if DTYPE == tl.bfloat16:
+                lo, hi = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 zero, one, t0, t1, u0, u1;
+                    mov.b32 zero, 0;
+                    mov.b32 one, 0x3F803F80;
+                    prmt.b32 t0, $4, zero, 0x4140;
+                    prmt.b32 t1, $4, zero, 0x4342;
+                    shr.b32 u0, t0, 4;
+                    shr.b32 u1, t1, 4;
+                    lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 u0, u0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 u1, u1, 0x000F000F, 0x43004300, 0xEA;
+                    fma.rn.bf16x2 $0, t0, one, $5;
+                    fma.rn.bf16x2 $1, t1, one, $6;
+                    fma.rn.bf16x2 $2, u0, one, $5;
+                    fma.rn.bf16x2 $3, u1, one, $6;
+                    }""",
+                    constraints="=r,=r,=r,=r,r,r,r", args=[p, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                    pack=4)
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 zero, one, t0, t1, u0, u1;
+                    mov.b32 zero, 0;
+                    mov.b32 one, 0x3C003C00;
+                    prmt.b32 t0, $4, zero, 0x4140;
+                    prmt.b32 t1, $4, zero, 0x4342;
+                    shr.b32 u0, t0, 4;
+                    shr.b32 u1, t1, 4;
+                    lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 u0, u0, 0x000F000F, 0x64006400, 0xEA;
+                    lop3.b32 u1, u1, 0x000F000F, 0x64006400, 0xEA;
+                    fma.rn.f16x2 $0, t0, one, $5;
+                    fma.rn.f16x2 $1, t1, one, $6;
+                    fma.rn.f16x2 $2, u0, one, $5;
+                    fma.rn.f16x2 $3, u1, one, $6;
+                    }""",
+                    constraints="=r,=r,=r,=r,r,r,r", args=[p, nz], dtype=(tl.float16, tl.float16), is_pure=True,
+                    pack=4)
+        else:
+            lo = ((p & 15).to(tl.float32) - z[:, None]).to(DTYPE)
+            hi = ((p >> 4).to(tl.float32) - z[:, None]).to(DTYPE)
+        return lo, hi
+
+    @triton.jit
+    def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
+        """The tile row (load order) that each MMA row holds. A [BLOCK_N, 64-byte] uint8 load gives warp w rows 8w +
+        lane/4 (+ 8 NW per repeat); wgmma wants 16w + lane/4 and 16w + 8 + lane/4: with load row 16 NW b + 8 NW a +
+        8w + i as MMA row 16 NW b + 16w + 8a + i each thread keeps the rows it loaded."""
+        r = tl.arange(0, BLOCK_N)
+        return tl.reshape(tl.permute(tl.reshape(r, (BLOCK_N // (16 * NW), 2, NW, 8)), (0, 2, 1, 3)), (BLOCK_N,))
+
+    @triton.jit
+    def _k_order(t, R: tl.constexpr, HALF: tl.constexpr):
+        """Columns [R, HALF] -> the MMA's K order: a wgmma thread (lane % 4 = c) takes K pairs 2c + {0, 1} + 8h + 16t;
+        giving K index 16t + 8h + 2c + r the column 16c + 4t + 2h + r makes them one 16-byte run per thread."""
+        return tl.reshape(tl.permute(tl.reshape(t, (R, 4, HALF // 16, 2, 2)), (0, 2, 3, 1, 4)), (R, HALF))
+
+    @triton.jit
+    def _mma_order(w, BLOCK_N: tl.constexpr, NW: tl.constexpr, HALF: tl.constexpr):
+        """Weight tile, load order -> MMA rows (`_mma_rows`) and K order (`_k_order`)."""
+        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N // (16 * NW), 2, NW, 8, HALF)), (0, 2, 1, 3, 4)),
+                       (BLOCK_N, HALF))
+        return _k_order(w, BLOCK_N, HALF)
+
+    @triton.jit
+    def _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                   FAST: tl.constexpr, IEEE: tl.constexpr):
+        """acc + group g's products: its bytes p [BLOCK_N, g/2] (load order), x's two half-groups, its scales."""
+        HALF: tl.constexpr = GROUP // 2
+        x_lo = tl.load(x_ptrs + g * GROUP, mask=m_mask[:, None], other=0.0)
+        x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(Z + g * N + rows, mask=row_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        s = tl.load(S + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        lo, hi = _codes_minus_zero(p, z, X.dtype.element_ty, FAST)
+        part = _dot(_mma_order(lo, BLOCK_N, NW, HALF), _k_order(x_lo, BLOCK_M, HALF),
+                    tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+        part = _dot(_mma_order(hi, BLOCK_N, NW, HALF), _k_order(x_hi, BLOCK_M, HALF), part, IEEE)
+        return acc + part * s[:, None]
+
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
+                          PAIR: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        HALF: tl.constexpr = GROUP // 2
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # load order
+        offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N, NW)  # MMA order: the accumulator's rows
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_h = tl.arange(0, HALF)
+        row_ok, n_mask, m_mask = rows < N, offs_n < N, offs_m < M
+        n_groups = K // GROUP
+        per_split = tl.cdiv(n_groups, split_k)
+        g_begin = pid_k * per_split
+        g_end = tl.minimum(g_begin + per_split, n_groups)
+        p_ptrs = P + rows.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for g in range(g_begin, g_end, 1 + PAIR):
+            # PAIR: both groups' loads are issued before either is unpacked (more bytes in flight per thread)
+            p = tl.load(p_ptrs + g * HALF, mask=row_ok[:, None], other=0)
+            if PAIR:
+                p2 = tl.load(p_ptrs + (g + 1) * HALF, mask=row_ok[:, None] & (rows * 0 + g + 1 < g_end)[:, None],
+                             other=0)
+            acc = _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP, BLOCK_M,
+                             BLOCK_N, NW, HAS_ZEROS, FAST, IEEE)
+            if PAIR:  # past g_end its bytes and scales are zeros: it adds nothing
+                acc = _mma_group(acc, p2, g + 1, X, S, Z, N, x_ptrs, rows, row_ok & (rows * 0 + g + 1 < g_end),
+                                 offs_n, n_mask & (offs_n * 0 + g + 1 < g_end), m_mask, GROUP, BLOCK_M, BLOCK_N, NW,
+                                 HAS_ZEROS, FAST, IEEE)
+        _store(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
+               SPLIT)
+
     # ---- GEMV path (M <= GEMV_M): CUDA cores, fp32, no tensor cores and no shared memory --------------------------
     # Weights are read as int32 words, 16 bytes (4 words) per thread per row per step; a thread holds R rows and
     # loads the x its words multiply once for all of them. A code becomes fp32 without an int-to-float instruction:
@@ -612,6 +752,10 @@ MID_M = 128
 MID_CONFIGS = [(32, 64, 256, "auto4", 4, 3), (64, 64, 128, "auto4", 4, 3), (32, 128, 256, "auto", 4, 3),
                (64, 128, 128, "auto", 4, 3)]
 DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight once, then F.linear (cuBLAS)
+# MMA decode candidates for M <= SMALL_M, after the tensor-core ones (the default stays the first of those):
+# (BLOCK_N, warps, SPLIT_K, two groups an iteration). BLOCK_N is a multiple of 16 x warps (`_mma_rows`).
+MMA_CONFIGS = [(256, 8, "auto4", True), (256, 8, "auto4", False), (128, 8, "auto4", True), (128, 4, "auto4", True),
+               (64, 4, "auto8", True), (64, 4, "auto4", False), (128, 8, "auto8", True), (256, 8, "auto8", True)]
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps). Rows of W per thread R = BLOCK_N *
 # CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4)
@@ -631,12 +775,15 @@ def _gemv_configs(m: int) -> list[dict]:
 
 
 def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
-    """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture). GEMV candidates
-    (a `CHUNKS` key) come last, for M <= GEMV_M."""
+    """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture). For M <= SMALL_M
+    the MMA decode ones (an `MMA` key) follow the tensor-core ones, and GEMV candidates (a `CHUNKS` key) come last,
+    for M <= GEMV_M."""
     per = lambda bk: max(1, bk // group_size)  # noqa: E731  (whole groups per iteration)
     if m <= SMALL_M:
-        return [dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
-                     num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
+        return ([dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
+                      num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
+                + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pf, SPLIT_K=sk, num_warps=w, num_stages=1)
+                   for bn, w, sk, pf in MMA_CONFIGS] + (_gemv_configs(m) if gemv else []))
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
@@ -761,6 +908,9 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
     def run(cfg):
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
+        if cfg.get("MMA"):
+            return _launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
+                           {key: v for key, v in cfg.items() if key != "MMA"}, args, consts)
         if _gemv(cfg):
             if words is None:
                 raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")

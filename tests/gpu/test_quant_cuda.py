@@ -119,6 +119,40 @@ def test_portable_dequant_and_symmetric_groups(m, monkeypatch):
     assert _rel(got, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales)) < 8e-3
 
 
+MMA_INDICES = range(len([c for c in qm.w4_configs(1, 128) if c.get("MMA")]))
+
+
+@pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096)])
+@pytest.mark.parametrize("index", MMA_INDICES)
+def test_every_mma_decode_candidate_at_8b_shapes(index, n, k, monkeypatch):
+    """Each MMA decode candidate (weights as wgmma's register operand), M = 1, 7, 16, int4 g128 asymmetric, bf16 and
+    fp16, N = 1000 a partial column tile: within 16-bit rounding of the reference; its codes q - z are exact, so
+    the portable conversion (FAST_DEQUANT off) gives the same bits; split K forced once."""
+    cfg = [c for c in qm.w4_configs(1, 128) if c.get("MMA")][index]
+    q = _linear("int4", n, k)
+    for m, dtype in ((1, BF16), (7, torch.float16), (16, BF16)):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        scales = q.scales.to(dtype)
+        got = qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=cfg)
+        assert got.dtype == dtype
+        assert _rel(got, qm.w4a16_matmul_ref(x.float(), q.qweight, scales, q.zeros, 128)) < 8e-3, (cfg, m)
+        monkeypatch.setattr(qm, "FAST_DEQUANT", False)
+        assert torch.equal(qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=cfg), got), (cfg, m)
+        monkeypatch.setattr(qm, "FAST_DEQUANT", True)
+    split = qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=dict(cfg, SPLIT_K=8))
+    assert _rel(split, qm.w4a16_matmul_ref(x.float(), q.qweight, scales, q.zeros, 128)) < 8e-3
+
+
+@pytest.mark.parametrize("group,symmetric", [(32, True), (64, False)])
+def test_mma_decode_small_groups(group, symmetric):
+    """g32 and g64 (half-groups of 16 and 32 bytes: the K relabeling still holds, only the load order differs)."""
+    q = _linear("int4", 6144, 4096, group_size=group, symmetric=symmetric)
+    x = torch.randn(2, 4096, device="cuda", dtype=BF16)
+    for cfg in [c for c in qm.w4_configs(2, group) if c.get("MMA")][:3]:
+        got = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, group, config=cfg)
+        assert _rel(got, qm.w4a16_matmul_ref(x, q.qweight, q.scales, q.zeros, group)) < 8e-3, (group, cfg)
+
+
 GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(qm._gemv_configs(m)))]
 
 

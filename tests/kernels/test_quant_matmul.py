@@ -52,6 +52,26 @@ def test_w4a16_kernel_matches_reference(device, group, m, symmetric, cfg):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+MMA_CASES = [(32, 1, False, 0, torch.float32), (64, 3, True, 4, torch.bfloat16), (128, 16, False, 7, torch.float32),
+             (128, 1, True, 2, torch.bfloat16), (128, 5, False, 5, torch.float16)]
+
+
+@pytest.mark.parametrize("group,m,symmetric,index,dtype", MMA_CASES)
+def test_w4a16_mma_decode_kernel_matches_reference(device, group, m, symmetric, index, dtype):
+    """The MMA decode candidates: rows and K relabeled for the MMA (`_mma_order`), N = 300 (a partial column tile),
+    5 groups (a partial pair of groups), split K forced on some. Under the interpreter the codes come from plain
+    casts and the products from fp32 dots."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(group, m, symmetric, n=300, dtype=dtype)
+    x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
+    zeros = None if zeros is None else zeros.to(device)
+    cfg = [c for c in qm.w4_configs(m, group) if c.get("MMA")][index]
+    cfg = dict(cfg, SPLIT_K=2) if index % 2 == 0 else cfg
+    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, group, bias, config=cfg)
+    want = qm.w4a16_matmul_ref(x.float(), qweight, scales, zeros, group, bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 8e-3  # 16-bit: the output's rounding
+    assert got.dtype == dtype and (got.float() - want).abs().max() <= tol * want.abs().max(), cfg
+
+
 def test_w4a16_reference_is_the_dequantized_weight():
     x, qweight, scales, zeros, bias, codes = _w4_problem(32, 2, False)
     w = ((codes.view(40, 5, 32) - zeros.t().float()[:, :, None]) * scales.t()[:, :, None]).view(40, 160)
@@ -180,7 +200,7 @@ def test_gemv_candidates_join_the_small_m_tuning_only():
     its own tuning bucket; M > 4 has no GEMV candidate; a qweight whose rows are not 4-byte aligned gets none."""
     for m in (1, 2, 3, 4):
         w4, w8 = qm.w4_configs(m, 128), qm.w8_configs(m)
-        assert w4[:len(qm.SMALL_CONFIGS)] == qm.w4_configs(16, 128)
+        assert w4[:len(qm.w4_configs(16, 128))] == qm.w4_configs(16, 128)
         assert [c for c in w4 if "CHUNKS" in c] == [c for c in w8 if "CHUNKS" in c] == qm._gemv_configs(m) != []
         assert "CHUNKS" not in w4[0] and "CHUNKS" not in w8[0]
         assert all(c["ROWS"] == m and c["BLOCK_M"] >= m for c in qm._gemv_configs(m))

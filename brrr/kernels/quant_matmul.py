@@ -421,6 +421,13 @@ if triton is not None:
         return _k_order(w, BLOCK_N, HALF)
 
     @triton.jit
+    def _prefetch_l2(ptrs, mask):
+        """Ask L2 for the line at each pointer where mask is set; nothing waits for it and no register holds it."""
+        tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr, HAS_ZEROS: tl.constexpr,
                    FAST: tl.constexpr, IEEE: tl.constexpr):
@@ -442,8 +449,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
-                          PAIR: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+                          PAIR: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+                          HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # load order
@@ -455,21 +462,27 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
-        p_ptrs = P + rows.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
+        p_ptrs0 = P + rows.to(tl.int64) * stride_pn
+        p_ptrs = p_ptrs0[:, None] + offs_h[None, :]
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for g in range(g_begin, g_end, 1 + PAIR):
+            if PREFETCH and FAST:  # L2 fetches the bytes PREFETCH groups ahead: more in flight than the loads hold
+                for t in tl.static_range(1 + PAIR):
+                    ahead = rows * 0 + g + PREFETCH + t < g_end
+                    _prefetch_l2(p_ptrs0 + (g + PREFETCH + t) * HALF, row_ok & ahead)
+                    _prefetch_l2(S + (g + PREFETCH + t) * N + rows, row_ok & ahead & (rows % 64 == 0))
             # PAIR: both groups' loads are issued before either is unpacked (more bytes in flight per thread)
             p = tl.load(p_ptrs + g * HALF, mask=row_ok[:, None], other=0)
             if PAIR:
-                p2 = tl.load(p_ptrs + (g + 1) * HALF, mask=row_ok[:, None] & (rows * 0 + g + 1 < g_end)[:, None],
-                             other=0)
+                second = rows * 0 + g + 1 < g_end  # past g_end (or K): zero bytes, zero x, zero scales
+                p2 = tl.load(p_ptrs + (g + 1) * HALF, mask=row_ok[:, None] & second[:, None], other=0)
             acc = _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP, BLOCK_M,
                              BLOCK_N, NW, HAS_ZEROS, FAST, IEEE)
-            if PAIR:  # past g_end its bytes and scales are zeros: it adds nothing
-                acc = _mma_group(acc, p2, g + 1, X, S, Z, N, x_ptrs, rows, row_ok & (rows * 0 + g + 1 < g_end),
-                                 offs_n, n_mask & (offs_n * 0 + g + 1 < g_end), m_mask, GROUP, BLOCK_M, BLOCK_N, NW,
-                                 HAS_ZEROS, FAST, IEEE)
+            if PAIR:
+                acc = _mma_group(acc, p2, g + 1, X, S, Z, N, x_ptrs, rows, row_ok & second, offs_n,
+                                 n_mask & (offs_n * 0 + g + 1 < g_end), m_mask & (offs_m * 0 + g + 1 < g_end), GROUP,
+                                 BLOCK_M, BLOCK_N, NW, HAS_ZEROS, FAST, IEEE)
         _store(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
                SPLIT)
 
@@ -566,7 +579,7 @@ if triton is not None:
     def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
                            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr):
         """P: the int4 kernel layout viewed as int32 words [N, K/8] (stride_pn in words). One loop iteration is one
         group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
         each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
@@ -594,6 +607,9 @@ if triton is not None:
         acc0 = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         for g in range(g_begin, g_end):
+            if PREFETCH and FAST:  # the group PREFETCH ahead: one line per row (GROUP / 2 <= 64 bytes)
+                _prefetch_l2(P + offs_n.to(tl.int64) * stride_pn + (g + PREFETCH) * (GROUP // 8),
+                             n_mask & (offs_n * 0 + g + PREFETCH < g_end))
             s = _load(S + g * N + sz_offs, sz_mask, EVEN_N).to(tl.float32)
             if HAS_ZEROS:
                 z = _load(Z + g * N + sz_offs, sz_mask, EVEN_N).to(tl.int32)
@@ -643,7 +659,7 @@ if triton is not None:
     def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                            ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr):
+                           EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
         """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
         row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
         BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
@@ -663,6 +679,10 @@ if triton is not None:
         acc0 = tl.zeros((BLOCK_N, CHUNKS, 4), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         for step in range(s_begin, s_end):
+            if PREFETCH and FAST:  # the step PREFETCH ahead: CHUNKS * 16 bytes a row, one line per 128
+                for line in tl.static_range(0, CHUNKS * 4, 32):
+                    _prefetch_l2(Q + offs_n.to(tl.int64) * stride_qn + (step + PREFETCH) * (CHUNKS * 4) + line,
+                                 n_mask & (offs_n * 0 + step + PREFETCH < s_end))
             word = step * (CHUNKS * 4) + words
             x_mask = word < k_words
             w = _load(q_ptrs + step * (CHUNKS * 4), w_mask & x_mask[None, :, :], EVEN_N and EVEN_K)
@@ -753,25 +773,29 @@ MID_CONFIGS = [(32, 64, 256, "auto4", 4, 3), (64, 64, 128, "auto4", 4, 3), (32, 
                (64, 128, 128, "auto", 4, 3)]
 DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight once, then F.linear (cuBLAS)
 # MMA decode candidates for M <= SMALL_M, after the tensor-core ones (the default stays the first of those):
-# (BLOCK_N, warps, SPLIT_K, two groups an iteration). BLOCK_N is a multiple of 16 x warps (`_mma_rows`).
-MMA_CONFIGS = [(256, 8, "auto4", True), (256, 8, "auto4", False), (128, 8, "auto4", True), (128, 4, "auto4", True),
-               (64, 4, "auto8", True), (64, 4, "auto4", False), (128, 8, "auto8", True), (256, 8, "auto8", True)]
+# (BLOCK_N, warps, SPLIT_K, two groups an iteration, L2 prefetch distance in groups or 0). BLOCK_N is a multiple of
+# 16 x warps (`_mma_rows`).
+MMA_CONFIGS = [(64, 4, "auto4", False, 4), (64, 4, "auto8", True, 4), (64, 4, "auto4", False, 8),
+               (128, 8, "auto4", False, 4), (128, 4, "auto4", True, 4), (256, 8, "auto4", False, 4),
+               (64, 4, "auto4", False, 0), (128, 8, "auto8", True, 2)]
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
-# picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps). Rows of W per thread R = BLOCK_N *
+# picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps, L2 prefetch distance in loop steps
+# or 0). Rows of W per thread R = BLOCK_N *
 # CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4)
 # share a group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps
 # the smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.
 GEMV_M = 4
-GEMV_CONFIGS = [(256, 4, "auto4", 4), (128, 4, "auto4", 4), (256, 2, "auto4", 2), (128, 2, "auto8", 2),
-                (128, 4, "auto8", 2), (64, 4, "auto8", 2), (512, 4, "auto", 8)]
+GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto4", 2, 0), (128, 2, "auto8", 2, 0),
+                (128, 4, "auto8", 2, 0), (64, 4, "auto8", 2, 0), (512, 4, "auto", 8, 0), (256, 4, "auto4", 4, 4),
+                (128, 4, "auto8", 2, 4), (128, 4, "auto8", 2, 8)]
 
 
 def _gemv_configs(m: int) -> list[dict]:
     if m > GEMV_M:
         return []
     max_rows = 16 if m == 1 else 8 if m == 2 else 4  # R * M accumulators per thread
-    return [dict(BLOCK_M=next_power_of_2(m), ROWS=m, BLOCK_N=bn, CHUNKS=c, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, c, sk, w in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
+    return [dict(BLOCK_M=next_power_of_2(m), ROWS=m, BLOCK_N=bn, CHUNKS=c, SPLIT_K=sk, PREFETCH=ahead, num_warps=w,
+                 num_stages=1) for bn, c, sk, w, ahead in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
 
 
 def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
@@ -782,8 +806,8 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     if m <= SMALL_M:
         return ([dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
                       num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
-                + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pf, SPLIT_K=sk, num_warps=w, num_stages=1)
-                   for bn, w, sk, pf in MMA_CONFIGS] + (_gemv_configs(m) if gemv else []))
+                + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pair, PREFETCH=ahead, SPLIT_K=sk, num_warps=w,
+                        num_stages=1) for bn, w, sk, pair, ahead in MMA_CONFIGS] + (_gemv_configs(m) if gemv else []))
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)

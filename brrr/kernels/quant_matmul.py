@@ -776,8 +776,7 @@ DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight 
 # (BLOCK_N, warps, SPLIT_K, two groups an iteration, L2 prefetch distance in groups or 0). BLOCK_N is a multiple of
 # 16 x warps (`_mma_rows`).
 MMA_CONFIGS = [(64, 4, "auto4", False, 4), (64, 4, "auto8", True, 4), (64, 4, "auto4", False, 8),
-               (128, 8, "auto4", False, 4), (128, 4, "auto4", True, 4), (256, 8, "auto4", False, 4),
-               (64, 4, "auto4", False, 0), (128, 8, "auto8", True, 2)]
+               (128, 8, "auto4", False, 4), (64, 4, "auto4", False, 0), (128, 8, "auto8", True, 2)]
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps, L2 prefetch distance in loop steps
 # or 0). Rows of W per thread R = BLOCK_N *

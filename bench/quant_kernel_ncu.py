@@ -1,0 +1,31 @@
+"""One launch of each W4A16 decode kernel family at M = 1 on the 8B gate_up shape (28672 x 4096), bf16, for Nsight
+Compute: the 16-row tensor-core kernel, the GEMV (CUDA cores) and the MMA decode kernel (weights as wgmma's register
+operand), each in the config the tuner picked on the H200 for this shape.
+
+  ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
+      --section MemoryWorkloadAnalysis -k regex:w4a16 python bench/quant_kernel_ncu.py
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from brrr.kernels import quant_matmul as qm  # noqa: E402
+from brrr.quant import formats  # noqa: E402
+from brrr.quant.linear import QuantLinear  # noqa: E402
+
+n, k = 28672, 4096
+q = QuantLinear("int4", formats.quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128), k, n, None,
+                dtype=torch.bfloat16)
+x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+configs = {"tensor-core": qm.w4_configs(1, 128)[0],
+           "gemv": next(c for c in qm._gemv_configs(1) if c["BLOCK_N"] == 128 and c["SPLIT_K"] == "auto8"),
+           "mma": next(c for c in qm.w4_configs(1, 128) if c.get("MMA") and c["SPLIT_K"] == "auto8")}
+for name, cfg in configs.items():
+    qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)  # compile
+    torch.cuda.synchronize()
+    print(name, cfg, flush=True)
+    qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
+    torch.cuda.synchronize()

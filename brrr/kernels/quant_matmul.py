@@ -20,6 +20,9 @@ One Triton kernel per format for three config families, plus a GEMV kernel per f
 Each weight is dequantized in registers to (q - z) * s rounded once to the input dtype (what the reference does)
 and goes to the tensor cores. On the GPU, bf16/fp16 codes come from a magic-number trick on packed pairs (inline
 PTX: no int-to-float instructions); under Triton's interpreter and for fp32 the same values come from plain casts.
+  MMA decode (M <= 16, int4, tuning candidates beside the small-M ones): the weight tile as wgmma's left operand
+        straight from registers, rows and K relabeled so each thread's fragment is the bytes it loaded; see the
+        section "MMA decode path" below.
   GEMV (M <= 4, tuning candidates beside the small-M ones): CUDA cores in fp32, each code turned into exact fp32
         with a magic-number trick (no int-to-float instruction) and multiplied by every row of x; see the section
         "GEMV path" below.
@@ -334,15 +337,14 @@ if triton is not None:
                HAS_BIAS, SPLIT)
 
     # ---- MMA decode path (M <= SMALL_M): the weight tile is the MMA's left operand, straight from registers -------
-    # A decode GEMM is bound by reading the weights, and at 4 bits the instructions that unpack them come close to the
-    # issue limit (the H200 reads ~8e12 int4 weights a second; at 100% issue that leaves ~4 thread-instructions a
-    # weight). Here the weight tile [BLOCK_N, K] is the left operand and x^T [K, 16] the right one, so on sm_90
-    # Triton emits wgmma with the weights in registers: no shared-memory round trip for them. The tile's rows and
-    # K columns are relabeled (the dot product does not care, as long as x's columns follow K's) so that each
-    # thread's wgmma fragment is exactly the 16 contiguous bytes per row it loaded (`_mma_order`). Each byte gives
-    # two exact codes q - z (1.5 instructions a weight, `_codes_minus_zero`); the group's scale multiplies the fp32
-    # partial sum once. sm_90 SASS, g128, BLOCK_N 256, 8 warps: ~2.4 thread-instructions a weight in the loop, where
-    # the 16-row tensor-core kernel above takes ~4.0-4.5 and the GEMV ~3.9-4.4.
+    # The weight tile [BLOCK_N, K] is the left operand and x^T [K, 16] the right one, so on sm_90 Triton emits wgmma
+    # with the weights in registers: no shared-memory round trip for them. The tile's rows and K columns are
+    # relabeled (the dot product does not care, as long as x's columns follow K's) so that each thread's wgmma
+    # fragment is exactly the 16 contiguous bytes per row it loaded (`_mma_order`). Each byte gives two exact codes
+    # q - z (1.5 instructions a weight, `_codes_minus_zero`); the group's scale multiplies the fp32 partial sum once.
+    # sm_90 SASS: 2.5-3.4 thread-instructions a weight in the loop, against ~4.0-4.5 for the 16-row tensor-core
+    # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (too few
+    # bytes in flight per SM, docs/quantization.md), and the tuner takes this one for some shapes.
     @triton.jit
     def _codes_minus_zero(p, z, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [R, g/2] and its rows' zero points (fp32 [R]) -> q - z of the low and high nibbles, exact in

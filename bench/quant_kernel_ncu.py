@@ -4,6 +4,9 @@ operand), each in the config the tuner picked on the H200 for this shape.
 
   ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
       --section MemoryWorkloadAnalysis -k regex:w4a16 python bench/quant_kernel_ncu.py
+
+With --occupancy: the GEMV and the MMA kernel (no pair, no prefetch) at their configs' split and at "auto16" (more,
+shorter programs: higher occupancy), for the question whether more warps per SM make them faster.
 """
 import sys
 from pathlib import Path
@@ -20,9 +23,16 @@ n, k = 28672, 4096
 q = QuantLinear("int4", formats.quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128), k, n, None,
                 dtype=torch.bfloat16)
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-configs = {"tensor-core": qm.w4_configs(1, 128)[0],
-           "gemv": next(c for c in qm._gemv_configs(1) if c["BLOCK_N"] == 128 and c["SPLIT_K"] == "auto8"),
-           "mma": next(c for c in qm.w4_configs(1, 128) if c.get("MMA") and c["SPLIT_K"] == "auto8")}
+if "--occupancy" in sys.argv:
+    gemv = next(c for c in qm._gemv_configs(1) if c["BLOCK_N"] == 128 and c["CHUNKS"] == 4 and c["num_warps"] == 2
+                and c["PREFETCH"] == 0)
+    mma = next(c for c in qm.w4_configs(1, 128) if c.get("MMA") and not c["PAIR"] and not c["PREFETCH"])
+    configs = {"gemv": gemv, "gemv auto16": dict(gemv, SPLIT_K="auto16"), "mma": mma,
+               "mma auto16": dict(mma, SPLIT_K="auto16")}
+else:
+    configs = {"tensor-core": qm.w4_configs(1, 128)[0],
+               "gemv": next(c for c in qm._gemv_configs(1) if c["BLOCK_N"] == 128 and c["SPLIT_K"] == "auto8"),
+               "mma": next(c for c in qm.w4_configs(1, 128) if c.get("MMA") and c["SPLIT_K"] == "auto8")}
 for name, cfg in configs.items():
     qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)  # compile
     torch.cuda.synchronize()

@@ -343,8 +343,9 @@ if triton is not None:
     # fragment is exactly the 16 contiguous bytes per row it loaded (`_mma_order`). Each byte gives two exact codes
     # q - z (1.5 instructions a weight, `_codes_minus_zero`); the group's scale multiplies the fp32 partial sum once.
     # sm_90 SASS: 2.5-3.4 thread-instructions a weight in the loop, against ~4.0-4.5 for the 16-row tensor-core
-    # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (too few
-    # bytes in flight per SM, docs/quantization.md), and the tuner takes this one for some shapes.
+    # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (1.1-1.65 TB/s
+    # against bf16's 2.7-4.0; neither the access pattern nor bytes in flight is why, docs/quantization.md), and the
+    # tuner takes this one for most shapes.
     @triton.jit
     def _codes_minus_zero(p, z, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [R, g/2] and its rows' zero points (fp32 [R]) -> q - z of the low and high nibbles, exact in
@@ -430,10 +431,9 @@ if triton is not None:
             constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                   FAST: tl.constexpr, IEEE: tl.constexpr):
-        """acc + group g's products: its bytes p [BLOCK_N, g/2] (load order), x's two half-groups, its scales."""
+    def _mma_side(g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
+        """Group g's inputs besides its bytes: x's two half-groups, the rows' zero points and scales (fp32)."""
         HALF: tl.constexpr = GROUP // 2
         x_lo = tl.load(x_ptrs + g * GROUP, mask=m_mask[:, None], other=0.0)
         x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
@@ -442,7 +442,14 @@ if triton is not None:
         else:
             z = tl.full((BLOCK_N,), 8.0, tl.float32)
         s = tl.load(S + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        lo, hi = _codes_minus_zero(p, z, X.dtype.element_ty, FAST)
+        return x_lo, x_hi, z, s
+
+    @triton.jit
+    def _mma_group(acc, p, x_lo, x_hi, z, s, DTYPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+        """acc + one group's products: its bytes p [BLOCK_N, g/2] (load order) and `_mma_side`'s inputs."""
+        HALF: tl.constexpr = GROUP // 2
+        lo, hi = _codes_minus_zero(p, z, DTYPE, FAST)
         part = _dot(_mma_order(lo, BLOCK_N, NW, HALF), _k_order(x_lo, BLOCK_M, HALF),
                     tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
         part = _dot(_mma_order(hi, BLOCK_N, NW, HALF), _k_order(x_hi, BLOCK_M, HALF), part, IEEE)
@@ -451,7 +458,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
-                          PAIR: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+                          PAIR: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
@@ -468,6 +475,11 @@ if triton is not None:
         p_ptrs = p_ptrs0[:, None] + offs_h[None, :]
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        DTYPE: tl.constexpr = X.dtype.element_ty
+        if AHEAD:  # the next group's x, zeros and scales load while this group computes
+            x_lo, x_hi, z, s = _mma_side(g_begin, X, S, Z, N, x_ptrs, rows, row_ok & (rows * 0 + g_begin < g_end),
+                                         offs_n, n_mask & (offs_n * 0 + g_begin < g_end),
+                                         m_mask & (offs_m * 0 + g_begin < g_end), GROUP, BLOCK_N, HAS_ZEROS)
         for g in range(g_begin, g_end, 1 + PAIR):
             if PREFETCH and FAST:  # L2 fetches the bytes PREFETCH groups ahead: more in flight than the loads hold
                 for t in tl.static_range(1 + PAIR):
@@ -479,12 +491,23 @@ if triton is not None:
             if PAIR:
                 second = rows * 0 + g + 1 < g_end  # past g_end (or K): zero bytes, zero x, zero scales
                 p2 = tl.load(p_ptrs + (g + 1) * HALF, mask=row_ok[:, None] & second[:, None], other=0)
-            acc = _mma_group(acc, p, g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP, BLOCK_M,
-                             BLOCK_N, NW, HAS_ZEROS, FAST, IEEE)
+            if AHEAD:
+                nxt = g + 1 + PAIR
+                x_lo2, x_hi2, z2, s2 = _mma_side(nxt, X, S, Z, N, x_ptrs, rows, row_ok & (rows * 0 + nxt < g_end),
+                                                 offs_n, n_mask & (offs_n * 0 + nxt < g_end),
+                                                 m_mask & (offs_m * 0 + nxt < g_end), GROUP, BLOCK_N, HAS_ZEROS)
+            else:
+                x_lo, x_hi, z, s = _mma_side(g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP,
+                                             BLOCK_N, HAS_ZEROS)
+            acc = _mma_group(acc, p, x_lo, x_hi, z, s, DTYPE, GROUP, BLOCK_M, BLOCK_N, NW, FAST, IEEE)
             if PAIR:
-                acc = _mma_group(acc, p2, g + 1, X, S, Z, N, x_ptrs, rows, row_ok & second, offs_n,
-                                 n_mask & (offs_n * 0 + g + 1 < g_end), m_mask & (offs_m * 0 + g + 1 < g_end), GROUP,
-                                 BLOCK_M, BLOCK_N, NW, HAS_ZEROS, FAST, IEEE)
+                second_n = offs_n * 0 + g + 1 < g_end
+                x_lo, x_hi, z, s = _mma_side(g + 1, X, S, Z, N, x_ptrs, rows, row_ok & second, offs_n,
+                                             n_mask & second_n, m_mask & (offs_m * 0 + g + 1 < g_end), GROUP,
+                                             BLOCK_N, HAS_ZEROS)
+                acc = _mma_group(acc, p2, x_lo, x_hi, z, s, DTYPE, GROUP, BLOCK_M, BLOCK_N, NW, FAST, IEEE)
+            if AHEAD:
+                x_lo, x_hi, z, s = x_lo2, x_hi2, z2, s2
         _store(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
                SPLIT)
 
@@ -581,7 +604,8 @@ if triton is not None:
     def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
                            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
+                           STAGES: tl.constexpr):
         """P: the int4 kernel layout viewed as int32 words [N, K/8] (stride_pn in words). One loop iteration is one
         group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
         each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
@@ -608,7 +632,7 @@ if triton is not None:
         x_mask = xo >= 0  # unused: K is a multiple of GROUP, x is always in bounds
         acc0 = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
-        for g in range(g_begin, g_end):
+        for g in tl.range(g_begin, g_end, num_stages=STAGES):
             if PREFETCH and FAST:  # the group PREFETCH ahead: one line per row (GROUP / 2 <= 64 bytes)
                 _prefetch_l2(P + offs_n.to(tl.int64) * stride_pn + (g + PREFETCH) * (GROUP // 8),
                              n_mask & (offs_n * 0 + g + PREFETCH < g_end))
@@ -661,7 +685,7 @@ if triton is not None:
     def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                            ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+                           EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
         """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
         row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
         BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
@@ -680,7 +704,7 @@ if triton is not None:
         w_mask = n_mask[:, None, None] & (words[None, :, :] >= 0)
         acc0 = tl.zeros((BLOCK_N, CHUNKS, 4), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
-        for step in range(s_begin, s_end):
+        for step in tl.range(s_begin, s_end, num_stages=STAGES):
             if PREFETCH and FAST:  # the step PREFETCH ahead: CHUNKS * 16 bytes a row, one line per 128
                 for line in tl.static_range(0, CHUNKS * 4, 32):
                     _prefetch_l2(Q + offs_n.to(tl.int64) * stride_qn + (step + PREFETCH) * (CHUNKS * 4) + line,
@@ -775,16 +799,18 @@ MID_CONFIGS = [(32, 64, 256, "auto4", 4, 3), (64, 64, 128, "auto4", 4, 3), (32, 
                (64, 128, 128, "auto", 4, 3)]
 DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight once, then F.linear (cuBLAS)
 # MMA decode candidates for M <= SMALL_M, after the tensor-core ones (the default stays the first of those):
-# (BLOCK_N, warps, SPLIT_K, two groups an iteration, L2 prefetch distance in groups or 0). BLOCK_N is a multiple of
-# 16 x warps (`_mma_rows`).
-MMA_CONFIGS = [(64, 4, "auto4", False, 4), (64, 4, "auto8", True, 4), (64, 4, "auto4", False, 8),
-               (128, 8, "auto4", False, 4), (64, 4, "auto4", False, 0), (128, 8, "auto8", True, 2)]
+# (BLOCK_N, warps, SPLIT_K, two groups an iteration, L2 prefetch distance in groups or 0, the next group's x, zeros
+# and scales loaded a group ahead). BLOCK_N is a multiple of 16 x warps (`_mma_rows`).
+MMA_CONFIGS = [(64, 4, "auto4", False, 4, False), (64, 4, "auto8", True, 4, False), (64, 4, "auto4", False, 8, False),
+               (128, 8, "auto4", False, 4, False), (64, 4, "auto4", False, 0, False), (128, 8, "auto8", True, 2, False),
+               (64, 4, "auto4", False, 4, True)]
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps, L2 prefetch distance in loop steps
-# or 0). Rows of W per thread R = BLOCK_N *
-# CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4)
-# share a group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps
-# the smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.
+# or 0). STAGES (Triton's software pipelining of the K loop through shared memory) stays 1: 2 and 3 ran 5-25% slower
+# on the H200 (bench/results/quant_decode_sweep_h200.jsonl). Rows of W per thread R = BLOCK_N * CHUNKS / (32 *
+# warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4) share a
+# group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps the
+# smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.
 GEMV_M = 4
 GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto4", 2, 0), (128, 2, "auto8", 2, 0),
                 (128, 4, "auto8", 2, 0), (64, 4, "auto8", 2, 0), (512, 4, "auto", 8, 0), (256, 4, "auto4", 4, 4),
@@ -795,8 +821,8 @@ def _gemv_configs(m: int) -> list[dict]:
     if m > GEMV_M:
         return []
     max_rows = 16 if m == 1 else 8 if m == 2 else 4  # R * M accumulators per thread
-    return [dict(BLOCK_M=next_power_of_2(m), ROWS=m, BLOCK_N=bn, CHUNKS=c, SPLIT_K=sk, PREFETCH=ahead, num_warps=w,
-                 num_stages=1) for bn, c, sk, w, ahead in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
+    return [dict(BLOCK_M=next_power_of_2(m), ROWS=m, BLOCK_N=bn, CHUNKS=c, SPLIT_K=sk, PREFETCH=ahead, STAGES=1,
+                 num_warps=w, num_stages=1) for bn, c, sk, w, ahead in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
 
 
 def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
@@ -807,8 +833,9 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     if m <= SMALL_M:
         return ([dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,
                       num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
-                + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pair, PREFETCH=ahead, SPLIT_K=sk, num_warps=w,
-                        num_stages=1) for bn, w, sk, pair, ahead in MMA_CONFIGS] + (_gemv_configs(m) if gemv else []))
+                + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pair, PREFETCH=dist, AHEAD=ahead, SPLIT_K=sk,
+                        num_warps=w, num_stages=1) for bn, w, sk, pair, dist, ahead in MMA_CONFIGS]
+                + (_gemv_configs(m) if gemv else []))
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)

@@ -806,8 +806,8 @@ MMA_CONFIGS = [(64, 4, "auto4", False, 4, False), (64, 4, "auto8", True, 4, Fals
                (64, 4, "auto4", False, 4, True)]
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps, L2 prefetch distance in loop steps
-# or 0). STAGES (Triton's software pipelining of the K loop through shared memory) stays 1: 2 and 3 ran 5-25% slower
-# on the H200 (bench/results/quant_decode_sweep_h200.jsonl). Rows of W per thread R = BLOCK_N * CHUNKS / (32 *
+# or 0). STAGES (Triton's software pipelining of the K loop through shared memory) stays 1: 2 and 3 ran up to 24%
+# slower on the H200 and never gave a shape's fastest candidate (bench/results/quant_decode_sweep_h200.jsonl). Rows of W per thread R = BLOCK_N * CHUNKS / (32 *
 # warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4) share a
 # group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps the
 # smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.

@@ -343,7 +343,7 @@ if triton is not None:
     # fragment is exactly the 16 contiguous bytes per row it loaded (`_mma_order`). Each byte gives two exact codes
     # q - z (1.5 instructions a weight, `_codes_minus_zero`); the group's scale multiplies the fp32 partial sum once.
     # sm_90 SASS: 2.5-3.4 thread-instructions a weight in the loop, against ~4.0-4.5 for the 16-row tensor-core
-    # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (1.1-1.65 TB/s
+    # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (0.94-1.65 TB/s
     # against bf16's 2.7-4.0; neither the access pattern nor bytes in flight is why, docs/quantization.md), and the
     # tuner takes this one for most shapes.
     @triton.jit

@@ -110,74 +110,14 @@ if triton is not None:
     @triton.jit
     def _dequant_int4(p, z, s, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [BN, g/2] and the group's zero points and scales (fp32 [BN]) -> the weights of the group's
-        low-nibble and high-nibble halves, (q - z) * s rounded once to DTYPE (as the reference rounds them).
-
-        FAST (bf16/fp16 on the GPU) is inline PTX on packed pairs, per 4 bytes (8 weights): two prmt move bytes
-        0,1 (then 2,3) into the low byte of each 16-bit half, a shift exposes the high nibbles, and a lop3 ORs in
-        the bits of 128 (bf16 0x4300; fp16 1024, 0x6400), whose last mantissa place is 1, so each half reads
-        128 + q exactly; one fma subtracts 128 + z (exact: small integers), one fma multiplies by s. Two
-        instructions a weight and no int-to-float conversion. Registers: $0,$1 low halves of bytes 0-3, $2,$3 high
-        halves; $4 the bytes, $5,$6 -(128 + z) and $7,$8 s, two elements each."""
+        low-nibble and high-nibble halves, (q - z) * s rounded once to DTYPE (as the reference rounds them): q - z
+        is exact in DTYPE (`_codes_minus_zero`), so one DTYPE multiply by s (its fp32 product exact, then rounded
+        once; on sm_90 a packed multiply) gives the reference's bits."""
+        lo, hi = _codes_minus_zero(p, z, DTYPE, FAST)
         if FAST:
-            BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
-            nz = tl.broadcast_to((-(z + BIAS)).to(DTYPE)[:, None], p.shape)
             sc = tl.broadcast_to(s.to(DTYPE)[:, None], p.shape)
-            if DTYPE == tl.bfloat16:
-                lo, hi = tl.inline_asm_elementwise(
-                    asm="""{
-                    .reg .b32 zero, one, nzero, t0, t1, u0, u1;
-                    mov.b32 zero, 0;
-                    mov.b32 one, 0x3F803F80;
-                    mov.b32 nzero, 0x80008000;
-                    prmt.b32 t0, $4, zero, 0x4140;
-                    prmt.b32 t1, $4, zero, 0x4342;
-                    shr.b32 u0, t0, 4;
-                    shr.b32 u1, t1, 4;
-                    lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 u0, u0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 u1, u1, 0x000F000F, 0x43004300, 0xEA;
-                    fma.rn.bf16x2 t0, t0, one, $5;
-                    fma.rn.bf16x2 t1, t1, one, $6;
-                    fma.rn.bf16x2 u0, u0, one, $5;
-                    fma.rn.bf16x2 u1, u1, one, $6;
-                    fma.rn.bf16x2 $0, t0, $7, nzero;
-                    fma.rn.bf16x2 $1, t1, $8, nzero;
-                    fma.rn.bf16x2 $2, u0, $7, nzero;
-                    fma.rn.bf16x2 $3, u1, $8, nzero;
-                    }""",
-                    constraints="=r,=r,=r,=r,r,r,r,r,r", args=[p, nz, sc], dtype=(tl.bfloat16, tl.bfloat16),
-                    is_pure=True, pack=4)
-            else:
-                lo, hi = tl.inline_asm_elementwise(
-                    asm="""{
-                    .reg .b32 zero, one, nzero, t0, t1, u0, u1;
-                    mov.b32 zero, 0;
-                    mov.b32 one, 0x3C003C00;
-                    mov.b32 nzero, 0x80008000;
-                    prmt.b32 t0, $4, zero, 0x4140;
-                    prmt.b32 t1, $4, zero, 0x4342;
-                    shr.b32 u0, t0, 4;
-                    shr.b32 u1, t1, 4;
-                    lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 u0, u0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 u1, u1, 0x000F000F, 0x64006400, 0xEA;
-                    fma.rn.f16x2 t0, t0, one, $5;
-                    fma.rn.f16x2 t1, t1, one, $6;
-                    fma.rn.f16x2 u0, u0, one, $5;
-                    fma.rn.f16x2 u1, u1, one, $6;
-                    fma.rn.f16x2 $0, t0, $7, nzero;
-                    fma.rn.f16x2 $1, t1, $8, nzero;
-                    fma.rn.f16x2 $2, u0, $7, nzero;
-                    fma.rn.f16x2 $3, u1, $8, nzero;
-                    }""",
-                    constraints="=r,=r,=r,=r,r,r,r,r,r", args=[p, nz, sc], dtype=(tl.float16, tl.float16),
-                    is_pure=True, pack=4)
-        else:
-            lo = (((p & 15).to(tl.float32) - z[:, None]) * s[:, None]).to(DTYPE)
-            hi = (((p >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(DTYPE)
-        return lo, hi
+            return lo * sc, hi * sc
+        return ((lo.to(tl.float32) * s[:, None]).to(DTYPE), (hi.to(tl.float32) * s[:, None]).to(DTYPE))
 
     @triton.jit
     def _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,

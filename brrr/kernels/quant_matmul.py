@@ -285,7 +285,7 @@ if triton is not None:
     # sm_90 SASS: 2.5-3.4 thread-instructions a weight in the loop, against ~4.0-4.5 for the 16-row tensor-core
     # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (0.94-1.65 TB/s
     # against bf16's 2.7-4.0; neither the access pattern nor bytes in flight is why, docs/quantization.md), and the
-    # tuner takes this one for most shapes.
+    # tuner takes this one for some shapes (q/o, down at M = 1).
     @triton.jit
     def _codes_minus_zero(p, z, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [R, g/2] and its rows' zero points (fp32 [R]) -> q - z of the low and high nibbles, exact in

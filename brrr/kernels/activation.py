@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.pdl import pdl_on
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -23,9 +24,11 @@ except Exception:
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import wait_previous
 
     @triton.jit
-    def _silu_and_mul_kernel(G, U, O, stride_g, stride_u, n, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(G, U, O, stride_g, stride_u, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -41,10 +44,11 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(2048, next_power_of_2(n))
+    pdl = pdl_on(gate)
     # no FMA contraction: the kernel must round where torch's two ops round
     _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, g2.stride(0), u2.stride(0), n,
                                                               BLOCK=block, num_warps=8 if block >= 1024 else 4,
-                                                              enable_fp_fusion=False)
+                                                              enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 

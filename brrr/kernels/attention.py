@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
+from brrr.kernels.pdl import pdl_on
 
 
 @dataclass
@@ -162,11 +163,13 @@ except Exception:
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import wait_previous
 
     @triton.jit
     def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_cb, stride_ct, stride_ch, block_size, n_kv,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        wait_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(SLOTS + t).to(tl.int64)
         if slot < 0:  # a padded row (CUDA-graph batches): nothing to write
@@ -204,10 +207,12 @@ if triton is not None:
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                        block_size, qk_scale, window, partition, n_heads, num_splits,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
+                       PDL: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one split of the context. Unsplit (SPLIT False) it writes the output; split, it writes
         partial (acc, m, l) for _decode_reduce_kernel. Everything is read from device memory: graph-capturable."""
+        wait_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -252,8 +257,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_reduce_kernel(O, OP, MLP, CU_Q, stride_on, stride_oh, n_heads, num_splits,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
         """Combine the splits of one (sequence, head): weights exp2(m_s - max m), normalised by the weighted l."""
+        wait_previous(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         q_row = tl.load(CU_Q + b)
@@ -394,10 +400,11 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
     n, n_kv, dim = k.shape
     if n == 0:
         return
+    pdl = pdl_on(k)
     _write_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], n_kv,
                            HEAD_DIM=dim, BLOCK_H=next_power_of_2(n_kv), BLOCK_D=next_power_of_2(dim),
-                           num_warps=4)
+                           num_warps=4, PDL=pdl, launch_pdl=pdl > 0)
 
 
 def _precision(q):
@@ -459,6 +466,7 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         max_sum = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
     else:
         partial = max_sum = out  # unused
+    pdl = pdl_on(q)
     _decode_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, out, partial, max_sum, cu_seqlens_q, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -466,12 +474,12 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         block_size, scale * LOG2E, sliding_window or 0, partition, n_heads, splits,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=splits > 1, SLIDING=sliding_window is not None, PREC=_precision(q),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl > 0)
     if splits > 1:
         # one BLOCK_S for every split count: the count is a run-time argument, so nothing recompiles as it moves
         _decode_reduce_kernel[(batch, n_heads)](out, partial, max_sum, cu_seqlens_q, out.stride(0), out.stride(1),
                                                 n_heads, splits, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
-                                                num_warps=4)
+                                                num_warps=4, PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 

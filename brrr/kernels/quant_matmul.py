@@ -36,10 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
+from brrr.kernels.pdl import pdl_on
 
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
+# decode GEMMs launched with PDL ask L2 for this many of their weight bytes before waiting for the previous kernel
+PRELOAD_BYTES = int(float(os.environ.get("BRRR_PRELOAD_MB", "16")) * 2**20)
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 
 
@@ -96,6 +99,7 @@ except Exception:  # the dispatcher takes the reference when triton is missing
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import release_dependents, wait_previous
 
     @triton.jit
     def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIZZLE: tl.constexpr):
@@ -177,12 +181,12 @@ if triton is not None:
             w = q.to(tl.float32).to(DTYPE)
         return w
 
-    @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for every M and split, not one for M = 1
-    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
+    @triton.jit(do_not_specialize=["M", "split_k", "preload"])  # one compile for every M and split, not one for M = 1
+    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, preload,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, PDL: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         pid_k = tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
@@ -194,6 +198,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
+        _wait_preloading(P, offs_n, n_mask, stride_pn, g_begin * HALF, g_end * HALF, preload, PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         p_ptrs = P + offs_n.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -210,7 +215,7 @@ if triton is not None:
                 w_lo, w_hi = _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N, HAS_ZEROS, X.dtype.element_ty, FAST)
                 acc = _dot(x_lo, w_lo, acc, IEEE)
                 acc = _dot(x_hi, w_hi, acc, IEEE)
-        _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
+        _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -222,11 +227,12 @@ if triton is not None:
 
     @triton.jit
     def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
-               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         """Write y = acc (+ bias). Split K (SPLIT): each of the split_k programs of a tile stores its partial sum in the
         fp32 workspace WS [split_k, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
         index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
         output and no second pass."""
+        release_dependents(PDL)
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
             pid_k, tile = tl.program_id(1), tl.program_id(0)
@@ -249,10 +255,11 @@ if triton is not None:
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mask)
 
-    @triton.jit(do_not_specialize=["M", "split_k"])
-    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+    @triton.jit(do_not_specialize=["M", "split_k", "preload"])
+    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, preload,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                      SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+                      SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
+                      PDL: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -263,6 +270,8 @@ if triton is not None:
         per_split = tl.cdiv(k_tiles, split_k)
         t_begin = pid_k * per_split
         t_end = tl.minimum(t_begin + per_split, k_tiles)
+        _wait_preloading(Q, offs_n, n_mask, stride_qn, t_begin * BLOCK_K, tl.minimum(t_end * BLOCK_K, K), preload,
+                         PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -274,7 +283,7 @@ if triton is not None:
             acc = _dot(x, w, acc, IEEE)
         s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
-               HAS_BIAS, SPLIT)
+               HAS_BIAS, SPLIT, PDL)
 
     # ---- MMA decode path (M <= SMALL_M): the weight tile is the MMA's left operand, straight from registers -------
     # The weight tile [BLOCK_N, K] is the left operand and x^T [K, 16] the right one, so on sm_90 Triton emits wgmma
@@ -371,6 +380,17 @@ if triton is not None:
             constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _wait_preloading(W, rows, row_ok, row_bytes, first, last, preload, PDL: tl.constexpr):
+        """`wait_previous`, after asking L2 for bytes [first, first + preload) of each weight row's K range (rows
+        row_bytes apart, clipped at last). Under PDL this kernel starts while the previous one finishes; the weights
+        depend on nothing that kernel writes, so HBM streams this kernel's first bytes during its tail."""
+        if PDL > 0:
+            base = W.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64) * row_bytes
+            for off in range(first, tl.minimum(first + preload, last), 128):
+                _prefetch_l2(base + off, row_ok)
+        wait_previous(PDL)
+
+    @triton.jit
     def _mma_side(g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
         """Group g's inputs besides its bytes: x's two half-groups, the rows' zero points and scales (fp32)."""
@@ -395,11 +415,12 @@ if triton is not None:
         part = _dot(_mma_order(hi, BLOCK_N, NW, HALF), _k_order(x_hi, BLOCK_M, HALF), part, IEEE)
         return acc + part * s[:, None]
 
-    @triton.jit(do_not_specialize=["M", "split_k"])
-    def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
+    @triton.jit(do_not_specialize=["M", "split_k", "preload"])
+    def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, preload,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
                           PAIR: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr,
-                          HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+                          HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
+                          PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # load order
@@ -411,6 +432,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
+        _wait_preloading(P, rows, row_ok, stride_pn, g_begin * HALF, g_end * HALF, preload, PDL)
         p_ptrs0 = P + rows.to(tl.int64) * stride_pn
         p_ptrs = p_ptrs0[:, None] + offs_h[None, :]
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
@@ -449,7 +471,7 @@ if triton is not None:
             if AHEAD:
                 x_lo, x_hi, z, s = x_lo2, x_hi2, z2, s2
         _store(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
-               SPLIT)
+               SPLIT, PDL)
 
     # ---- GEMV path (M <= GEMV_M): CUDA cores, fp32, no tensor cores and no shared memory --------------------------
     # Weights are read as int32 words, 16 bytes (4 words) per thread per row per step; a thread holds R rows and
@@ -540,12 +562,13 @@ if triton is not None:
             out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], out)
         return out
 
-    @triton.jit(do_not_specialize=["split_k", "stride_sn"])
+    @triton.jit(do_not_specialize=["split_k", "stride_sn", "preload"])
     def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
+                           preload,
                            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
-                           STAGES: tl.constexpr):
+                           STAGES: tl.constexpr, PDL: tl.constexpr):
         """P: the int4 kernel layout viewed as int32 words [N, K/8] (stride_pn in words). One loop iteration is one
         group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
         each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
@@ -563,6 +586,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
+        _wait_preloading(P, offs_n, n_mask, stride_pn * 4, g_begin * HALF, g_end * HALF, preload, PDL)
         p_ptrs = (P + offs_n.to(tl.int64)[:, None, None] * stride_pn + (offs_c * 4)[None, :, None]
                   + offs_i[None, None, :])
         w_mask = n_mask[:, None, None] & (offs_i[None, None, :] < 4)
@@ -619,13 +643,13 @@ if triton is not None:
                     acc3 = tl.fma(tl.sum(p3, axis=2), s, acc3)
         out = _gemv_out(acc0, acc1, acc2, acc3, BLOCK_M, ROWS)
         offs_m = tl.arange(0, BLOCK_M)
-        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
+        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
-    @triton.jit(do_not_specialize=["split_k"])
-    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+    @triton.jit(do_not_specialize=["split_k", "preload"])
+    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, preload,
                            ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+                           EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
         row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
         BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
@@ -639,6 +663,8 @@ if triton is not None:
         per_split = tl.cdiv(steps, split_k)
         s_begin = pid_k * per_split
         s_end = tl.minimum(s_begin + per_split, steps)
+        _wait_preloading(Q, offs_n, n_mask, stride_qn * 4, s_begin * CHUNKS * 16,
+                         tl.minimum(s_end * CHUNKS * 16, K), preload, PDL)
         words = (offs_c * 4)[:, None] + offs_i[None, :]  # [CHUNKS, 4]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None, None] * stride_qn + words[None, :, :]
         w_mask = n_mask[:, None, None] & (words[None, :, :] >= 0)
@@ -668,7 +694,7 @@ if triton is not None:
         out = _gemv_out(tl.sum(acc0, axis=2), tl.sum(acc1, axis=2), tl.sum(acc2, axis=2), tl.sum(acc3, axis=2),
                         BLOCK_M, ROWS) * s[None, :]
         offs_m = tl.arange(0, BLOCK_M)
-        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT)
+        _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
@@ -806,6 +832,7 @@ def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
 _TUNED: dict[tuple, dict] = {}
 TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
 _LOCKS: dict[torch.device, torch.Tensor] = {}
+_timing = False  # set while _pick times candidates: each runs alone there, with nothing to overlap a preload with
 
 
 def _locks(device, tiles: int) -> torch.Tensor:
@@ -824,12 +851,14 @@ def _pick(key: tuple, configs: list[dict], run) -> dict:
         return _TUNED[key]
     if len(configs) == 1 or _interpreting() or torch.cuda.is_current_stream_capturing():
         return configs[0]
-    times = []
+    global _timing
+    times, _timing = [], True
     for cfg in configs:
         try:
             times.append(triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20))
         except Exception:  # e.g. a config needing more shared memory than the GPU has
             times.append(float("inf"))
+    _timing = False
     TIMINGS[key] = list(zip(configs, times))
     _TUNED[key] = configs[min(range(len(configs)), key=times.__getitem__)]
     return _TUNED[key]
@@ -854,9 +883,12 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = _locks(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
+    pdl = pdl_on(x2)
+    pdl = int(os.environ.get("BRRR_PDL_GEMM", pdl)) if pdl else 0
+    preload = PRELOAD_BYTES // (n * split) // 128 * 128 if pdl and m <= SMALL_M and not _timing else 0  # per row
     kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
-                           w_arg.stride(0), y.stride(0), split, *extra, SPLIT=split > 1, num_warps=warps,
-                           num_stages=stages, **consts, **cfg)
+                           w_arg.stride(0), y.stride(0), split, *extra, preload=preload, SPLIT=split > 1,
+                           num_warps=warps, num_stages=stages, PDL=pdl, launch_pdl=pdl > 0, **consts, **cfg)
     return y
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.pdl import pdl_on
 
 MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the reference
 
@@ -34,12 +35,15 @@ except Exception:  # the dispatcher takes the reference when triton is missing
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import wait_previous
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, RES_OUT, n_rows, n_cols, n_inner, stride_xo, stride_x, stride_r, stride_y,
-                         stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                         stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                         PDL: tl.constexpr):
         """Row r of X sits at (r // n_inner) * stride_xo + (r % n_inner) * stride_x: a [N, heads, D] view (q or k
         cut from the packed q/k/v output) is read in place, without a copy to make it 2-D."""
+        wait_previous(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_H)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -72,17 +76,18 @@ def _launch(x, residual, weight, eps):
     warps = min(16, max(1, block_r * block_h // 512))
     # enable_fp_fusion=False: no FMA contraction, so each step rounds where the reference's torch ops round
     grid = (triton.cdiv(rows, block_r),)
+    pdl = pdl_on(x)
     if residual is None:
         _rms_norm_kernel[grid](x2, x2, weight, out, x2, rows, hidden, n_inner, stride_xo, stride_x, 0, out.stride(0),
                                0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
         return out.view(*x.shape[:-1], hidden), None
     r2 = residual.reshape(-1, hidden)
     new_residual = torch.empty_like(x2)
     _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, rows, hidden, 1, x2.stride(0), 0, r2.stride(0),
                            out.stride(0), new_residual.stride(0), eps,
                            HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
-                           enable_fp_fusion=False)
+                           enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
     return out.view(*x.shape[:-1], hidden), new_residual.view(x.shape)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from brrr.config import RopeConfig
 from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.pdl import pdl_on
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int, seq_len: int | None = None):
@@ -100,6 +101,7 @@ except Exception:
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import wait_previous
 
     @triton.jit
     def _rotate_heads(X, stride_h, n_heads, c1, c2, s1, s2,
@@ -120,7 +122,9 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(Q, K, COS, SIN, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin,
-                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       PDL: tl.constexpr):
+        wait_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
         dm = d < HALF
@@ -139,11 +143,12 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     block_h = next_power_of_2(max(q.shape[1], k.shape[1]))
     block_half = next_power_of_2(half)
     warps = min(8, max(1, block_h * block_half // 512))
+    pdl = pdl_on(q)
     # enable_fp_fusion=False: LLVM would otherwise narrow the products to bf16 and fuse one into an FMA with the
     # sum, skipping a rounding torch does (seen on the H200: 1-ulp differences); without it the bits match
     _rotary_kernel[(n,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
                          sin.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                         num_warps=warps, enable_fp_fusion=False)
+                         num_warps=warps, enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
     return q, k
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from brrr.kernels.dispatch import use_triton
+from brrr.kernels.pdl import pdl_on
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -62,6 +63,7 @@ except Exception:
     triton = None
 
 if triton is not None:
+    from brrr.kernels.pdl import wait_previous
 
     @triton.jit
     def _fmix32_tl(h):
@@ -72,7 +74,8 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _gumbel_argmax_kernel(L, T, KEYS, OUT, vocab, stride, BLOCK: tl.constexpr):
+    def _gumbel_argmax_kernel(L, T, KEYS, OUT, vocab, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_previous(PDL)
         row = tl.program_id(0)
         key = tl.load(KEYS + row).to(tl.int64)
         temp = tl.load(T + row)
@@ -94,8 +97,9 @@ if triton is not None:
 
 def gumbel_argmax_triton(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    pdl = pdl_on(logits)
     _gumbel_argmax_kernel[(logits.shape[0],)](logits, temperature, keys, out, logits.shape[1], logits.stride(0),
-                                              BLOCK=2048, num_warps=8)
+                                              BLOCK=2048, num_warps=8, PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 

@@ -1,0 +1,98 @@
+"""Programmatic dependent launch (brrr/kernels/pdl.py) on the captured decode step, A/B in one process.
+
+Per variant (bf16, W8A16, W4A16 g128; Llama-3.1-8B shapes, random weights) one engine is built and its kernels
+tuned once; then for each setting the decode graphs are captured again and timed, so every setting runs the same
+kernel configs (separate runs of bench/quant_speed.py may tune different ones). Settings: PDL off; on; on without
+the early trigger; on for the quantized GEMMs only, and for every kernel but them; on with the GEMMs' weight preload
+(`PRELOAD_BYTES` asked of L2 before the wait; --preload-mb); off again (drift check). Records: device time of one graph replay per batch, and the engine's decode tok/s at batch 1.
+
+    PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import sys
+
+import torch
+
+from brrr.bench.latency import emit, run_batch
+from brrr.bench.timing import replay_time_us
+from brrr.kernels import quant_matmul as qm
+from brrr.kernels.pdl import pdl_on
+
+# every module with PDL kernels but quant_matmul (import_module: the package exports functions of these names)
+OTHERS = [importlib.import_module(f"brrr.kernels.{m}") for m in ("activation", "attention", "rms_norm", "rotary",
+                                                                 "sampling")]
+
+
+def settings(preload_mb):
+    """(name, environment, preload bytes, PDL for the quantized GEMMs, PDL for the other kernels)"""
+    yield "off", {"BRRR_PDL": "0"}, 0, True, True
+    yield "pdl", {"BRRR_PDL": "2"}, 0, True, True
+    yield "pdl, GEMMs trigger in their epilogue", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "3"}, 0, True, True
+    yield "pdl, GEMMs do not trigger", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "1"}, 0, True, True
+    yield "pdl, wait only (no early trigger)", {"BRRR_PDL": "1"}, 0, True, True
+    for mb in preload_mb:
+        yield f"pdl, GEMMs trigger in their epilogue, preload {mb:g} MB", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "3"}, \
+            int(mb * 2**20), True, True
+    yield "off (again)", {"BRRR_PDL": "0"}, 0, True, True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128"],
+                   choices=["bf16", "w8a16", "w4a16-g128"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--preload-mb", nargs="+", type=float, default=[8])
+    p.add_argument("--new-tokens", type=int, default=200)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/pdl_decode.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
+    from brrr.quant.linear import pack_quantized_projections
+    from brrr.quant.methods import quantize_model
+
+    cfg = model_config("llama-3.1-8b")
+    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    prompt_len, max_len, seqs = 5, 5 + args.new_tokens, max(args.batches)
+    for variant in args.variants:
+        model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+        if variant != "bf16":
+            quantize_model(model, "rtn-int8" if variant == "w8a16" else "rtn-int4", group_size=128)
+            pack_quantized_projections(model)
+        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
+                                                     num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
+        runner = engine.runner
+        for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
+            run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
+        for name, env, preload, gemms, others in settings(args.preload_mb):
+            os.environ.pop("BRRR_PDL_GEMM", None)
+            os.environ.update(env)
+            qm.PRELOAD_BYTES = preload
+            for module in OTHERS:
+                module.pdl_on = pdl_on if others else (lambda t: 0)
+            qm.pdl_on = pdl_on if gemms else (lambda t: 0)
+            runner.graphs.clear(), runner.short_graphs.clear()
+            gc.collect(), torch.cuda.empty_cache()
+            runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))
+            _, decode_s = run_batch(engine, 1, prompt_len, args.new_tokens, cfg.vocab_size, seed=7)
+            rec = {"bench": "pdl_decode", "machine": machine, "variant": variant, "setting": name,
+                   "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
+            for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
+                rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
+            emit(rec, args.out)
+        del engine, model, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

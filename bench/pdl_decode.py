@@ -1,10 +1,10 @@
 """Programmatic dependent launch (brrr/kernels/pdl.py) on the captured decode step, A/B in one process.
 
 Per variant (bf16, W8A16, W4A16 g128; Llama-3.1-8B shapes, random weights) one engine is built and its kernels
-tuned once; then for each setting the decode graphs are captured again and timed, so every setting runs the same
-kernel configs (separate runs of bench/quant_speed.py may tune different ones). Settings: PDL off; on; on without
-the early trigger; on for the quantized GEMMs only, and for every kernel but them; on with the GEMMs' weight preload
-(`PRELOAD_BYTES` asked of L2 before the wait; --preload-mb); off again (drift check). Records: device time of one graph replay per batch, and the engine's decode tok/s at batch 1.
+tuned once; then for each setting (`BRRR_PDL`) the decode graphs are captured again and timed, so every setting
+runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
+default); waits without early launches; off again (drift check). Records: device time of one graph replay per
+batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import sys
 
@@ -20,25 +19,8 @@ import torch
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us
-from brrr.kernels import quant_matmul as qm
-from brrr.kernels.pdl import pdl_on
 
-# every module with PDL kernels but quant_matmul (import_module: the package exports functions of these names)
-OTHERS = [importlib.import_module(f"brrr.kernels.{m}") for m in ("activation", "attention", "rms_norm", "rotary",
-                                                                 "sampling")]
-
-
-def settings(preload_mb):
-    """(name, environment, preload bytes, PDL for the quantized GEMMs, PDL for the other kernels)"""
-    yield "off", {"BRRR_PDL": "0"}, 0, True, True
-    yield "pdl", {"BRRR_PDL": "2"}, 0, True, True
-    yield "pdl, GEMMs trigger in their epilogue", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "3"}, 0, True, True
-    yield "pdl, GEMMs do not trigger", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "1"}, 0, True, True
-    yield "pdl, wait only (no early trigger)", {"BRRR_PDL": "1"}, 0, True, True
-    for mb in preload_mb:
-        yield f"pdl, GEMMs trigger in their epilogue, preload {mb:g} MB", {"BRRR_PDL": "2", "BRRR_PDL_GEMM": "3"}, \
-            int(mb * 2**20), True, True
-    yield "off (again)", {"BRRR_PDL": "0"}, 0, True, True
+SETTINGS = [("off", "0"), ("pdl", "2"), ("pdl, wait only (no early launch)", "1"), ("off (again)", "0")]
 
 
 def main(argv=None) -> int:
@@ -47,7 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128"],
                    choices=["bf16", "w8a16", "w4a16-g128"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--preload-mb", nargs="+", type=float, default=[8])
     p.add_argument("--new-tokens", type=int, default=200)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -72,13 +53,8 @@ def main(argv=None) -> int:
         runner = engine.runner
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
-        for name, env, preload, gemms, others in settings(args.preload_mb):
-            os.environ.pop("BRRR_PDL_GEMM", None)
-            os.environ.update(env)
-            qm.PRELOAD_BYTES = preload
-            for module in OTHERS:
-                module.pdl_on = pdl_on if others else (lambda t: 0)
-            qm.pdl_on = pdl_on if gemms else (lambda t: 0)
+        for name, mode in SETTINGS:
+            os.environ["BRRR_PDL"] = mode
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))

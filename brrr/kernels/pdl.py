@@ -1,12 +1,17 @@
 """Programmatic dependent launch (PDL, sm_90 and later) for the decode-path kernels.
 
-A decode step is ~10 kernels a layer, most of them a few microseconds long, so the gap between one kernel's end
-and the next one's first instruction is a real share of the step. Launched with PDL, a kernel may start while the
-kernel before it in the stream is still finishing. Each of brrr's PDL kernels calls `wait_previous` as its first
-statement, in every program: `griddepcontrol.wait` blocks until the previous grid has completed and its writes are
-visible. Nothing is read or written before it, so the overlap is launch and set-up only, and the kernel is safe after
-any kernel, PDL or not. Because every program waits before it can finish, a kernel never completes before the
-one it follows, so a chain of PDL kernels stays ordered. `BRRR_PDL=0` turns it off, `BRRR_PDL=1` keeps the wait but not the early launch (A/B runs).
+A decode step is ~10 kernels a layer, most a few microseconds long, so the time between one kernel's last
+instruction and the next one's first is a real share of the step. A kernel launched with PDL may be scheduled
+before the previous kernel in the stream has finished, once every program of that kernel has called
+`griddepcontrol.launch_dependents` (or exited). Each PDL kernel calls `wait_previous` before its first memory
+access, in every program: `griddepcontrol.wait` blocks until the previous grid has completed and its writes are
+visible. So the overlap is launch and set-up only, the kernel is safe after any kernel (PDL or not), and since no
+program can finish before its wait returns, a kernel never completes before the one it follows.
+
+The `PDL` constexpr says where a kernel lets the next one launch: 0 plain launch; 1 wait, no early launch; 2
+right after the wait (the short kernels); 3 from the epilogue (`release_dependents`: the quantized GEMMs at batch
+<= 4). On the H200 (bench/results/pdl_decode_h200_trigger.jsonl) the GEMMs releasing right after their wait made
+the W4A16 step slower, from their epilogue faster. `BRRR_PDL=0` turns it all off, `BRRR_PDL=1` waits only.
 """
 from __future__ import annotations
 
@@ -33,8 +38,8 @@ def _device_supports(index: int) -> bool:
 
 
 def pdl_on(t: torch.Tensor) -> int:
-    """The `PDL` constexpr for kernels on t's device (launched with `launch_pdl=PDL > 0`): 0 plain launches; 1 wait
-    for the previous kernel first; 2 (the default) also let the next kernel launch right after that wait."""
+    """The `PDL` mode for kernels on t's device (launched with `launch_pdl=PDL > 0`): 2 by default on sm_90+,
+    `BRRR_PDL` (0 or 1) if set, 0 on older GPUs, the CPU and without grid dependency control."""
     mode = int(os.environ.get("BRRR_PDL", "2"))
     return mode if HAVE_GDC and t.is_cuda and _device_supports(t.device.index or 0) else 0
 
@@ -43,7 +48,7 @@ if triton is not None:
 
     @triton.jit
     def wait_previous(PDL: tl.constexpr):
-        """First statement of a PDL kernel: wait for the previous grid, then (PDL 2) let the next one launch."""
+        """Before a PDL kernel's first memory access: wait for the previous grid; PDL 2: then release the next."""
         if PDL > 0:  # 0 whenever HAVE_GDC is False
             gdc_wait()
         if PDL == 2:
@@ -51,6 +56,6 @@ if triton is not None:
 
     @triton.jit
     def release_dependents(PDL: tl.constexpr):
-        """PDL 3: the next kernel may launch from here (a GEMM's epilogue), not right after the wait."""
+        """PDL 3: the next kernel may launch from here (a GEMM's epilogue)."""
         if PDL == 3:
             gdc_launch_dependents()

@@ -41,8 +41,6 @@ from brrr.kernels.pdl import pdl_on
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
-# decode GEMMs launched with PDL ask L2 for this many of their weight bytes before waiting for the previous kernel
-PRELOAD_BYTES = int(float(os.environ.get("BRRR_PRELOAD_MB", "16")) * 2**20)
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 
 
@@ -181,8 +179,8 @@ if triton is not None:
             w = q.to(tl.float32).to(DTYPE)
         return w
 
-    @triton.jit(do_not_specialize=["M", "split_k", "preload"])  # one compile for every M and split, not one for M = 1
-    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, preload,
+    @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for every M and split, not one for M = 1
+    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
@@ -198,7 +196,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
-        _wait_preloading(P, offs_n, n_mask, stride_pn, g_begin * HALF, g_end * HALF, preload, PDL)
+        wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         p_ptrs = P + offs_n.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -255,8 +253,8 @@ if triton is not None:
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mask)
 
-    @triton.jit(do_not_specialize=["M", "split_k", "preload"])
-    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, preload,
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                       SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
                       PDL: tl.constexpr):
@@ -270,8 +268,7 @@ if triton is not None:
         per_split = tl.cdiv(k_tiles, split_k)
         t_begin = pid_k * per_split
         t_end = tl.minimum(t_begin + per_split, k_tiles)
-        _wait_preloading(Q, offs_n, n_mask, stride_qn, t_begin * BLOCK_K, tl.minimum(t_end * BLOCK_K, K), preload,
-                         PDL)
+        wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -380,17 +377,6 @@ if triton is not None:
             constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _wait_preloading(W, rows, row_ok, row_bytes, first, last, preload, PDL: tl.constexpr):
-        """`wait_previous`, after asking L2 for bytes [first, first + preload) of each weight row's K range (rows
-        row_bytes apart, clipped at last). Under PDL this kernel starts while the previous one finishes; the weights
-        depend on nothing that kernel writes, so HBM streams this kernel's first bytes during its tail."""
-        if PDL > 0:
-            base = W.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64) * row_bytes
-            for off in range(first, tl.minimum(first + preload, last), 128):
-                _prefetch_l2(base + off, row_ok)
-        wait_previous(PDL)
-
-    @triton.jit
     def _mma_side(g, X, S, Z, N, x_ptrs, rows, row_ok, offs_n, n_mask, m_mask, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
         """Group g's inputs besides its bytes: x's two half-groups, the rows' zero points and scales (fp32)."""
@@ -415,8 +401,8 @@ if triton is not None:
         part = _dot(_mma_order(hi, BLOCK_N, NW, HALF), _k_order(x_hi, BLOCK_M, HALF), part, IEEE)
         return acc + part * s[:, None]
 
-    @triton.jit(do_not_specialize=["M", "split_k", "preload"])
-    def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, preload,
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
                           PAIR: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
@@ -432,7 +418,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
-        _wait_preloading(P, rows, row_ok, stride_pn, g_begin * HALF, g_end * HALF, preload, PDL)
+        wait_previous(PDL)
         p_ptrs0 = P + rows.to(tl.int64) * stride_pn
         p_ptrs = p_ptrs0[:, None] + offs_h[None, :]
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
@@ -562,9 +548,8 @@ if triton is not None:
             out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], out)
         return out
 
-    @triton.jit(do_not_specialize=["split_k", "stride_sn", "preload"])
+    @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
-                           preload,
                            GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -586,7 +571,7 @@ if triton is not None:
         per_split = tl.cdiv(n_groups, split_k)
         g_begin = pid_k * per_split
         g_end = tl.minimum(g_begin + per_split, n_groups)
-        _wait_preloading(P, offs_n, n_mask, stride_pn * 4, g_begin * HALF, g_end * HALF, preload, PDL)
+        wait_previous(PDL)
         p_ptrs = (P + offs_n.to(tl.int64)[:, None, None] * stride_pn + (offs_c * 4)[None, :, None]
                   + offs_i[None, None, :])
         w_mask = n_mask[:, None, None] & (offs_i[None, None, :] < 4)
@@ -645,8 +630,8 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
-    @triton.jit(do_not_specialize=["split_k", "preload"])
-    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, preload,
+    @triton.jit(do_not_specialize=["split_k"])
+    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                            ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
@@ -663,8 +648,7 @@ if triton is not None:
         per_split = tl.cdiv(steps, split_k)
         s_begin = pid_k * per_split
         s_end = tl.minimum(s_begin + per_split, steps)
-        _wait_preloading(Q, offs_n, n_mask, stride_qn * 4, s_begin * CHUNKS * 16,
-                         tl.minimum(s_end * CHUNKS * 16, K), preload, PDL)
+        wait_previous(PDL)
         words = (offs_c * 4)[:, None] + offs_i[None, :]  # [CHUNKS, 4]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None, None] * stride_qn + words[None, :, :]
         w_mask = n_mask[:, None, None] & (words[None, :, :] >= 0)
@@ -832,7 +816,6 @@ def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
 _TUNED: dict[tuple, dict] = {}
 TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-_timing = False  # set while _pick times candidates: each runs alone there, with nothing to overlap a preload with
 
 
 def _locks(device, tiles: int) -> torch.Tensor:
@@ -851,14 +834,12 @@ def _pick(key: tuple, configs: list[dict], run) -> dict:
         return _TUNED[key]
     if len(configs) == 1 or _interpreting() or torch.cuda.is_current_stream_capturing():
         return configs[0]
-    global _timing
-    times, _timing = [], True
+    times = []
     for cfg in configs:
         try:
             times.append(triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20))
         except Exception:  # e.g. a config needing more shared memory than the GPU has
             times.append(float("inf"))
-    _timing = False
     TIMINGS[key] = list(zip(configs, times))
     _TUNED[key] = configs[min(range(len(configs)), key=times.__getitem__)]
     return _TUNED[key]
@@ -883,12 +864,13 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = _locks(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
+    # PDL (brrr/kernels/pdl.py): at M <= GEMV_M the next kernel may launch from the epilogue (3); above, not early
+    # at all (1): on the H200 an early launch after a 16-row W8A16 GEMM made the step slower (bench/pdl_decode.py)
     pdl = pdl_on(x2)
-    pdl = int(os.environ.get("BRRR_PDL_GEMM", pdl)) if pdl else 0
-    preload = PRELOAD_BYTES // (n * split) // 128 * 128 if pdl and m <= SMALL_M and not _timing else 0  # per row
+    pdl = 3 if pdl == 2 and m <= GEMV_M else min(pdl, 1)
     kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
-                           w_arg.stride(0), y.stride(0), split, *extra, preload=preload, SPLIT=split > 1,
-                           num_warps=warps, num_stages=stages, PDL=pdl, launch_pdl=pdl > 0, **consts, **cfg)
+                           w_arg.stride(0), y.stride(0), split, *extra, SPLIT=split > 1, num_warps=warps,
+                           num_stages=stages, PDL=pdl, launch_pdl=pdl > 0, **consts, **cfg)
     return y
 
 

@@ -334,3 +334,20 @@ def test_cuda_graph_decode_through_the_quant_kernels_agrees_with_eager_decode(qu
     assert [r[:2] for r in runs[0]] == [r[:2] for r in runs[1]]
     same = sum(a == b for x, y in zip(*runs) for a, b in zip(x, y))
     assert same >= 0.75 * sum(map(len, runs[1])), runs
+
+
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8"])
+def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_default, method, monkeypatch):
+    """Programmatic dependent launch (brrr/kernels/pdl.py) changes when kernels start, never what they compute:
+    captured decode graphs with PDL (GEMMs releasing from their epilogue at batch 1, right after the wait elsewhere)
+    and without give the same greedy tokens at batch 1 and 8, in bf16. A kernel reading its input before the
+    previous one finished would garble them."""
+    prompts = _prompts()
+    runs = []
+    for mode in ("0", "2"):
+        monkeypatch.setenv("BRRR_PDL", mode)
+        model = load_model(quantized_default[method], dtype=BF16, device="cuda")
+        pack_quantized_projections(model)
+        runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
+                     _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
+    assert runs[0] == runs[1]

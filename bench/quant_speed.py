@@ -2,15 +2,16 @@
 
 Three sections, one JSON record per result (stdout, and appended to --out):
   gemm     per-GEMM device time of W8A16 / W4A16 g128 (tuned: Triton kernels, or dequantize + F.linear at larger M)
-           vs bf16 F.linear at M = 1, 16, 64, 256 (--gemm-m) for the 8B projections (q/o 4096x4096, k/v 1024x4096, packed qkv 6144x4096, gate/up 14336x4096, packed gate_up
-           28672x4096, down 4096x14336). Timed as CUDA-graph replays over enough weight copies to exceed L2, so
+           vs bf16 F.linear at M = 1, 16, 64, 256 (--gemm-m) for the 8B projections (q/o 4096x4096, k/v
+           1024x4096, packed qkv 6144x4096, gate/up 14336x4096, packed gate_up 28672x4096, down 4096x14336) and
+           lm_head (128256x4096). Timed as CUDA-graph replays over enough weight copies to exceed L2, so
            every call streams its weights from HBM and no host launch cost is counted; GB/s = stored bytes / time.
   prefill  FP8 W8A8 `torch._scaled_mm` (row-wise scales) vs bf16 at M = 2048, 4096: the GEMM alone, with fast
            accumulation, and the whole linear (per-token activation quantization included); SmoothQuant's
            `torch._int_mm` and the tuned W4A16 / W8A16 paths beside them.
   decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
            for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine packs the
-           bf16 model, pack_quantized_projections the quantized ones), plus the device time of one captured decode
+           bf16 model, pack_quantized_projections the quantized ones; -lmhead: lm_head quantized too), plus the device time of one captured decode
            step (graph replay alone), which separates kernel speed from the engine's host work per step.
 
   PYTHONPATH=$PWD python bench/quant_speed.py --out bench/results/quant_speed_h200.jsonl
@@ -36,7 +37,7 @@ from brrr.quant import formats  # noqa: E402
 from brrr.quant.linear import QuantLinear  # noqa: E402
 
 GEMM_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "qkv": (6144, 4096), "gate/up": (14336, 4096),
-               "gate_up": (28672, 4096), "down": (4096, 14336)}
+               "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
 PREFILL_SHAPES = {"q/o": (4096, 4096), "gate/up": (14336, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
 BF16 = torch.bfloat16
 
@@ -153,8 +154,8 @@ def section_decode(args, machine, bandwidth):
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
         if variant != "bf16":
-            method = "rtn-int8" if variant == "w8a16" else "rtn-int4"
-            quantize_model(model, method, group_size=128)
+            method = "rtn-int8" if variant.startswith("w8a16") else "rtn-int4"
+            quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
             if not variant.endswith("-unpacked"):
                 pack_quantized_projections(model)
         seqs = max(args.batches)
@@ -204,8 +205,10 @@ def main(argv=None) -> int:
     p.add_argument("--sections", nargs="+", default=["gemm", "prefill", "decode"],
                    choices=["gemm", "prefill", "decode"])
     p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
-                   choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
-                   help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only)")
+                   choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked", "w8a16-lmhead",
+                            "w4a16-g128-lmhead"],
+                   help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only; "
+                        "-lmhead: lm_head quantized too, `brrr quantize --lm-head`)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="decode batch sizes")
     p.add_argument("--gemm-m", nargs="+", type=int, default=[1, 16, 64, 256], help="rows of x in the gemm section")
     p.add_argument("--prompt-len", type=int, default=5)

@@ -78,17 +78,18 @@ def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
     """Replace each projection of `model` (on meta or empty) with a QuantLinear built from the checkpoint's tensors.
     Returns the checkpoint names consumed. Tensors that disagree with the config or the model: a clear error."""
     fmt, names = qc["format"], FORMAT_TENSORS[qc["format"]]
+    lm_head = bool(qc.get("lm_head"))
+    kinds = {n.rsplit(".", 1)[-1] for n, _ in projections(model, lm_head)}
     found: dict[str, dict] = {}
     consumed = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 parent, _, leaf = key.rpartition(".")
-                if leaf in names and parent.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                   "gate_proj", "up_proj", "down_proj"):
+                if leaf in names and parent.rsplit(".", 1)[-1] in kinds:
                     found.setdefault(parent, {})[leaf] = f.get_tensor(key)
                     consumed.add(key)
-    for name, linear in projections(model):
+    for name, linear in projections(model, lm_head):
         tensors = found.get(name, {})
         missing = [t for t in names if t not in tensors]
         if missing:

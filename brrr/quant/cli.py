@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--group-size", type=int, default=128, help="int4 group size: 32, 64 or 128")
     p.add_argument("--symmetric", action="store_true", help="int4 without zero points")
     p.add_argument("--no-act-order", action="store_true", help="gptq: quantize columns in order")
+    p.add_argument("--lm-head", action="store_true",
+                   help="also quantize lm_head (round to nearest, the method's format; weight-only methods)")
     p.add_argument("--calib", default=None,
                    help="calibration data (gptq, awq, smoothquant): brrr data dir or text file")
     p.add_argument("--calib-samples", type=int, default=128)
@@ -69,7 +71,7 @@ def cmd_quantize(args) -> int:
         calib = calibration_tokens(args.calib, pre.tokenizer, args.calib_samples, args.calib_seq_len)
     t0 = time.perf_counter()
     config = quantize_model(pre.model, args.method, args.group_size, args.symmetric, calib,
-                            act_order=not args.no_act_order)
+                            act_order=not args.no_act_order, lm_head=args.lm_head)
     save_quantized(pre.model, config, args.out, pre.path, dtype=torch.bfloat16)
     print(json.dumps({"method": args.method, "out": args.out, "seconds": round(time.perf_counter() - t0, 2),
                       **config}))

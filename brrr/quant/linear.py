@@ -10,7 +10,7 @@ It takes a format's tensors as a checkpoint stores them and keeps them in the la
 `state_dict()` gives the checkpoint format back, so `save_quantized` writes what the loader reads.
 
 The model file is untouched: `swap_linears` replaces the decoder layers' projections (HF names q_proj ... down_proj)
-after load; embeddings, norms and lm_head stay in floating point."""
+after load; embeddings and norms stay in floating point, and lm_head too unless `brrr quantize --lm-head`."""
 from __future__ import annotations
 
 import torch
@@ -156,15 +156,17 @@ def pack_quantized_projections(model) -> int:
     return packed
 
 
-def projections(model) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every decoder-layer projection, in forward order."""
-    return [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+def projections(model, lm_head: bool = False) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every decoder-layer projection, in forward order; lm_head last if asked."""
+    mods = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+    return mods + [("lm_head", model.lm_head)] if lm_head else mods
 
 
-def swap_linears(model, make) -> dict[str, QuantLinear]:
-    """Replace each projection `name` with make(name, linear) -> QuantLinear. Returns the new modules by name."""
+def swap_linears(model, make, lm_head: bool = False) -> dict[str, QuantLinear]:
+    """Replace each projection `name` (and lm_head if asked) with make(name, linear) -> QuantLinear. Returns the new
+    modules by name."""
     swapped = {}
-    for name, linear in projections(model):
+    for name, linear in projections(model, lm_head):
         parent, _, attr = name.rpartition(".")
         q = make(name, linear)
         setattr(model.get_submodule(parent), attr, q)

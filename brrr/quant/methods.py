@@ -40,12 +40,19 @@ def rtn_tensors(fmt: str, w: torch.Tensor, group_size: int, symmetric: bool) -> 
 
 
 def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = False,
-                   calib: torch.Tensor | None = None, act_order: bool = True) -> dict:
+                   calib: torch.Tensor | None = None, act_order: bool = True, lm_head: bool = False) -> dict:
+    """lm_head: also quantize the output projection, round-to-nearest in the method's format (as gpt-fast's int8 and
+    int4 handlers do; GPTQ/AWQ checkpoints usually leave it in floating point)."""
     if method not in METHOD_FORMAT:
         raise BrrrError(f"--method must be one of {', '.join(METHOD_FORMAT)}; got {method!r}")
     fmt = METHOD_FORMAT[method]
+    if lm_head and method in METHOD_ACTIVATIONS:
+        raise BrrrError(f"--lm-head quantizes weights only; --method {method} also quantizes activations")
+    if lm_head and model.config.tie_word_embeddings:
+        raise BrrrError("--lm-head: this model's lm_head is tied to its embeddings (tie_word_embeddings), which "
+                        "stay in floating point")
     if fmt == "int4":
-        for name, linear in projections(model):
+        for name, linear in projections(model, lm_head):
             formats.check_group(linear.in_features, group_size)
     if method in NEEDS_CALIBRATION and (calib is None or calib.numel() == 0):
         raise BrrrError(f"--method {method} needs calibration data: pass --calib DIR|FILE")
@@ -60,7 +67,12 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
             tensors = {n: rtn_tensors(fmt, m.weight, group_size, symmetric) for n, m in projections(model)}
         act = METHOD_ACTIVATIONS.get(method)
         swap_linears(model, lambda name, linear: quant_linear(fmt, linear, tensors[name], act))
+    if lm_head:
+        head = rtn_tensors(fmt, model.lm_head.weight, group_size, symmetric)
+        model.lm_head = quant_linear(fmt, model.lm_head, head)
     config = {"quant_method": "brrr", "method": method, "format": fmt}
+    if lm_head:
+        config["lm_head"] = True
     if method in METHOD_ACTIVATIONS:
         config["activations"] = METHOD_ACTIVATIONS[method]
     if method == "smoothquant":

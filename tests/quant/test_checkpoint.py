@@ -11,7 +11,8 @@ from brrr.kernels import AttnMeta
 from brrr.loader import load_model
 from brrr.quant.checkpoint import save_quantized
 from brrr.quant.linear import QuantLinear, projections
-from brrr.quant.methods import quantize_model
+from brrr.quant.methods import quantize_model, rtn_tensors
+from tests import hf_models
 
 
 def _logits(model, ids):
@@ -119,3 +120,37 @@ def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(
                                                                                    .splits["val"]) - 1
     with pytest.raises(BrrrError, match="fewer than one calibration sequence"):
         calibration_tokens(tmp_path / "data", None, seq_len=10 ** 7)
+
+
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "nf4", "gptq"])
+@torch.no_grad()
+def test_a_quantized_lm_head_is_its_rtn_weight_and_survives_save_and_load(tiny_dir, calib, tmp_path, method):
+    """`--lm-head`: the output projection becomes a QuantLinear holding the round-to-nearest of the float head (in
+    the method's format, whatever the method does to the layers), computes with that weight, and loads back."""
+    model, ref = load_model(tiny_dir, dtype=torch.float32), load_model(tiny_dir, dtype=torch.float32)
+    config = quantize_model(model, method, group_size=32, calib=calib, lm_head=True)
+    assert config["lm_head"] is True and isinstance(model.lm_head, QuantLinear)
+    want = rtn_tensors(config["format"], ref.lm_head.weight, 32, False)
+    assert all(torch.equal(model.lm_head.checkpoint_tensors()[k], v) for k, v in want.items())
+    ids = torch.arange(1, 40)
+    hidden = model(ids, torch.arange(len(ids)), AttnMeta.causal([len(ids)], "cpu"))
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.lm_head.dequantize().T)
+    save_quantized(model, config, tmp_path, source_dir=tiny_dir)
+    loaded = load_model(tmp_path, dtype=torch.float32)
+    assert isinstance(loaded.lm_head, QuantLinear)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_lm_head_quantization_refuses_a_tied_head_and_the_w8a8_methods(tiny_dir, calib, tmp_path):
+    tied = hf_models.save(hf_models.build("tied"), tmp_path)
+    with pytest.raises(BrrrError, match="tie_word_embeddings"):
+        quantize_model(load_model(tied, dtype=torch.float32), "rtn-int8", lm_head=True)
+    with pytest.raises(BrrrError, match="activations"):
+        quantize_model(load_model(tiny_dir, dtype=torch.float32), "smoothquant", calib=calib, lm_head=True)
+
+
+def test_cli_quantize_lm_head(tiny_dir, tmp_path, capsys):
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "rtn-int4", "--group-size", "32", "--lm-head",
+                 "--out", str(tmp_path / "q")]) == 0
+    assert json.loads(capsys.readouterr().out)["lm_head"] is True
+    assert isinstance(load_model(tmp_path / "q", dtype=torch.float32).lm_head, QuantLinear)

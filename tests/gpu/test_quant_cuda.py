@@ -46,6 +46,16 @@ def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
     """The tuned config of each path (decode M <= 16, GEMV candidates included at M <= 4, mid-M split-K tiles at 64,
     tiled or dequantize-then-F.linear beyond), bf16:
     within bf16 rounding of the reference, which rounds every dequantized weight to bf16 before its matmul."""
+    _check_tuned_paths(n, k, m)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_quantized_lm_head_at_the_llama3_vocab(m):
+    """`brrr quantize --lm-head` at Llama-3's 128256 x 4096 head, decode rows: the same bound."""
+    _check_tuned_paths(128256, 4096, m)
+
+
+def _check_tuned_paths(n, k, m):
     x = torch.randn(m, k, device="cuda", dtype=BF16)
     for fmt in ("int4", "int8"):
         q = _linear(fmt, n, k)

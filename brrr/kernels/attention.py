@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
 from brrr.kernels.pdl import pdl_on
+from brrr.kernels.rotary import apply_rotary, apply_rotary_triton, rotary_triton_ok
 
 
 @dataclass
@@ -524,8 +525,10 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     return out
 
 
-def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
-    """The Triton path of `attention`: same arguments, same result (up to fp32 summation order)."""
+def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None,
+                     rope=None):
+    """The Triton path of `attention`: same arguments, same result (up to fp32 summation order). rope (with a
+    cache only): (cos, sin), applied by the kernel that writes the cache."""
     n_tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
     if meta.kv_caches is None:
@@ -533,7 +536,10 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
                                  sliding_window=sliding_window, out=out)
         return out.view(n_tokens, n_heads * dim)
     k_cache, v_cache = meta.kv_caches[layer]
-    write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    if rope is not None and k.shape[0]:
+        apply_rotary_triton(q, k, *rope, cache=(v, k_cache, v_cache, meta.slot_mapping))
+    else:
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
     context_lens = meta.device_context_lens(q.device)
     if meta.has_single_token_rows:
         decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
@@ -559,12 +565,17 @@ def _triton_ok(q, k, v, meta: AttnMeta) -> bool:
     return use_triton(q, k, v)
 
 
-def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
-    """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]. With a cache, the new K/V are written into
-    it first. Triton on CUDA (decodes through the split-KV kernel, prefill chunks through the varlen kernel),
-    else the reference."""
+def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None, rope=None):
+    """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]. rope: (cos, sin) to rotate q and k with
+    first (`apply_rotary`: q and k may be rotated in place). With a cache, the new K/V are written into it first;
+    on the Triton path the rotation and that write are one kernel. Triton on CUDA (decodes through the split-KV
+    kernel, prefill chunks through the varlen kernel), else the reference."""
+    fused = (rope is not None and meta.kv_caches is not None and _triton_ok(q, k, v, meta)
+             and rotary_triton_ok(q, k, *rope))
+    if rope is not None and not fused:
+        q, k = apply_rotary(q, k, *rope)
     if _triton_ok(q, k, v, meta):
-        return attention_triton(q, k, v, meta, layer, scale, sliding_window)
+        return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None)
     if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured decode step)
         k_cache, v_cache = meta.kv_caches[layer]
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)

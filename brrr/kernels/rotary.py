@@ -119,11 +119,15 @@ if triton is not None:
         o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
         tl.store(ptr1, o1.to(dt), mask=mask)
         tl.store(ptr1 + HALF, o2.to(dt), mask=mask)
+        return o1.to(dt), o2.to(dt)
 
     @triton.jit
-    def _rotary_kernel(Q, K, COS, SIN, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin,
-                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _rotary_kernel(Q, K, COS, SIN, V, KC, VC, SLOTS, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos,
+                       stride_sin, stride_vn, stride_vh, stride_cb, stride_ct, stride_ch, block_size, n_q_heads,
+                       n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       WRITE_KV: tl.constexpr, PDL: tl.constexpr):
+        """One token: q and k rotated in place; WRITE_KV: the rotated k and v also go to the paged cache at the
+        token's slot (negative: padding, skipped), the work of attention's `_write_kv_kernel`, one launch fewer."""
         wait_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
@@ -133,11 +137,24 @@ if triton is not None:
         s1 = tl.load(SIN + t * stride_sin + d, mask=dm, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + t * stride_sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
         _rotate_heads(Q + t * stride_qn, stride_qh, n_q_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
-        _rotate_heads(K + t * stride_kn, stride_kh, n_k_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+        k1, k2 = _rotate_heads(K + t * stride_kn, stride_kh, n_k_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+        if WRITE_KV:
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            if slot >= 0:
+                heads = tl.arange(0, BLOCK_H)
+                mask = (heads < n_k_heads)[:, None] & dm[None, :]
+                row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+                dst = row + heads[:, None] * stride_ch + d[None, :]
+                tl.store(KC + dst, k1, mask=mask)
+                tl.store(KC + dst + HALF, k2, mask=mask)
+                src = V + t * stride_vn + heads[:, None] * stride_vh + d[None, :]
+                tl.store(VC + dst, tl.load(src, mask=mask), mask=mask)
+                tl.store(VC + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
-def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotates q and k IN PLACE (last dim unit-stride) and returns them."""
+def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+    """Rotates q and k IN PLACE (last dim unit-stride) and returns them. cache: (v, k_cache, v_cache, slot_mapping)
+    to also write the rotated k and v into the paged cache [blocks, block_size, kv heads, D], as write_kv does."""
     n, _, dim = q.shape
     half = dim // 2
     block_h = next_power_of_2(max(q.shape[1], k.shape[1]))
@@ -146,16 +163,23 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     pdl = pdl_on(q)
     # enable_fp_fusion=False: LLVM would otherwise narrow the products to bf16 and fuse one into an FMA with the
     # sum, skipping a rounding torch does (seen on the H200: 1-ulp differences); without it the bits match
-    _rotary_kernel[(n,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                         sin.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                         num_warps=warps, enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
+    v, kc, vc, slots = cache if cache is not None else (k, k, k, k)
+    _rotary_kernel[(n,)](q, k, cos, sin, v, kc, vc, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         cos.stride(0), sin.stride(0), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+                         kc.stride(2), kc.shape[1] if cache is not None else 1, q.shape[1], k.shape[1], HALF=half,
+                         BLOCK_H=block_h, BLOCK_HALF=block_half, WRITE_KV=cache is not None, num_warps=warps,
+                         enable_fp_fusion=False, PDL=pdl, launch_pdl=pdl > 0)
     return q, k
+
+
+def rotary_triton_ok(q, k, cos, sin) -> bool:
+    return (q.shape[0] > 0 and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.stride(-1) == k.stride(-1) == 1
+            and cos.stride(-1) == sin.stride(-1) == 1 and use_triton(q, k, cos, sin))
 
 
 def apply_rotary(q, k, cos, sin):
     """-> rotated (q, k). On the Triton path q and k are rotated in place and returned; don't reuse the inputs."""
-    if (q.shape[0] > 0 and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
-            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.stride(-1) == k.stride(-1) == 1
-            and cos.stride(-1) == sin.stride(-1) == 1 and use_triton(q, k, cos, sin)):
+    if rotary_triton_ok(q, k, cos, sin):
         return apply_rotary_triton(q, k, cos, sin)
     return apply_rotary_ref(q, k, cos, sin)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from brrr.config import ModelConfig
-from brrr.kernels import (AttnMeta, add_rms_norm, apply_rotary, attention, rms_norm, rope_inv_freq, rotary_cos_sin,
+from brrr.kernels import (AttnMeta, add_rms_norm, attention, rms_norm, rope_inv_freq, rotary_cos_sin,
                           silu_and_mul)
 
 class RMSNorm(nn.Module):
@@ -73,8 +73,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
-        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window))
+        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin)))
 
 
 class LlamaMLP(nn.Module):

@@ -9,6 +9,7 @@ import torch
 
 from brrr.config import RopeConfig
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from brrr.kernels.attention import write_kv_ref
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
@@ -117,6 +118,28 @@ def test_rotary_packed_qkv_odd_head_dim(device):
     torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (heads + 1) * dim:], v_before)  # v, beside them, untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 24])
+def test_rotary_that_writes_the_kv_cache(device, dtype, dim):
+    """The fused form attention uses with a cache: q and k rotated as by the plain kernel, and the rotated k and v
+    stored at each token's slot of the paged cache [blocks, 16, kv heads, D] exactly as write_kv does; a padded
+    row (slot -1) writes nothing."""
+    n, blocks = 6, 4
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, h, dim, generator=g).to(dtype).to(device) for h in (4, 2, 2))
+    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.arange(3, 3 + n), inv_freq, scale, dtype))
+    slots = torch.tensor([17, 5, -1, 40, 16, 63], device=device)
+    caches = [torch.zeros(blocks, 16, 2, dim, dtype=dtype, device=device) for _ in range(2)]
+    want_q, want_k = apply_rotary_triton(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = apply_rotary_triton(q, k, cos, sin, cache=(v, *caches, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    want = [torch.zeros_like(c) for c in caches]
+    keep = slots >= 0
+    write_kv_ref(want_k[keep], v[keep], *want, slots[keep])
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

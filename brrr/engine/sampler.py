@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brrr.engine.sampling_params import SamplingParams
-from brrr.kernels.sampling import gumbel_argmax, row_keys
+from brrr.kernels.sampling import greedy_argmax, gumbel_argmax, row_keys
 
 
 @dataclass
@@ -123,7 +123,7 @@ def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, tor
             if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
                 logits[i, list(row.stop_ids)] = float("-inf")
     greedy_rows = [r.params.greedy for r in rows]
-    tokens = logits.argmax(-1) if any(greedy_rows) or not rows else None
+    tokens = greedy_argmax(logits) if any(greedy_rows) or not rows else None
     if not all(greedy_rows):  # decided on the host: nothing here waits for the GPU
         drawn_rows = [i for i, g in enumerate(greedy_rows) if not g]
         sub = [rows[i] for i in drawn_rows]

@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from brrr.kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton, gumbel_noise_ref, row_keys
+from brrr.kernels.sampling import (ARGMAX_CHUNK, argmax_triton, gumbel_argmax_ref, gumbel_argmax_triton,
+                                   gumbel_noise_ref, row_keys)
 
 
-@pytest.mark.parametrize("batch,vocab", [(1, 7), (3, 2049), (5, 5000)])
+@pytest.mark.parametrize("batch,vocab", [(1, 7), (3, 2049), (5, 5000), (2, 2 * ARGMAX_CHUNK + 3)])
 def test_triton_draw_equals_reference(device, batch, vocab):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(batch, vocab, generator=g) * 3
@@ -28,3 +29,17 @@ def test_noise_is_uniform_and_keys_are_distinct():
     counts = torch.histc(u[0], bins=20, min=0, max=1)
     assert ((counts - 1000) ** 2 / 1000).sum() < 43.8  # chi-square, 19 dof, p = 0.001
     assert abs(torch.corrcoef(u[:2])[0, 1]) < 4 / math.sqrt(20000)  # consecutive steps are uncorrelated
+
+
+def test_greedy_argmax_is_torchs_across_parts(device):
+    """Rows split into parts of ARGMAX_CHUNK columns: the first column of a tie wins across parts and within one,
+    an all -inf row gives 0, as torch.argmax."""
+    vocab = 3 * ARGMAX_CHUNK + 5
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, ARGMAX_CHUNK + 1, vocab - 1]] = 9.0  # tie across parts
+    logits[1, [ARGMAX_CHUNK + 2, ARGMAX_CHUNK + 9]] = 9.0  # tie inside a part
+    logits[2] = float("-inf")
+    logits[3, vocab - 1] = 9.0  # the last column
+    logits = logits.to(device)
+    got = argmax_triton(logits)
+    assert torch.equal(got, logits.argmax(-1)) and got.tolist() == [7, ARGMAX_CHUNK + 2, 0, vocab - 1]

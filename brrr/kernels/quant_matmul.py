@@ -292,6 +292,30 @@ if triton is not None:
     # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (0.94-1.65 TB/s
     # against bf16's 2.7-4.0; neither the access pattern nor bytes in flight is why, docs/quantization.md), and the
     # tuner takes this one for some shapes (q/o, down at M = 1).
+    def _nibbles_asm(one: str, magic: str, kind: str) -> str:
+        """`_codes_minus_zero`'s PTX for one 16-bit type: `one` and `magic` are its 1.0 and 128 (bf16) or 1024
+        (fp16) in both halves, `kind` the packed type of the fma."""
+        return f"""{{
+        .reg .b32 zero, one, t0, t1, u0, u1;
+        mov.b32 zero, 0;
+        mov.b32 one, {one};
+        prmt.b32 t0, $4, zero, 0x4140;
+        prmt.b32 t1, $4, zero, 0x4342;
+        shr.b32 u0, t0, 4;
+        shr.b32 u1, t1, 4;
+        lop3.b32 t0, t0, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 t1, t1, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 u0, u0, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 u1, u1, 0x000F000F, {magic}, 0xEA;
+        fma.rn.{kind} $0, t0, one, $5;
+        fma.rn.{kind} $1, t1, one, $6;
+        fma.rn.{kind} $2, u0, one, $5;
+        fma.rn.{kind} $3, u1, one, $6;
+        }}"""
+
+    _NIBBLES_BF16 = tl.constexpr(_nibbles_asm("0x3F803F80", "0x43004300", "bf16x2"))
+    _NIBBLES_F16 = tl.constexpr(_nibbles_asm("0x3C003C00", "0x64006400", "f16x2"))
+
     @triton.jit
     def _codes_minus_zero(p, z, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [R, g/2] and its rows' zero points (fp32 [R]) -> q - z of the low and high nibbles, exact in
@@ -302,47 +326,11 @@ if triton is not None:
             BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
             nz = tl.broadcast_to((-(z + BIAS)).to(DTYPE)[:, None], p.shape)
             if DTYPE == tl.bfloat16:
-                lo, hi = tl.inline_asm_elementwise(
-                    asm="""{
-                    .reg .b32 zero, one, t0, t1, u0, u1;
-                    mov.b32 zero, 0;
-                    mov.b32 one, 0x3F803F80;
-                    prmt.b32 t0, $4, zero, 0x4140;
-                    prmt.b32 t1, $4, zero, 0x4342;
-                    shr.b32 u0, t0, 4;
-                    shr.b32 u1, t1, 4;
-                    lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 u0, u0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 u1, u1, 0x000F000F, 0x43004300, 0xEA;
-                    fma.rn.bf16x2 $0, t0, one, $5;
-                    fma.rn.bf16x2 $1, t1, one, $6;
-                    fma.rn.bf16x2 $2, u0, one, $5;
-                    fma.rn.bf16x2 $3, u1, one, $6;
-                    }""",
-                    constraints="=r,=r,=r,=r,r,r,r", args=[p, nz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                    pack=4)
+                lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_BF16, constraints="=r,=r,=r,=r,r,r,r", args=[p, nz],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
             else:
-                lo, hi = tl.inline_asm_elementwise(
-                    asm="""{
-                    .reg .b32 zero, one, t0, t1, u0, u1;
-                    mov.b32 zero, 0;
-                    mov.b32 one, 0x3C003C00;
-                    prmt.b32 t0, $4, zero, 0x4140;
-                    prmt.b32 t1, $4, zero, 0x4342;
-                    shr.b32 u0, t0, 4;
-                    shr.b32 u1, t1, 4;
-                    lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 u0, u0, 0x000F000F, 0x64006400, 0xEA;
-                    lop3.b32 u1, u1, 0x000F000F, 0x64006400, 0xEA;
-                    fma.rn.f16x2 $0, t0, one, $5;
-                    fma.rn.f16x2 $1, t1, one, $6;
-                    fma.rn.f16x2 $2, u0, one, $5;
-                    fma.rn.f16x2 $3, u1, one, $6;
-                    }""",
-                    constraints="=r,=r,=r,=r,r,r,r", args=[p, nz], dtype=(tl.float16, tl.float16), is_pure=True,
-                    pack=4)
+                lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_F16, constraints="=r,=r,=r,=r,r,r,r", args=[p, nz],
+                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
             lo = ((p & 15).to(tl.float32) - z[:, None]).to(DTYPE)
             hi = ((p >> 4).to(tl.float32) - z[:, None]).to(DTYPE)

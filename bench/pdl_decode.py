@@ -1,7 +1,7 @@
 """Programmatic dependent launch (brrr/kernels/pdl.py) on the captured decode step, A/B in one process.
 
 Per variant (bf16, W8A16, W4A16 g128; Llama-3.1-8B shapes, random weights) one engine is built and its kernels
-tuned once; then for each setting (`BRRR_PDL`) the decode graphs are captured again and timed, so every setting
+tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs are captured again and timed, so every setting
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; off again (drift check). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 
 import torch
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us
+from brrr.kernels import pdl
 
-SETTINGS = [("off", "0"), ("pdl", "2"), ("pdl, wait only (no early launch)", "1"), ("off (again)", "0")]
+SETTINGS = [("off", 0), ("pdl", 2), ("pdl, wait only (no early launch)", 1), ("off (again)", 0)]
 
 
 def main(argv=None) -> int:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
         for name, mode in SETTINGS:
-            os.environ["BRRR_PDL"] = mode
+            pdl.MODE = mode
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))

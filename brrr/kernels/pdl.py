@@ -32,16 +32,18 @@ except Exception:  # no triton, or one without grid dependency control: PDL stay
     HAVE_GDC = False
 
 
+MODE = int(os.environ.get("BRRR_PDL", "2"))  # read once; benchmarks and tests set MODE itself
+
+
 @functools.lru_cache(maxsize=None)
 def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_on(t: torch.Tensor) -> int:
-    """The `PDL` mode for kernels on t's device (launched with `launch_pdl=PDL > 0`): 2 by default on sm_90+,
-    `BRRR_PDL` (0 or 1) if set, 0 on older GPUs, the CPU and without grid dependency control."""
-    mode = int(os.environ.get("BRRR_PDL", "2"))
-    return mode if HAVE_GDC and t.is_cuda and _device_supports(t.device.index or 0) else 0
+    """The `PDL` mode for kernels on t's device (launched with `launch_pdl=PDL > 0`): MODE (2 unless `BRRR_PDL`
+    says 0 or 1) on sm_90+, 0 on older GPUs, the CPU and without grid dependency control."""
+    return MODE if HAVE_GDC and t.is_cuda and _device_supports(t.device.index or 0) else 0
 
 
 if triton is not None:

@@ -15,6 +15,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
 from brrr.generate import generate_tokens
 from brrr.kernels import AttnMeta
+from brrr.kernels import pdl
 from brrr.kernels import quant_matmul as qm
 from brrr.kernels.dispatch import use_reference
 from brrr.quant import formats
@@ -354,8 +355,8 @@ def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_defaul
     previous one finished would garble them."""
     prompts = _prompts()
     runs = []
-    for mode in ("0", "2"):
-        monkeypatch.setenv("BRRR_PDL", mode)
+    for mode in (0, 2):
+        monkeypatch.setattr(pdl, "MODE", mode)
         model = load_model(quantized_default[method], dtype=BF16, device="cuda")
         pack_quantized_projections(model)
         runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),

@@ -26,7 +26,8 @@ BF16 = torch.bfloat16
 
 
 def family(cfg: dict) -> str:
-    return "mma" if cfg.get("MMA") else "gemv" if "CHUNKS" in cfg else "tensor-core"
+    return ("mma" if cfg.get("MMA") else "mma-gemv" if cfg.get("MMA_GEMV") else "gemv" if "CHUNKS" in cfg
+            else "tensor-core")
 
 
 def candidates(fmt: str, stages: list[int], splits: list[str]) -> list[dict]:

@@ -164,6 +164,24 @@ def test_mma_decode_small_groups(group, symmetric):
         assert _rel(got, qm.w4a16_matmul_ref(x, q.qweight, q.scales, q.zeros, group)) < 8e-3, (group, cfg)
 
 
+@pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)])
+@pytest.mark.parametrize("index", range(len(qm._mma_gemv_configs(1, 128))))
+def test_every_mma_gemv_candidate_at_8b_shapes(index, n, k):
+    """Each MMA GEMV candidate (M = 1, g128: mma.sync on the bytes each thread loaded) at the 8B shapes, N = 1000 a
+    partial tile, the Llama-3 vocabulary: bf16 asymmetric with a bias, fp16 symmetric, split K forced once; within
+    16-bit rounding of the reference (the codes q - z are exact, the products and sums fp32)."""
+    cfg = qm._mma_gemv_configs(1, 128)[index]
+    q, qs = _linear("int4", n, k), _linear("int4", n, k, seed=1, symmetric=True)
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    got = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, bias, config=cfg)
+    assert _rel(got, qm.w4a16_matmul_ref(x.float(), q.qweight, q.scales, q.zeros, 128, bias.float())) < 8e-3, cfg
+    x16, s16 = x.half(), qs.scales.half()
+    got = qm.w4a16_matmul_triton(x16, qs.qweight, s16, None, 128, config=dict(cfg, SPLIT_K=8))
+    assert got.dtype == torch.float16
+    assert _rel(got, qm.w4a16_matmul_ref(x16.float(), qs.qweight, s16, None, 128)) < 8e-3, cfg
+
+
 GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(qm._gemv_configs(m)))]
 
 

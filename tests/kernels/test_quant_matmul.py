@@ -261,3 +261,34 @@ def test_gemv_rejects_unaligned_weight_rows(device):
     # the tuned path simply has no GEMV candidate there and takes the tensor-core kernel
     got = qm.w8a16_matmul_triton(x.to(device), q.to(device), scales.to(device))
     torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, scales).to(device), rtol=1e-5, atol=1e-4)
+
+
+# ---- MMA GEMV path (M = 1, int4 g128) -------------------------------------------------------------------------------
+def test_mma_gemv_candidates_only_for_one_row_and_group_128():
+    """After the GEMV ones, for M = 1 and g128 only (the MMA's K relabeling needs a 16-word group row)."""
+    configs = qm.w4_configs(1, 128)
+    assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv_configs(1, 128) != []
+    assert configs.index(qm._mma_gemv_configs(1, 128)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
+    assert not any(c.get("MMA_GEMV") for c in qm.w4_configs(2, 128) + qm.w4_configs(1, 64) + qm.w8_configs(1))
+    assert all(c["BLOCK_N"] // 2 % (8 * c["num_warps"]) == 0 for c in qm._mma_gemv_configs(1, 128))
+
+
+@pytest.mark.parametrize("symmetric,n,with_bias,split,dtype", [
+    (False, 40, True, 1, torch.float32), (True, 100, False, 2, torch.float32), (False, 64, False, 3, torch.bfloat16),
+    (True, 130, True, 1, torch.float16)])
+def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split, dtype):
+    """N = 40, 100, 130: rows past N (their loads clamped to row N - 1) are not stored; split K over 3 groups. On the
+    CPU the portable path (fp32 sums of exact codes); bf16/fp16 on the GPU the mma.sync one."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, symmetric, n=n, groups=3, dtype=dtype)
+    x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
+    zeros = None if zeros is None else zeros.to(device)
+    bias = bias if with_bias else None
+    cfg = dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=split)
+    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias, config=cfg)
+    want = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128,
+                               None if bias is None else bias.float())
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert _rel(got, want) < 8e-3

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["int4", "int8"])
     ap.add_argument("--stages", nargs="*", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="*", default=[], help="extra SPLIT_K values for the MMA / GEMV candidates")
+    ap.add_argument("--families", nargs="+", default=["tensor-core", "mma", "gemv", "mma-gemv"])
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                                 k, n, None, dtype=BF16) for w in weights]
             nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
             ref = mods[0](x)
-            for cfg in candidates(fmt, args.stages, args.splits):
+            for cfg in [c for c in candidates(fmt, args.stages, args.splits) if family(c) in args.families]:
                 def call(q, cfg=cfg):
                     if fmt == "int4":
                         return qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)

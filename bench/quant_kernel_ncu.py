@@ -7,6 +7,8 @@ operand), each in the config the tuner picked on the H200 for this shape.
 
 With --occupancy: the GEMV and the MMA kernel (no pair, no prefetch) at their configs' split and at "auto16" (more,
 shorter programs: higher occupancy), for the question whether more warps per SM make them faster.
+With --mma-gemv: the MMA GEMV (mma.sync on the loaded bytes) in its fastest gate_up config and in variants with more
+bytes per thread (two groups an iteration, two rows per tile), which ran slower.
 """
 import sys
 from pathlib import Path
@@ -23,7 +25,12 @@ n, k = 28672, 4096
 q = QuantLinear("int4", formats.quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128), k, n, None,
                 dtype=torch.bfloat16)
 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-if "--occupancy" in sys.argv:
+if "--mma-gemv" in sys.argv:
+    base = dict(qm._mma_gemv_configs(1, 128)[0], BLOCK_N=128, num_warps=8, SPLIT_K="auto4")
+    configs = {"mma-gemv": base, "mma-gemv auto8": dict(base, SPLIT_K="auto8"),
+               "mma-gemv 2 groups": dict(base, GROUPS=2), "mma-gemv 2 rows": dict(base, BLOCK_N=256),
+               "mma-gemv sum x": dict(base, SUM_X=True)}
+elif "--occupancy" in sys.argv:
     gemv = next(c for c in qm._gemv_configs(1) if c["BLOCK_N"] == 128 and c["CHUNKS"] == 4 and c["num_warps"] == 2
                 and c["PREFETCH"] == 0)
     mma = next(c for c in qm.w4_configs(1, 128) if c.get("MMA") and not c["PAIR"] and not c["PREFETCH"])

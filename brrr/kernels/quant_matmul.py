@@ -674,72 +674,45 @@ if triton is not None:
     # m16n8k16's operands up to a relabeling of K. Each thread pairs its word w of row r (tile A) with word w of row r
     # of a second tile (B): the MMA's rows 0-7 are tile A's rows, rows 8-15 tile B's, and its 16 K indices are the 4
     # threads' columns j, j+1 (k = 2c, 2c+1) and j+2, j+3 (k = 2c+8, 2c+9), j = the word's first column: exactly the
-    # bf16 pairs `_codes_minus_zero`'s PTX makes from a word. Every column of the MMA's right operand is x at the same
-    # columns, one 8-byte load per word, so the tensor core sums the quad's 32 products per row in fp32 and each
-    # thread of the quad gets its row's sum: no shuffles, no fp32 fma per weight. Per 8 weights: 12 instructions of
-    # dequantization (exact q - z) and half an MMA. The group's scale multiplies the sum once; a quarter of it goes to
-    # each of the quad's threads (exact), whose accumulators are summed across the row after the K loop.
+    # pairs `_nibbles_asm`'s PTX makes from a word. Every column of the MMA's right operand is x at the same columns,
+    # one 8-byte load per word, so the tensor core sums the quad's 32 products per row in fp32 and each thread of the
+    # quad gets its row's sum: no shuffles, no fp32 fma per weight. Per 8 weights: 12 instructions of dequantization
+    # (exact q - z) and half an MMA (sm_90 SASS loop: 2.4-2.5 instructions a weight, against 3.05-4.6 for the other
+    # decode kernels). The group's scale multiplies the sum once; a quarter of it goes to each of the quad's threads
+    # (exact), and the accumulators are summed across the row after the K loop. The kernel waits on memory
+    # (Nsight Compute: long-scoreboard stalls dominate), so with AHEAD the next group's bytes, x, scales and zero
+    # points load before this group is computed.
     def _mma_gemv_asm(one: str, magic: str, kind: str) -> str:
         """PTX for one thread's 4 words of tiles A and B ($8-$11, $12-$15): x at each word's low and high columns
         ($16-$19, $20-$23, 8 bytes each), the rows' -(magic + z) pairs ($24, $28), scales / 4 ($32, $36) and
         accumulators ($40-$47 in, $0-$7 out; the group's sum goes to the first of each row's four)."""
-        words = []
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32"
+        body = []
         for m in range(4):
-            words.append(f"""
-            prmt.b32 t0, ${8 + m}, zero, 0x4140;
-            prmt.b32 t1, ${8 + m}, zero, 0x4342;
-            prmt.b32 v0, ${12 + m}, zero, 0x4140;
-            prmt.b32 v1, ${12 + m}, zero, 0x4342;
-            shr.b32 u0, t0, 4;
-            shr.b32 u1, t1, 4;
-            shr.b32 y0, v0, 4;
-            shr.b32 y1, v1, 4;
-            lop3.b32 t0, t0, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 t1, t1, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 u0, u0, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 u1, u1, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 v0, v0, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 v1, v1, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 y0, y0, 0x000F000F, {magic}, 0xEA;
-            lop3.b32 y1, y1, 0x000F000F, {magic}, 0xEA;
-            fma.rn.{kind} t0, t0, one, $24;
-            fma.rn.{kind} t1, t1, one, $24;
-            fma.rn.{kind} u0, u0, one, $24;
-            fma.rn.{kind} u1, u1, one, $24;
-            fma.rn.{kind} v0, v0, one, $28;
-            fma.rn.{kind} v1, v1, one, $28;
-            fma.rn.{kind} y0, y0, one, $28;
-            fma.rn.{kind} y1, y1, one, $28;
-            mov.b64 {{xa, xb}}, ${16 + m};
-            mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32 {{d0, d1, d2, d3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{d0, d1, d2, d3}};
-            mov.b64 {{xa, xb}}, ${20 + m};
-            mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32 {{e0, e1, e2, e3}}, {{u0, y0, u1, y1}}, {{xa, xb}}, {{e0, e1, e2, e3}};""")
-        return ("""{
-            .reg .b32 zero, one, t0, t1, u0, u1, v0, v1, y0, y1, xa, xb;
-            .reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;
-            mov.b32 zero, 0;
-            mov.b32 one, """ + one + """;
-            mov.f32 d0, 0f00000000; mov.f32 d1, 0f00000000; mov.f32 d2, 0f00000000; mov.f32 d3, 0f00000000;
-            mov.f32 e0, 0f00000000; mov.f32 e1, 0f00000000; mov.f32 e2, 0f00000000; mov.f32 e3, 0f00000000;"""
-                + "".join(words) + """
-            add.f32 d0, d0, e0;
-            add.f32 d2, d2, e2;
-            fma.rn.f32 $0, d0, $32, $40;
-            mov.b32 $1, $41;
-            mov.b32 $2, $42;
-            mov.b32 $3, $43;
-            fma.rn.f32 $4, d2, $36, $44;
-            mov.b32 $5, $45;
-            mov.b32 $6, $46;
-            mov.b32 $7, $47;
-            }""")
+            body += [f"prmt.b32 t0, ${8 + m}, zero, 0x4140;", f"prmt.b32 t1, ${8 + m}, zero, 0x4342;",
+                     f"prmt.b32 v0, ${12 + m}, zero, 0x4140;", f"prmt.b32 v1, ${12 + m}, zero, 0x4342;"]
+            body += [f"shr.b32 {a}, {b}, 4;" for a, b in (("u0", "t0"), ("u1", "t1"), ("y0", "v0"), ("y1", "v1"))]
+            body += [f"lop3.b32 {r}, {r}, 0x000F000F, {magic}, 0xEA;" for r in ("t0", "t1", "u0", "u1", "v0", "v1",
+                                                                                "y0", "y1")]
+            body += [f"fma.rn.{kind} {r}, {r}, one, ${24 if r < 'v' else 28};" for r in ("t0", "t1", "u0", "u1",
+                                                                                         "v0", "v1", "y0", "y1")]
+            body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
+                     f"{mma} {{d0, d1, d2, d3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{d0, d1, d2, d3}};",
+                     f"mov.b64 {{xa, xb}}, ${20 + m};",
+                     f"{mma} {{e0, e1, e2, e3}}, {{u0, y0, u1, y1}}, {{xa, xb}}, {{e0, e1, e2, e3}};"]
+        head = [".reg .b32 zero, one, t0, t1, u0, u1, v0, v1, y0, y1, xa, xb;",
+                ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+        head += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+        tail = ["add.f32 d0, d0, e0;", "add.f32 d2, d2, e2;", "fma.rn.f32 $0, d0, $32, $40;",
+                "fma.rn.f32 $4, d2, $36, $44;"] + [f"mov.b32 ${i}, ${40 + i};" for i in (1, 2, 3, 5, 6, 7)]
+        return "{\n" + "\n".join(head + body + tail) + "\n}"
 
     _MMA_GEMV_BF16 = tl.constexpr(_mma_gemv_asm("0x3F803F80", "0x43004300", "bf16x2"))
     _MMA_GEMV_F16 = tl.constexpr(_mma_gemv_asm("0x3C003C00", "0x64006400", "f16x2"))
     _MMA_GEMV_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8 + ["f"] * 16))
 
     @triton.jit
-    def _mma_gemv_group(acc, w, x_lo, x_hi, z, s, words, g, X, FAST: tl.constexpr, DTYPE: tl.constexpr):
+    def _mma_gemv_group(acc, w, z, s, words, g, X):
         """Portable form of one tile's group (interpreter, fp32): acc [R, 16] + the group's row sums, scaled, in
         each row's first accumulator. w [R, 16] int32 words; z, s [R] fp32."""
         part = tl.zeros((w.shape[0],), dtype=tl.float32)
@@ -751,19 +724,56 @@ if triton is not None:
             part += tl.sum(((byte >> 4).to(tl.float32) - z[:, None]) * xh[None, :], axis=1)
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
+    @triton.jit
+    def _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS: tl.constexpr):
+        """Group g's words of both tiles, x at their low and high columns, the rows' scales and zero points (fp32)."""
+        s_a = tl.load(S + g * N + ra * stride_sn).to(tl.float32)
+        s_b = tl.load(S + g * N + rb * stride_sn).to(tl.float32)
+        if HAS_ZEROS:
+            z_a = tl.load(Z + g * N + ra * stride_sn).to(tl.float32)
+            z_b = tl.load(Z + g * N + rb * stride_sn).to(tl.float32)
+        else:
+            z_a = tl.full(ra.shape, 8.0, tl.float32)
+            z_b = z_a
+        return (tl.load(pa + g * 16), tl.load(pb + g * 16), tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16), s_a, s_b,
+                z_a, z_b)
+
+    @triton.jit
+    def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
+        """Group g of both tiles into their accumulators."""
+        DTYPE: tl.constexpr = X.dtype.element_ty
+        if FAST:
+            BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
+            ha = (-(z_a + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hb = (-(z_b + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            args = [wa, wb, tl.broadcast_to(x_lo[None, :], wa.shape), tl.broadcast_to(x_hi[None, :], wa.shape),
+                    tl.broadcast_to((ha | (ha << 16))[:, None], wa.shape),
+                    tl.broadcast_to((hb | (hb << 16))[:, None], wa.shape),
+                    tl.broadcast_to((s_a * 0.25)[:, None], wa.shape), tl.broadcast_to((s_b * 0.25)[:, None], wa.shape),
+                    acc_a, acc_b]
+            # one call per asm: Triton 3.6 cannot select the asm string
+            if DTYPE == tl.bfloat16:
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_BF16, constraints=_MMA_GEMV_IO, args=args,
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_F16, constraints=_MMA_GEMV_IO, args=args,
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            acc_a = _mma_gemv_group(acc_a, wa, z_a, s_a, words, g, X)
+            acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, X)
+        return acc_a, acc_b
+
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                               HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-                               PDL: tl.constexpr):
+                               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                               SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               FAST: tl.constexpr, PDL: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words [N, K/8]. A program's BLOCK_N rows are two
         tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         HALF_N: tl.constexpr = BLOCK_N // 2
-        DTYPE: tl.constexpr = X.dtype.element_ty
         rows_a = pid_n * BLOCK_N + tl.arange(0, HALF_N)
-        rows_b = rows_a + HALF_N
-        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_b, N - 1)
+        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
         words = tl.arange(0, 16)
         n_groups = K // 128
         per_split = tl.cdiv(n_groups, split_k)
@@ -775,37 +785,20 @@ if triton is not None:
         x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
         acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
         acc_b = tl.zeros((HALF_N, 16), dtype=tl.float32)
-        for g in range(g_begin, g_end):
-            wa = tl.load(pa + g * 16)
-            wb = tl.load(pb + g * 16)
-            s_a = tl.load(S + g * N + ra * stride_sn).to(tl.float32)
-            s_b = tl.load(S + g * N + rb * stride_sn).to(tl.float32)
-            if HAS_ZEROS:
-                z_a = tl.load(Z + g * N + ra * stride_sn).to(tl.float32)
-                z_b = tl.load(Z + g * N + rb * stride_sn).to(tl.float32)
-            else:
-                z_a = tl.full((HALF_N,), 8.0, tl.float32)
-                z_b = z_a
-            if FAST:
-                BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
-                ha = (-(z_a + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                hb = (-(z_b + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                x_lo = tl.load(x8 + g * 32)
-                x_hi = tl.load(x8 + g * 32 + 16)
-                args = [wa, wb, tl.broadcast_to(x_lo[None, :], wa.shape), tl.broadcast_to(x_hi[None, :], wa.shape),
-                        tl.broadcast_to((ha | (ha << 16))[:, None], wa.shape),
-                        tl.broadcast_to((hb | (hb << 16))[:, None], wa.shape),
-                        tl.broadcast_to((s_a * 0.25)[:, None], wa.shape),
-                        tl.broadcast_to((s_b * 0.25)[:, None], wa.shape), acc_a, acc_b]
-                if DTYPE == tl.bfloat16:
-                    acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_BF16, constraints=_MMA_GEMV_IO, args=args,
-                                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-                else:
-                    acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_F16, constraints=_MMA_GEMV_IO, args=args,
-                                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-            else:
-                acc_a = _mma_gemv_group(acc_a, wa, 0, 0, z_a, s_a, words, g, X, FAST, DTYPE)
-                acc_b = _mma_gemv_group(acc_b, wb, 0, 0, z_b, s_b, words, g, X, FAST, DTYPE)
+        if AHEAD:  # group g + 1 loads while g computes (the last iteration reloads the last group, unused)
+            nxt = _mma_gemv_load(tl.minimum(g_begin, n_groups - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn,
+                                 HAS_ZEROS)
+            for g in range(g_begin, g_end):
+                wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = nxt
+                nxt = _mma_gemv_load(tl.minimum(g + 1, g_end - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS)
+                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
+                                                    FAST)
+        else:
+            for g in range(g_begin, g_end):
+                wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn,
+                                                                        HAS_ZEROS)
+                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
+                                                    FAST)
         out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)), (1, 0)), (BLOCK_N,))
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -899,17 +892,19 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
                 (128, 4, "auto8", 2, 4), (128, 4, "auto8", 2, 8)]
 
 
-# MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K). BLOCK_N / 2 is a
-# multiple of 8 x warps (each tile's rows fill whole warps, 8 rows a warp).
-MMA_GEMV_CONFIGS = [(64, 4, "auto8"), (128, 4, "auto8"), (128, 4, "auto4"), (256, 8, "auto4"), (64, 2, "auto8"),
-                    (128, 8, "auto8"), (256, 4, "auto4"), (64, 4, "auto16")]
+# MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
+# issued before this one computes). Loading two groups ahead (more registers) and Triton's shared-memory pipelining
+# ran 5-30% slower on the H200 (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl), so neither is a candidate.
+# BLOCK_N / 2 is a multiple of 8 x warps (each tile's rows fill whole warps, 8 rows a warp).
+MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
+                    (128, 8, "auto8", False), (128, 8, "auto2", True)]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
     if m != 1 or group_size != 128:
         return []
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, w, sk in MMA_GEMV_CONFIGS]
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, w, sk, ahead in MMA_GEMV_CONFIGS]
 
 
 def _gemv_configs(m: int) -> list[dict]:

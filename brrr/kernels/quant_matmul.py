@@ -110,6 +110,13 @@ if triton is not None:
         return first_m + (pid % width) % size_m, (pid % width) // size_m
 
     @triton.jit
+    def _split_range(steps, split_k):
+        """The K steps [begin, end) of this program's slice when split_k programs share a tile's K loop."""
+        per_split = tl.cdiv(steps, split_k)
+        begin = tl.program_id(1) * per_split
+        return begin, tl.minimum(begin + per_split, steps)
+
+    @triton.jit
     def _dequant_int4(p, z, s, DTYPE: tl.constexpr, FAST: tl.constexpr):
         """uint8 tile [BN, g/2] and the group's zero points and scales (fp32 [BN]) -> the weights of the group's
         low-nibble and high-nibble halves, (q - z) * s rounded once to DTYPE (as the reference rounds them): q - z
@@ -186,16 +193,13 @@ if triton is not None:
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
                       IEEE: tl.constexpr, PDL: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
-        pid_k = tl.program_id(1)
         HALF: tl.constexpr = GROUP // 2
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_h = tl.arange(0, HALF)
         m_mask, n_mask = offs_m < M, offs_n < N
         n_groups = K // GROUP
-        per_split = tl.cdiv(n_groups, split_k)
-        g_begin = pid_k * per_split
-        g_end = tl.minimum(g_begin + per_split, n_groups)
+        g_begin, g_end = _split_range(n_groups, split_k)
         wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         p_ptrs = P + offs_n.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
@@ -259,15 +263,12 @@ if triton is not None:
                       SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
                       PDL: tl.constexpr):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
-        pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask, n_mask = offs_m < M, offs_n < N
         k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, split_k)
-        t_begin = pid_k * per_split
-        t_end = tl.minimum(t_begin + per_split, k_tiles)
+        t_begin, t_end = _split_range(k_tiles, split_k)
         wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
@@ -395,7 +396,7 @@ if triton is not None:
                           PAIR: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
                           PDL: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        pid_n = tl.program_id(0)
         HALF: tl.constexpr = GROUP // 2
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # load order
         offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N, NW)  # MMA order: the accumulator's rows
@@ -403,9 +404,7 @@ if triton is not None:
         offs_h = tl.arange(0, HALF)
         row_ok, n_mask, m_mask = rows < N, offs_n < N, offs_m < M
         n_groups = K // GROUP
-        per_split = tl.cdiv(n_groups, split_k)
-        g_begin = pid_k * per_split
-        g_end = tl.minimum(g_begin + per_split, n_groups)
+        g_begin, g_end = _split_range(n_groups, split_k)
         wait_previous(PDL)
         p_ptrs0 = P + rows.to(tl.int64) * stride_pn
         p_ptrs = p_ptrs0[:, None] + offs_h[None, :]
@@ -548,7 +547,7 @@ if triton is not None:
         CHUNKS] tiles (each thread the rows it holds) through stride_sn, their stride along N (1) left unspecialized:
         known contiguous, the compiler would load them in a layout of their own and convert it through shared
         memory on every group."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        pid_n = tl.program_id(0)
         SUB: tl.constexpr = GROUP // 32 // CHUNKS
         HALF: tl.constexpr = GROUP // 2
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -556,9 +555,7 @@ if triton is not None:
         offs_i = tl.arange(0, 4)
         n_mask = offs_n < N
         n_groups = K // GROUP
-        per_split = tl.cdiv(n_groups, split_k)
-        g_begin = pid_k * per_split
-        g_end = tl.minimum(g_begin + per_split, n_groups)
+        g_begin, g_end = _split_range(n_groups, split_k)
         wait_previous(PDL)
         p_ptrs = (P + offs_n.to(tl.int64)[:, None, None] * stride_pn + (offs_c * 4)[None, :, None]
                   + offs_i[None, None, :])
@@ -626,16 +623,14 @@ if triton is not None:
         """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
         row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
         BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        pid_n = tl.program_id(0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_c = tl.arange(0, CHUNKS)
         offs_i = tl.arange(0, 4)
         n_mask = offs_n < N
         k_words = K // 4
         steps = tl.cdiv(k_words, CHUNKS * 4)
-        per_split = tl.cdiv(steps, split_k)
-        s_begin = pid_k * per_split
-        s_end = tl.minimum(s_begin + per_split, steps)
+        s_begin, s_end = _split_range(steps, split_k)
         wait_previous(PDL)
         words = (offs_c * 4)[:, None] + offs_i[None, :]  # [CHUNKS, 4]
         q_ptrs = Q + offs_n.to(tl.int64)[:, None, None] * stride_qn + words[None, :, :]
@@ -770,15 +765,13 @@ if triton is not None:
                                FAST: tl.constexpr, PDL: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words [N, K/8]. A program's BLOCK_N rows are two
         tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        pid_n = tl.program_id(0)
         HALF_N: tl.constexpr = BLOCK_N // 2
         rows_a = pid_n * BLOCK_N + tl.arange(0, HALF_N)
         ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
         words = tl.arange(0, 16)
         n_groups = K // 128
-        per_split = tl.cdiv(n_groups, split_k)
-        g_begin = pid_k * per_split
-        g_end = tl.minimum(g_begin + per_split, n_groups)
+        g_begin, g_end = _split_range(n_groups, split_k)
         wait_previous(PDL)
         pa = P + ra.to(tl.int64)[:, None] * stride_pn + words[None, :]
         pb = P + rb.to(tl.int64)[:, None] * stride_pn + words[None, :]

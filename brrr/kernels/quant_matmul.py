@@ -781,17 +781,14 @@ if triton is not None:
         if AHEAD:  # group g + 1 loads while g computes (the last iteration reloads the last group, unused)
             nxt = _mma_gemv_load(tl.minimum(g_begin, n_groups - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn,
                                  HAS_ZEROS)
-            for g in range(g_begin, g_end):
-                wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = nxt
+        for g in range(g_begin, g_end):
+            if AHEAD:
+                cur = nxt
                 nxt = _mma_gemv_load(tl.minimum(g + 1, g_end - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS)
-                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
-                                                    FAST)
-        else:
-            for g in range(g_begin, g_end):
-                wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn,
-                                                                        HAS_ZEROS)
-                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
-                                                    FAST)
+            else:
+                cur = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS)
+            wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = cur
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
         out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)), (1, 0)), (BLOCK_N,))
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1050,17 +1047,15 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         if cfg.get("MMA"):
             return _launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA"}, args, consts)
+        if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
+            raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
-            if words is None:
-                raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast),
                            extra=(scales.stride(1),))
         if _gemv(cfg):
-            if words is None:
-                raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
             return _launch(_w4a16_gemv_kernel, x2, n, k // group_size, x.dtype, _gemv_chunks(cfg, group_size),

@@ -6,6 +6,8 @@ Weight layouts (brrr/quant/linear.py converts the checkpoint's to these at load)
         column j + g/2 in its high nibble: a group's two halves then multiply two contiguous slices of x, so the
         kernel never interleaves nibbles in registers. scales [K/g, N] (bf16 for bf16 models, else fp32), zeros
         uint8 [K/g, N] or None (symmetric, zero 8): w[n, k] = (q[n, k] - zeros[k/g, n]) * scales[k/g, n].
+        QuantLinear stores it `chunk_major` (a view [N, K/128, 64]: every row's first 64 bytes, then the next 64);
+        every int4 kernel reads either layout through a row stride and a chunk stride.
   int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n].
 
 One Triton kernel per format for three config families, plus a GEMV kernel per format and a dequantize kernel:
@@ -30,6 +32,7 @@ Configs are timed once per (shape, path) on the GPU and the fastest kept (`_pick
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -42,6 +45,7 @@ SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
+CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
 
 # ---- int4 kernel layout --------------------------------------------------------------------------------------------
@@ -52,8 +56,29 @@ def pack_int4_kernel(codes: torch.Tensor, group_size: int) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
 
 
+def chunk_major(packed: torch.Tensor) -> torch.Tensor:
+    """The kernel layout [N, K/2] as a view [N, K/128, CHUNK] whose storage holds every row's first 64 bytes (128
+    codes), then every row's next 64, ...: at M = 1 a warp's loads (8 rows x 64 bytes) are one 512-byte run
+    instead of 8 half-used lines a row apart, and each step of a program reads one contiguous block (on the H200
+    the M = 1 kernel ran 1.25x faster on gate_up, 1.46x on the 128256-row lm_head). Kernels take the layout from
+    the strides (`_packed_strides`); K/2 not a multiple of CHUNK stays [N, K/2] by rows."""
+    n = packed.shape[0]
+    if math.prod(packed.shape[1:]) % CHUNK:
+        return packed
+    return packed.reshape(n, -1, CHUNK).transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def _packed_strides(packed: torch.Tensor) -> tuple[int, int]:
+    """(row stride, chunk stride) of a kernel-layout tensor, [N, K/2] by rows or `chunk_major`, in its elements
+    (bytes, or words for an int32 view): column c of row n is at n * row + (c // per_chunk) * chunk + c % per_chunk."""
+    if packed.dim() == 3:
+        return packed.stride(0), packed.stride(1)
+    return packed.stride(0), CHUNK // packed.element_size()
+
+
 def unpack_int4_kernel(packed: torch.Tensor, group_size: int) -> torch.Tensor:
-    """uint8 [N, K/2] kernel layout -> codes uint8 [N, K]."""
+    """uint8 [N, K/2] kernel layout (or its `chunk_major` view) -> codes uint8 [N, K]."""
+    packed = packed.reshape(packed.shape[0], -1)
     n, half_k = packed.shape
     p = packed.view(n, 2 * half_k // group_size, group_size // 2)
     return torch.cat([p & 0xF, p >> 4], dim=2).reshape(n, 2 * half_k)
@@ -115,6 +140,11 @@ if triton is not None:
         per_split = tl.cdiv(steps, split_k)
         begin = tl.program_id(1) * per_split
         return begin, tl.minimum(begin + per_split, steps)
+
+    @triton.jit
+    def _packed_col(col, stride_pc, PER_CHUNK: tl.constexpr):
+        """Offset of packed column `col` within a row of the kernel layout (`_packed_strides`)."""
+        return (col // PER_CHUNK) * stride_pc + col % PER_CHUNK
 
     @triton.jit
     def _dequant_int4(p, z, s, DTYPE: tl.constexpr, FAST: tl.constexpr):
@@ -187,7 +217,7 @@ if triton is not None:
         return w
 
     @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for every M and split, not one for M = 1
-    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
+    def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_pc,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
@@ -213,7 +243,7 @@ if triton is not None:
                 x_mask, w_mask = m_ok[:, None], n_ok[:, None]
                 x_lo = tl.load(x_ptrs + g * GROUP, mask=x_mask, other=0.0)
                 x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=x_mask, other=0.0)
-                p = tl.load(p_ptrs + g * HALF, mask=w_mask, other=0)
+                p = tl.load(p_ptrs + _packed_col(g * HALF, stride_pc, 64), mask=w_mask, other=0)
                 w_lo, w_hi = _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N, HAS_ZEROS, X.dtype.element_ty, FAST)
                 acc = _dot(x_lo, w_lo, acc, IEEE)
                 acc = _dot(x_hi, w_hi, acc, IEEE)
@@ -392,7 +422,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _w4a16_mma_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
+                          stride_pc, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NW: tl.constexpr,
                           PAIR: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
                           PDL: tl.constexpr):
@@ -419,13 +449,14 @@ if triton is not None:
             if PREFETCH and FAST:  # L2 fetches the bytes PREFETCH groups ahead: more in flight than the loads hold
                 for t in tl.static_range(1 + PAIR):
                     ahead = rows * 0 + g + PREFETCH + t < g_end
-                    _prefetch_l2(p_ptrs0 + (g + PREFETCH + t) * HALF, row_ok & ahead)
+                    _prefetch_l2(p_ptrs0 + _packed_col((g + PREFETCH + t) * HALF, stride_pc, 64), row_ok & ahead)
                     _prefetch_l2(S + (g + PREFETCH + t) * N + rows, row_ok & ahead & (rows % 64 == 0))
             # PAIR: both groups' loads are issued before either is unpacked (more bytes in flight per thread)
-            p = tl.load(p_ptrs + g * HALF, mask=row_ok[:, None], other=0)
+            p = tl.load(p_ptrs + _packed_col(g * HALF, stride_pc, 64), mask=row_ok[:, None], other=0)
             if PAIR:
                 second = rows * 0 + g + 1 < g_end  # past g_end (or K): zero bytes, zero x, zero scales
-                p2 = tl.load(p_ptrs + (g + 1) * HALF, mask=row_ok[:, None] & second[:, None], other=0)
+                p2 = tl.load(p_ptrs + _packed_col((g + 1) * HALF, stride_pc, 64),
+                             mask=row_ok[:, None] & second[:, None], other=0)
             if AHEAD:
                 nxt = g + 1 + PAIR
                 x_lo2, x_hi2, z2, s2 = _mma_side(nxt, X, S, Z, N, x_ptrs, rows, row_ok & (rows * 0 + nxt < g_end),
@@ -537,11 +568,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_sn,
-                           GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           stride_pc, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CHUNKS: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
                            STAGES: tl.constexpr, PDL: tl.constexpr):
-        """P: the int4 kernel layout viewed as int32 words [N, K/8] (stride_pn in words). One loop iteration is one
+        """P: the int4 kernel layout viewed as int32 words (strides in words; a step's 4 x CHUNKS words never
+        cross a chunk). One loop iteration is one
         group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
         each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
         CHUNKS] tiles (each thread the rows it holds) through stride_sn, their stride along N (1) left unspecialized:
@@ -568,7 +600,8 @@ if triton is not None:
         acc1, acc2, acc3 = acc0, acc0, acc0
         for g in tl.range(g_begin, g_end, num_stages=STAGES):
             if PREFETCH and FAST:  # the group PREFETCH ahead: one line per row (GROUP / 2 <= 64 bytes)
-                _prefetch_l2(P + offs_n.to(tl.int64) * stride_pn + (g + PREFETCH) * (GROUP // 8),
+                _prefetch_l2(P + offs_n.to(tl.int64) * stride_pn + _packed_col((g + PREFETCH) * (GROUP // 8),
+                                                                                stride_pc, 16),
                              n_mask & (offs_n * 0 + g + PREFETCH < g_end))
             s = _load(S + g * N + sz_offs, sz_mask, EVEN_N).to(tl.float32)
             if HAS_ZEROS:
@@ -581,7 +614,7 @@ if triton is not None:
             nz8 = _f32((z << 8) - 0x39000000)[:, :, None]  # 0xC7000000
             nz12 = _f32((z << 12) - 0x3B000000)[:, :, None]  # 0xC5000000
             for sub in tl.static_range(SUB):
-                w = _load(p_ptrs + (g * SUB + sub) * (CHUNKS * 4), w_mask, EVEN_N)
+                w = _load(p_ptrs + _packed_col((g * SUB + sub) * (CHUNKS * 4), stride_pc, 16), w_mask, EVEN_N)
                 lo, hi = _halves(w, FAST)  # 0x4B00xxxx; then one lop3 with one constant per code
                 xp = X + (g * GROUP + sub * (CHUNKS * 16)) + xo
                 # one code position at a time, each used by every row of x at once: few values live per thread
@@ -720,7 +753,7 @@ if triton is not None:
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
     @triton.jit
-    def _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS: tl.constexpr):
+    def _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS: tl.constexpr):
         """Group g's words of both tiles, x at their low and high columns, the rows' scales and zero points (fp32)."""
         s_a = tl.load(S + g * N + ra * stride_sn).to(tl.float32)
         s_b = tl.load(S + g * N + rb * stride_sn).to(tl.float32)
@@ -730,7 +763,7 @@ if triton is not None:
         else:
             z_a = tl.full(ra.shape, 8.0, tl.float32)
             z_b = z_a
-        return (tl.load(pa + g * 16), tl.load(pb + g * 16), tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16), s_a, s_b,
+        return (tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16), s_a, s_b,
                 z_a, z_b)
 
     @triton.jit
@@ -760,10 +793,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                               stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                                FAST: tl.constexpr, PDL: tl.constexpr):
-        """M = 1, group 128. P: the int4 kernel layout as int32 words [N, K/8]. A program's BLOCK_N rows are two
+        """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows are two
         tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         pid_n = tl.program_id(0)
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -780,13 +813,14 @@ if triton is not None:
         acc_b = tl.zeros((HALF_N, 16), dtype=tl.float32)
         if AHEAD:  # group g + 1 loads while g computes (the last iteration reloads the last group, unused)
             nxt = _mma_gemv_load(tl.minimum(g_begin, n_groups - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn,
-                                 HAS_ZEROS)
+                                 stride_pc, HAS_ZEROS)
         for g in range(g_begin, g_end):
             if AHEAD:
                 cur = nxt
-                nxt = _mma_gemv_load(tl.minimum(g + 1, g_end - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS)
+                nxt = _mma_gemv_load(tl.minimum(g + 1, g_end - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc,
+                                     HAS_ZEROS)
             else:
-                cur = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, HAS_ZEROS)
+                cur = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
             wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = cur
             acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
         out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)), (1, 0)), (BLOCK_N,))
@@ -800,7 +834,7 @@ if triton is not None:
     # writing the whole weight once (4.25 or 8 bits read, 16 written per weight) and calling F.linear wins; the
     # tuner decides where per shape. The values are the references' exactly: (q - z) * s in fp32, rounded once.
     @triton.jit
-    def _dequant_w4_kernel(P, S, Z, W, N, stride_pn, stride_wn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _dequant_w4_kernel(P, S, Z, W, N, stride_pn, stride_pc, stride_wn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                            HAS_ZEROS: tl.constexpr, FAST: tl.constexpr):
         pid_n, g = tl.program_id(0), tl.program_id(1)  # BLOCK_N rows x one group
         HALF: tl.constexpr = GROUP // 2
@@ -808,7 +842,8 @@ if triton is not None:
         offs_h = tl.arange(0, HALF)
         n_mask = offs_n < N
         mask = n_mask[:, None] & (offs_h[None, :] < HALF)
-        p = tl.load(P + offs_n.to(tl.int64)[:, None] * stride_pn + g * HALF + offs_h[None, :], mask=mask, other=0)
+        p = tl.load(P + offs_n.to(tl.int64)[:, None] * stride_pn + _packed_col(g * HALF, stride_pc, 64)
+                    + offs_h[None, :], mask=mask, other=0)
         lo, hi = _group_weights(p, Z, S, g, N, offs_n, n_mask, BLOCK_N, HAS_ZEROS, W.dtype.element_ty, FAST)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + g * GROUP + offs_h[None, :]
         tl.store(w_ptrs, lo, mask=mask)
@@ -1011,9 +1046,10 @@ def _rows(x):
 
 
 def _words(qweight: torch.Tensor):
-    """The byte weights viewed as int32 words [N, K/4 bytes] for the GEMV kernels, or None when the rows do not
-    start on 4-byte boundaries (then only the tensor-core configs are candidates)."""
-    if qweight.stride(1) != 1 or qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
+    """The byte weights viewed as int32 words for the GEMV kernels, or None when the rows or chunks do not start on
+    4-byte boundaries (then only the tensor-core configs are candidates)."""
+    if (qweight.stride(-1) != 1 or qweight.shape[-1] % 4 or qweight.storage_offset() % 4
+            or any(st % 4 for st in qweight.stride()[:-1])):
         return None
     return qweight.view(torch.int32)
 
@@ -1040,13 +1076,15 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
     # unused pointer arguments get a real tensor (scales) so every launch has the same signature
     args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
     words = _words(qweight)
+    chunk_stride = _packed_strides(qweight)[1]
+    word_chunk_stride = None if words is None else _packed_strides(words)[1]
 
     def run(cfg):
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
             return _launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
-                           {key: v for key, v in cfg.items() if key != "MMA"}, args, consts)
+                           {key: v for key, v in cfg.items() if key != "MMA"}, args, consts, extra=(chunk_stride,))
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
@@ -1054,13 +1092,13 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast),
-                           extra=(scales.stride(1),))
+                           extra=(scales.stride(1), word_chunk_stride))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
             return _launch(_w4a16_gemv_kernel, x2, n, k // group_size, x.dtype, _gemv_chunks(cfg, group_size),
-                           (x2, words, *args[2:]), gemv_consts, extra=(scales.stride(1),))
-        return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts)
+                           (x2, words, *args[2:]), gemv_consts, extra=(scales.stride(1), word_chunk_stride))
+        return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
         key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast)
@@ -1101,12 +1139,12 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
 
 def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in `dtype` from the int4 kernel layout: dequantize_w4's values, rounded once to dtype."""
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    n, k = qweight.shape[0], 2 * math.prod(qweight.shape[1:])
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     fast = FAST_DEQUANT and dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     _dequant_w4_kernel[(triton.cdiv(n, 64), k // group_size)](
-        qweight, scales, scales if zeros is None else zeros, w, n, qweight.stride(0), w.stride(0), GROUP=group_size,
-        BLOCK_N=64, HAS_ZEROS=zeros is not None, FAST=fast)
+        qweight, scales, scales if zeros is None else zeros, w, n, *_packed_strides(qweight), w.stride(0),
+        GROUP=group_size, BLOCK_N=64, HAS_ZEROS=zeros is not None, FAST=fast)
     return w
 
 

@@ -2,7 +2,8 @@
 
 It takes a format's tensors as a checkpoint stores them and keeps them in the layout its matmul reads:
   int4 (and 4-bit GPTQ/AWQ without act-order): the kernel layout of brrr/kernels/quant_matmul.py (codes packed per
-       group half, scales and zeros [K/g, N]); forward = `w4a16_matmul` (Triton on CUDA, torch reference elsewhere)
+       group half, stored `chunk_major`; scales and zeros [K/g, N]); forward = `w4a16_matmul` (Triton on CUDA,
+       torch reference elsewhere)
   int8: as stored; forward = `w8a16_matmul`, or with activations="int8" (SmoothQuant W8A8) per-token int8
        activations through `torch._int_mm` (brrr/quant/w8a8.py)
   fp8: as stored; weight-only dequantizes, activations="fp8" (FP8 W8A8) runs `torch._scaled_mm`
@@ -17,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brrr.kernels.quant_matmul import (dequantize_w4, pack_int4_kernel, unpack_int4_kernel, w4a16_matmul,
-                                       w8a16_matmul)
+from brrr.kernels.quant_matmul import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel,
+                                       w4a16_matmul, w8a16_matmul)
 from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4
 
@@ -40,7 +41,7 @@ class QuantLinear(nn.Module):
             self.fmt, self.group_size = "int4", in_features // scales.shape[0]
             symmetric = bool((zeros == 8).all())
             # bf16 models keep bf16 scales (what the kernel's bf16 dequant multiplies by); others fp32
-            kernel = {"qweight": pack_int4_kernel(codes, self.group_size),
+            kernel = {"qweight": chunk_major(pack_int4_kernel(codes, self.group_size)),
                       "scales": scales.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32).contiguous(),
                       "zeros": None if symmetric else zeros.to(torch.uint8).contiguous()}
         else:
@@ -64,12 +65,12 @@ class QuantLinear(nn.Module):
         new.fmt, new.in_features, new.activations = first.fmt, first.in_features, first.activations
         new.out_features, new.group_size = sum(m.out_features for m in mods), first.group_size
         new.stored_bits, new.tensor_names = sum(m.stored_bits for m in mods), first.tensor_names
-        if first.fmt == "int4":  # qweight [N, K/2] by rows; scales, zeros [K/g, N] by columns
+        if first.fmt == "int4":  # qweight [N, ...] chunk-major by rows; scales, zeros [K/g, N] by columns
             zeros = None
             if any(m.zeros is not None for m in mods):
                 zeros = torch.cat([torch.full_like(m.scales, 8, dtype=torch.uint8) if m.zeros is None else m.zeros
                                    for m in mods], dim=1)
-            tensors = {"qweight": torch.cat([m.qweight for m in mods]),
+            tensors = {"qweight": chunk_major(torch.cat([m.qweight for m in mods])),
                        "scales": torch.cat([m.scales for m in mods], dim=1), "zeros": zeros}
         else:  # qweight [N, K], scales [N] (an fp8 per-tensor scale [1] repeats per row)
             tensors = {"qweight": torch.cat([m.qweight for m in mods]),

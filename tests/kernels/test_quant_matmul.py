@@ -41,6 +41,38 @@ def test_int4_kernel_layout_packs_each_group_s_halves_into_low_and_high_nibbles(
     assert torch.equal(qm.unpack_int4_kernel(packed, 64), codes.to(torch.uint8))
 
 
+def test_chunk_major_stores_every_row_s_first_64_bytes_then_the_next():
+    codes = torch.randint(0, 16, (5, 256), generator=torch.Generator().manual_seed(2))
+    packed = qm.pack_int4_kernel(codes, 32)
+    chunked = qm.chunk_major(packed)
+    assert chunked.shape == (5, 2, 64) and chunked.stride() == (64, 5 * 64, 1)  # chunk c of row n at c*320 + n*64
+    assert torch.equal(chunked.reshape(5, 128), packed) and torch.equal(qm.unpack_int4_kernel(chunked, 32), codes)
+    assert qm._packed_strides(chunked) == (64, 320) and qm._packed_strides(packed) == (128, 64)
+    assert qm._packed_strides(qm._words(chunked)) == (16, 80) and qm._packed_strides(qm._words(packed)) == (32, 16)
+    rows = qm.pack_int4_kernel(codes[:, :96], 32)  # 48 bytes a row: not whole chunks, stays by rows
+    assert qm.chunk_major(rows) is rows
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_every_w4_kernel_reads_the_chunk_major_layout(device, group):
+    """One candidate of each int4 family (tensor-core decode, MMA decode, GEMV, MMA GEMV, tiled, mid-M split K,
+    dequantize) gives the same bits from the chunk-major view as from rows. K = 384: 3 chunks of 12 / 6 / 3 groups,
+    so g32 and g64 groups also start inside a chunk."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(group, 33, False, groups=384 // group)
+    x, qweight, scales, zeros, bias = (t.to(device) for t in (x, qweight, scales, zeros, bias))
+    chunked = qm.chunk_major(qweight)
+    assert chunked.dim() == 3
+    decode = qm.w4_configs(1, group)
+    cases = [(1, decode[0]), (1, next(c for c in decode if c.get("MMA"))), (1, _gemv(1, 0)),
+             (17, qm.w4_configs(17, group)[0]), (33, dict(qm.w4_configs(33, group)[len(qm.TILED_CONFIGS)], SPLIT_K=2))]
+    cases += [(1, dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=2))] if group == 128 else []
+    for m, cfg in cases:
+        by_rows = qm.w4a16_matmul_triton(x[:m], qweight, scales, zeros, group, bias, config=cfg)
+        assert torch.equal(qm.w4a16_matmul_triton(x[:m], chunked, scales, zeros, group, bias, config=cfg), by_rows), cfg
+    assert torch.equal(qm.dequantize_w4_triton(chunked, scales, zeros, group, torch.float32),
+                       qm.dequantize_w4_triton(qweight, scales, zeros, group, torch.float32))
+
+
 @pytest.mark.parametrize("group,m,symmetric,cfg", W4_CASES)
 def test_w4a16_kernel_matches_reference(device, group, m, symmetric, cfg):
     x, qweight, scales, zeros, bias, _ = _w4_problem(group, m, symmetric)

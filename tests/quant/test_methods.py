@@ -97,3 +97,16 @@ def test_packed_quantized_projections_compute_what_the_separate_ones_do(tiny_dir
     attn = model.model.layers[0].self_attn
     assert attn.q_proj is None and isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 192
     torch.testing.assert_close(_logits(model, calib), before, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_projections_are_stored_chunk_major_also_when_packed_together():
+    """QuantLinear keeps int4 weights in the kernels' chunk-major layout (brrr/kernels/quant_matmul.chunk_major);
+    q/k/v or gate/up joined by `concat` keep it, and compute what the separate ones do."""
+    g = torch.Generator().manual_seed(0)
+    mods = [QuantLinear("int4", formats.quantize_int4(torch.randn(n, 256, generator=g), 32), 256, n, None) for n in (48, 16)]
+    joined = QuantLinear.concat(mods)
+    for q in mods + [joined]:
+        n = q.out_features
+        assert q.qweight.shape == (n, 2, 64) and q.qweight.stride() == (64, n * 64, 1)
+    x = torch.randn(3, 256, generator=g)
+    torch.testing.assert_close(joined(x), torch.cat([m(x) for m in mods], dim=1), rtol=1e-6, atol=1e-6)

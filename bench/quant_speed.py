@@ -12,7 +12,8 @@ Three sections, one JSON record per result (stdout, and appended to --out):
   decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
            for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine packs the
            bf16 model, pack_quantized_projections the quantized ones; -lmhead: lm_head quantized too), plus the device time of one captured decode
-           step (graph replay alone), which separates kernel speed from the engine's host work per step.
+           step (graph replay alone), which separates kernel speed from the engine's host work per step;
+           with --kernels, each kernel's device time in that step.
 
   PYTHONPATH=$PWD python bench/quant_speed.py --out bench/results/quant_speed_h200.jsonl
 """
@@ -139,6 +140,20 @@ def model_bytes(model) -> int:
     return total
 
 
+def step_kernels(graph, replays: int = 20) -> list[tuple[str, float, float]]:
+    """(kernel name, device us a step, launches a step) of a captured decode step: torch.profiler over replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()]
+    return sorted(((k, t / replays, c / replays) for k, t, c in rows if t > 0), key=lambda r: -r[1])
+
+
 def section_decode(args, machine, bandwidth):
     from brrr.bench.latency import run_batch
     from brrr.bench.random_model import model_config, random_model
@@ -184,6 +199,11 @@ def section_decode(args, machine, bandwidth):
                 rec.update(graph_step_us=round(step_us, 1), graph_tok_s=round(batch * 1e6 / step_us, 1),
                            graph_speedup_vs_bf16=round(base[batch][1] / step_us, 2) if base[batch][1] else None)
             emit(rec, args.out)
+            if args.kernels and step_us:
+                kernels = step_kernels(graphs[batch][0])
+                emit({"bench": "quant_step_kernels", "machine": machine, "variant": variant, "batch": batch,
+                      "kernel_us": round(sum(t for _, t, _ in kernels), 1),
+                      "kernels": [[k[:90], round(t, 2), round(c, 1)] for k, t, c in kernels]}, args.out)
         del engine, model
         gc.collect()
         torch.cuda.empty_cache()
@@ -213,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-m", nargs="+", type=int, default=[1, 16, 64, 256], help="rows of x in the gemm section")
     p.add_argument("--prompt-len", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--kernels", action="store_true", help="decode: also each kernel's device time in one captured "
+                   "step (torch.profiler over graph replays)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/quant_speed.py needs a CUDA GPU", file=sys.stderr)

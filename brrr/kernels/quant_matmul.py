@@ -60,8 +60,9 @@ def chunk_major(packed: torch.Tensor) -> torch.Tensor:
     """The kernel layout [N, K/2] as a view [N, K/128, CHUNK] whose storage holds every row's first 64 bytes (128
     codes), then every row's next 64, ...: at M = 1 a warp's loads (8 rows x 64 bytes) are one 512-byte run
     instead of 8 half-used lines a row apart, and each step of a program reads one contiguous block (on the H200
-    the M = 1 kernel ran 1.25x faster on gate_up, 1.46x on the 128256-row lm_head). Kernels take the layout from
-    the strides (`_packed_strides`); K/2 not a multiple of CHUNK stays [N, K/2] by rows."""
+    the M = 1 kernel ran 1.19x faster on gate_up, 1.49x on the 128256-row lm_head: bench/results/
+    quant_speed_h200_chunk_major.jsonl). Kernels take the layout from the strides (`_packed_strides`); K/2 not a
+    multiple of CHUNK stays [N, K/2] by rows."""
     n = packed.shape[0]
     if math.prod(packed.shape[1:]) % CHUNK:
         return packed
@@ -576,12 +577,11 @@ if triton is not None:
                            HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
                            STAGES: tl.constexpr, PDL: tl.constexpr):
         """P: the int4 kernel layout viewed as int32 words (strides in words; a step's 4 x CHUNKS words never
-        cross a chunk). One loop iteration is one
-        group: its scales and zeros are loaded once, then GROUP/32/CHUNKS steps of CHUNKS 16-byte chunks (32 codes
-        each) per row. K is a multiple of GROUP, so only rows are masked. Scales and zeros are loaded as [BLOCK_N,
-        CHUNKS] tiles (each thread the rows it holds) through stride_sn, their stride along N (1) left unspecialized:
-        known contiguous, the compiler would load them in a layout of their own and convert it through shared
-        memory on every group."""
+        cross a chunk). One loop iteration is one group: its scales and zeros are loaded once, then GROUP/32/CHUNKS
+        steps of CHUNKS 16-byte chunks (32 codes each) per row. K is a multiple of GROUP, so only rows are masked.
+        Scales and zeros are loaded as [BLOCK_N, CHUNKS] tiles (each thread the rows it holds) through stride_sn,
+        their stride along N (1) left unspecialized: known contiguous, the compiler would load them in a layout of
+        their own and convert it through shared memory on every group."""
         pid_n = tl.program_id(0)
         SUB: tl.constexpr = GROUP // 32 // CHUNKS
         HALF: tl.constexpr = GROUP // 2

@@ -65,7 +65,7 @@ class QuantLinear(nn.Module):
         new.fmt, new.in_features, new.activations = first.fmt, first.in_features, first.activations
         new.out_features, new.group_size = sum(m.out_features for m in mods), first.group_size
         new.stored_bits, new.tensor_names = sum(m.stored_bits for m in mods), first.tensor_names
-        if first.fmt == "int4":  # qweight [N, ...] chunk-major by rows; scales, zeros [K/g, N] by columns
+        if first.fmt == "int4":  # qweight joined along N, kept chunk-major; scales, zeros [K/g, N] by columns
             zeros = None
             if any(m.zeros is not None for m in mods):
                 zeros = torch.cat([torch.full_like(m.scales, 8, dtype=torch.uint8) if m.zeros is None else m.zeros

@@ -103,7 +103,8 @@ def test_int4_projections_are_stored_chunk_major_also_when_packed_together():
     """QuantLinear keeps int4 weights in the kernels' chunk-major layout (brrr/kernels/quant_matmul.chunk_major);
     q/k/v or gate/up joined by `concat` keep it, and compute what the separate ones do."""
     g = torch.Generator().manual_seed(0)
-    mods = [QuantLinear("int4", formats.quantize_int4(torch.randn(n, 256, generator=g), 32), 256, n, None) for n in (48, 16)]
+    mods = [QuantLinear("int4", formats.quantize_int4(torch.randn(n, 256, generator=g), 32), 256, n, None)
+            for n in (48, 16)]
     joined = QuantLinear.concat(mods)
     for q in mods + [joined]:
         n = q.out_features

@@ -327,26 +327,26 @@ if triton is not None:
     # kernel and ~3.9-4.4 for the GEMV; on the H200 all three run at about the same weights per second (0.94-1.65 TB/s
     # against bf16's 2.7-4.0; neither the access pattern nor bytes in flight is why, docs/quantization.md), and the
     # tuner takes this one for some shapes (q/o, down at M = 1).
+    def _word_nibbles_ptx(word: str, regs: tuple, out: tuple, nz: tuple, magic: str, kind: str) -> list[list[str]]:
+        """PTX turning one 32-bit word of packed codes into four bf16x2/f16x2 pairs q - z, in four stages (callers
+        converting two words interleave them stage by stage): two prmt and two shifts spread the nibbles into the
+        16-bit halves of `regs` (bytes 0-1 low, 2-3 low, 0-1 high, 2-3 high nibbles), four lop3 OR in `magic` (128
+        or 1024, so each half reads magic + q) and four fma add nz = -(magic + z) into `out`. Needs registers
+        `zero` (0) and `one` (1.0 in both halves)."""
+        t0, t1, u0, u1 = regs
+        return [[f"prmt.b32 {t0}, {word}, zero, 0x4140;", f"prmt.b32 {t1}, {word}, zero, 0x4342;"],
+                [f"shr.b32 {u0}, {t0}, 4;", f"shr.b32 {u1}, {t1}, 4;"],
+                [f"lop3.b32 {r}, {r}, 0x000F000F, {magic}, 0xEA;" for r in regs],
+                [f"fma.rn.{kind} {o}, {r}, one, {n};" for o, r, n in zip(out, regs, nz)]]
+
     def _nibbles_asm(one: str, magic: str, kind: str) -> str:
         """`_codes_minus_zero`'s PTX for one 16-bit type: `one` and `magic` are its 1.0 and 128 (bf16) or 1024
         (fp16) in both halves, `kind` the packed type of the fma."""
-        return f"""{{
-        .reg .b32 zero, one, t0, t1, u0, u1;
-        mov.b32 zero, 0;
-        mov.b32 one, {one};
-        prmt.b32 t0, $4, zero, 0x4140;
-        prmt.b32 t1, $4, zero, 0x4342;
-        shr.b32 u0, t0, 4;
-        shr.b32 u1, t1, 4;
-        lop3.b32 t0, t0, 0x000F000F, {magic}, 0xEA;
-        lop3.b32 t1, t1, 0x000F000F, {magic}, 0xEA;
-        lop3.b32 u0, u0, 0x000F000F, {magic}, 0xEA;
-        lop3.b32 u1, u1, 0x000F000F, {magic}, 0xEA;
-        fma.rn.{kind} $0, t0, one, $5;
-        fma.rn.{kind} $1, t1, one, $6;
-        fma.rn.{kind} $2, u0, one, $5;
-        fma.rn.{kind} $3, u1, one, $6;
-        }}"""
+        lines = [".reg .b32 zero, one, t0, t1, u0, u1;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+        for stage in _word_nibbles_ptx("$4", ("t0", "t1", "u0", "u1"), ("$0", "$1", "$2", "$3"), ("$5", "$6") * 2,
+                                       magic, kind):
+            lines += stage
+        return "{\n" + "\n".join(lines) + "\n}"
 
     _NIBBLES_BF16 = tl.constexpr(_nibbles_asm("0x3F803F80", "0x43004300", "bf16x2"))
     _NIBBLES_F16 = tl.constexpr(_nibbles_asm("0x3C003C00", "0x64006400", "f16x2"))
@@ -720,13 +720,12 @@ if triton is not None:
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32"
         body = []
         for m in range(4):
-            body += [f"prmt.b32 t0, ${8 + m}, zero, 0x4140;", f"prmt.b32 t1, ${8 + m}, zero, 0x4342;",
-                     f"prmt.b32 v0, ${12 + m}, zero, 0x4140;", f"prmt.b32 v1, ${12 + m}, zero, 0x4342;"]
-            body += [f"shr.b32 {a}, {b}, 4;" for a, b in (("u0", "t0"), ("u1", "t1"), ("y0", "v0"), ("y1", "v1"))]
-            body += [f"lop3.b32 {r}, {r}, 0x000F000F, {magic}, 0xEA;" for r in ("t0", "t1", "u0", "u1", "v0", "v1",
-                                                                                "y0", "y1")]
-            body += [f"fma.rn.{kind} {r}, {r}, one, ${24 if r < 'v' else 28};" for r in ("t0", "t1", "u0", "u1",
-                                                                                         "v0", "v1", "y0", "y1")]
+            tile_a = _word_nibbles_ptx(f"${8 + m}", ("t0", "t1", "u0", "u1"), ("t0", "t1", "u0", "u1"), ("$24",) * 4,
+                                       magic, kind)
+            tile_b = _word_nibbles_ptx(f"${12 + m}", ("v0", "v1", "y0", "y1"), ("v0", "v1", "y0", "y1"), ("$28",) * 4,
+                                       magic, kind)
+            for a, b in zip(tile_a, tile_b):
+                body += a + b
             body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
                      f"{mma} {{d0, d1, d2, d3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{d0, d1, d2, d3}};",
                      f"mov.b64 {{xa, xb}}, ${20 + m};",

@@ -291,7 +291,7 @@ class KernelBench:
             k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, KVH, ctx, D]
             v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
             peers = self._sdpa_peers(q[:, :, None, :], k, v, causal=False)
-            splits = decode_splits(batch, KV_HEADS, context, q.device)
+            splits = decode_splits(batch, KV_HEADS, context, q.device)[0]
             self.emit(decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM),
                       {"batch": batch, "context": context, "heads": HEADS, "kv_heads": KV_HEADS,
                        "head_dim": HEAD_DIM, "block_size": BLOCK, "paged": True}, seconds, peers,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
+from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
 from brrr.kernels.pdl import pdl_on
 from brrr.kernels.rotary import apply_rotary, apply_rotary_triton, rotary_triton_ok
 
@@ -204,15 +204,17 @@ if triton is not None:
         return blk * stride_cb + (n % block_size) * stride_ct + kvh * stride_ch
 
     @triton.jit
-    def _decode_kernel(Q, KC, VC, O, OP, MLP, CU_Q, CTX, BT,
+    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT,
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                       block_size, qk_scale, window, partition, n_heads, num_splits,
+                       block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
+                       PREC: tl.constexpr, PDL: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
-        the dot products), one split of the context. Unsplit (SPLIT False) it writes the output; split, it writes
-        partial (acc, m, l) for _decode_reduce_kernel. Everything is read from device memory: graph-capturable."""
+        the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
+        host, so graphs keep it); each sequence cuts its own context into `decode_parts` of them, read from its
+        length on the device, and the programs past those return. A sequence in one part writes its output; in
+        several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync."""
         wait_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -221,6 +223,16 @@ if triton is not None:
         if tl.load(CU_Q + b + 1) - q_row != 1:  # a prefill chunk: the prefill kernel's
             return
         ctx = tl.load(CTX + b)
+        lo = 0
+        if SLIDING:  # the query sits at ctx - 1 and sees keys > ctx - 1 - window
+            lo = tl.maximum(0, ctx - window)
+        parts, part = 1, ctx - lo
+        if SPLIT:
+            parts, part = _decode_parts(ctx - lo, num_splits, wave, min_part, long_part, BLOCK_N)
+            if split >= parts:
+                return
+        lo += split * part
+        hi = tl.minimum(ctx, lo + part)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kvh * GROUP + g
@@ -228,12 +240,6 @@ if triton is not None:
         dm = d < HEAD_DIM
         q = tl.load(Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
                     mask=gm[:, None] & dm[None, :], other=0.0)
-        lo = split * partition
-        hi = tl.minimum(ctx, lo + partition)
-        if split == num_splits - 1:  # the last split takes whatever is left, so a low bound can't drop keys
-            hi = ctx
-        if SLIDING:  # the query sits at ctx - 1 and sees keys > ctx - 1 - window
-            lo = tl.maximum(lo, ctx - window)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -246,39 +252,59 @@ if triton is not None:
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
+        o_mask = gm[:, None] & dm[None, :]
         if not SPLIT:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
-            tl.store(O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
-                     out.to(O.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+            _write_out(acc, l_i, o_ptrs, o_mask)
+        elif parts == 1:
+            _write_out(acc, l_i, o_ptrs, o_mask)
         else:
-            part = (b * n_heads + heads).to(tl.int64) * num_splits + split  # [B, H, S] layout
-            tl.store(OP + part[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
-            tl.store(MLP + 2 * part, m_i, mask=gm)
-            tl.store(MLP + 2 * part + 1, l_i, mask=gm)
+            base = (b * n_heads + heads).to(tl.int64) * num_splits  # partials [B, H, S]
+            tl.store(OP + (base + split)[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
+            tl.store(MLP + 2 * (base + split), m_i, mask=gm)
+            tl.store(MLP + 2 * (base + split) + 1, l_i, mask=gm)
+            tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
+            count = COUNTS + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel") == parts - 1:
+                _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, BLOCK_S)
+                tl.atomic_xchg(count, 0)
 
     @triton.jit
-    def _decode_reduce_kernel(O, OP, MLP, CU_Q, stride_on, stride_oh, n_heads, num_splits,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-        """Combine the splits of one (sequence, head): weights exp2(m_s - max m), normalised by the weighted l."""
-        wait_previous(PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        q_row = tl.load(CU_Q + b)
-        if tl.load(CU_Q + b + 1) - q_row != 1:
-            return
+    def _write_out(acc, l_i, o_ptrs, o_mask):
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
+
+    @triton.jit
+    def _decode_parts(span, num_splits, wave, min_part, long_part, BLOCK_N: tl.constexpr):
+        """(parts, keys a part) for a context of `span` keys: parts of min_part keys up to one wave of programs
+        (batch x kv heads x wave fill the GPU once), past that parts of long_part keys up to num_splits. Up to two
+        parts' worth is read whole (one program over two tiles beat two and their combine on the H200). A part is
+        whole key tiles, and no part is empty."""
+        parts = tl.maximum(tl.minimum(wave, tl.cdiv(span, min_part)), tl.cdiv(span, long_part))
+        parts = tl.where(span <= 2 * min_part, 1, tl.minimum(parts, num_splits))
+        part = tl.maximum(BLOCK_N, tl.cdiv(tl.cdiv(span, parts), BLOCK_N) * BLOCK_N)
+        return tl.maximum(1, tl.cdiv(span, part)), part
+
+    @triton.jit
+    def _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
+        """The output of GROUP heads from their `parts` partials: weights exp2(m_s - max m), normalised by the
+        weighted l. Read through L2 (.cg): other programs wrote them."""
         s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        sm = s < num_splits
-        part = (b * n_heads + h).to(tl.int64) * num_splits + s
-        m = tl.load(MLP + 2 * part, mask=sm, other=float("-inf"))
-        l = tl.load(MLP + 2 * part + 1, mask=sm, other=0.0)
-        m_max = tl.max(m, 0)
-        w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-        total = tl.sum(l * w, 0)
-        acc = tl.load(OP + part[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty),
-                 mask=d < HEAD_DIM)
+        sm = gm[:, None] & (s < parts)[None, :]
+        m = tl.load(MLP + 2 * (base[:, None] + s[None, :]), mask=sm, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.max(m, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a part with no keys weighs 0
+        l = tl.load(MLP + 2 * (base[:, None] + s[None, :]) + 1, mask=sm, other=0.0, cache_modifier=".cg")
+        total = tl.sum(l * tl.math.exp2(m - m_max[:, None]), 1)
+        out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t in range(parts):
+            m_t = tl.load(MLP + 2 * (base + t), mask=gm, other=float("-inf"), cache_modifier=".cg")
+            acc = tl.load(OP + (base + t)[:, None] * BLOCK_D + d[None, :], mask=gm[:, None], other=0.0,
+                          cache_modifier=".cg")
+            out += acc * tl.math.exp2(m_t - m_max)[:, None]
+        out = out / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
 
     @triton.jit
     def _prefill_kernel(Q, K, V, KC, VC, O, CU_Q, CTX, BT,
@@ -412,41 +438,51 @@ def _precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def decode_splits(batch: int, n_kv: int, max_context: int, device) -> int:
-    """How many parts to cut each context into. When batch x kv_heads programs already fill one wave of the GPU,
-    none (splitting a full batch only adds the reduction: 93% -> 88% of copy bandwidth at 64 x 4k on the H200);
-    below that, enough for ~4 programs per SM, never a part under 512 keys, at most MAX_SPLITS. Depends only on
-    host-known bounds, so a captured graph keeps it. (bench/results/kernels_h200.jsonl, the decode sweep.)"""
+# Keys a part of a split context holds at least: up to one wave of programs (DECODE_MIN_PART, one 128-key tile),
+# past it (DECODE_LONG_PART). From the H200 sweeps (bench/results/decode_attention_splits_h200.jsonl): batch 1 x
+# 500-2000 keys ran fastest in 128-key parts up to 16 (one wave), 4-8k in 16 parts, 32k in 64 of 512.
+DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
+
+
+def decode_splits(batch: int, n_kv: int, max_context: int, device) -> tuple[int, int]:
+    """(grid parts a sequence, parts that fill one wave) for the decode kernel. When batch x kv_heads programs
+    already fill a wave of the GPU, no split (splitting a full batch only adds the reduction: 93% -> 88% of copy
+    bandwidth at 64 x 4k on the H200), nor when they fill half of one and contexts are short (16 x 16-500 keys:
+    the grid's idle parts cost more than splitting saves); otherwise up to ~4 programs an SM, none below
+    DECODE_MIN_PART keys of the bound, at most MAX_SPLITS. The kernel picks each sequence's own count from its
+    length (`_decode_parts`); these bounds depend only on host-known sizes, so a captured graph keeps them."""
     programs = batch * n_kv
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    if programs >= sms:
-        return 1
-    return max(1, min(-(-4 * sms // programs), -(-max_context // 512), MAX_SPLITS))
+    if programs >= sms or (2 * programs > sms and max_context <= SHORT_CONTEXT):
+        return 1, 1
+    return max(1, min(-(-4 * sms // programs), -(-max_context // DECODE_MIN_PART), MAX_SPLITS)), sms // programs
 
 
-# Unsplit batches whose contexts are all this short take 128-key tiles, 3 stages: 3.95-3.97 vs 3.69 TB/s at 256
+# Full batches (not split) whose contexts are all this short take 128-key tiles: 3.95-3.97 vs 3.69 TB/s at 256
 # sequences of 100-2000 keys, 3.78 vs 3.59 at 128 x 1k; at 64 x 4k they lose (3.48 vs 4.15), so longer contexts keep
 # 64 (bench/results/decode_tiles_h200.jsonl). CUDA graphs capture both and replay by the batch's longest context.
 SHORT_CONTEXT = 2048
 
 
-def decode_stages(splits: int, block_d: int) -> int:
-    """Pipeline depth of the decode kernel's K/V loads, from the H200 sweeps: unsplit 2 (bench/results/
-    decode_layout_h200.jsonl: 3.66 vs 3.57 TB/s at 256 sequences of 100-2000 keys, 4.07 vs 3.98 at 64 x 4k); split
-    into a few parts 2 (more programs fit per SM: 16 x 8k, 5 splits: 87% vs 67% with 3); split into many parts
-    (one long sequence) 4 (1 x 32k, 64 splits: 58% vs 50% with 2). hd256 tiles fit 2 stages."""
+def decode_tile(splits: int, block_d: int, max_context: int) -> tuple[int, int]:
+    """(keys a tile, pipeline stages) of the decode kernel. Split grids (fewer sequences than a wave) and short full
+    batches: 128 x 3 (H200, bench/results/decode_attention_splits_h200.jsonl: batch 1-4 at 500-8000 keys 25-45%
+    faster than 64-key tiles, 9% slower at 1 x 32k); long full batches 64 x 2 (bench/results/
+    decode_layout_h200.jsonl); head dim 256 32 x 2 (what fits in shared memory)."""
     if block_d >= 256:
-        return 2
-    return 4 if splits >= 32 else 2
+        return 32, 2
+    return (128, 3) if splits > 1 or max_context <= SHORT_CONTEXT else (64, 2)
 
 
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             sliding_window=None, max_context_len=None, out=None, num_splits=None,
-                            block_n=None, num_warps=4, num_stages=None):
+                            block_n=None, num_warps=4, num_stages=None, min_part=DECODE_MIN_PART):
     """Sequences with one new token: q [N, H, D] (row cu_seqlens_q[b] is sequence b's query when it has one new
     token; other sequences are skipped), paged k/v cache, context_lens [B] int32 on the device -> out [N, H, D].
-    No host synchronisation and a grid fixed by (B, kv heads, max_context_len): CUDA-graph capturable."""
+    No host synchronisation and a grid fixed by (B, kv heads, max_context_len): CUDA-graph capturable.
+    num_splits: the parts a sequence may be cut into (default `decode_splits`); each sequence takes as many of
+    them as its own length asks, parts of at least min_part keys."""
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -456,31 +492,26 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     block_d = next_power_of_2(dim)
-    splits = num_splits or decode_splits(batch, n_kv, max_context_len, q.device)
-    short = splits == 1 and max_context_len <= SHORT_CONTEXT and block_d <= 128
-    block_n = block_n or (128 if short else 32 if block_d >= 256 else 64)
-    num_stages = num_stages or (3 if short and block_n == 128 else decode_stages(splits, block_d))
-    partition = -(-(-(-max_context_len // splits)) // block_n) * block_n
+    splits, wave = (num_splits, num_splits) if num_splits else decode_splits(batch, n_kv, max_context_len, q.device)
+    splits = min(splits, MAX_SPLITS)
+    tile, stages = decode_tile(splits, block_d, max_context_len)
+    block_n, num_stages = block_n or tile, num_stages or stages
     group = n_heads // n_kv
     if splits > 1:
         partial = torch.empty(batch * n_heads * splits * block_d, dtype=torch.float32, device=q.device)
         max_sum = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
+        counts = arrival_counts(q.device, batch * n_kv)
     else:
-        partial = max_sum = out  # unused
+        partial = max_sum = counts = out  # unused
     pdl = pdl_on(q)
     _decode_kernel[(batch, n_kv, splits)](
-        q, k_cache, v_cache, out, partial, max_sum, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, scale * LOG2E, sliding_window or 0, partition, n_heads, splits,
+        block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=splits > 1, SLIDING=sliding_window is not None, PREC=_precision(q),
+        BLOCK_S=MAX_SPLITS, SPLIT=splits > 1, SLIDING=sliding_window is not None, PREC=_precision(q),
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl > 0)
-    if splits > 1:
-        # one BLOCK_S for every split count: the count is a run-time argument, so nothing recompiles as it moves
-        _decode_reduce_kernel[(batch, n_heads)](out, partial, max_sum, cu_seqlens_q, out.stride(0), out.stride(1),
-                                                n_heads, splits, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
-                                                num_warps=4, PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 

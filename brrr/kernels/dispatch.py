@@ -61,3 +61,15 @@ def next_power_of_2(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counts(device, n: int) -> torch.Tensor:
+    """int32 counters for kernels whose last-arriving program finishes a job (split-K GEMMs, split-KV decode):
+    zeroed once and left at zero by every launch that uses them, so kernels in one stream share them."""
+    counts = _ARRIVALS.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _ARRIVALS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts

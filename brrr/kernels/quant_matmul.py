@@ -38,7 +38,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import next_power_of_2, num_sms, use_triton
+from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
 from brrr.kernels.pdl import pdl_on
 
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
@@ -982,15 +982,6 @@ def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
 
 _TUNED: dict[tuple, dict] = {}
 TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _locks(device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counts for split K: zeroed once, each left at zero by the launch that used it."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < tiles:
-        locks = _LOCKS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return locks
 
 
 def _pick(key: tuple, configs: list[dict], run) -> dict:
@@ -1029,7 +1020,7 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
-    locks = _locks(x2.device, tiles) if split > 1 else y
+    locks = arrival_counts(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
     # PDL (brrr/kernels/pdl.py): at M <= GEMV_M the next kernel may launch from the epilogue (3); above, not early
     # at all (1): on the H200 an early launch after a 16-row W8A16 GEMM made the step slower (bench/pdl_decode.py)

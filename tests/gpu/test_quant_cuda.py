@@ -17,6 +17,7 @@ from brrr.generate import generate_tokens
 from brrr.kernels import AttnMeta
 from brrr.kernels import pdl
 from brrr.kernels import quant_matmul as qm
+from brrr.kernels import dispatch
 from brrr.kernels.dispatch import use_reference
 from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
@@ -234,7 +235,7 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, first)
-        assert int(qm._LOCKS[x.device].sum()) == 0
+        assert int(dispatch._ARRIVALS[x.device].sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from brrr.kernels import dispatch
 from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton,
                                     decode_splits, prefill_attention_triton, write_kv_ref, write_kv_triton)
 
@@ -102,7 +103,7 @@ def test_decode_split_kv(device, splits, window):
     write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
     ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
     out = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
-                                  num_splits=splits, block_n=16)
+                                  num_splits=splits, block_n=16, min_part=1)
     assert_close(out.view(3, -1), ref, torch.float32)
 
 
@@ -113,7 +114,7 @@ def test_decode_low_context_bound_still_reads_everything(device):
     write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
     ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
     out = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2,
-                                  max_context_len=16, num_splits=2, block_n=16)
+                                  max_context_len=16, num_splits=2, block_n=16, min_part=1)
     assert_close(out.view(2, -1), ref, torch.float32)
 
 
@@ -125,7 +126,7 @@ def test_decode_padded_rows_and_prefill_rows(device):
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
         decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, out=out,
-                                num_splits=splits, block_n=16)
+                                num_splits=splits, block_n=16, min_part=1)
         assert torch.isfinite(out[0]).all()
         assert torch.isnan(out[1:4]).all()  # rows of the 3-token sequence: not the decode kernel's
         assert torch.equal(out[4], torch.zeros_like(out[4]))
@@ -179,12 +180,33 @@ def test_prefill_tile_configs(device):
 
 
 def test_decode_splits_heuristic():
-    """A batch that fills a wave of the GPU is not split; fewer sequences x kv heads on a long context are, to
-    ~4 programs per SM, never into parts under 512 keys, at most 64."""
+    """A batch that fills a wave of the GPU is not split, nor one filling half a wave under a short bound; fewer
+    sequences x kv heads are, up to ~4 programs per SM and at most 64 parts, never more than the bound has
+    DECODE_MIN_PART-key parts; the wave is what fits once."""
     dev = torch.device("cpu")  # 132 SMs assumed off a GPU
-    assert decode_splits(64, 8, 4096, dev) == 1
-    assert decode_splits(17, 8, 4096, dev) == 1
-    assert decode_splits(16, 8, 8192, dev) == math.ceil(4 * 132 / 128)
-    assert decode_splits(1, 8, 32768, dev) == 64
-    assert decode_splits(1, 8, 1000, dev) == 2
-    assert decode_splits(1, 1, 10**6, dev) == 64
+    assert decode_splits(64, 8, 4096, dev) == (1, 1)
+    assert decode_splits(17, 8, 4096, dev) == (1, 1)
+    assert decode_splits(16, 8, 8192, dev) == (math.ceil(4 * 132 / 128), 1)
+    assert decode_splits(16, 8, 2048, dev) == (1, 1)
+    assert decode_splits(1, 8, 32768, dev) == (64, 16)
+    assert decode_splits(1, 8, 2048, dev) == (16, 16)
+    assert decode_splits(1, 8, 100, dev) == (1, 16)
+    assert decode_splits(1, 1, 10**6, dev) == (64, 132)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_decode_parts_from_each_context(device, block_n):
+    """One graph-sized launch (a bound of 64 parts) over sequences of 1 to 300 keys, each cut by its own length:
+    one part (written directly), several (combined by the last to arrive), the bound's last part, and every
+    arrival count left at zero for the next launch."""
+    lens = [1, 17, 40, 64, 65, 200, 300]
+    q, k, v, meta = make_step([1] * len(lens), lens, 4, 2, 32, 16, torch.float32, device, seed=3)
+    ref = attention_ref(q, k, v, clone_meta(meta), 0, 0.2)
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
+    for min_part in (16, 48, 1000):
+        out = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2,
+                                      num_splits=64, block_n=block_n, min_part=min_part)
+        assert_close(out.view(len(lens), -1), ref, torch.float32)
+    assert int(dispatch._ARRIVALS[ctx.device].sum()) == 0
+

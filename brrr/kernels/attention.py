@@ -208,8 +208,8 @@ if triton is not None:
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                        block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
-                       PREC: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
+                       SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `decode_parts` of them, read from its
@@ -266,7 +266,7 @@ if triton is not None:
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             count = COUNTS + b * tl.num_programs(1) + kvh
             if tl.atomic_add(count, 1, sem="acq_rel") == parts - 1:
-                _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, BLOCK_S)
+                _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, BLOCK_S, UNROLL)
                 tl.atomic_xchg(count, 0)
 
     @triton.jit
@@ -287,9 +287,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
+                       BLOCK_S: tl.constexpr, UNROLL: tl.constexpr):
         """The output of GROUP heads from their `parts` partials: weights exp2(m_s - max m), normalised by the
-        weighted l. Read through L2 (.cg): other programs wrote them."""
+        weighted l; UNROLL parts' loads in flight at once (a loop of one at a time waited on L2 per part: 1 x 32k
+        keys 61 us against 52). Read through L2 (.cg): other programs wrote them. Tiles stay [BLOCK_G, BLOCK_D],
+        the main loop's: a [heads, parts, dim] one cost every launch ~1 us on the H200, combining or not."""
         s = tl.arange(0, BLOCK_S)
         sm = gm[:, None] & (s < parts)[None, :]
         m = tl.load(MLP + 2 * (base[:, None] + s[None, :]), mask=sm, other=float("-inf"), cache_modifier=".cg")
@@ -298,11 +300,14 @@ if triton is not None:
         l = tl.load(MLP + 2 * (base[:, None] + s[None, :]) + 1, mask=sm, other=0.0, cache_modifier=".cg")
         total = tl.sum(l * tl.math.exp2(m - m_max[:, None]), 1)
         out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for t in range(parts):
-            m_t = tl.load(MLP + 2 * (base + t), mask=gm, other=float("-inf"), cache_modifier=".cg")
-            acc = tl.load(OP + (base + t)[:, None] * BLOCK_D + d[None, :], mask=gm[:, None], other=0.0,
-                          cache_modifier=".cg")
-            out += acc * tl.math.exp2(m_t - m_max)[:, None]
+        for c in range(0, parts, UNROLL):
+            for u in tl.static_range(UNROLL):
+                t = base * 0 + c + u  # part c + u, one per row
+                ok = gm & (t < parts)
+                m_t = tl.load(MLP + 2 * (base + t), mask=ok, other=float("-inf"), cache_modifier=".cg")
+                acc = tl.load(OP + (base + t)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                out += acc * tl.math.exp2(m_t - m_max)[:, None]
         out = out / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
 
@@ -447,16 +452,19 @@ DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 def decode_splits(batch: int, n_kv: int, max_context: int, device) -> tuple[int, int]:
     """(grid parts a sequence, parts that fill one wave) for the decode kernel. When batch x kv_heads programs
     already fill a wave of the GPU, no split (splitting a full batch only adds the reduction: 93% -> 88% of copy
-    bandwidth at 64 x 4k on the H200), nor when they fill half of one and contexts are short (16 x 16-500 keys:
-    the grid's idle parts cost more than splitting saves); otherwise up to ~4 programs an SM, none below
-    DECODE_MIN_PART keys of the bound, at most MAX_SPLITS. The kernel picks each sequence's own count from its
-    length (`_decode_parts`); these bounds depend only on host-known sizes, so a captured graph keeps them."""
+    bandwidth at 64 x 4k on the H200). Otherwise at most one wave under a short bound (a split program holds a
+    whole SM's shared memory, so a grid's idle parts queue in waves: 8 x 16-1000 keys took 1.4-1.9x longer with
+    9 parts than with 2), up to ~4 programs an SM under a long one; never more than the bound has DECODE_MIN_PART-key
+    parts, at most MAX_SPLITS. The kernel picks each sequence's own count from its length (`_decode_parts`); these
+    bounds depend only on host-known sizes, so a captured graph keeps them."""
     programs = batch * n_kv
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    if programs >= sms or (2 * programs > sms and max_context <= SHORT_CONTEXT):
+    if programs >= sms or max_context <= 2 * DECODE_MIN_PART:  # the kernel reads two parts' worth whole
         return 1, 1
-    return max(1, min(-(-4 * sms // programs), -(-max_context // DECODE_MIN_PART), MAX_SPLITS)), sms // programs
+    wave = sms // programs
+    most = wave if max_context <= SHORT_CONTEXT else -(-4 * sms // programs)
+    return max(1, min(most, -(-max_context // DECODE_MIN_PART), MAX_SPLITS)), wave
 
 
 # Full batches (not split) whose contexts are all this short take 128-key tiles: 3.95-3.97 vs 3.69 TB/s at 256
@@ -510,8 +518,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_S=MAX_SPLITS, SPLIT=splits > 1, SLIDING=sliding_window is not None, PREC=_precision(q),
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl > 0)
+        BLOCK_S=max(2, next_power_of_2(splits)), UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
+        PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 

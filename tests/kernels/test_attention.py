@@ -180,17 +180,18 @@ def test_prefill_tile_configs(device):
 
 
 def test_decode_splits_heuristic():
-    """A batch that fills a wave of the GPU is not split, nor one filling half a wave under a short bound; fewer
-    sequences x kv heads are, up to ~4 programs per SM and at most 64 parts, never more than the bound has
+    """A batch that fills a wave of the GPU is not split; fewer sequences x kv heads are, to one wave under a short
+    bound and ~4 programs per SM under a long one, at most 64 parts, never more than the bound has
     DECODE_MIN_PART-key parts; the wave is what fits once."""
     dev = torch.device("cpu")  # 132 SMs assumed off a GPU
     assert decode_splits(64, 8, 4096, dev) == (1, 1)
     assert decode_splits(17, 8, 4096, dev) == (1, 1)
     assert decode_splits(16, 8, 8192, dev) == (math.ceil(4 * 132 / 128), 1)
     assert decode_splits(16, 8, 2048, dev) == (1, 1)
+    assert decode_splits(8, 8, 2048, dev) == (2, 2)
     assert decode_splits(1, 8, 32768, dev) == (64, 16)
     assert decode_splits(1, 8, 2048, dev) == (16, 16)
-    assert decode_splits(1, 8, 100, dev) == (1, 16)
+    assert decode_splits(1, 8, 256, dev) == (1, 1)
     assert decode_splits(1, 1, 10**6, dev) == (64, 132)
 
 

@@ -212,7 +212,7 @@ if triton is not None:
                        SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
-        host, so graphs keep it); each sequence cuts its own context into `decode_parts` of them, read from its
+        host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
         length on the device, and the programs past those return. A sequence in one part writes its output; in
         several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync."""
         wait_previous(PDL)
@@ -289,8 +289,8 @@ if triton is not None:
     def _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_S: tl.constexpr, UNROLL: tl.constexpr):
         """The output of GROUP heads from their `parts` partials: weights exp2(m_s - max m), normalised by the
-        weighted l; UNROLL parts' loads in flight at once (a loop of one at a time waited on L2 per part: 1 x 32k
-        keys 61 us against 52). Read through L2 (.cg): other programs wrote them. Tiles stay [BLOCK_G, BLOCK_D],
+        weighted l; UNROLL parts' loads in flight at once (H200, 1 x 32k keys in 63 parts: 61 us one at a time, 58
+        four at a time). Read through L2 (.cg): other programs wrote them. Tiles stay [BLOCK_G, BLOCK_D],
         the main loop's: a [heads, parts, dim] one cost every launch ~1 us on the H200, combining or not."""
         s = tl.arange(0, BLOCK_S)
         sm = gm[:, None] & (s < parts)[None, :]
@@ -452,11 +452,11 @@ DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 def decode_splits(batch: int, n_kv: int, max_context: int, device) -> tuple[int, int]:
     """(grid parts a sequence, parts that fill one wave) for the decode kernel. When batch x kv_heads programs
     already fill a wave of the GPU, no split (splitting a full batch only adds the reduction: 93% -> 88% of copy
-    bandwidth at 64 x 4k on the H200). Otherwise at most one wave under a short bound (a split program holds a
-    whole SM's shared memory, so a grid's idle parts queue in waves: 8 x 16-1000 keys took 1.4-1.9x longer with
-    9 parts than with 2), up to ~4 programs an SM under a long one; never more than the bound has DECODE_MIN_PART-key
-    parts, at most MAX_SPLITS. The kernel picks each sequence's own count from its length (`_decode_parts`); these
-    bounds depend only on host-known sizes, so a captured graph keeps them."""
+    bandwidth at 64 x 4k on the H200). Otherwise at most one wave under a short bound (a grid's idle parts still
+    cost: 8 x 16-1000 keys took 1.4-1.9x longer in a grid of 9 parts a sequence than of 2), up to ~4 programs an
+    SM under a long one; never more than the bound has DECODE_MIN_PART-key parts, at most MAX_SPLITS. The kernel
+    picks each sequence's own count from its length (`_decode_parts`); these bounds depend only on host-known
+    sizes, so a captured graph keeps them."""
     programs = batch * n_kv
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132

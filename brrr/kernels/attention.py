@@ -254,7 +254,7 @@ if triton is not None:
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
         o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
         o_mask = gm[:, None] & dm[None, :]
-        if not SPLIT:
+        if not SPLIT:  # its own branch: unsplit launches pass no counters, so the atomics below must not compile
             _write_out(acc, l_i, o_ptrs, o_mask)
         elif parts == 1:
             _write_out(acc, l_i, o_ptrs, o_mask)

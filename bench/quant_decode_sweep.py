@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", nargs="*", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="*", default=[], help="extra SPLIT_K values for the MMA / GEMV candidates")
     ap.add_argument("--families", nargs="+", default=["tensor-core", "mma", "gemv", "mma-gemv"])
+    ap.add_argument("--int8-chunk-major", action="store_true",
+                    help="also time the int8 MMA GEMV candidates on a chunk-major copy of the weights (layout chunks)")
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -67,13 +69,20 @@ def main(argv=None) -> int:
                                 k, n, None, dtype=BF16) for w in weights]
             nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
             ref = mods[0](x)
-            for cfg in [c for c in candidates(fmt, args.stages, args.splits) if family(c) in args.families]:
-                def call(q, cfg=cfg):
+            runs = [(c, "rows") for c in candidates(fmt, args.stages, args.splits) if family(c) in args.families]
+            if fmt == "int8" and args.int8_chunk_major:
+                chunked = {id(q): qm.chunk_major(q.qweight) for q in mods}
+                runs += [(c, "chunks") for c, _ in runs if c.get("MMA_GEMV")]
+            for cfg, layout in runs:
+                def call(q, cfg=cfg, layout=layout):
                     if fmt == "int4":
                         return qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
-                    return qm.w8a16_matmul_triton(x, q.qweight, q.scales, config=cfg)
+                    w = chunked[id(q)] if layout == "chunks" else q.qweight
+                    return qm.w8a16_matmul_triton(x, w, q.scales, config=cfg)
                 rec = {"bench": "quant_decode_sweep", "machine": machine, "shape": name, "n": n, "k": k,
                        "format": fmt, "family": family(cfg), "config": {a: b for a, b in cfg.items() if a != "MMA"}}
+                if fmt == "int8":
+                    rec["layout"] = layout
                 try:
                     err = (call(mods[0]).float() - ref.float()).abs().max().item()
                     us = graph_time_us([lambda q=q: call(q) for q in mods])

@@ -831,6 +831,110 @@ if triton is not None:
         _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
                HAS_BIAS, SPLIT, PDL)
 
+    # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
+    # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
+    # of the second tile as in the int4 kernel, its 4 bytes are the MMA's K indices 2c, 2c+1, 2c+8, 2c+9 and x at the
+    # word's 4 columns is one 8-byte load. bf16 has 7 mantissa bits, so a signed byte cannot become 2^7 + q with one
+    # OR: each byte pair is spread into 16-bit halves (prmt), its low 7 bits ORed into 128 (fp16: 1024) and its sign
+    # bit into 128 or 256 (fp16: 1024 or 1152), and the difference of the two is q, exactly (2 instructions a
+    # weight). The scale is per row, so the MMA accumulates across the whole K loop and the scale multiplies once.
+    def _word_bytes_ptx(word: str, lo: str, hi: str, magic: str, kind: str) -> list[str]:
+        """PTX turning one word of 4 signed bytes into the packed pairs (q0, q1) in `lo` and (q2, q3) in `hi`.
+        Needs registers `zero` (0), `nego` (-1.0 in both halves) and scratch `l7`, `sg`."""
+        out = []
+        for reg, sel in ((lo, "0x4140"), (hi, "0x4342")):
+            out += [f"prmt.b32 {reg}, {word}, zero, {sel};",
+                    f"lop3.b32 l7, {reg}, 0x007F007F, {magic}, 0xEA;",
+                    f"lop3.b32 sg, {reg}, 0x00800080, {magic}, 0xEA;",
+                    f"fma.rn.{kind} {reg}, sg, nego, l7;"]
+        return out
+
+    def _mma_gemv8_asm(nego: str, magic: str, kind: str) -> str:
+        """PTX for one step: a thread's 4 words of tiles A and B ($8-$11, $12-$15), x at each word's 4 columns
+        ($16-$19, 8 bytes each), accumulators $20-$27 in and $0-$7 out (each row's running sum in the first of a
+        thread's four; the MMA's C operand, so no add per step)."""
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32"
+        body = []
+        for m in range(4):
+            d = "d" if m % 2 == 0 else "e"  # two accumulator chains
+            body += _word_bytes_ptx(f"${8 + m}", "t0", "t1", magic, kind)
+            body += _word_bytes_ptx(f"${12 + m}", "v0", "v1", magic, kind)
+            body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
+                     f"{mma} {{{d}0, {d}1, {d}2, {d}3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{{d}0, {d}1, {d}2, {d}3}};"]
+        head = [".reg .b32 zero, nego, t0, t1, v0, v1, l7, sg, xa, xb;",
+                ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 nego, {nego};",
+                "mov.f32 d0, $20;", "mov.f32 d2, $24;"]
+        head += [f"mov.f32 {r}, 0f00000000;" for r in ("d1", "d3", "e0", "e1", "e2", "e3")]
+        tail = ["add.f32 $0, d0, e0;", "add.f32 $4, d2, e2;"] + [f"mov.b32 ${i}, ${20 + i};" for i in (1, 2, 3, 5, 6, 7)]
+        return "{\n" + "\n".join(head + body + tail) + "\n}"
+
+    _MMA_GEMV8_BF16 = tl.constexpr(_mma_gemv8_asm("0xBF80BF80", "0x43004300", "bf16x2"))
+    _MMA_GEMV8_F16 = tl.constexpr(_mma_gemv8_asm("0xBC00BC00", "0x64006400", "f16x2"))
+    _MMA_GEMV8_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 4 + ["f"] * 8))
+
+    @triton.jit
+    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr):
+        """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
+        the row's running sum: a quarter of the row's total after the sum over its 16)."""
+        if FAST:
+            args = [wa, wb, tl.broadcast_to(x[None, :], wa.shape), acc_a, acc_b]
+            if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_BF16, constraints=_MMA_GEMV8_IO, args=args,
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_F16, constraints=_MMA_GEMV8_IO, args=args,
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:  # portable (interpreter, fp32): the same sums, in the same four places a row
+            part_a = tl.zeros((wa.shape[0],), dtype=tl.float32)
+            part_b = tl.zeros((wa.shape[0],), dtype=tl.float32)
+            for b in tl.static_range(4):
+                xv = tl.load(X + step * 64 + words * 4 + b).to(tl.float32)[None, :]
+                part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
+                part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
+            first = words[None, :] % 4 == 0
+            acc_a += tl.where(first, part_a[:, None], 0.0)
+            acc_b += tl.where(first, part_b[:, None], 0.0)
+        return acc_a, acc_b
+
+    @triton.jit(do_not_specialize=["split_k"])
+    def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+                               stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
+        """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
+        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel."""
+        pid_n = tl.program_id(0)
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        rows_a = pid_n * BLOCK_N + tl.arange(0, HALF_N)
+        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
+        words = tl.arange(0, 16)
+        s_begin, s_end = _split_range(K // 64, split_k)
+        wait_previous(PDL)
+        pa = Q + ra.to(tl.int64)[:, None] * stride_qn + words[None, :]
+        pb = Q + rb.to(tl.int64)[:, None] * stride_qn + words[None, :]
+        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
+        acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        acc_b = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        if AHEAD:  # step t + 1 loads while t computes (the last iteration reloads the last step, unused)
+            t0 = tl.minimum(s_begin, s_end - 1)
+            nxt = (tl.load(pa + t0 * stride_qc), tl.load(pb + t0 * stride_qc), tl.load(x8 + t0 * 16))
+        for t in range(s_begin, s_end):
+            if AHEAD:
+                cur = nxt
+                t1 = tl.minimum(t + 1, s_end - 1)
+                nxt = (tl.load(pa + t1 * stride_qc), tl.load(pb + t1 * stride_qc), tl.load(x8 + t1 * 16))
+            else:
+                cur = (tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16))
+            wa, wb, x = cur
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
+        s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
+        s_b = tl.load(S + rb).to(tl.float32) * 0.25
+        out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b), (1, 0)),
+                         (BLOCK_N,))
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
+               HAS_BIAS, SPLIT, PDL)
+
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
     # writing the whole weight once (4.25 or 8 bits read, 16 written per weight) and calling F.linear wins; the
@@ -934,6 +1038,18 @@ def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
             for bn, w, sk, ahead in MMA_GEMV_CONFIGS]
 
 
+# W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64, after the GEMV ones: the same tuple as above.
+MMA_GEMV8_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
+                     (128, 8, "auto8", False), (128, 8, "auto2", True), (256, 8, "auto4", False)]
+
+
+def _mma_gemv8_configs(m: int, k: int) -> list[dict]:
+    if m != 1 or k % 64:
+        return []
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, w, sk, ahead in MMA_GEMV8_CONFIGS]
+
+
 def _gemv_configs(m: int) -> list[dict]:
     if m > GEMV_M:
         return []
@@ -960,10 +1076,12 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     return tiled + mid + [DEQUANT]
 
 
-def w8_configs(m: int, gemv: bool = True) -> list[dict]:
+def w8_configs(m: int, gemv: bool = True, k: int | None = None) -> list[dict]:
+    """Candidates for the int8 kernel, the first the default; GEMV ones (M <= GEMV_M) and MMA GEMV ones (M = 1, K
+    a multiple of 64; k None: as if it were) last, when the weight can be read as int32 words (`gemv`)."""
     if m <= SMALL_M:
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
-                for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) if gemv else [])
+                for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) + _mma_gemv8_configs(m, 64 if k is None else k) if gemv else [])
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
@@ -1114,9 +1232,16 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     def run(cfg):
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w8_triton(qweight, scales, x.dtype), bias)
+        if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
+            raise ValueError("the GEMV kernel reads qweight as int32 words: K must be a multiple of 4")
+        if cfg.get("MMA_GEMV"):
+            if k % 64:
+                raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
+            xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
+            return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
+                           {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
+                           dict(HAS_BIAS=bias is not None, FAST=fast), extra=(_packed_strides(words)[1],))
         if _gemv(cfg):
-            if words is None:
-                raise ValueError("the GEMV kernel reads qweight as int32 words: K must be a multiple of 4")
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)
             return _launch(_w8a16_gemv_kernel, x2, n, triton.cdiv(k, 16 * cfg["CHUNKS"]), x.dtype, cfg,
@@ -1124,7 +1249,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
         return _launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts)
 
     if config is None:
-        configs = w8_configs(m, gemv=words is not None)
+        configs = w8_configs(m, gemv=words is not None, k=k)
         key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
     return run(config).view(*x.shape[:-1], n)

@@ -301,7 +301,7 @@ def test_mma_gemv_candidates_only_for_one_row_and_group_128():
     configs = qm.w4_configs(1, 128)
     assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv_configs(1, 128) != []
     assert configs.index(qm._mma_gemv_configs(1, 128)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
-    assert not any(c.get("MMA_GEMV") for c in qm.w4_configs(2, 128) + qm.w4_configs(1, 64) + qm.w8_configs(1))
+    assert not any(c.get("MMA_GEMV") for c in qm.w4_configs(2, 128) + qm.w4_configs(1, 64))
     assert all(c["BLOCK_N"] // 2 % (8 * c["num_warps"]) == 0 for c in qm._mma_gemv_configs(1, 128))
 
 
@@ -319,6 +319,38 @@ def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split
     got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias, config=cfg)
     want = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128,
                                None if bias is None else bias.float())
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert _rel(got, want) < 8e-3
+
+
+# ---- W8A16 MMA GEMV path (M = 1, K a multiple of 64) -----------------------------------------------------------------
+def test_w8_mma_gemv_candidates_only_for_one_row_and_k_in_steps_of_64():
+    configs = qm.w8_configs(1, k=4096)
+    assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv8_configs(1, 4096) != []
+    assert configs.index(qm._mma_gemv8_configs(1, 4096)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
+    assert not any(c.get("MMA_GEMV") for c in qm.w8_configs(2, k=4096) + qm.w8_configs(1, k=300))
+    assert all(c["BLOCK_N"] // 2 % (8 * c["num_warps"]) == 0 for c in qm._mma_gemv8_configs(1, 64))
+    x, q, scales, _ = _w8_problem(1, k=300)
+    with pytest.raises(ValueError, match="steps of 64"):
+        qm.w8a16_matmul_triton(x, q, scales, config=qm._mma_gemv8_configs(1, 64)[0])
+
+
+@pytest.mark.parametrize("n,k,with_bias,split,dtype", [
+    (40, 192, True, 1, torch.float32), (100, 320, False, 2, torch.float32), (64, 192, False, 3, torch.bfloat16),
+    (130, 128, True, 1, torch.float16)])
+def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype):
+    """Codes over the whole int8 range (-128 too); rows past N not stored; split K over 3 steps. On the CPU the
+    portable path; bf16/fp16 on the GPU the mma.sync one, whose codes are exact and sums fp32."""
+    x, q, scales, bias = _w8_problem(1, n=n, k=k, dtype=dtype)
+    q[0, :8] = torch.tensor([-128, 127, -1, 0, 1, -127, 64, -64], dtype=torch.int8)
+    x, q, scales, bias = (t.to(device) for t in (x, q, scales, bias))
+    bias = bias if with_bias else None
+    cfg = dict(qm._mma_gemv8_configs(1, k)[0], SPLIT_K=split)
+    got = qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg)
+    want = qm.w8a16_matmul_ref(x.float(), q, scales, None if bias is None else bias.float())
     assert got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -8,7 +8,8 @@ Weight layouts (brrr/quant/linear.py converts the checkpoint's to these at load)
         uint8 [K/g, N] or None (symmetric, zero 8): w[n, k] = (q[n, k] - zeros[k/g, n]) * scales[k/g, n].
         QuantLinear stores it `chunk_major` (a view [N, K/128, 64]: every row's first 64 bytes, then the next 64);
         every int4 kernel reads either layout through a row stride and a chunk stride.
-  int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n].
+  int8  qweight int8 [N, K], scales fp32 [N]: w[n, k] = q[n, k] * scales[n]. Weight-only int8 is stored
+        `chunk_major` too (W8A8's torch._int_mm needs rows).
 
 One Triton kernel per format for three config families, plus a GEMV kernel per format and a dequantize kernel:
   small M (decode, M <= 16): 16-row tensor-core tiles, narrow column strips (16-64 rows of W per program, so the
@@ -57,12 +58,13 @@ def pack_int4_kernel(codes: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def chunk_major(packed: torch.Tensor) -> torch.Tensor:
-    """The kernel layout [N, K/2] as a view [N, K/128, CHUNK] whose storage holds every row's first 64 bytes (128
-    codes), then every row's next 64, ...: at M = 1 a warp's loads (8 rows x 64 bytes) are one 512-byte run
-    instead of 8 half-used lines a row apart, and each step of a program reads one contiguous block (on the H200
-    the M = 1 kernel ran 1.19x faster on gate_up, 1.49x on the 128256-row lm_head: bench/results/
-    quant_speed_h200_chunk_major.jsonl). Kernels take the layout from the strides (`_packed_strides`); K/2 not a
-    multiple of CHUNK stays [N, K/2] by rows."""
+    """A weight of N rows of bytes (int4 [N, K/2], int8 [N, K]) as a view [N, bytes / CHUNK, CHUNK] whose storage
+    holds every row's first 64 bytes (128 int4 or 64 int8 codes), then every row's next 64, ...: at M = 1 a warp's
+    loads (8 rows x 64 bytes) are one 512-byte run instead of 8 half-used lines a row apart, and each step of a
+    program reads one contiguous block (on the H200 the int4 MMA GEMV ran 1.19x faster on gate_up, 1.49x on the
+    128256-row lm_head, bench/results/quant_speed_h200_chunk_major.jsonl; the int8 one 1.6x on gate_up,
+    quant_decode_sweep_w8_h200.jsonl). Kernels take the layout from the strides (`_packed_strides`); rows that are
+    not whole chunks stay [N, bytes] by rows."""
     n = packed.shape[0]
     if math.prod(packed.shape[1:]) % CHUNK:
         return packed
@@ -100,7 +102,7 @@ def w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias=None):
 
 
 def w8a16_matmul_ref(x, qweight, scales, bias=None):
-    w = qweight.float() * scales.float()[:, None]
+    w = qweight.reshape(qweight.shape[0], -1).float() * scales.float()[:, None]
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -149,6 +151,12 @@ if triton is not None:
         remainder of the column itself made it assume none, and the loads ran 2-3x slower."""
         STEPS: tl.constexpr = PER_CHUNK // STEP
         return (step // STEPS) * stride_pc + (step % STEPS) * STEP
+
+    @triton.jit
+    def _chunk_cols(cols, stride_pc):
+        """Offsets of a tile's byte columns `cols` (an arange from 0: loop-invariant) in the kernel layout; a tile
+        that starts at column t * BLOCK_K then adds t * (BLOCK_K // 64) * stride_pc."""
+        return (cols // 64) * stride_pc + cols % 64
 
     @triton.jit
     def _dequant_int4(p, z, s, DTYPE: tl.constexpr, FAST: tl.constexpr):
@@ -292,7 +300,7 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
-    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+    def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                       SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
                       PDL: tl.constexpr):
@@ -305,12 +313,13 @@ if triton is not None:
         t_begin, t_end = _split_range(k_tiles, split_k)
         wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-        q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
+        q_ptrs = Q + offs_n.to(tl.int64)[:, None] * stride_qn + _chunk_cols(offs_k, stride_pc)[None, :]
+        tl.static_assert(BLOCK_K % 64 == 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for t in range(t_begin, t_end):
             k_mask = (t * BLOCK_K + offs_k) < K
             x = tl.load(x_ptrs + t * BLOCK_K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            q = tl.load(q_ptrs + t * BLOCK_K, mask=n_mask[:, None] & k_mask[None, :], other=0)
+            q = tl.load(q_ptrs + t * (BLOCK_K // 64) * stride_pc, mask=n_mask[:, None] & k_mask[None, :], other=0)
             w = _int8_to(q, X.dtype.element_ty, FAST)
             acc = _dot(x, w, acc, IEEE)
         s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -652,12 +661,12 @@ if triton is not None:
         _store(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
     @triton.jit(do_not_specialize=["split_k"])
-    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
+    def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
                            ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
                            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-        """Q: int8 [N, K] viewed as int32 words [N, K/4] (stride_qn in words); a step is CHUNKS 16-byte chunks per
-        row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
+        """Q: int8 [N, K] (or `chunk_major`) viewed as int32 words (strides in words); a step is CHUNKS 16-byte chunks
+        per row (EVEN_K: K a multiple of the step, else the last step is masked by word; EVEN_N: N a multiple of
         BLOCK_N, no row mask). Each byte becomes the fp32 2^23 + q + 128 (`_bytes`), one subtraction makes q."""
         pid_n = tl.program_id(0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -676,11 +685,13 @@ if triton is not None:
         for step in tl.range(s_begin, s_end, num_stages=STAGES):
             if PREFETCH and FAST:  # the step PREFETCH ahead: CHUNKS * 16 bytes a row, one line per 128
                 for line in tl.static_range(0, CHUNKS * 4, 32):
-                    _prefetch_l2(Q + offs_n.to(tl.int64) * stride_qn + (step + PREFETCH) * (CHUNKS * 4) + line,
+                    ahead = _packed_col(step + PREFETCH, stride_pc, CHUNKS * 4, 16) + line
+                    _prefetch_l2(Q + offs_n.to(tl.int64) * stride_qn + ahead,
                                  n_mask & (offs_n * 0 + step + PREFETCH < s_end))
             word = step * (CHUNKS * 4) + words
             x_mask = word < k_words
-            w = _load(q_ptrs + step * (CHUNKS * 4), w_mask & x_mask[None, :, :], EVEN_N and EVEN_K)
+            w = _load(q_ptrs + _packed_col(step, stride_pc, CHUNKS * 4, 16), w_mask & x_mask[None, :, :],
+                      EVEN_N and EVEN_K)
             b0, b1, b2, b3 = _bytes(w, FAST)
             xp = X + word * 4
             # one byte position at a time, each used by every row of x at once: few values live per thread. No
@@ -956,13 +967,16 @@ if triton is not None:
         tl.store(w_ptrs + HALF, hi, mask=mask)
 
     @triton.jit
-    def _dequant_w8_kernel(Q, S, W, N, K, stride_qn, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequant_w8_kernel(Q, S, W, N, K, stride_qn, stride_pc, stride_wn, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        cols = tl.arange(0, BLOCK_K)
+        offs_k = pid_k * BLOCK_K + cols
         mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
         rows = offs_n.to(tl.int64)[:, None]
-        q = tl.load(Q + rows * stride_qn + offs_k[None, :], mask=mask, other=0)
+        q = tl.load(Q + rows * stride_qn + pid_k * (BLOCK_K // 64) * stride_pc + _chunk_cols(cols, stride_pc)[None, :],
+                    mask=mask, other=0)
         s = tl.load(S + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         tl.store(W + rows * stride_wn + offs_k[None, :], (q.to(tl.float32) * s[:, None]).to(W.dtype.element_ty),
                  mask=mask)
@@ -1228,6 +1242,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting())
     args = (x2, qweight, scales, scales if bias is None else bias)
     words = _words(qweight)
+    chunk_stride = _packed_strides(qweight)[1]
 
     def run(cfg):
         if cfg.get("DEQUANT"):
@@ -1245,8 +1260,9 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)
             return _launch(_w8a16_gemv_kernel, x2, n, triton.cdiv(k, 16 * cfg["CHUNKS"]), x.dtype, cfg,
-                           (x2, words, *args[2:]), gemv_consts)
-        return _launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts)
+                           (x2, words, *args[2:]), gemv_consts, extra=(_packed_strides(words)[1],))
+        return _launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts,
+                       extra=(chunk_stride,))
 
     if config is None:
         configs = w8_configs(m, gemv=words is not None, k=k)
@@ -1267,9 +1283,9 @@ def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.d
 
 
 def dequantize_w8_triton(qweight, scales, dtype: torch.dtype) -> torch.Tensor:
-    n, k = qweight.shape
+    n, k = qweight.shape[0], math.prod(qweight.shape[1:])
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    _dequant_w8_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](qweight, scales, w, n, k, qweight.stride(0),
+    _dequant_w8_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](qweight, scales, w, n, k, *_packed_strides(qweight),
                                                                   w.stride(0), BLOCK_N=32, BLOCK_K=256)
     return w
 
@@ -1301,7 +1317,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None):
 
 def w8a16_matmul(x, qweight, scales, bias=None):
     tensors = [x, qweight, scales] + ([bias] if bias is not None else [])
-    if _dtype_ok(x) and qweight.is_contiguous() and use_triton(*tensors):
+    if _dtype_ok(x) and qweight.stride(-1) == 1 and use_triton(*tensors):
         return w8a16_matmul_triton(x, qweight, scales, bias)
     return w8a16_matmul_ref(x, qweight, scales, bias)
 

@@ -4,7 +4,7 @@ It takes a format's tensors as a checkpoint stores them and keeps them in the la
   int4 (and 4-bit GPTQ/AWQ without act-order): the kernel layout of brrr/kernels/quant_matmul.py (codes packed per
        group half, stored `chunk_major`; scales and zeros [K/g, N]); forward = `w4a16_matmul` (Triton on CUDA,
        torch reference elsewhere)
-  int8: as stored; forward = `w8a16_matmul`, or with activations="int8" (SmoothQuant W8A8) per-token int8
+  int8: stored `chunk_major` for `w8a16_matmul`, or as stored with activations="int8" (SmoothQuant W8A8) per-token int8
        activations through `torch._int_mm` (brrr/quant/w8a8.py)
   fp8: as stored; weight-only dequantizes, activations="fp8" (FP8 W8A8) runs `torch._scaled_mm`
   nf4, act-order GPTQ: as stored; forward dequantizes the weight in torch (correct, not fast).
@@ -46,6 +46,8 @@ class QuantLinear(nn.Module):
                       "zeros": None if symmetric else zeros.to(torch.uint8).contiguous()}
         else:
             kernel = dict(tensors)
+            if fmt == "int8" and activations is None:  # weight-only: the W8A16 kernels' layout
+                kernel["qweight"] = chunk_major(kernel["qweight"])
         self.tensor_names = tuple(kernel)
         for name, t in kernel.items():
             self.register_buffer(name, t)
@@ -72,8 +74,9 @@ class QuantLinear(nn.Module):
                                    for m in mods], dim=1)
             tensors = {"qweight": chunk_major(torch.cat([m.qweight for m in mods])),
                        "scales": torch.cat([m.scales for m in mods], dim=1), "zeros": zeros}
-        else:  # qweight [N, K], scales [N] (an fp8 per-tensor scale [1] repeats per row)
-            tensors = {"qweight": torch.cat([m.qweight for m in mods]),
+        else:  # qweight [N, K] (chunk-major for weight-only int8), scales [N] (an fp8 per-tensor [1] repeats per row)
+            qweight = torch.cat([m.qweight for m in mods])
+            tensors = {"qweight": chunk_major(qweight) if qweight.dim() == 3 else qweight,
                        "scales": torch.cat([m.scales.expand(m.out_features) for m in mods])}
         for name, t in tensors.items():
             new.register_buffer(name, t)
@@ -88,7 +91,10 @@ class QuantLinear(nn.Module):
     def checkpoint_tensors(self) -> dict:
         """The tensors in the checkpoint format of `self.fmt` (formats.py)."""
         if self.fmt != "int4":
-            return self.tensors()
+            tensors = self.tensors()
+            if tensors["qweight"].dim() == 3:  # chunk-major int8 -> [N, K] by rows
+                tensors["qweight"] = tensors["qweight"].reshape(self.out_features, -1)
+            return tensors
         codes = unpack_int4_kernel(self.qweight, self.group_size)
         zeros = torch.full_like(self.scales, 8, dtype=torch.uint8) if self.zeros is None else self.zeros
         return {"qweight": pack_int4(codes), "scales": self.scales.t().float().contiguous(),
@@ -98,7 +104,7 @@ class QuantLinear(nn.Module):
         """The float32 weight [out, in]."""
         if self.fmt == "int4":
             return dequantize_w4(self.qweight, self.scales, self.zeros, self.group_size)
-        tensors = self.tensors()
+        tensors = self.checkpoint_tensors()
         if "shape" in tensors:  # known on the host: reading the stored one from the GPU would sync (and break capture)
             tensors["shape"] = torch.tensor([self.out_features, self.in_features])
         return DEQUANTIZE[self.fmt](tensors)

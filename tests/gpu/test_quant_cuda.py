@@ -79,7 +79,7 @@ def test_dequantize_kernels_are_the_reference_rounded_once(n, k):
         assert torch.equal(got, qm.dequantize_w4(q.qweight, q.scales, q.zeros, group).to(BF16))
     q = _linear("int8", n, k)
     assert torch.equal(qm.dequantize_w8_triton(q.qweight, q.scales, BF16),
-                       (q.qweight.float() * q.scales.float()[:, None]).to(BF16))
+                       (q.qweight.reshape(n, k).float() * q.scales.float()[:, None]).to(BF16))
 
 
 def _launchable(run):
@@ -181,6 +181,29 @@ def test_every_mma_gemv_candidate_at_8b_shapes(index, n, k):
     got = qm.w4a16_matmul_triton(x16, qs.qweight, s16, None, 128, config=dict(cfg, SPLIT_K=8))
     assert got.dtype == torch.float16
     assert _rel(got, qm.w4a16_matmul_ref(x16.float(), qs.qweight, s16, None, 128)) < 8e-3, cfg
+
+
+@pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)])
+@pytest.mark.parametrize("index", range(len(qm._mma_gemv8_configs(1, 4096))))
+def test_every_w8_mma_gemv_candidate_at_8b_shapes(index, n, k, monkeypatch):
+    """Each W8A16 MMA GEMV candidate (M = 1) on the chunk-major weight QuantLinear stores, bf16 with a bias and fp16
+    with split K forced: within 16-bit rounding of the reference; the codes are exact and the sums fp32, so the
+    portable path (FAST_DEQUANT off, plain fp32 sums) agrees closely too."""
+    cfg = qm._mma_gemv8_configs(1, k)[index]
+    q = _linear("int8", n, k)
+    assert q.qweight.dim() == 3  # chunk-major
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    got = qm.w8a16_matmul_triton(x, q.qweight, q.scales, bias, config=cfg)
+    want = qm.w8a16_matmul_ref(x.float(), q.qweight, q.scales, bias.float())
+    assert _rel(got, want) < 8e-3, cfg
+    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
+    assert _rel(qm.w8a16_matmul_triton(x, q.qweight, q.scales, bias, config=cfg), got) < 4e-3, cfg
+    monkeypatch.setattr(qm, "FAST_DEQUANT", True)
+    x16 = x.half()
+    got = qm.w8a16_matmul_triton(x16, q.qweight, q.scales, config=dict(cfg, SPLIT_K=8))
+    assert got.dtype == torch.float16
+    assert _rel(got, qm.w8a16_matmul_ref(x16.float(), q.qweight, q.scales)) < 8e-3, cfg
 
 
 GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(qm._gemv_configs(m)))]

@@ -180,6 +180,23 @@ def _w8_problem(m, n=40, k=300, dtype=torch.float32, seed=0):
     return torch.randn(m, k, generator=g).to(dtype), q, scales, torch.randn(n, generator=g).to(dtype)
 
 
+def test_every_w8_kernel_reads_the_chunk_major_layout(device):
+    """Weight-only int8 is stored chunk-major too: each W8A16 family (tensor-core decode with 256-column tiles, so
+    the last one is partial at K = 384; GEMV; tiled; mid-M split K; dequantize) gives the same bits from both."""
+    x, q, scales, bias = (t.to(device) for t in _w8_problem(33, k=384))
+    chunked = qm.chunk_major(q)
+    assert chunked.shape == (40, 6, 64) and torch.equal(chunked.reshape(40, 384), q)
+    cases = [(1, qm.w8_configs(1)[0]), (1, _gemv(1, 0)), (2, _gemv(2, 3)), (17, qm.w8_configs(17)[0]),
+             (33, dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3)),
+             (1, dict(qm._mma_gemv8_configs(1, 384)[0], SPLIT_K=2))]
+    for m, cfg in cases:
+        by_rows = qm.w8a16_matmul_triton(x[:m], q, scales, bias, config=cfg)
+        assert torch.equal(qm.w8a16_matmul_triton(x[:m], chunked, scales, bias, config=cfg), by_rows), cfg
+    assert torch.equal(qm.dequantize_w8_triton(chunked, scales, torch.float32),
+                       qm.dequantize_w8_triton(q, scales, torch.float32))
+    torch.testing.assert_close(qm.w8a16_matmul_ref(x, chunked, scales), qm.w8a16_matmul_ref(x, q, scales))
+
+
 @pytest.mark.parametrize("m,cfg,with_bias", [(1, 0, True), (3, LAST_TC, False), (17, 0, True), (17, 3, False)])
 def test_w8a16_kernel_matches_reference(device, m, cfg, with_bias):
     x, q, scales, bias = (t.to(device) for t in _w8_problem(m))

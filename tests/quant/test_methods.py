@@ -111,3 +111,18 @@ def test_int4_projections_are_stored_chunk_major_also_when_packed_together():
         assert q.qweight.shape == (n, 2, 64) and q.qweight.stride() == (64, n * 64, 1)
     x = torch.randn(3, 256, generator=g)
     torch.testing.assert_close(joined(x), torch.cat([m(x) for m in mods], dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_weight_only_int8_is_stored_chunk_major_and_saved_by_rows():
+    """Weight-only int8 takes the W8A16 kernels' chunk-major layout; W8A8 (torch._int_mm) keeps rows; both save
+    and dequantize as [N, K]."""
+    g = torch.Generator().manual_seed(0)
+    t = formats.quantize_int8(torch.randn(48, 256, generator=g))
+    w8, w8a8 = QuantLinear("int8", t, 256, 48, None), QuantLinear("int8", t, 256, 48, None, activations="int8")
+    assert w8.qweight.shape == (48, 4, 64) and w8.qweight.stride() == (64, 48 * 64, 1)
+    assert w8a8.qweight.shape == (48, 256) and w8a8.qweight.is_contiguous()
+    joined = QuantLinear.concat([w8, w8])
+    assert joined.qweight.shape == (96, 4, 64) and joined.qweight.stride() == (64, 96 * 64, 1)
+    for q in (w8, w8a8):
+        assert torch.equal(q.state_dict()["qweight"], t["qweight"])
+        torch.testing.assert_close(q.dequantize(), formats.dequantize_int8(t))

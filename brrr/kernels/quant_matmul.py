@@ -29,6 +29,9 @@ PTX: no int-to-float instructions); under Triton's interpreter and for fp32 the 
   GEMV (M <= 4, tuning candidates beside the small-M ones): CUDA cores in fp32, each code turned into exact fp32
         with a magic-number trick (no int-to-float instruction) and multiplied by every row of x; see the section
         "GEMV path" below.
+  MMA GEMV (M = 1; int4 g128 and int8, K a multiple of 64): mma.sync on the 16 bytes each thread loaded, every
+        column of the right operand x, so the tensor core sums each quad's products; the sections "MMA GEMV path"
+        and "W8A16 MMA GEMV" below. The tuner picks it for every 8B shape at M = 1.
 Configs are timed once per (shape, path) on the GPU and the fastest kept (`_pick`).
 """
 from __future__ import annotations

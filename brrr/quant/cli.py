@@ -25,8 +25,8 @@ def register(sub) -> None:
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--device", default="cpu",
-                   help="where the model is loaded and quantized (cuda: the calibration forward passes run on the "
-                        "GPU; GPTQ's Hessians and solves and AWQ's searches stay on the CPU)")
+                   help="where the model is loaded and quantized (cuda: the calibration forward passes, GPTQ's "
+                        "Hessians and column sweeps run on the GPU; AWQ's searches stay on the CPU)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_quantize)
 

@@ -89,9 +89,10 @@ def _gptq(model, calib, group_size, symmetric, act_order):
     it are already quantized, so GPTQ also corrects the error they pass on."""
     for i, layer in enumerate(model.model.layers):
         names = [n for n, _ in projections(model) if n.startswith(f"model.layers.{i}.")]
-        hessians = {n: Hessian(model.get_submodule(n).in_features) for n in names}
-        record_inputs(model, calib, lambda name, x: hessians[name].add(x.cpu()), only=set(names))
-        tensors = {n: gptq_quantize(model.get_submodule(n).weight.cpu(), hessians[n].H, group_size, symmetric,
+        device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
+        hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in names}
+        record_inputs(model, calib, lambda name, x: hessians[name].add(x), only=set(names))
+        tensors = {n: gptq_quantize(model.get_submodule(n).weight.detach(), hessians[n].H, group_size, symmetric,
                                     act_order) for n in names}
         swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
 

@@ -50,9 +50,16 @@ if triton is not None:
         return (v + 12582912.0) - 12582912.0
 
     @triton.jit
+    def _by_constant(x, d: tl.constexpr, RECIPROCAL: tl.constexpr):
+        """x / d as torch rounds `tensor / python_number`: times the fp32 reciprocal on CUDA, divided on the CPU."""
+        if RECIPROCAL:
+            return x * (1.0 / d)
+        return tl.math.div_rn(x, tl.full(x.shape, d, tl.float32))
+
+    @triton.jit
     def _gptq_block_kernel(W, H, S, Z, G, Q, E, rows, cols, groups, stride_w, stride_h, GROUP: tl.constexpr,
-                           LAZY: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+                           LAZY: tl.constexpr, SYMMETRIC: tl.constexpr, RECIPROCAL: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_C)
         r_ok, c_ok = r < rows, c < cols
@@ -69,12 +76,12 @@ if triton is not None:
                     in_group = ((c >= i) & (c < i + GROUP))[None, :]
                     if SYMMETRIC:
                         amax = tl.max(tl.where(in_group, tl.abs(w), 0.0), axis=1)
-                        s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 7.0, tl.float32)), 1e-12)
+                        s = tl.maximum(_by_constant(amax, 7.0, RECIPROCAL), 1e-12)
                         z = tl.full(amax.shape, 8.0, tl.float32)
                     else:
                         hi = tl.maximum(tl.max(tl.where(in_group, w, -float("inf")), axis=1), 0.0)
                         lo = tl.minimum(tl.min(tl.where(in_group, w, float("inf")), axis=1), 0.0)
-                        s = tl.maximum(tl.math.div_rn(hi - lo, tl.full(hi.shape, 15.0, tl.float32)), 1e-12)
+                        s = tl.maximum(_by_constant(hi - lo, 15.0, RECIPROCAL), 1e-12)
                         z = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(-lo, s)), 0.0), 15.0)
                     tl.store(S + r * groups + g, s, mask=r_ok)
                     tl.store(Z + r * groups + g, z, mask=r_ok)
@@ -100,7 +107,7 @@ def gptq_block_triton(w1, hinv1, scale, zero, group_of, group_size: int, lazy: b
     # no fused multiply-adds: the same roundings as the reference's separate products and differences
     _gptq_block_kernel[(triton.cdiv(rows, block_r),)](
         w1, hinv1, scale, zero, group_of, codes, err1, rows, cols, scale.shape[1], w1.stride(0), hinv1.stride(0),
-        GROUP=group_size, LAZY=lazy, SYMMETRIC=symmetric, BLOCK_R=block_r, BLOCK_C=next_power_of_2(cols),
+        GROUP=group_size, LAZY=lazy, SYMMETRIC=symmetric, RECIPROCAL=w1.is_cuda, BLOCK_R=block_r, BLOCK_C=next_power_of_2(cols),
         num_warps=4, enable_fp_fusion=False)
     return codes, err1
 

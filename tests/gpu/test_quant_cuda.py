@@ -404,3 +404,22 @@ def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_defaul
         runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
                      _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("act_order,symmetric", [(True, False), (False, False), (False, True)])
+def test_gptq_sweep_kernel_gives_the_torch_loops_codes_on_the_gpu(act_order, symmetric):
+    """GPTQ on CUDA (Hessian, factor and block updates in torch, each block's sweep one Triton launch) against the
+    same run with every block swept by the torch loop: identical codes, scales and zeros (the kernel does the
+    loop's fp32 operations in its order, without fused multiply-adds), over blocks of 128 and a last one of 64."""
+    from brrr.quant.gptq import Hessian, gptq_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(300, 448, device="cuda", generator=g)
+    x = torch.randn(2048, 448, device="cuda", generator=g) * torch.rand(448, device="cuda", generator=g).mul(3).exp()
+    h = Hessian(448, "cuda")
+    h.add(x)
+    got = gptq_quantize(w, h.H, 64, symmetric=symmetric, act_order=act_order)
+    with use_reference():
+        want = gptq_quantize(w, h.H, 64, symmetric=symmetric, act_order=act_order)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

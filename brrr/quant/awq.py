@@ -42,10 +42,10 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, symmetric: bo
     groups = n // group_size
     wg = w.float().view(out, groups, group_size)
     xg = x.view(-1, groups, group_size)  # [tokens, groups, g]
-    best_err = torch.full((out, groups), float("inf"))
-    best = torch.ones(out, groups)
+    best_err = torch.full((out, groups), float("inf"), device=w.device)
+    best = torch.ones(out, groups, device=w.device)
     for ratio in CLIP_RATIOS:
-        clip = torch.full((out, groups), ratio)
+        clip = torch.full((out, groups), ratio, device=w.device)
         dq = fake_int4(w, group_size, symmetric, clip).view(out, groups, group_size)
         err = torch.einsum("ogk,tgk->ogt", wg - dq, xg).pow(2).mean(dim=-1)
         better = err < best_err

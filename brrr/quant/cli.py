@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--device", default="cpu",
                    help="where the model is loaded and quantized (cuda: the calibration forward passes, GPTQ's "
-                        "Hessians and column sweeps run on the GPU; AWQ's searches stay on the CPU)")
+                        "Hessians and column sweeps and AWQ's searches run on the GPU)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_quantize)
 

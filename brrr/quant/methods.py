@@ -98,11 +98,12 @@ def _gptq(model, calib, group_size, symmetric, act_order):
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
-    """Up to AWQ_TOKENS calibration inputs of each projection, spread over all the data."""
+    """Up to AWQ_TOKENS calibration inputs of each projection, spread over all the data, on the model's device (the
+    searches run where the model is)."""
     inputs: dict[str, list] = {}
     stride = max(1, calib.numel() // (2 * AWQ_TOKENS))
     record_inputs(model, calib,
-                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride].cpu()))
+                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride]))
     gen = torch.Generator().manual_seed(0)
     return {name: (x := torch.cat(chunks))[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
             for name, chunks in inputs.items()}
@@ -115,8 +116,8 @@ def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool):
         prefix = f"model.layers.{i}."
         for producer, consumers in fold_groups(layer, model.config):
             mods = [layer.get_submodule(c) for c in consumers]
-            s = search_scale([m.weight.cpu() for m in mods], xs[prefix + consumers[0]], group_size, symmetric)
-            fold(s.to(mods[0].weight.device), producer, mods)
+            s = search_scale([m.weight for m in mods], xs[prefix + consumers[0]], group_size, symmetric)
+            fold(s, producer, mods)
             for c in consumers:
                 xs[prefix + c] = xs[prefix + c] / s
 
@@ -126,7 +127,7 @@ def _awq(model, calib, group_size, symmetric) -> dict:
     fold_awq_scales(model, xs, group_size, symmetric)
     tensors = {}
     for name, linear in projections(model):
-        w = linear.weight.detach().float().cpu()
+        w = linear.weight.detach().float()
         clip = search_clip(w, xs[name], group_size, symmetric)
         tensors[name] = formats.quantize_int4(w, group_size, symmetric, clip)
     return tensors

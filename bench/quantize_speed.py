@@ -1,9 +1,10 @@
-"""How long GPTQ takes on a GPU: the column sweep as one Triton launch per 128-column block against the torch loop
-it replaced (~15 small ops a column), on single 8B projections with a real Hessian shape (on the GPU, and the loop
-on the host's CPU too), then `quantize_model(..., "gptq")` over a whole random-weight model (calibration forwards,
-Hessians, sweeps). The kernel and the loop must give the same codes; each record says whether they did.
+"""How long the calibrated methods take on a GPU. GPTQ's column sweep as one Triton launch per 128-column block
+against the torch loop it replaced (~15 small ops a column), on single 8B projections (on the GPU, and the loop on
+the host's CPU too); the kernel and the loop must give the same codes, and each record says whether they did. Then
+`quantize_model` with each of `--methods` over a whole random-weight model on the GPU (calibration forwards,
+Hessians and sweeps for GPTQ, scale and clip searches for AWQ).
 
-    PYTHONPATH=$PWD python bench/gptq_speed.py --out bench/results/gptq_speed_h200.jsonl
+    PYTHONPATH=$PWD python bench/quantize_speed.py --out bench/results/quantize_speed_h200.jsonl
 """
 import argparse
 import dataclasses
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--cpu-loop", nargs="*", default=["q/o"], help="shapes whose torch loop is also timed on the CPU")
+    ap.add_argument("--methods", nargs="*", default=["gptq", "awq"], help="timed over the whole model")
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     cfg = model_config(args.model)
@@ -61,12 +63,15 @@ def main(argv=None) -> int:
             emit(rec, args.out)
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     calib = torch.randint(0, cfg.vocab_size, (args.calib_samples, args.calib_seq_len),
                           generator=torch.Generator().manual_seed(0))
-    _, total_s = timed(lambda: quantize_model(model, "gptq", 128, calib=calib))
-    emit(dict(bench="gptq_model", machine=machine, model=args.model, layers=cfg.num_layers,
-              calib_tokens=calib.numel(), seconds=round(total_s, 1)), args.out)
+    for method in args.methods:
+        model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+        _, total_s = timed(lambda m=model: quantize_model(m, method, 128, calib=calib))
+        emit(dict(bench="quantize_model", machine=machine, model=args.model, method=method, layers=cfg.num_layers,
+                  calib_tokens=calib.numel(), seconds=round(total_s, 1)), args.out)
+        del model
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -103,7 +103,7 @@ def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
     inputs: dict[str, list] = {}
     stride = max(1, calib.numel() // (2 * AWQ_TOKENS))
     record_inputs(model, calib,
-                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride]))
+                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride].clone()))
     gen = torch.Generator().manual_seed(0)
     return {name: (x := torch.cat(chunks))[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
             for name, chunks in inputs.items()}

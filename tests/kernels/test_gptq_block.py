@@ -30,11 +30,11 @@ def _block(rows, cols, group, lazy, seed):
     (40, 128, 32, True, False), (33, 64, 64, True, True), (16, 96, 32, False, False), (50, 128, 128, False, False),
     (20, 128, 128, True, False)])
 def test_gptq_block_kernel_matches_the_loop(device, rows, cols, group, lazy, symmetric):
-    w, hinv, scale, zero, group_of = _block(rows, cols, group, lazy, seed=rows)
-    want_s, want_z = scale.clone(), zero.clone()
+    w, hinv, scale, zero, group_of = (t.to(device) for t in _block(rows, cols, group, lazy, seed=rows))
+    want_s, want_z = scale.clone(), zero.clone()  # the loop on the same device: torch rounds `x / 15` per device
     want_q, want_e = gb.gptq_block_ref(w.clone(), hinv, want_s, want_z, group_of, group, lazy, symmetric)
-    s, z = scale.clone().to(device), zero.clone().to(device)
-    q, e = gb.gptq_block_triton(w.to(device), hinv.to(device), s, z, group_of.to(device), group, lazy, symmetric)
-    assert torch.equal(q.cpu(), want_q) and torch.equal(e.cpu(), want_e)
-    assert torch.equal(s.cpu(), want_s) and torch.equal(z.cpu(), want_z)
+    s, z = scale.clone(), zero.clone()
+    q, e = gb.gptq_block_triton(w, hinv, s, z, group_of, group, lazy, symmetric)
+    assert torch.equal(q, want_q) and torch.equal(e, want_e)
+    assert torch.equal(s, want_s) and torch.equal(z, want_z)
     assert 0 <= want_q.min() and want_q.max() <= 15 and len(want_q.unique()) > 8  # a real spread of codes

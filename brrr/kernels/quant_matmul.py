@@ -807,6 +807,30 @@ if triton is not None:
             acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, X)
         return acc_a, acc_b
 
+    @triton.jit
+    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr):
+        """A program's two tiles of BLOCK_N / 2 rows (clamped to row N - 1; not stored past N), their word pointers at
+        the first chunk, x as 8-byte words and both tiles' zeroed accumulators."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        rows_a = tl.program_id(0) * BLOCK_N + tl.arange(0, HALF_N)
+        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
+        words = tl.arange(0, 16)
+        pa = W + ra.to(tl.int64)[:, None] * stride_wn + words[None, :]
+        pb = W + rb.to(tl.int64)[:, None] * stride_wn + words[None, :]
+        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
+        acc = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        return ra, rb, words, pa, pb, x8, acc, acc
+
+    @triton.jit
+    def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """Both tiles' row sums, in row order, through `_store`."""
+        out = tl.reshape(tl.permute(tl.join(sum_a, sum_b), (1, 0)), (BLOCK_N,))
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
+               HAS_BIAS, SPLIT, PDL)
+
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
@@ -814,19 +838,10 @@ if triton is not None:
                                FAST: tl.constexpr, PDL: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
-        pid_n = tl.program_id(0)
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        rows_a = pid_n * BLOCK_N + tl.arange(0, HALF_N)
-        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
-        words = tl.arange(0, 16)
         n_groups = K // 128
         g_begin, g_end = _split_range(n_groups, split_k)
         wait_previous(PDL)
-        pa = P + ra.to(tl.int64)[:, None] * stride_pn + words[None, :]
-        pb = P + rb.to(tl.int64)[:, None] * stride_pn + words[None, :]
-        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
-        acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
-        acc_b = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N)
         if AHEAD:  # group g + 1 loads while g computes (the last iteration reloads the last group, unused)
             nxt = _mma_gemv_load(tl.minimum(g_begin, n_groups - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn,
                                  stride_pc, HAS_ZEROS)
@@ -839,11 +854,8 @@ if triton is not None:
                 cur = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
             wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = cur
             acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
-        out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)), (1, 0)), (BLOCK_N,))
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-               HAS_BIAS, SPLIT, PDL)
+        _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
+                        BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
     # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
@@ -916,18 +928,9 @@ if triton is not None:
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel."""
-        pid_n = tl.program_id(0)
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        rows_a = pid_n * BLOCK_N + tl.arange(0, HALF_N)
-        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
-        words = tl.arange(0, 16)
         s_begin, s_end = _split_range(K // 64, split_k)
         wait_previous(PDL)
-        pa = Q + ra.to(tl.int64)[:, None] * stride_qn + words[None, :]
-        pb = Q + rb.to(tl.int64)[:, None] * stride_qn + words[None, :]
-        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
-        acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
-        acc_b = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N)
         if AHEAD:  # step t + 1 loads while t computes (the last iteration reloads the last step, unused)
             t0 = tl.minimum(s_begin, s_end - 1)
             nxt = (tl.load(pa + t0 * stride_qc), tl.load(pb + t0 * stride_qc), tl.load(x8 + t0 * 16))
@@ -942,12 +945,8 @@ if triton is not None:
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
-        out = tl.reshape(tl.permute(tl.join(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b), (1, 0)),
-                         (BLOCK_N,))
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-               HAS_BIAS, SPLIT, PDL)
+        _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
+                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so

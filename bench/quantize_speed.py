@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in {"q/o": (h, h), "down": (h, inter)}.items():
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-        x = torch.randn(4096, k, device="cuda", generator=gen) * torch.rand(k, device="cuda", generator=gen).mul(3).exp()
+        x = torch.randn(4096, k, device="cuda", generator=gen)
+        x = x * torch.rand(k, device="cuda", generator=gen).mul(3).exp()  # uneven channel scales, as real inputs
         hess = Hessian(k, "cuda")
         hess.add(x)
         for act_order in (True, False):

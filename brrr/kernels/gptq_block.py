@@ -91,7 +91,7 @@ if triton is not None:
             col = tl.sum(tl.where(c[None, :] == i, w, 0.0), axis=1)  # exact: one term
             q = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(col, s) + z), 0.0), 15.0)
             d = tl.load(H + i * stride_h + i)
-            err = tl.math.div_rn(col - (q - z) * s, tl.full(col.shape, 1.0, tl.float32) * d)  # d exact
+            err = tl.math.div_rn(col - (q - z) * s, tl.full(col.shape, 1.0, tl.float32) * d)
             h = tl.load(H + i * stride_h + c, mask=c_ok & (c >= i), other=0.0)
             w = w - err[:, None] * h[None, :]
             err_all = tl.where(c[None, :] == i, err[:, None], err_all)
@@ -107,14 +107,14 @@ def gptq_block_triton(w1, hinv1, scale, zero, group_of, group_size: int, lazy: b
     # no fused multiply-adds: the same roundings as the reference's separate products and differences
     _gptq_block_kernel[(triton.cdiv(rows, block_r),)](
         w1, hinv1, scale, zero, group_of, codes, err1, rows, cols, scale.shape[1], w1.stride(0), hinv1.stride(0),
-        GROUP=group_size, LAZY=lazy, SYMMETRIC=symmetric, RECIPROCAL=w1.is_cuda, BLOCK_R=block_r, BLOCK_C=next_power_of_2(cols),
-        num_warps=4, enable_fp_fusion=False)
+        GROUP=group_size, LAZY=lazy, SYMMETRIC=symmetric, RECIPROCAL=w1.is_cuda, BLOCK_R=block_r,
+        BLOCK_C=next_power_of_2(cols), num_warps=4, enable_fp_fusion=False)
     return codes, err1
 
 
 def gptq_block(w1, hinv1, scale, zero, group_of, group_size: int, lazy: bool, symmetric: bool):
-    """The block sweep: Triton on CUDA, the torch loop elsewhere; same arguments and results as `gptq_block_ref`
-    except that w1 is left as it was by the kernel (its columns are not needed after the block)."""
+    """The block sweep: Triton on CUDA, the torch loop elsewhere; arguments and results as `gptq_block_ref`'s, but
+    the kernel leaves w1 as it was (the caller needs none of its columns after the block)."""
     args = (w1, hinv1, scale, zero, group_of)
     if use_triton(*args) and w1.is_contiguous() and scale.is_contiguous() and zero.is_contiguous() \
             and w1.shape[1] <= 128:

@@ -891,7 +891,8 @@ if triton is not None:
                 ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 nego, {nego};",
                 "mov.f32 d0, $20;", "mov.f32 d2, $24;"]
         head += [f"mov.f32 {r}, 0f00000000;" for r in ("d1", "d3", "e0", "e1", "e2", "e3")]
-        tail = ["add.f32 $0, d0, e0;", "add.f32 $4, d2, e2;"] + [f"mov.b32 ${i}, ${20 + i};" for i in (1, 2, 3, 5, 6, 7)]
+        tail = ["add.f32 $0, d0, e0;", "add.f32 $4, d2, e2;"]
+        tail += [f"mov.b32 ${i}, ${20 + i};" for i in (1, 2, 3, 5, 6, 7)]
         return "{\n" + "\n".join(head + body + tail) + "\n}"
 
     _MMA_GEMV8_BF16 = tl.constexpr(_mma_gemv8_asm("0xBF80BF80", "0x43004300", "bf16x2"))
@@ -1096,8 +1097,9 @@ def w8_configs(m: int, gemv: bool = True, k: int | None = None) -> list[dict]:
     """Candidates for the int8 kernel, the first the default; GEMV ones (M <= GEMV_M) and MMA GEMV ones (M = 1, K
     a multiple of 64; k None: as if it were) last, when the weight can be read as int32 words (`gemv`)."""
     if m <= SMALL_M:
+        gemvs = _gemv_configs(m) + _mma_gemv8_configs(m, 64 if k is None else k) if gemv else []
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
-                for bn, bk, sk, w, st in SMALL_CONFIGS] + (_gemv_configs(m) + _mma_gemv8_configs(m, 64 if k is None else k) if gemv else [])
+                for bn, bk, sk, w, st in SMALL_CONFIGS] + gemvs
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)

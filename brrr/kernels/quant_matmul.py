@@ -923,6 +923,11 @@ if triton is not None:
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
 
+    @triton.jit
+    def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
+        """Step t's words of both tiles and x at their columns."""
+        return tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16)
+
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
@@ -933,15 +938,13 @@ if triton is not None:
         wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N)
         if AHEAD:  # step t + 1 loads while t computes (the last iteration reloads the last step, unused)
-            t0 = tl.minimum(s_begin, s_end - 1)
-            nxt = (tl.load(pa + t0 * stride_qc), tl.load(pb + t0 * stride_qc), tl.load(x8 + t0 * 16))
+            nxt = _mma_gemv8_load(tl.minimum(s_begin, s_end - 1), pa, pb, x8, stride_qc)
         for t in range(s_begin, s_end):
             if AHEAD:
                 cur = nxt
-                t1 = tl.minimum(t + 1, s_end - 1)
-                nxt = (tl.load(pa + t1 * stride_qc), tl.load(pb + t1 * stride_qc), tl.load(x8 + t1 * 16))
+                nxt = _mma_gemv8_load(tl.minimum(t + 1, s_end - 1), pa, pb, x8, stride_qc)
             else:
-                cur = (tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16))
+                cur = _mma_gemv8_load(t, pa, pb, x8, stride_qc)
             wa, wb, x = cur
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
@@ -1046,25 +1049,22 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 # BLOCK_N / 2 is a multiple of 8 x warps (each tile's rows fill whole warps, 8 rows a warp).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
                     (128, 8, "auto8", False), (128, 8, "auto2", True)]
+# W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
+# registers a row)
+MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
+
+
+def _mma_gemv_dicts(table) -> list[dict]:
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, w, sk, ahead in table]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
-    if m != 1 or group_size != 128:
-        return []
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, w, sk, ahead in MMA_GEMV_CONFIGS]
-
-
-# W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64, after the GEMV ones: the same tuple as above.
-MMA_GEMV8_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
-                     (128, 8, "auto8", False), (128, 8, "auto2", True), (256, 8, "auto4", False)]
+    return _mma_gemv_dicts(MMA_GEMV_CONFIGS) if m == 1 and group_size == 128 else []
 
 
 def _mma_gemv8_configs(m: int, k: int) -> list[dict]:
-    if m != 1 or k % 64:
-        return []
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, w, sk, ahead in MMA_GEMV8_CONFIGS]
+    return _mma_gemv_dicts(MMA_GEMV8_CONFIGS) if m == 1 and k % 64 == 0 else []
 
 
 def _gemv_configs(m: int) -> list[dict]:

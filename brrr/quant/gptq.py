@@ -54,4 +54,4 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, group_size: int = 128, symme
                              group_size, not static, symmetric)
         codes[:, i1:i2] = q
         W[:, i2:] -= err1 @ Hinv[i1:i2, i2:]
-    return {k: v.cpu() for k, v in from_codes(codes[:, torch.argsort(perm)], scale, zero).items()}
+    return from_codes(codes[:, torch.argsort(perm)], scale, zero)

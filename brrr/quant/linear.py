@@ -169,11 +169,10 @@ def projections(model, lm_head: bool = False) -> list[tuple[str, nn.Module]]:
     return mods + [("lm_head", model.lm_head)] if lm_head else mods
 
 
-def swap_linears(model, make, lm_head: bool = False) -> dict[str, QuantLinear]:
-    """Replace each projection `name` (and lm_head if asked) with make(name, linear) -> QuantLinear. Returns the new
-    modules by name."""
+def swap_linears(model, make) -> dict[str, QuantLinear]:
+    """Replace each projection `name` with make(name, linear) -> QuantLinear. Returns the new modules by name."""
     swapped = {}
-    for name, linear in projections(model, lm_head):
+    for name, linear in projections(model):
         parent, _, attr = name.rpartition(".")
         q = make(name, linear)
         setattr(model.get_submodule(parent), attr, q)

@@ -3,7 +3,8 @@
 Per variant (bf16, W8A16, W4A16 g128; Llama-3.1-8B shapes, random weights) one engine is built and its kernels
 tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs are captured again and timed, so every setting
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
-default); waits without early launches; off again (drift check). Records: device time of one graph replay per
+default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); off again
+(drift check). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -20,7 +21,10 @@ from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us
 from brrr.kernels import pdl
 
-SETTINGS = [("off", 0), ("pdl", 2), ("pdl, wait only (no early launch)", 1), ("off (again)", 0)]
+# (name, pdl.MODE, pdl.EARLY_LOADS)
+SETTINGS = {"off": ("off", 0, True), "pdl": ("pdl", 2, True), "wait": ("pdl, wait only (no early launch)", 1, True),
+            "late": ("pdl, no loads before the wait", 2, False), "off2": ("off (again)", 0, True),
+            "pdl2": ("pdl (again)", 2, True)}
 
 
 def main(argv=None) -> int:
@@ -30,6 +34,8 @@ def main(argv=None) -> int:
                    choices=["bf16", "w8a16", "w4a16-g128"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--lm-head", action="store_true", help="quantize lm_head too (`brrr quantize --lm-head`)")
+    p.add_argument("--settings", nargs="+", default=["off", "pdl", "wait", "off2"], choices=list(SETTINGS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/pdl_decode.py needs a CUDA GPU", file=sys.stderr)
@@ -46,20 +52,22 @@ def main(argv=None) -> int:
     for variant in args.variants:
         model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
         if variant != "bf16":
-            quantize_model(model, "rtn-int8" if variant == "w8a16" else "rtn-int4", group_size=128)
+            quantize_model(model, "rtn-int8" if variant == "w8a16" else "rtn-int4", group_size=128,
+                           lm_head=args.lm_head)
             pack_quantized_projections(model)
         engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
                                                      num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
         runner = engine.runner
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
-        for name, mode in SETTINGS:
-            pdl.MODE = mode
+        for name, mode, early in (SETTINGS[key] for key in args.settings):
+            pdl.MODE, pdl.EARLY_LOADS = mode, early
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))
             _, decode_s = run_batch(engine, 1, prompt_len, args.new_tokens, cfg.vocab_size, seed=7)
-            rec = {"bench": "pdl_decode", "machine": machine, "variant": variant, "setting": name,
+            rec = {"bench": "pdl_decode", "machine": machine, "variant": variant + ("-lmhead" if args.lm_head and variant != "bf16" else ""),
+                   "setting": name,
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)

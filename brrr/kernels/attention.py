@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
+from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
 from brrr.kernels.rotary import apply_rotary, apply_rotary_triton, rotary_triton_ok
 
@@ -209,19 +210,22 @@ if triton is not None:
                        block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-                       SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                       SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
         length on the device, and the programs past those return. A sequence in one part writes its output; in
         several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync."""
-        wait_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        if not EARLY:
+            wait_previous(PDL)
+        # The step's lengths and block table are inputs, not the previous kernel's outputs: with EARLY they and the
+        # first tile's cache rows are read before the wait. No program returns before it (a kernel must not
+        # complete before the one it follows).
         q_row = tl.load(CU_Q + b)
-        if tl.load(CU_Q + b + 1) - q_row != 1:  # a prefill chunk: the prefill kernel's
-            return
+        single = tl.load(CU_Q + b + 1) - q_row == 1
         ctx = tl.load(CTX + b)
         lo = 0
         if SLIDING:  # the query sits at ctx - 1 and sees keys > ctx - 1 - window
@@ -229,10 +233,16 @@ if triton is not None:
         parts, part = 1, ctx - lo
         if SPLIT:
             parts, part = _decode_parts(ctx - lo, num_splits, wave, min_part, long_part, BLOCK_N)
-            if split >= parts:
-                return
         lo += split * part
         hi = tl.minimum(ctx, lo + part)
+        n = lo + tl.arange(0, BLOCK_N)
+        rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
+        if EARLY:
+            wait_previous(PDL)
+        if not single:  # a prefill chunk: the prefill kernel's
+            return
+        if split >= parts:
+            return
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kvh * GROUP + g
@@ -244,14 +254,14 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
             nm = n < hi
-            rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
             kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+            n += BLOCK_N
+            rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
         o_mask = gm[:, None] & dm[None, :]
         if not SPLIT:  # its own branch: unsplit launches pass no counters, so the atomics below must not compile
@@ -519,7 +529,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_S=max(2, next_power_of_2(splits)), UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
-        PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl > 0)
+        PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl, EARLY=pdl_mod.EARLY_LOADS,
+        launch_pdl=pdl > 0)
     return out
 
 

@@ -33,6 +33,10 @@ except Exception:  # no triton, or one without grid dependency control: PDL stay
 
 
 MODE = int(os.environ.get("BRRR_PDL", "2"))  # read once; benchmarks and tests set MODE itself
+# Kernels that read constants (weights, scales, block tables) load their first ones before the wait, so under PDL
+# that latency overlaps the previous kernel. Safe by the rule above: a kernel starts only once the one before the
+# previous has completed, so before its wait it may read anything the previous kernel does not write.
+EARLY_LOADS = os.environ.get("BRRR_PDL_EARLY_LOADS", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
+from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
 
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
@@ -769,8 +770,9 @@ if triton is not None:
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
     @triton.jit
-    def _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS: tl.constexpr):
-        """Group g's words of both tiles, x at their low and high columns, the rows' scales and zero points (fp32)."""
+    def _mma_gemv_consts(g, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS: tl.constexpr):
+        """Group g's words of both tiles and the rows' scales and zero points (fp32): constants, so a PDL kernel may
+        load them before its wait."""
         s_a = tl.load(S + g * N + ra * stride_sn).to(tl.float32)
         s_b = tl.load(S + g * N + rb * stride_sn).to(tl.float32)
         if HAS_ZEROS:
@@ -779,8 +781,7 @@ if triton is not None:
         else:
             z_a = tl.full(ra.shape, 8.0, tl.float32)
             z_b = z_a
-        return (tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), tl.load(x8 + g * 32),
-                tl.load(x8 + g * 32 + 16), s_a, s_b, z_a, z_b)
+        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
 
     @triton.jit
     def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
@@ -835,25 +836,32 @@ if triton is not None:
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
-        n_groups = K // 128
-        g_begin, g_end = _split_range(n_groups, split_k)
-        wait_previous(PDL)
+        g_begin, g_end = _split_range(K // 128, split_k)
+        last = g_end - 1
+        if not EARLY:
+            wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N)
-        if AHEAD:  # group g + 1 loads while g computes (the last iteration reloads the last group, unused)
-            nxt = _mma_gemv_load(tl.minimum(g_begin, n_groups - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn,
-                                 stride_pc, HAS_ZEROS)
+        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
+                                                      stride_pc, HAS_ZEROS)
+        if EARLY:
+            wait_previous(PDL)
+        x_lo, x_hi = tl.load(x8 + tl.minimum(g_begin, last) * 32), tl.load(x8 + tl.minimum(g_begin, last) * 32 + 16)
         for g in range(g_begin, g_end):
-            if AHEAD:
-                cur = nxt
-                nxt = _mma_gemv_load(tl.minimum(g + 1, g_end - 1), pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc,
-                                     HAS_ZEROS)
-            else:
-                cur = _mma_gemv_load(g, pa, pb, x8, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
-            wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b = cur
+            nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
+            if AHEAD:  # group g + 1 loads while g computes
+                ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
+                x_ahead = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
             acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
+            if AHEAD:
+                wa, wb, s_a, s_b, z_a, z_b = ahead
+                x_lo, x_hi = x_ahead
+            else:
+                wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc,
+                                                              HAS_ZEROS)
+                x_lo, x_hi = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
         _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
                         BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
 
@@ -923,32 +931,35 @@ if triton is not None:
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
 
-    @triton.jit
-    def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
-        """Step t's words of both tiles and x at their columns."""
-        return tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16)
-
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
-                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
+                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+                               EARLY: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
-        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel."""
+        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
+        EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
+        under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
-        wait_previous(PDL)
+        last = s_end - 1
+        if not EARLY:
+            wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N)
-        if AHEAD:  # step t + 1 loads while t computes (the last iteration reloads the last step, unused)
-            nxt = _mma_gemv8_load(tl.minimum(s_begin, s_end - 1), pa, pb, x8, stride_qc)
-        for t in range(s_begin, s_end):
-            if AHEAD:
-                cur = nxt
-                nxt = _mma_gemv8_load(tl.minimum(t + 1, s_end - 1), pa, pb, x8, stride_qc)
-            else:
-                cur = _mma_gemv8_load(t, pa, pb, x8, stride_qc)
-            wa, wb, x = cur
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
+        wa, wb = tl.load(pa + tl.minimum(s_begin, last) * stride_qc), tl.load(pb + tl.minimum(s_begin, last) * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
+        if EARLY:
+            wait_previous(PDL)
+        x = tl.load(x8 + tl.minimum(s_begin, last) * 16)
+        for t in range(s_begin, s_end):
+            nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
+            if AHEAD:  # step t + 1 loads while t computes
+                wa_n, wb_n, x_n = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
+            if AHEAD:
+                wa, wb, x = wa_n, wb_n, x_n
+            else:
+                wa, wb, x = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
 
@@ -1220,7 +1231,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast),
+                           dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
+                                EARLY=pdl_mod.EARLY_LOADS),
                            extra=(scales.stride(1), word_chunk_stride))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1259,7 +1271,8 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_BIAS=bias is not None, FAST=fast), extra=(_packed_strides(words)[1],))
+                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS),
+                           extra=(_packed_strides(words)[1],))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)

@@ -1,10 +1,11 @@
-"""Programmatic dependent launch (brrr/kernels/pdl.py) on the captured decode step, A/B in one process.
+"""Programmatic dependent launch (brrr/kernels/pdl.py) and the decode fusions on the captured step, A/B in one process.
 
 Per variant (bf16, W8A16, W4A16 g128; Llama-3.1-8B shapes, random weights) one engine is built and its kernels
 tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs are captured again and timed, so every setting
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
-default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); off again
-(drift check). Records: device time of one graph replay per
+default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
+the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
+kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -19,12 +20,17 @@ import torch
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us
-from brrr.kernels import pdl
+from brrr.kernels import attention, pdl
+from brrr.kernels import quant_matmul as qm
 
-# (name, pdl.MODE, pdl.EARLY_LOADS)
-SETTINGS = {"off": ("off", 0, True), "pdl": ("pdl", 2, True), "wait": ("pdl, wait only (no early launch)", 1, True),
-            "late": ("pdl, no loads before the wait", 2, False), "off2": ("off (again)", 0, True),
-            "pdl2": ("pdl (again)", 2, True)}
+# name -> (description, pdl.MODE, pdl.EARLY_LOADS, quant_matmul.GATED_GEMV, attention.DECODE_ROPE)
+SETTINGS = {"off": ("off", 0, True, True, True), "pdl": ("pdl", 2, True, True, True),
+            "wait": ("pdl, wait only (no early launch)", 1, True, True, True),
+            "late": ("pdl, no loads before the wait", 2, False, True, True),
+            "no-gated": ("pdl, silu_and_mul kernel", 2, True, False, True),
+            "no-rope": ("pdl, rotary kernel", 2, True, True, False),
+            "unfused": ("pdl, silu_and_mul and rotary kernels", 2, True, False, False),
+            "off2": ("off (again)", 0, True, True, True), "pdl2": ("pdl (again)", 2, True, True, True)}
 
 
 def main(argv=None) -> int:
@@ -60,8 +66,8 @@ def main(argv=None) -> int:
         runner = engine.runner
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
-        for name, mode, early in (SETTINGS[key] for key in args.settings):
-            pdl.MODE, pdl.EARLY_LOADS = mode, early
+        for name, mode, early, gated, rope in (SETTINGS[key] for key in args.settings):
+            pdl.MODE, pdl.EARLY_LOADS, qm.GATED_GEMV, attention.DECODE_ROPE = mode, early, gated, rope
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))

@@ -205,17 +205,40 @@ if triton is not None:
         return blk * stride_cb + (n % block_size) * stride_ct + kvh * stride_ch
 
     @triton.jit
-    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT,
+    def _rope_factors(COS, SIN, row, stride_cos, d, dm, HEAD_DIM: tl.constexpr):
+        """cos and sin at the token's position over the head's dims, the partner dim (d + D/2 mod D) and the sign
+        of rotate-half: x_rot[d] = x[d] * cos[d] + sign[d] * x[partner] * sin[d]."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        c = tl.load(COS + row * stride_cos + d, mask=dm, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + row * stride_cos + d, mask=dm, other=0.0).to(tl.float32)
+        return c, sn, (d + HALF) % HEAD_DIM, tl.where(d < HALF, -1.0, 1.0)
+
+    @triton.jit
+    def _rope(ptrs, d, mask, c, sn, swap, sign):
+        """The rotated rows at ptrs (+ d): each product rounded to the activation dtype, then the sum, as torch's
+        `x * cos + rotate_half(x) * sin` and the rotary kernel round (the launch turns FMA contraction off)."""
+        dt = ptrs.dtype.element_ty
+        x = tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32)
+        xs = tl.load(ptrs + swap, mask=mask, other=0.0).to(tl.float32)
+        return ((x * c).to(dt).to(tl.float32) + (sign * xs * sn).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                       stride_kn, stride_kh, stride_vn, stride_vh, stride_cos,
                        block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-                       SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                       SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                       ROPE: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
         length on the device, and the programs past those return. A sequence in one part writes its output; in
-        several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync."""
+        several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync.
+        ROPE: q and the new k/v come unrotated from this step's projection (K, V, COS, SIN, SLOTS): each program
+        rotates its q heads, and the last part rotates the new key, writes it and v to the cache at the token's slot
+        and folds it in from registers (its loop stops one key short), the rotary kernel's work in this one."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -237,19 +260,27 @@ if triton is not None:
         hi = tl.minimum(ctx, lo + part)
         n = lo + tl.arange(0, BLOCK_N)
         rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        if ROPE:  # cos/sin and the slot are inputs too (made at the start of the forward)
+            c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
+            slot = tl.load(SLOTS + q_row).to(tl.int64)
         if EARLY:
             wait_previous(PDL)
         if not single:  # a prefill chunk: the prefill kernel's
             return
         if split >= parts:
             return
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
         heads = kvh * GROUP + g
         gm = g < GROUP
-        dm = d < HEAD_DIM
-        q = tl.load(Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                    mask=gm[:, None] & dm[None, :], other=0.0)
+        q_ptrs = Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh
+        if ROPE:
+            q = _rope(q_ptrs, d, gm[:, None] & dm[None, :], c[None, :], sn[None, :], swap[None, :], sign[None, :])
+            new_key = (split == parts - 1) & (ctx > 0)  # this part ends at the new token's position ctx - 1
+            hi = tl.where(new_key, hi - 1, hi)
+        else:
+            q = tl.load(q_ptrs + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -262,6 +293,22 @@ if triton is not None:
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
             n += BLOCK_N
             rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
+        if ROPE:
+            if new_key:
+                k = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, dm, c, sn, swap, sign)
+                v = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=dm, other=0.0)
+                if slot >= 0:  # a padded row has none
+                    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kvh * stride_ch + d
+                    tl.store(KC + dst, k, mask=dm)
+                    tl.store(VC + dst, v, mask=dm)
+                # the new key as one more online-softmax step, from registers (p rounded as the dot's input is)
+                s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
+                m_new = tl.maximum(m_i, s)
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new).to(v.dtype).to(tl.float32)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+                m_i = m_new
         o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
         o_mask = gm[:, None] & dm[None, :]
         if not SPLIT:  # its own branch: unsplit launches pass no counters, so the atomics below must not compile
@@ -457,6 +504,9 @@ def _precision(q):
 # past it (DECODE_LONG_PART). From the H200 sweeps (bench/results/decode_attention_splits_h200.jsonl): batch 1 x
 # 500-2000 keys ran fastest in 128-key parts up to 16 (one wave), 4-8k in 16 parts, 32k in 64 of 512.
 DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
+# A step of decodes only rotates q/k and writes the new K/V inside the decode kernel (one launch fewer a layer);
+# benchmarks set it False for the two-kernel A/B.
+DECODE_ROPE = True
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device) -> tuple[int, int]:
@@ -495,12 +545,13 @@ def decode_tile(splits: int, block_d: int, max_context: int) -> tuple[int, int]:
 
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             sliding_window=None, max_context_len=None, out=None, num_splits=None,
-                            block_n=None, num_warps=4, num_stages=None, min_part=DECODE_MIN_PART):
+                            block_n=None, num_warps=4, num_stages=None, min_part=DECODE_MIN_PART, rope=None):
     """Sequences with one new token: q [N, H, D] (row cu_seqlens_q[b] is sequence b's query when it has one new
     token; other sequences are skipped), paged k/v cache, context_lens [B] int32 on the device -> out [N, H, D].
     No host synchronisation and a grid fixed by (B, kv heads, max_context_len): CUDA-graph capturable.
     num_splits: the parts a sequence may be cut into (default `decode_splits`); each sequence takes as many of
-    them as its own length asks, parts of at least min_part keys."""
+    them as its own length asks, parts of at least min_part keys. rope: (k, v, cos, sin, slot_mapping) of this step
+    when q and k are not rotated yet and k/v not in the cache (every sequence one new token): the kernel does both."""
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -521,16 +572,19 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         counts = arrival_counts(q.device, batch * n_kv)
     else:
         partial = max_sum = counts = out  # unused
+    k, v, cos, sin, slots = rope if rope is not None else (q, q, q, q, cu_seqlens_q)
     pdl = pdl_on(q)
+    # with rope, no FMA contraction: the rotation rounds where torch and the rotary kernel round
     _decode_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k, v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_S=max(2, next_power_of_2(splits)), UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl, EARLY=pdl_mod.EARLY_LOADS,
-        launch_pdl=pdl > 0)
+        ROPE=rope is not None, enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 
 
@@ -586,11 +640,16 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
                                  sliding_window=sliding_window, out=out)
         return out.view(n_tokens, n_heads * dim)
     k_cache, v_cache = meta.kv_caches[layer]
+    context_lens = meta.device_context_lens(q.device)
+    if rope is not None and meta.max_seqlen_q == 1 and DECODE_ROPE and rope[0].stride(0) == rope[1].stride(0):  # all decodes: rotation and cache write fused
+        decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
+                                sliding_window, meta.context_bound(k_cache.shape[1]), out=out,
+                                rope=(k, v, *rope, meta.slot_mapping))
+        return out.view(n_tokens, n_heads * dim)
     if rope is not None and k.shape[0]:
         apply_rotary_triton(q, k, *rope, cache=(v, k_cache, v_cache, meta.slot_mapping))
     else:
         write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-    context_lens = meta.device_context_lens(q.device)
     if meta.has_single_token_rows:
         decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
                                 sliding_window, meta.context_bound(k_cache.shape[1]), out=out)

@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
 from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
@@ -49,6 +50,7 @@ from brrr.kernels.pdl import pdl_on
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
+GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogue (benchmarks turn it off for A/B)
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
@@ -809,12 +811,18 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr):
-        """A program's two tiles of BLOCK_N / 2 rows (clamped to row N - 1; not stored past N), their word pointers at
-        the first chunk, x as 8-byte words and both tiles' zeroed accumulators."""
+    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+        """A program's two tiles of BLOCK_N / 2 rows (clamped to the last row; not stored past it), their word
+        pointers at the first chunk, x as 8-byte words and both tiles' zeroed accumulators. GATED (W = [gate; up],
+        N rows): the tiles are gate rows and the same up rows, so the epilogue has both halves of SiLU-and-mul."""
         HALF_N: tl.constexpr = BLOCK_N // 2
-        rows_a = tl.program_id(0) * BLOCK_N + tl.arange(0, HALF_N)
-        ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
+        if GATED:
+            rows_a = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+            ra = tl.minimum(rows_a, N // 2 - 1)
+            rb = ra + N // 2
+        else:
+            rows_a = tl.program_id(0) * BLOCK_N + tl.arange(0, HALF_N)
+            ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
         words = tl.arange(0, 16)
         pa = W + ra.to(tl.int64)[:, None] * stride_wn + words[None, :]
         pb = W + rb.to(tl.int64)[:, None] * stride_wn + words[None, :]
@@ -824,26 +832,65 @@ if triton is not None:
 
     @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-        """Both tiles' row sums, in row order, through `_store`."""
-        out = tl.reshape(tl.permute(tl.join(sum_a, sum_b), (1, 0)), (BLOCK_N,))
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-               HAS_BIAS, SPLIT, PDL)
+                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                        GATED: tl.constexpr):
+        """Both tiles' row sums, in row order, through `_store`; GATED: through `_gated_store`."""
+        if GATED:
+            _gated_store(sum_a, sum_b, B, Y, WS, LOCKS, N, split_k, BLOCK_N // 2, HAS_BIAS, SPLIT, PDL)
+        else:
+            out = tl.reshape(tl.permute(tl.join(sum_a, sum_b), (1, 0)), (BLOCK_N,))
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
+                   HAS_BIAS, SPLIT, PDL)
+
+    @triton.jit
+    def _gated_store(gate, up, B, Y, WS, LOCKS, N, split_k, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """y[i] = silu(gate[i]) * up[i] for this program's HALF_N outputs (M = 1, N = 2 x outputs), split K as in
+        `_store`: the partials of both halves in WS [split_k, N], the last program to arrive adds them in order."""
+        release_dependents(PDL)
+        half = N // 2
+        rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        mask = rows < half
+        if SPLIT:
+            ws = WS + rows
+            tl.store(ws + tl.program_id(1) * N, gate, mask=mask)
+            tl.store(ws + tl.program_id(1) * N + half, up, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
+            if tl.atomic_add(LOCKS + tl.program_id(0), 1, sem="acq_rel") == split_k - 1:
+                gate, up = tl.zeros_like(gate), tl.zeros_like(up)
+                for k in range(split_k):  # .cg: read through L2, never a stale L1 line
+                    gate += tl.load(ws + k * N, mask=mask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(ws + k * N + half, mask=mask, other=0.0, cache_modifier=".cg")
+                _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
+                tl.atomic_xchg(LOCKS + tl.program_id(0), 0)
+        else:
+            _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
+
+    @triton.jit
+    def _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS: tl.constexpr):
+        """Rounded where the unfused path rounds: the GEMM's outputs, silu's, then the product (silu_and_mul)."""
+        if HAS_BIAS:
+            gate += tl.load(B + rows, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(B + half + rows, mask=mask, other=0.0).to(tl.float32)
+        dt = Y.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Y + rows, (s * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
         last = g_end - 1
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
                                                       stride_pc, HAS_ZEROS)
         if EARLY:
@@ -863,7 +910,7 @@ if triton is not None:
                                                               HAS_ZEROS)
                 x_lo, x_hi = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
         _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
-                        BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
+                        BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
     # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
@@ -935,7 +982,7 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
         EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
@@ -944,7 +991,7 @@ if triton is not None:
         last = s_end - 1
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
         wa, wb = tl.load(pa + tl.minimum(s_begin, last) * stride_qc), tl.load(pb + tl.minimum(s_begin, last) * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
@@ -961,7 +1008,7 @@ if triton is not None:
             else:
                 wa, wb, x = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
-                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL)
+                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
@@ -1165,7 +1212,7 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     split = _split_k(cfg, m, n, k_steps, x2.device)
     del cfg["SPLIT_K"]
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    y = torch.empty(m, n // 2 if consts.get("GATED") else n, dtype=out_dtype, device=x2.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = arrival_counts(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
@@ -1203,8 +1250,10 @@ def _gemv_chunks(cfg: dict, group_size: int) -> dict:
     return dict(cfg, CHUNKS=min(cfg["CHUNKS"], group_size // 32))
 
 
-def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None):
-    """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one."""
+def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None,
+                        gated: bool = False):
+    """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one. gated (M = 1, group 128; N = 2 x I
+    rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
@@ -1220,6 +1269,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
     word_chunk_stride = None if words is None else _packed_strides(words)[1]
 
     def run(cfg):
+        if gated and not cfg.get("MMA_GEMV"):
+            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
@@ -1232,7 +1283,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS),
+                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
                            extra=(scales.stride(1), word_chunk_stride))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1242,13 +1293,14 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
-        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast)
-        configs = w4_configs(m, group_size, gemv=words is not None)
+        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
+        configs = _mma_gemv_configs(m, group_size) if gated else w4_configs(m, group_size, gemv=words is not None)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
-    return run(config).view(*x.shape[:-1], n)
+    return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
 
-def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None):
+def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False):
+    """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
@@ -1261,6 +1313,8 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     chunk_stride = _packed_strides(qweight)[1]
 
     def run(cfg):
+        if gated and not cfg.get("MMA_GEMV"):
+            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w8_triton(qweight, scales, x.dtype), bias)
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
@@ -1271,7 +1325,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS),
+                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
                            extra=(_packed_strides(words)[1],))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
@@ -1282,10 +1336,10 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                        extra=(chunk_stride,))
 
     if config is None:
-        configs = w8_configs(m, gemv=words is not None, k=k)
-        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast)
+        configs = _mma_gemv8_configs(m, k) if gated else w8_configs(m, gemv=words is not None, k=k)
+        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run)
-    return run(config).view(*x.shape[:-1], n)
+    return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
 
 def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1337,6 +1391,31 @@ def w8a16_matmul(x, qweight, scales, bias=None):
     if _dtype_ok(x) and qweight.stride(-1) == 1 and use_triton(*tensors):
         return w8a16_matmul_triton(x, qweight, scales, bias)
     return w8a16_matmul_ref(x, qweight, scales, bias)
+
+
+def _gated_ok(x, qweight, *tensors) -> bool:
+    """The fused gate/up GEMV runs: one row of x, 16-bit (its epilogue rounds as the unfused bf16/fp16 path does),
+    weights readable as int32 words, Triton."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and qweight.shape[0] % 2 == 0
+            and _words(qweight) is not None and use_triton(x, qweight, *tensors))
+
+
+def w4a16_gated_matmul(x, qweight, scales, zeros, group_size, bias=None):
+    """silu(x @ W_gate^T) * (x @ W_up^T) for W = [gate; up] int4 (a packed gate/up projection): [..., N / 2]. One
+    row of x (batch-1 decode): the MMA GEMV with the activation in its epilogue, one kernel; else the GEMM, then
+    silu_and_mul."""
+    tensors = [scales] + [t for t in (zeros, bias) if t is not None]
+    if GATED_GEMV and group_size == 128 and x.shape[-1] % 128 == 0 and _gated_ok(x, qweight, *tensors):
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, gated=True)
+    return silu_and_mul(*w4a16_matmul(x, qweight, scales, zeros, group_size, bias).chunk(2, -1))
+
+
+def w8a16_gated_matmul(x, qweight, scales, bias=None):
+    """As `w4a16_gated_matmul`, int8 weights."""
+    tensors = [scales] + ([bias] if bias is not None else [])
+    if GATED_GEMV and x.shape[-1] % 64 == 0 and qweight.stride(-1) == 1 and _gated_ok(x, qweight, *tensors):
+        return w8a16_matmul_triton(x, qweight, scales, bias, gated=True)
+    return silu_and_mul(*w8a16_matmul(x, qweight, scales, bias).chunk(2, -1))
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype):

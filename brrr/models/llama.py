@@ -86,7 +86,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            return self.down_proj(silu_and_mul(*self.gate_up_proj(x).chunk(2, -1)))
+            gated = getattr(self.gate_up_proj, "gated", None)  # QuantLinear: SiLU-and-mul in the GEMV's epilogue
+            return self.down_proj(gated(x) if gated else silu_and_mul(*self.gate_up_proj(x).chunk(2, -1)))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.quant_matmul import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel,
-                                       w4a16_matmul, w8a16_matmul)
+                                       w4a16_gated_matmul, w4a16_matmul, w8a16_gated_matmul, w8a16_matmul)
 from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4
 
@@ -121,6 +122,16 @@ class QuantLinear(nn.Module):
         if self.fmt == "int8":
             return w8a16_matmul(x, self.qweight, self.scales, bias)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def gated(self, x):
+        """silu(gate) * up of a packed gate/up projection (outputs: gate, then up): weight-only int8/int4 in one
+        kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then silu_and_mul."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.activations is None and self.fmt == "int4":
+            return w4a16_gated_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+        if self.activations is None and self.fmt == "int8":
+            return w8a16_gated_matmul(x, self.qweight, self.scales, bias)
+        return silu_and_mul(*self.forward(x).chunk(2, -1))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, t in self.checkpoint_tensors().items():

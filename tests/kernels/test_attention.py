@@ -118,6 +118,61 @@ def test_decode_low_context_bound_still_reads_everything(device):
     assert_close(out.view(2, -1), ref, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits,window", [(1, None), (3, None), (2, 7)])
+def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits, window):
+    """A step of decodes only (GQA 4:2, a padded row with context 0 and slot -1): q and k unrotated from a packed
+    projection, rotated inside the decode kernel, the new k/v written to the cache by the part holding the last
+    position (split in 1-3 parts, a sliding window). The cache ends bit for bit as the rotary kernel writes it
+    (rotations rounded as torch rounds them), the output within rounding of rotary + the plain decode kernel."""
+    skip_interpreted_bf16(device, dtype)
+    from brrr.config import RopeConfig
+    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+
+    heads, kv, dim = 4, 2, 32
+    q0, k0, v0, meta = make_step([1, 1, 1, 1], [1, 9, 40, 1], heads, kv, dim, 8, dtype, device, seed=splits)
+    qkv = torch.cat([q0.flatten(1), k0.flatten(1), v0.flatten(1)], 1)  # q, k, v as views of one projection
+    q, k, v = (qkv[:, a:b].view(4, -1, dim) for a, b in ((0, heads * dim), (heads * dim, (heads + kv) * dim),
+                                                         ((heads + kv) * dim, (heads + 2 * kv) * dim)))
+    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 8, 39, 0]), inv_freq, scale, dtype))
+    ctx = torch.tensor([1, 9, 40, 0], dtype=torch.int32, device=device)  # the last row: padding
+    slots = meta.slot_mapping.clone()
+    slots[3] = -1
+    want_meta = clone_meta(meta)
+    qr, kr = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
+    kw = dict(num_splits=splits, block_n=16, min_part=1)
+    want = decode_attention_triton(qr, *want_meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2,
+                                   window, **kw)
+    before = qkv.clone()
+    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
+                                  rope=(k, v, cos, sin, slots), **kw)
+    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
+    assert torch.equal(qkv, before)  # q and k are read, not rotated in place
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 4, 1]])
+def test_attention_with_rope_decodes_only_or_mixed(device, q_lens):
+    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation, a mixed step the
+    rotary kernel; both give the reference's output over rotated q/k and leave the same cache."""
+    from brrr.config import RopeConfig
+    from brrr.kernels.rotary import apply_rotary_ref, rope_inv_freq, rotary_cos_sin
+
+    q, k, v, meta = make_step(q_lens, [5, 17, 33], 4, 2, 32, 8, torch.float32, device)
+    inv_freq, scale = rope_inv_freq(RopeConfig(), 32, 128)
+    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, [5, 17, 33])])
+    cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, torch.float32))
+    ref_meta = clone_meta(meta)
+    want = attention_ref(*apply_rotary_ref(q, k, cos, sin), v, ref_meta, 0, 0.2)
+    got = attention_triton(q.clone(), k.clone(), v, meta, 0, 0.2, rope=(cos, sin))
+    assert torch.equal(meta.kv_caches[0][0], ref_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], ref_meta.kv_caches[0][1])
+    assert_close(got, want, torch.float32)
+
+
 def test_decode_padded_rows_and_prefill_rows(device):
     """A zero context (a padded graph row) gives zeros; a sequence with several new tokens is left alone."""
     q, k, v, meta = make_step([1, 3, 1], [10, 12, 5], 4, 2, 32, 8, torch.float32, device)

@@ -373,3 +373,50 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:
         assert _rel(got, want) < 8e-3
+
+
+# ---- gate/up with SiLU-and-mul in the MMA GEMV's epilogue (batch-1 decode) ----------------------------------------
+@pytest.mark.parametrize("fmt,half,split,with_bias,dtype", [
+    ("int8", 40, 1, True, torch.bfloat16), ("int8", 100, 3, False, torch.float16), ("int4", 40, 2, False, torch.bfloat16),
+    ("int4", 70, 1, True, torch.float16), ("int8", 64, 2, False, torch.float32)])
+def test_gated_mma_gemv_is_the_gemv_then_silu_and_mul(device, fmt, half, split, with_bias, dtype):
+    """W = [gate; up] (2 x half rows; half not a multiple of the tile's 64 rows: clamped rows are not stored). The
+    fused kernel pairs gate row i with up row i in one program; its output is the unfused MMA GEMV's, rounded,
+    through silu_and_mul, bit for bit (same config, same split K)."""
+    from brrr.kernels.activation import silu_and_mul_triton, silu_and_mul_ref
+
+    n = 2 * half
+    if fmt == "int8":
+        x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=n, k=192, dtype=dtype))
+        cfg = dict(qm._mma_gemv8_configs(1, 192)[0], SPLIT_K=split)
+        run = lambda **kw: qm.w8a16_matmul_triton(x, q, scales, bias if with_bias else None, config=cfg, **kw)  # noqa
+        ref = qm.w8a16_matmul_ref(x.float(), q, scales.float(), bias.float() if with_bias else None)
+    else:
+        x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, False, n=n, groups=3, dtype=dtype)
+        x, qweight, scales, zeros, bias = (t.to(device) for t in (x, qweight, scales, zeros, bias))
+        cfg = dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=split)
+        run = lambda **kw: qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias if with_bias else None,  # noqa
+                                                  config=cfg, **kw)
+        ref = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128,
+                                  bias.float() if with_bias else None)
+    got = run(gated=True)
+    unfused = run()
+    assert got.shape == (1, half) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul_triton(*unfused.chunk(2, -1)))
+    want = silu_and_mul_ref(*ref.chunk(2, -1))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert _rel(got, want) < 2e-2
+
+
+def test_gated_dispatch_falls_back_to_the_gemm_then_silu_and_mul():
+    """Two rows of x (not batch-1 decode) or a CPU tensor: the GEMM's output through silu_and_mul; a config that is
+    not an MMA GEMV cannot be gated."""
+    from brrr.kernels.activation import silu_and_mul_ref
+
+    x, q, scales, _ = _w8_problem(2, n=80, k=128, dtype=torch.float32)
+    got = qm.w8a16_gated_matmul(x, q, scales)
+    assert torch.equal(got, silu_and_mul_ref(*qm.w8a16_matmul(x, q, scales).chunk(2, -1)))
+    with pytest.raises(ValueError, match="only the MMA GEMV"):
+        qm.w8a16_matmul_triton(x[:1], q, scales, config=qm.w8_configs(1)[0], gated=True)

@@ -5,7 +5,8 @@ tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs 
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
-kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check). Records: device time of one graph replay per
+kernel (`attention.DECODE_ROPE`); without either fusion; one MMA GEMV step loaded ahead instead of 4
+(`quant_matmul.MMA_GEMV_PRELOAD`); off again (drift check). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -19,18 +20,21 @@ import sys
 import torch
 
 from brrr.bench.latency import emit, run_batch
-from brrr.bench.timing import replay_time_us
+from brrr.bench.timing import replay_time_us, step_kernels
 from brrr.kernels import attention, pdl
 from brrr.kernels import quant_matmul as qm
 
-# name -> (description, pdl.MODE, pdl.EARLY_LOADS, quant_matmul.GATED_GEMV, attention.DECODE_ROPE)
-SETTINGS = {"off": ("off", 0, True, True, True), "pdl": ("pdl", 2, True, True, True),
-            "wait": ("pdl, wait only (no early launch)", 1, True, True, True),
-            "late": ("pdl, no loads before the wait", 2, False, True, True),
-            "no-gated": ("pdl, silu_and_mul kernel", 2, True, False, True),
-            "no-rope": ("pdl, rotary kernel", 2, True, True, False),
-            "unfused": ("pdl, silu_and_mul and rotary kernels", 2, True, False, False),
-            "off2": ("off (again)", 0, True, True, True), "pdl2": ("pdl (again)", 2, True, True, True)}
+# name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel,
+# 4 preloaded MMA GEMV steps)
+SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait only (no early launch)", {"MODE": 1}),
+            "late": ("pdl, no loads before the wait", {"EARLY_LOADS": False}),
+            "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
+            "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
+            "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
+            "pre1": ("pdl, one MMA GEMV step preloaded", {"MMA_GEMV_PRELOAD": 1}),
+            "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
+FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True),
+         "MMA_GEMV_PRELOAD": (qm, 4)}
 
 
 def main(argv=None) -> int:
@@ -41,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--lm-head", action="store_true", help="quantize lm_head too (`brrr quantize --lm-head`)")
+    p.add_argument("--kernels", nargs="*", default=[], choices=list(SETTINGS),
+                   help="also each kernel's device time in the batch-1 step under these settings")
     p.add_argument("--settings", nargs="+", default=["off", "pdl", "wait", "off2"], choices=list(SETTINGS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,17 +72,22 @@ def main(argv=None) -> int:
         runner = engine.runner
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
-        for name, mode, early, gated, rope in (SETTINGS[key] for key in args.settings):
-            pdl.MODE, pdl.EARLY_LOADS, qm.GATED_GEMV, attention.DECODE_ROPE = mode, early, gated, rope
+        for key in args.settings:
+            name, changes = SETTINGS[key]
+            for flag, (module, default) in FLAGS.items():
+                setattr(module, flag, changes.get(flag, default))
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))
             _, decode_s = run_batch(engine, 1, prompt_len, args.new_tokens, cfg.vocab_size, seed=7)
-            rec = {"bench": "pdl_decode", "machine": machine, "variant": variant + ("-lmhead" if args.lm_head and variant != "bf16" else ""),
-                   "setting": name,
+            label = variant + ("-lmhead" if args.lm_head and variant != "bf16" else "")
+            rec = {"bench": "pdl_decode", "machine": machine, "variant": label, "setting": name,
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
+            if key in args.kernels:
+                rec["kernels_batch1"] = [[k[:60], round(t, 2), round(c, 1)] for k, t, c in
+                                         step_kernels(runner.graphs[1][0])]
             emit(rec, args.out)
         del engine, model, runner
         gc.collect()

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from brrr.bench.latency import emit  # noqa: E402
-from brrr.bench.timing import graph_time_us, replay_time_us  # noqa: E402
+from brrr.bench.timing import graph_time_us, replay_time_us, step_kernels  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
 from brrr.quant import formats  # noqa: E402
 from brrr.quant.linear import QuantLinear  # noqa: E402
@@ -138,20 +138,6 @@ def model_bytes(model) -> int:
         if "embed_tokens" not in name and t is not None:
             total += t.numel() * t.element_size()
     return total
-
-
-def step_kernels(graph, replays: int = 20) -> list[tuple[str, float, float]]:
-    """(kernel name, device us a step, launches a step) of a captured decode step: torch.profiler over replays."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()]
-    return sorted(((k, t / replays, c / replays) for k, t, c in rows if t > 0), key=lambda r: -r[1])
 
 
 def section_decode(args, machine, bandwidth):

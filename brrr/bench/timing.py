@@ -28,3 +28,18 @@ def graph_time_us(calls, replays: int = 20) -> float:
         for c in calls:
             c()
     return replay_time_us(graph, replays) / len(calls)
+
+
+def step_kernels(graph, replays: int = 20) -> list[tuple[str, float, float]]:
+    """(kernel name, device us a step, launches a step) of a captured step: torch.profiler over replays (under PDL
+    a kernel's time includes its wait for the one before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()]
+    return sorted(((k, t / replays, c / replays) for k, t, c in rows if t > 0), key=lambda r: -r[1])

@@ -5,8 +5,7 @@ tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs 
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
-kernel (`attention.DECODE_ROPE`); without either fusion; one MMA GEMV step loaded ahead instead of 4
-(`quant_matmul.MMA_GEMV_PRELOAD`); off again (drift check). Records: device time of one graph replay per
+kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -24,17 +23,14 @@ from brrr.bench.timing import replay_time_us, step_kernels
 from brrr.kernels import attention, pdl
 from brrr.kernels import quant_matmul as qm
 
-# name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel,
-# 4 preloaded MMA GEMV steps)
+# name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel)
 SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait only (no early launch)", {"MODE": 1}),
             "late": ("pdl, no loads before the wait", {"EARLY_LOADS": False}),
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
-            "pre1": ("pdl, one MMA GEMV step preloaded", {"MMA_GEMV_PRELOAD": 1}),
             "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
-FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True),
-         "MMA_GEMV_PRELOAD": (qm, 4)}
+FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True)}
 
 
 def main(argv=None) -> int:

@@ -50,9 +50,6 @@ from brrr.kernels.pdl import pdl_on
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
-# Steps (int8: 64 columns, int4: a group) an MMA GEMV program loads before its first MMA, before the PDL wait: all of
-# a program's steps when it has that few (o_proj at batch 1: its whole slice streams in during attention)
-MMA_GEMV_PRELOAD = 4
 GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogue (benchmarks turn it off for A/B)
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
@@ -762,15 +759,14 @@ if triton is not None:
     _MMA_GEMV_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8 + ["f"] * 16))
 
     @triton.jit
-    def _mma_gemv_group(acc, w, z, s, words, g, end, X):
+    def _mma_gemv_group(acc, w, z, s, words, g, X):
         """Portable form of one tile's group (interpreter, fp32): acc [R, 16] + the group's row sums, scaled, in
-        each row's first accumulator (nothing for a group >= end). w [R, 16] int32 words; z, s [R] fp32."""
+        each row's first accumulator. w [R, 16] int32 words; z, s [R] fp32."""
         part = tl.zeros((w.shape[0],), dtype=tl.float32)
-        ok = words * 0 + g < end  # a mask tensor (g and end may be plain ints)
         for b in tl.static_range(4):
             byte = (w >> (8 * b)) & 0xFF
-            xl = tl.load(X + g * 128 + words * 4 + b, mask=ok, other=0.0).to(tl.float32)
-            xh = tl.load(X + g * 128 + 64 + words * 4 + b, mask=ok, other=0.0).to(tl.float32)
+            xl = tl.load(X + g * 128 + words * 4 + b).to(tl.float32)
+            xh = tl.load(X + g * 128 + 64 + words * 4 + b).to(tl.float32)
             part += tl.sum(((byte & 15).to(tl.float32) - z[:, None]) * xl[None, :], axis=1)
             part += tl.sum(((byte >> 4).to(tl.float32) - z[:, None]) * xh[None, :], axis=1)
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
@@ -790,9 +786,8 @@ if triton is not None:
         return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
 
     @triton.jit
-    def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, end, X, words,
-                             FAST: tl.constexpr):
-        """Group g of both tiles into their accumulators; a group >= end adds nothing (zero x words)."""
+    def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
+        """Group g of both tiles into their accumulators."""
         DTYPE: tl.constexpr = X.dtype.element_ty
         if FAST:
             BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
@@ -811,8 +806,8 @@ if triton is not None:
                 acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_F16, constraints=_MMA_GEMV_IO, args=args,
                                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:
-            acc_a = _mma_gemv_group(acc_a, wa, z_a, s_a, words, g, end, X)
-            acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, end, X)
+            acc_a = _mma_gemv_group(acc_a, wa, z_a, s_a, words, g, X)
+            acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, X)
         return acc_a, acc_b
 
     @triton.jit
@@ -884,25 +879,11 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(Y + rows, (s * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
-    @triton.jit
-    def _preload_x(x8, t, end, last, WORDS: tl.constexpr):
-        """x's words at step t (WORDS a step: 16 for int8, 32 for an int4 group), zeros for a step past the end."""
-        xs = tl.load(x8 + tl.minimum(t, last) * WORDS)
-        return tl.where(t < end, xs, 0)
-
-    @triton.jit
-    def _mma_gemv_preloaded(acc_a, acc_b, wa, wb, s_a, s_b, z_a, z_b, x8, g, end, last, X, words, FAST: tl.constexpr):
-        """Group g from its preloaded weights, scales and zeros (`_mma_gemv_consts`); nothing for g >= end."""
-        x_lo = _preload_x(x8, g, end, last, 32)
-        x_hi = _preload_x(x8 + 16, g, end, last, 32)
-        return _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, end, X, words, FAST)
-
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
-                               PRE: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
@@ -910,40 +891,17 @@ if triton is not None:
         if not EARLY:
             wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
-        wa0, wb0, sa0, sb0, za0, zb0 = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb,
-                                                        stride_sn, stride_pc, HAS_ZEROS)
-        if PRE > 1:
-            wa1, wb1, sa1, sb1, za1, zb1 = _mma_gemv_consts(tl.minimum(g_begin + 1, last), pa, pb, S, Z, N, ra, rb,
-                                                            stride_sn, stride_pc, HAS_ZEROS)
-        if PRE > 2:
-            wa2, wb2, sa2, sb2, za2, zb2 = _mma_gemv_consts(tl.minimum(g_begin + 2, last), pa, pb, S, Z, N, ra, rb,
-                                                            stride_sn, stride_pc, HAS_ZEROS)
-        if PRE > 3:
-            wa3, wb3, sa3, sb3, za3, zb3 = _mma_gemv_consts(tl.minimum(g_begin + 3, last), pa, pb, S, Z, N, ra, rb,
-                                                            stride_sn, stride_pc, HAS_ZEROS)
+        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
+                                                      stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
-        acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, wa0, wb0, sa0, sb0, za0, zb0, x8, g_begin, g_end, last, X,
-                                           words, FAST)
-        if PRE > 1:
-            acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, wa1, wb1, sa1, sb1, za1, zb1, x8, g_begin + 1, g_end,
-                                               last, X, words, FAST)
-        if PRE > 2:
-            acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, wa2, wb2, sa2, sb2, za2, zb2, x8, g_begin + 2, g_end,
-                                               last, X, words, FAST)
-        if PRE > 3:
-            acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, wa3, wb3, sa3, sb3, za3, zb3, x8, g_begin + 3, g_end,
-                                               last, X, words, FAST)
-        nxt = tl.minimum(g_begin + PRE, last)  # the rest, if any
-        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
-        x_lo, x_hi = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
-        for g in range(g_begin + PRE, g_end):
+        x_lo, x_hi = tl.load(x8 + tl.minimum(g_begin, last) * 32), tl.load(x8 + tl.minimum(g_begin, last) * 32 + 16)
+        for g in range(g_begin, g_end):
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
                 x_ahead = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
-            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, g_end, X,
-                                                words, FAST)
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
             if AHEAD:
                 wa, wb, s_a, s_b, z_a, z_b = ahead
                 x_lo, x_hi = x_ahead
@@ -997,10 +955,9 @@ if triton is not None:
     _MMA_GEMV8_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 4 + ["f"] * 8))
 
     @triton.jit
-    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, end, X, words, FAST: tl.constexpr):
+    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr):
         """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
-        the row's running sum: a quarter of the row's total after the sum over its 16). A step >= end adds nothing
-        (its x words are zero; the portable path masks its own loads)."""
+        the row's running sum: a quarter of the row's total after the sum over its 16)."""
         if FAST:
             args = [wa, wb, tl.broadcast_to(x[None, :], wa.shape), acc_a, acc_b]
             if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
@@ -1013,8 +970,7 @@ if triton is not None:
             part_a = tl.zeros((wa.shape[0],), dtype=tl.float32)
             part_b = tl.zeros((wa.shape[0],), dtype=tl.float32)
             for b in tl.static_range(4):
-                xv = tl.load(X + step * 64 + words * 4 + b, mask=words * 0 + step < end, other=0.0)
-                xv = xv.to(tl.float32)[None, :]
+                xv = tl.load(X + step * 64 + words * 4 + b).to(tl.float32)[None, :]
                 part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
                 part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
             first = words[None, :] % 4 == 0
@@ -1026,49 +982,27 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, PRE: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
-        The first PRE (1-4) steps' weights and the scales are loaded first, before the PDL wait with EARLY (they are
-        constants): under PDL they stream in while the previous kernel runs (attention before o_proj: 4-8 us)."""
+        EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
+        under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         last = s_end - 1
         if not EARLY:
             wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
-        t0 = tl.minimum(s_begin, last)
-        wa0, wb0 = tl.load(pa + t0 * stride_qc), tl.load(pb + t0 * stride_qc)
-        if PRE > 1:
-            t1 = tl.minimum(s_begin + 1, last)
-            wa1, wb1 = tl.load(pa + t1 * stride_qc), tl.load(pb + t1 * stride_qc)
-        if PRE > 2:
-            t2 = tl.minimum(s_begin + 2, last)
-            wa2, wb2 = tl.load(pa + t2 * stride_qc), tl.load(pb + t2 * stride_qc)
-        if PRE > 3:
-            t3 = tl.minimum(s_begin + 3, last)
-            wa3, wb3 = tl.load(pa + t3 * stride_qc), tl.load(pb + t3 * stride_qc)
+        wa, wb = tl.load(pa + tl.minimum(s_begin, last) * stride_qc), tl.load(pb + tl.minimum(s_begin, last) * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
-        x = _preload_x(x8, s_begin, s_end, last, 16)
-        acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa0, wb0, x, s_begin, s_end, X, words, FAST)
-        if PRE > 1:
-            x = _preload_x(x8, s_begin + 1, s_end, last, 16)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa1, wb1, x, s_begin + 1, s_end, X, words, FAST)
-        if PRE > 2:
-            x = _preload_x(x8, s_begin + 2, s_end, last, 16)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa2, wb2, x, s_begin + 2, s_end, X, words, FAST)
-        if PRE > 3:
-            x = _preload_x(x8, s_begin + 3, s_end, last, 16)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa3, wb3, x, s_begin + 3, s_end, X, words, FAST)
-        nxt = tl.minimum(s_begin + PRE, last)  # the rest, if any
-        wa, wb, x = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
-        for t in range(s_begin + PRE, s_end):
+        x = tl.load(x8 + tl.minimum(s_begin, last) * 16)
+        for t in range(s_begin, s_end):
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 wa_n, wb_n, x_n = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, s_end, X, words, FAST)
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
             if AHEAD:
                 wa, wb, x = wa_n, wb_n, x_n
             else:
@@ -1281,8 +1215,6 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     y = torch.empty(m, n // 2 if consts.get("GATED") else n, dtype=out_dtype, device=x2.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = arrival_counts(x2.device, tiles) if split > 1 else y
-    if "PRE" in consts:  # MMA GEMV: preload at most its steps a program
-        consts = dict(consts, PRE=max(1, min(consts["PRE"], triton.cdiv(k_steps, split))))
     x_arg, w_arg, s_arg, *rest = args
     # PDL (brrr/kernels/pdl.py): at M <= GEMV_M the next kernel may launch from the epilogue (3); above, not early
     # at all (1): on the H200 an early launch after a 16-row W8A16 GEMM made the step slower (bench/pdl_decode.py)
@@ -1351,7 +1283,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, PRE=MMA_GEMV_PRELOAD),
+                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
                            extra=(scales.stride(1), word_chunk_stride))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1393,8 +1325,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                                PRE=MMA_GEMV_PRELOAD),
+                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
                            extra=(_packed_strides(words)[1],))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),

@@ -420,18 +420,3 @@ def test_gated_dispatch_falls_back_to_the_gemm_then_silu_and_mul():
     assert torch.equal(got, silu_and_mul_ref(*qm.w8a16_matmul(x, q, scales).chunk(2, -1)))
     with pytest.raises(ValueError, match="only the MMA GEMV"):
         qm.w8a16_matmul_triton(x[:1], q, scales, config=qm.w8_configs(1)[0], gated=True)
-
-
-@pytest.mark.parametrize("split", [1, 3, 4])
-def test_mma_gemv_preloaded_steps_then_the_loop(device, split):
-    """The MMA GEMVs load min(4, steps a program) steps before their loop (`MMA_GEMV_PRELOAD`): int8 K = 640 (10
-    steps) and int4 K = 896 (7 groups) split 1 (4 preloaded, then the loop), 3 (a program left with 2) and 4 (one
-    with 1 of its 4 preloaded steps past the end, which must add nothing); both against the references."""
-    x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=70, k=640))
-    got = qm.w8a16_matmul_triton(x, q, scales, bias, config=dict(qm._mma_gemv8_configs(1, 640)[0], SPLIT_K=split))
-    torch.testing.assert_close(got, qm.w8a16_matmul_ref(x, q, scales, bias), rtol=1e-5, atol=1e-4)
-    x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, False, n=70, groups=7)
-    x, qweight, scales, zeros, bias = (t.to(device) for t in (x, qweight, scales, zeros, bias))
-    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias,
-                                 config=dict(qm._mma_gemv_configs(1, 128)[2], SPLIT_K=split))
-    torch.testing.assert_close(got, qm.w4a16_matmul_ref(x, qweight, scales, zeros, 128, bias), rtol=1e-5, atol=1e-4)

@@ -230,7 +230,7 @@ if triton is not None:
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                        SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                       ROPE: tl.constexpr):
+                       ROPE: tl.constexpr, WHOLE: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
@@ -255,7 +255,7 @@ if triton is not None:
             lo = tl.maximum(0, ctx - window)
         parts, part = 1, ctx - lo
         if SPLIT:
-            parts, part = _decode_parts(ctx - lo, num_splits, wave, min_part, long_part, BLOCK_N)
+            parts, part = _decode_parts(ctx - lo, num_splits, wave, min_part, long_part, BLOCK_N, WHOLE)
         lo += split * part
         hi = tl.minimum(ctx, lo + part)
         n = lo + tl.arange(0, BLOCK_N)
@@ -266,6 +266,12 @@ if triton is not None:
         if ROPE:  # cos/sin and the slot are inputs too (made at the start of the forward)
             c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
             slot = tl.load(SLOTS + q_row).to(tl.int64)
+            new_key = (split == parts - 1) & (ctx > 0)  # this part ends at the new token's position ctx - 1
+            hi = tl.where(new_key, hi - 1, hi)  # the new key comes from registers, after the loop
+            if EARLY:  # so every cached key is an input too: the part's first tile is read before the wait
+                nm0 = n < hi
+                kt0 = tl.load(KC + rows[None, :] + d[:, None], mask=nm0[None, :] & dm[:, None], other=0.0)
+                v0 = tl.load(VC + rows[:, None] + d[None, :], mask=nm0[:, None] & dm[None, :], other=0.0)
         if EARLY:
             wait_previous(PDL)
         if not single:  # a prefill chunk: the prefill kernel's
@@ -277,13 +283,19 @@ if triton is not None:
         q_ptrs = Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh
         if ROPE:
             q = _rope(q_ptrs, d, gm[:, None] & dm[None, :], c[None, :], sn[None, :], swap[None, :], sign[None, :])
-            new_key = (split == parts - 1) & (ctx > 0)  # this part ends at the new token's position ctx - 1
-            hi = tl.where(new_key, hi - 1, hi)
         else:
             q = tl.load(q_ptrs + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        if ROPE:
+            if EARLY:  # the first tile, loaded before the wait
+                s = tl.dot(q, kt0, input_precision=PREC) * qk_scale
+                s = tl.where(nm0[None, :], s, float("-inf"))
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v0, PREC)
+                lo += BLOCK_N
+                n += BLOCK_N
+                rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         for start in range(lo, hi, BLOCK_N):
             nm = n < hi
             kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
@@ -332,13 +344,13 @@ if triton is not None:
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
 
     @triton.jit
-    def _decode_parts(span, num_splits, wave, min_part, long_part, BLOCK_N: tl.constexpr):
+    def _decode_parts(span, num_splits, wave, min_part, long_part, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr):
         """(parts, keys a part) for a context of `span` keys: parts of min_part keys up to one wave of programs
-        (batch x kv heads x wave fill the GPU once), past that parts of long_part keys up to num_splits. Up to two
-        parts' worth is read whole (one program over two tiles beat two and their combine on the H200). A part is
-        whole key tiles, and no part is empty."""
+        (batch x kv heads x wave fill the GPU once), past that parts of long_part keys up to num_splits. Up to WHOLE
+        parts' worth is read by one program (2: one program over two tiles beat two and their combine on the H200,
+        loads after the PDL wait). A part is whole key tiles, and no part is empty."""
         parts = tl.maximum(tl.minimum(wave, tl.cdiv(span, min_part)), tl.cdiv(span, long_part))
-        parts = tl.where(span <= 2 * min_part, 1, tl.minimum(parts, num_splits))
+        parts = tl.where(span <= WHOLE * min_part, 1, tl.minimum(parts, num_splits))
         part = tl.maximum(BLOCK_N, tl.cdiv(tl.cdiv(span, parts), BLOCK_N) * BLOCK_N)
         return tl.maximum(1, tl.cdiv(span, part)), part
 
@@ -505,26 +517,28 @@ def _precision(q):
 # 500-2000 keys ran fastest in 128-key parts up to 16 (one wave), 4-8k in 16 parts, 32k in 64 of 512.
 DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 # A step of decodes only rotates q/k and writes the new K/V inside the decode kernel (one launch fewer a layer);
-# benchmarks set it False for the two-kernel A/B.
+# benchmarks set it False for the two-kernel A/B. Its parts are ROPE_PART keys (one tile) up to a wave.
 DECODE_ROPE = True
+ROPE_PART = 64
 
 
-def decode_splits(batch: int, n_kv: int, max_context: int, device) -> tuple[int, int]:
+def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,
+                  whole: int = 2) -> tuple[int, int]:
     """(grid parts a sequence, parts that fill one wave) for the decode kernel. When batch x kv_heads programs
     already fill a wave of the GPU, no split (splitting a full batch only adds the reduction: 93% -> 88% of copy
     bandwidth at 64 x 4k on the H200). Otherwise at most one wave under a short bound (a grid's idle parts still
     cost: 8 x 16-1000 keys took 1.4-1.9x longer in a grid of 9 parts a sequence than of 2), up to ~4 programs an
-    SM under a long one; never more than the bound has DECODE_MIN_PART-key parts, at most MAX_SPLITS. The kernel
+    SM under a long one; never more than the bound has min_part-key parts, at most MAX_SPLITS. The kernel
     picks each sequence's own count from its length (`_decode_parts`); these bounds depend only on host-known
     sizes, so a captured graph keeps them."""
     programs = batch * n_kv
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    if programs >= sms or max_context <= 2 * DECODE_MIN_PART:  # the kernel reads two parts' worth whole
+    if programs >= sms or max_context <= whole * min_part:  # the kernel reads `whole` parts' worth in one
         return 1, 1
     wave = sms // programs
     most = wave if max_context <= SHORT_CONTEXT else -(-4 * sms // programs)
-    return max(1, min(most, -(-max_context // DECODE_MIN_PART), MAX_SPLITS)), wave
+    return max(1, min(most, -(-max_context // min_part), MAX_SPLITS)), wave
 
 
 # Full batches (not split) whose contexts are all this short take 128-key tiles: 3.95-3.97 vs 3.69 TB/s at 256
@@ -561,7 +575,14 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     block_d = next_power_of_2(dim)
-    splits, wave = (num_splits, num_splits) if num_splits else decode_splits(batch, n_kv, max_context_len, q.device)
+    # With rope (and PDL's early loads) every part's first tile is read before the wait, so short contexts are cut
+    # into one-tile parts of ROPE_PART keys: more programs, each with its keys in flight during the previous kernel.
+    early = rope is not None and pdl_mod.EARLY_LOADS and block_d <= 128
+    if early:
+        min_part = block_n = block_n or ROPE_PART
+    splits, wave = (num_splits, num_splits) if num_splits else decode_splits(
+        batch, n_kv, max_context_len, q.device, min_part=min_part if early else DECODE_MIN_PART,
+        whole=1 if early else 2)
     splits = min(splits, MAX_SPLITS)
     tile, stages = decode_tile(splits, block_d, max_context_len)
     block_n, num_stages = block_n or tile, num_stages or stages
@@ -583,8 +604,9 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_S=max(2, next_power_of_2(splits)), UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
-        PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl, EARLY=pdl_mod.EARLY_LOADS,
-        ROPE=rope is not None, enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
+        PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
+        EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=1 if early else 2,
+        enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 
 

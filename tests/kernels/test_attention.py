@@ -154,16 +154,18 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 4, 1]])
-def test_attention_with_rope_decodes_only_or_mixed(device, q_lens):
-    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation, a mixed step the
-    rotary kernel; both give the reference's output over rotated q/k and leave the same cache."""
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 17, 33]), ([1, 4, 1], [5, 17, 33]),
+                                        ([1, 1, 1, 1], [1, 64, 65, 200])])
+def test_attention_with_rope_decodes_only_or_mixed(device, q_lens, ctx):
+    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation (contexts of 1 to 200:
+    one-tile parts of 64 keys, each part's first tile read before the PDL wait), a mixed step the rotary kernel;
+    both give the reference's output over rotated q/k and leave the same cache."""
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_ref, rope_inv_freq, rotary_cos_sin
 
-    q, k, v, meta = make_step(q_lens, [5, 17, 33], 4, 2, 32, 8, torch.float32, device)
+    q, k, v, meta = make_step(q_lens, ctx, 4, 2, 32, 8, torch.float32, device)
     inv_freq, scale = rope_inv_freq(RopeConfig(), 32, 128)
-    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, [5, 17, 33])])
+    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, ctx)])
     cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, torch.float32))
     ref_meta = clone_meta(meta)
     want = attention_ref(*apply_rotary_ref(q, k, cos, sin), v, ref_meta, 0, 0.2)

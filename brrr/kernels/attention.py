@@ -290,9 +290,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         if ROPE:
             if EARLY:  # the first tile, loaded before the wait
-                s = tl.dot(q, kt0, input_precision=PREC) * qk_scale
-                s = tl.where(nm0[None, :], s, float("-inf"))
-                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v0, PREC)
+                s0 = tl.dot(q, kt0, input_precision=PREC) * qk_scale
+                s0 = tl.where(nm0[None, :], s0, float("-inf"))
+                m_i, l_i, acc = _online_softmax_step(s0, m_i, l_i, acc, v0, PREC)
                 lo += BLOCK_N
                 n += BLOCK_N
                 rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
@@ -307,19 +307,19 @@ if triton is not None:
             rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         if ROPE:
             if new_key:
-                k = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, dm, c, sn, swap, sign)
-                v = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=dm, other=0.0)
+                k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, dm, c, sn, swap, sign)
+                v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=dm, other=0.0)
                 if slot >= 0:  # a padded row has none
                     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kvh * stride_ch + d
-                    tl.store(KC + dst, k, mask=dm)
-                    tl.store(VC + dst, v, mask=dm)
+                    tl.store(KC + dst, k_new, mask=dm)
+                    tl.store(VC + dst, v_new, mask=dm)
                 # the new key as one more online-softmax step, from registers (p rounded as the dot's input is)
-                s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
-                m_new = tl.maximum(m_i, s)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+                m_new = tl.maximum(m_i, s_new)
                 alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new).to(v.dtype).to(tl.float32)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+                p_new = tl.math.exp2(s_new - m_new).to(v_new.dtype).to(tl.float32)
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
                 m_i = m_new
         o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
         o_mask = gm[:, None] & dm[None, :]

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import sys
 
 import torch
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us, step_kernels
-from brrr.kernels import attention, pdl
+from brrr.kernels import pdl
 from brrr.kernels import quant_matmul as qm
+
+attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 
 # name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel)
 SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait only (no early launch)", {"MODE": 1}),
@@ -29,6 +32,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
+            "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
             "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
 FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True)}
 

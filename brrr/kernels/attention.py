@@ -516,8 +516,11 @@ def _precision(q):
 # past it (DECODE_LONG_PART). From the H200 sweeps (bench/results/decode_attention_splits_h200.jsonl): batch 1 x
 # 500-2000 keys ran fastest in 128-key parts up to 16 (one wave), 4-8k in 16 parts, 32k in 64 of 512.
 DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
-# A step of decodes only rotates q/k and writes the new K/V inside the decode kernel (one launch fewer a layer);
-# benchmarks set it False for the two-kernel A/B. Its parts are ROPE_PART keys (one tile) up to a wave.
+# A step of decodes only rotates q/k and writes the new K/V inside the decode kernel (one launch fewer a layer), its
+# parts ROPE_PART keys (one tile, read before the PDL wait) up to a wave. It pays when the kernel before attention
+# releases it early (a Triton GEMV: W4A16 + lm_head step -4.9%, W8A16 -2.4% on the H200); after a cuBLAS GEMM, which
+# does not, the rotary kernel and the plain decode kernel were 0.8% faster (bf16), so callers say which
+# (`decode_rope`). Benchmarks set DECODE_ROPE False for the A/B (bench/results/pdl_decode_rope_h200.jsonl).
 DECODE_ROPE = True
 ROPE_PART = 64
 
@@ -652,9 +655,10 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
 
 
 def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None,
-                     rope=None):
+                     rope=None, decode_rope: bool = True):
     """The Triton path of `attention`: same arguments, same result (up to fp32 summation order). rope (with a
-    cache only): (cos, sin), applied by the kernel that writes the cache."""
+    cache only): (cos, sin), applied by the kernel that writes the cache: the decode kernel itself when every
+    sequence has one new token and decode_rope, else the rotary kernel."""
     n_tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
     if meta.kv_caches is None:
@@ -663,7 +667,8 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
         return out.view(n_tokens, n_heads * dim)
     k_cache, v_cache = meta.kv_caches[layer]
     context_lens = meta.device_context_lens(q.device)
-    if rope is not None and meta.max_seqlen_q == 1 and DECODE_ROPE and rope[0].stride(0) == rope[1].stride(0):  # all decodes: rotation and cache write fused
+    if (rope is not None and meta.max_seqlen_q == 1 and decode_rope and DECODE_ROPE
+            and rope[0].stride(0) == rope[1].stride(0)):  # all decodes: rotation and cache write in one kernel
         decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
                                 sliding_window, meta.context_bound(k_cache.shape[1]), out=out,
                                 rope=(k, v, *rope, meta.slot_mapping))
@@ -696,17 +701,19 @@ def _triton_ok(q, k, v, meta: AttnMeta) -> bool:
     return use_triton(q, k, v)
 
 
-def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None, rope=None):
+def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None, rope=None,
+              decode_rope: bool = True):
     """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]. rope: (cos, sin) to rotate q and k with
     first (`apply_rotary`: q and k may be rotated in place). With a cache, the new K/V are written into it first;
-    on the Triton path the rotation and that write are one kernel. Triton on CUDA (decodes through the split-KV
-    kernel, prefill chunks through the varlen kernel), else the reference."""
+    on the Triton path the rotation and that write are one kernel (the decode kernel in a step of decodes, if
+    decode_rope). Triton on CUDA (decodes through the split-KV kernel, prefill chunks through the varlen kernel),
+    else the reference."""
     fused = (rope is not None and meta.kv_caches is not None and _triton_ok(q, k, v, meta)
              and rotary_triton_ok(q, k, *rope))
     if rope is not None and not fused:
         q, k = apply_rotary(q, k, *rope)
     if _triton_ok(q, k, v, meta):
-        return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None)
+        return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None, decode_rope)
     if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured decode step)
         k_cache, v_cache = meta.kv_caches[layer]
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)

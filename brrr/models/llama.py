@@ -73,7 +73,11 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin)))
+        # RoPE inside the decode kernel pays after a Triton projection (PDL lets attention start early), not cuBLAS's
+        proj = self.qkv_proj if self.qkv_proj is not None else self.q_proj
+        decode_rope = type(proj) is not nn.Linear
+        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin),
+                                     decode_rope=decode_rope))
 
 
 class LlamaMLP(nn.Module):

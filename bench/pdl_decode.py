@@ -26,15 +26,19 @@ from brrr.kernels import quant_matmul as qm
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 
-# name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel)
+# name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel in
+# parts of 64 keys)
 SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait only (no early launch)", {"MODE": 1}),
             "late": ("pdl, no loads before the wait", {"EARLY_LOADS": False}),
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
             "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
+            "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
+            "part128": ("pdl, RoPE decode parts of 128 keys", {"ROPE_PART": 128}),
             "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
-FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True)}
+FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True),
+         "ROPE_PART": (attention, 64)}
 
 
 def main(argv=None) -> int:

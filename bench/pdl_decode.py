@@ -37,8 +37,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "part128": ("pdl, RoPE decode parts of 128 keys", {"ROPE_PART": 128}),
             "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
-FLAGS = {"MODE": (pdl, 2), "EARLY_LOADS": (pdl, True), "GATED_GEMV": (qm, True), "DECODE_ROPE": (attention, True),
-         "ROPE_PART": (attention, 64)}
+# each flag's module and its value at import (the default every setting starts from)
+FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
+         ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"))}
 
 
 def main(argv=None) -> int:

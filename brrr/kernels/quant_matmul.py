@@ -786,6 +786,11 @@ if triton is not None:
         return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
 
     @triton.jit
+    def _mma_gemv_x(g, x8):
+        """x at group g's low and high 64 columns, as 8-byte words."""
+        return tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16)
+
+    @triton.jit
     def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
         """Group g of both tiles into their accumulators."""
         DTYPE: tl.constexpr = X.dtype.element_ty
@@ -895,20 +900,18 @@ if triton is not None:
                                                       stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
-        x_lo, x_hi = tl.load(x8 + tl.minimum(g_begin, last) * 32), tl.load(x8 + tl.minimum(g_begin, last) * 32 + 16)
+        x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
         for g in range(g_begin, g_end):
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
-                x_ahead = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
+                x_ahead = _mma_gemv_x(nxt, x8)
             acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
-            if AHEAD:
-                wa, wb, s_a, s_b, z_a, z_b = ahead
-                x_lo, x_hi = x_ahead
-            else:
-                wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc,
-                                                              HAS_ZEROS)
-                x_lo, x_hi = tl.load(x8 + nxt * 32), tl.load(x8 + nxt * 32 + 16)
+            if not AHEAD:
+                ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
+                x_ahead = _mma_gemv_x(nxt, x8)
+            wa, wb, s_a, s_b, z_a, z_b = ahead
+            x_lo, x_hi = x_ahead
         _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
                         BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 
@@ -978,6 +981,11 @@ if triton is not None:
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
 
+    @triton.jit
+    def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
+        """Step t's words of both tiles and x at their columns."""
+        return tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16)
+
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
@@ -992,21 +1000,19 @@ if triton is not None:
         if not EARLY:
             wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
-        wa, wb = tl.load(pa + tl.minimum(s_begin, last) * stride_qc), tl.load(pb + tl.minimum(s_begin, last) * stride_qc)
+        first = tl.minimum(s_begin, last)
+        wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
-        x = tl.load(x8 + tl.minimum(s_begin, last) * 16)
+        x = tl.load(x8 + first * 16)
         for t in range(s_begin, s_end):
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
-                wa_n, wb_n, x_n = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
+                ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
-            if AHEAD:
-                wa, wb, x = wa_n, wb_n, x_n
-            else:
-                wa, wb, x = tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc), tl.load(x8 + nxt * 16)
+            wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 

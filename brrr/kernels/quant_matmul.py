@@ -1285,11 +1285,13 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
+            # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
+            # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
+                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
                            extra=(scales.stride(1), word_chunk_stride))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1328,10 +1330,11 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
         if cfg.get("MMA_GEMV"):
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
-            xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
+            xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated),
+                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
+                                enable_fp_fusion=False),
                            extra=(_packed_strides(words)[1],))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),

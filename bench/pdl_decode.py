@@ -5,7 +5,8 @@ tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs 
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
-kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check). Records: device time of one graph replay per
+kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check); and two ablations that skip the
+RMSNorms or attention (wrong outputs: the most fusing or shortening them could save). Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -23,8 +24,10 @@ from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us, step_kernels
 from brrr.kernels import pdl
 from brrr.kernels import quant_matmul as qm
+from brrr.models import llama
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
+ORIGINAL = {name: getattr(llama, name) for name in ("rms_norm", "add_rms_norm", "attention")}
 
 # name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel in
 # parts of 64 keys)
@@ -36,10 +39,24 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "part128": ("pdl, RoPE decode parts of 128 keys", {"ROPE_PART": 128}),
-            "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {})}
+            "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {}),
+            # ablations, wrong outputs, timing only: what the step would save at most if these kernels cost nothing
+            "skip-norm": ("pdl, RMSNorms skipped (ablation)", {"ABLATE": "norm"}),
+            "skip-attn": ("pdl, attention skipped (ablation)", {"ABLATE": "attn"})}
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"))}
+
+
+def _ablate(what: str | None):
+    """Swap the model's norms or attention for no-ops (None: put them back)."""
+    for name, fn in ORIGINAL.items():
+        setattr(llama, name, fn)
+    if what == "norm":
+        llama.rms_norm = lambda x, weight, eps: x
+        llama.add_rms_norm = lambda x, residual, weight, eps: (x, residual)
+    elif what == "attn":
+        llama.attention = lambda q, *args, **kwargs: q.reshape(q.shape[0], -1)
 
 
 def main(argv=None) -> int:
@@ -81,6 +98,7 @@ def main(argv=None) -> int:
             name, changes = SETTINGS[key]
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
+            _ablate(changes.get("ABLATE"))
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))

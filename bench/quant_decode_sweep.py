@@ -31,12 +31,11 @@ def family(cfg: dict) -> str:
             else "tensor-core")
 
 
-def candidates(fmt: str, stages: list[int], splits: list[str], prefetch: list[int] = ()) -> list[dict]:
+def candidates(fmt: str, stages: list[int], splits: list[str]) -> list[dict]:
     """The tuner's candidates, then each MMA / GEMV one with `stages` steps pipelined and with each of `splits`, and
-    each unpipelined MMA one loading the next group's x, zeros and scales a group ahead (AHEAD); each MMA GEMV one
-    with each L2 prefetch distance of `prefetch`."""
+    each unpipelined MMA one loading the next group's x, zeros and scales a group ahead (AHEAD)."""
     base = qm.w4_configs(1, 128) if fmt == "int4" else qm.w8_configs(1)
-    extra = [dict(c, PREFETCH=d) for c in base if c.get("MMA_GEMV") for d in prefetch if d != c["PREFETCH"]]
+    extra = []
     for cfg in base:
         if cfg.get("MMA") or "CHUNKS" in cfg:
             extra += [dict(cfg, num_stages=st, **({} if cfg.get("MMA") else {"STAGES": st})) for st in stages]
@@ -52,8 +51,6 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["int4", "int8"])
     ap.add_argument("--stages", nargs="*", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="*", default=[], help="extra SPLIT_K values for the MMA / GEMV candidates")
-    ap.add_argument("--prefetch", nargs="*", type=int, default=[],
-                    help="also each MMA GEMV candidate with these L2 prefetch distances (steps ahead)")
     ap.add_argument("--families", nargs="+", default=["tensor-core", "mma", "gemv", "mma-gemv"])
     ap.add_argument("--int8-chunk-major", action="store_true",
                     help="also time the int8 MMA GEMV candidates on a chunk-major copy of the weights (layout chunks)")
@@ -73,7 +70,7 @@ def main(argv=None) -> int:
                                 k, n, None, dtype=BF16) for w in weights]
             nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
             ref = mods[0](x)
-            runs = [(c, "rows") for c in candidates(fmt, args.stages, args.splits, args.prefetch) if family(c) in args.families]
+            runs = [(c, "rows") for c in candidates(fmt, args.stages, args.splits) if family(c) in args.families]
             if fmt == "int8" and args.int8_chunk_major:
                 chunked = {id(q): qm.chunk_major(q.qweight) for q in mods}
                 runs += [(c, "chunks") for c, _ in runs if c.get("MMA_GEMV")]

@@ -836,41 +836,6 @@ if triton is not None:
         return ra, rb, words, pa, pb, x8, acc, acc
 
     @triton.jit
-    def _bulk_prefetch_l2(ptr, nbytes):
-        """One thread of the program asks L2 for nbytes at ptr (a hint: nothing waits and no register holds it).
-        The bytes are rounded down to whole 16 (cp.async.bulk's unit); ptr must be 16-byte aligned."""
-        tl.inline_asm_elementwise(
-            asm="""{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0;
-            and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }""",
-            constraints="=r,l,r", args=[ptr, nbytes // 16 * 16], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _mma_gemv_prefetch(W, S, Z, N, stride_wn, stride_pc, step, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
-                           SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr):
-        """L2 prefetch of the program's weights at `step` (chunk-major: each tile's rows are one block of 64 bytes
-        a row) and, SCALES (int4: per group and row, [K/g, N]), the step's scales and zero points."""
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        step = step.to(tl.int64)
-        if GATED:
-            r0 = tl.program_id(0) * HALF_N
-            rows = tl.minimum(HALF_N, N // 2 - r0)
-            _bulk_prefetch_l2(W + r0 * stride_wn + step * stride_pc, rows * 64)
-            _bulk_prefetch_l2(W + (r0 + N // 2) * stride_wn + step * stride_pc, rows * 64)
-        else:
-            r0 = tl.program_id(0) * BLOCK_N
-            rows = tl.minimum(BLOCK_N, N - r0)
-            _bulk_prefetch_l2(W + r0 * stride_wn + step * stride_pc, rows * 64)
-        if SCALES:
-            _bulk_prefetch_l2(S + step * N + r0, rows * (S.dtype.element_ty.primitive_bitwidth // 8))
-            if HAS_ZEROS:
-                _bulk_prefetch_l2(Z + step * N + r0, rows * (Z.dtype.element_ty.primitive_bitwidth // 8))
-            if GATED:
-                _bulk_prefetch_l2(S + step * N + r0 + N // 2, rows * (S.dtype.element_ty.primitive_bitwidth // 8))
-                if HAS_ZEROS:
-                    _bulk_prefetch_l2(Z + step * N + r0 + N // 2,
-                                      rows * (Z.dtype.element_ty.primitive_bitwidth // 8))
-
-    @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                         GATED: tl.constexpr):
@@ -923,11 +888,9 @@ if triton is not None:
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
-                               PREFETCH: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
-        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
-        PREFETCH (chunk-major, scales [K/g, N] by rows, GPU): the group that many ahead is prefetched into L2."""
+        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
         last = g_end - 1
         if not EARLY:
@@ -935,17 +898,11 @@ if triton is not None:
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
                                                       stride_pc, HAS_ZEROS)
-        for j in tl.static_range(1, PREFETCH):  # constants: before the wait too
-            _mma_gemv_prefetch(P, S, Z, N, stride_pn, stride_pc, tl.minimum(g_begin + j, last), BLOCK_N, GATED,
-                               True, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
         x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
         for g in range(g_begin, g_end):
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
-            if PREFETCH:
-                _mma_gemv_prefetch(P, S, Z, N, stride_pn, stride_pc, tl.minimum(g + PREFETCH, last), BLOCK_N, GATED,
-                                   True, HAS_ZEROS)
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
                 x_ahead = _mma_gemv_x(nxt, x8)
@@ -1033,12 +990,11 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, PREFETCH: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
         EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
-        under PDL their latency overlaps the previous kernel. PREFETCH (chunk-major, GPU): the step that many ahead
-        is prefetched into L2."""
+        under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         last = s_end - 1
         if not EARLY:
@@ -1048,17 +1004,11 @@ if triton is not None:
         wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
-        for j in tl.static_range(1, PREFETCH):  # constants: before the wait too
-            _mma_gemv_prefetch(Q, S, S, N, stride_qn, stride_qc, tl.minimum(s_begin + j, last), BLOCK_N, GATED,
-                               False, False)
         if EARLY:
             wait_previous(PDL)
         x = tl.load(x8 + first * 16)
         for t in range(s_begin, s_end):
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
-            if PREFETCH:
-                _mma_gemv_prefetch(Q, S, S, N, stride_qn, stride_qc, tl.minimum(t + PREFETCH, last), BLOCK_N, GATED,
-                                   False, False)
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
@@ -1158,26 +1108,19 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 
 
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
-# issued before this one computes, L2 bulk prefetch distance in groups or 0). Loading two groups ahead (more registers) and Triton's shared-memory pipelining
+# issued before this one computes). Loading two groups ahead (more registers) and Triton's shared-memory pipelining
 # ran 5-30% slower on the H200 (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl), so neither is a candidate.
 # BLOCK_N / 2 is a multiple of 8 x warps (each tile's rows fill whole warps, 8 rows a warp).
-MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 0), (64, 4, "auto8", False, 0), (128, 8, "auto4", True, 0),
-                    (64, 4, "auto8", True, 0), (128, 8, "auto8", False, 0), (128, 8, "auto2", True, 0)]
+MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
+                    (128, 8, "auto8", False), (128, 8, "auto2", True)]
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)
-MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 0)]
+MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, PREFETCH=pre, num_warps=w,
-                 num_stages=1) for bn, w, sk, ahead, pre in table]
-
-
-def _prefetch_ok(cfg: dict, fast: bool, words: torch.Tensor, *by_rows) -> dict:
-    """cfg with PREFETCH kept only where the kernel can prefetch a tile's rows as one block: the GPU path (inline
-    PTX), chunk-major words and `by_rows` ([K/g, N] scales, zero points) contiguous."""
-    ok = fast and _packed_strides(words)[0] == CHUNK // 4 and all(t is None or t.is_contiguous() for t in by_rows)
-    return cfg if ok else dict(cfg, PREFETCH=0)
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, w, sk, ahead in table]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
@@ -1345,7 +1288,6 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
             # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
-            cfg = _prefetch_ok(cfg, fast, words, scales, zeros)
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
@@ -1389,7 +1331,6 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
-            cfg = _prefetch_ok(cfg, fast, words)
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,

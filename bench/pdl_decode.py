@@ -6,7 +6,8 @@ runs the same kernel configs (separate runs of bench/quant_speed.py may tune dif
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
 kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check); and two ablations that skip the
-RMSNorms or attention (wrong outputs: the most fusing or shortening them could save). Records: device time of one graph replay per
+RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
+again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -40,12 +41,16 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "part128": ("pdl, RoPE decode parts of 128 keys", {"ROPE_PART": 128}),
             "off2": ("off (again)", {"MODE": 0}), "pdl2": ("pdl (again)", {}),
+            # the GEMV configs tuned again: each candidate timed alone (do_bench), or in a chain again
+            "tune-alone": ("pdl, configs tuned alone", {"CHAIN_TUNING": False, "RETUNE": True}),
+            "retune": ("pdl, configs tuned again in a chain", {"RETUNE": True}),
             # ablations, wrong outputs, timing only: what the step would save at most if these kernels cost nothing
             "skip-norm": ("pdl, RMSNorms skipped (ablation)", {"ABLATE": "norm"}),
             "skip-attn": ("pdl, attention skipped (ablation)", {"ABLATE": "attn"})}
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
-         ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"))}
+         ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
+          (qm, "CHAIN_TUNING"))}
 
 
 def _ablate(what: str | None):
@@ -57,6 +62,13 @@ def _ablate(what: str | None):
         llama.add_rms_norm = lambda x, residual, weight, eps: (x, residual)
     elif what == "attn":
         llama.attention = lambda q, *args, **kwargs: q.reshape(q.shape[0], -1)
+
+
+def _brief(cfg: dict) -> str:
+    """A tuned config in a few characters: family, rows a program, split K, warps."""
+    family = "mma-gemv" if cfg.get("MMA_GEMV") else "mma" if cfg.get("MMA") else "gemv" if "CHUNKS" in cfg else "tc"
+    return f"{family} {cfg.get('BLOCK_N')} {cfg.get('SPLIT_K')} w{cfg.get('num_warps')}" + (
+        " ahead" if cfg.get("AHEAD") else "")
 
 
 def main(argv=None) -> int:
@@ -99,6 +111,10 @@ def main(argv=None) -> int:
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
             _ablate(changes.get("ABLATE"))
+            if changes.get("RETUNE"):
+                qm._TUNED.clear()
+                for batch in args.batches:
+                    run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
             runner.graphs.clear(), runner.short_graphs.clear()
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))
@@ -108,6 +124,8 @@ def main(argv=None) -> int:
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
+            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}{' gated' if k[-1] else ''}": _brief(c)
+                               for k, c in qm._TUNED.items() if k[1] == 1}
             if key in args.kernels:
                 rec["kernels_batch1"] = [[k[:60], round(t, 2), round(c, 1)] for k, t, c in
                                          step_kernels(runner.graphs[1][0])]

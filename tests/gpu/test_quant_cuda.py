@@ -282,6 +282,26 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
         assert int(dispatch._ARRIVALS[x.device].sum()) == 0
 
 
+def test_chain_tuning_times_every_candidate_over_weight_copies():
+    """Decode shapes are tuned as a captured chain over weight copies: each candidate gets a finite time, the copies
+    keep the chunk-major strides (so each launch reads the layout the model serves), the pick matches the reference
+    and the arrival counters are left at zero."""
+    q = _linear("int8", 4096, 4096)
+    copies = qm._weight_copies(q.qweight)
+    assert len(copies) >= 2 and all(c.stride() == q.qweight.stride() for c in copies)
+    assert len({c.data_ptr() for c in copies}) == len(copies)
+    del copies
+    x = torch.randn(1, 4096, device="cuda", dtype=BF16)
+    key = ("w8", 1, 4096, 4096, BF16, False, True, False)
+    qm._TUNED.pop(key, None)
+    got = qm.w8a16_matmul(x, q.qweight, q.scales)
+    timed = qm.TIMINGS[key]
+    assert len(timed) == len(qm.w8_configs(1, k=4096)) and all(t < 1.0 for _, t in timed), timed
+    assert qm._TUNED[key] == min(timed, key=lambda ct: ct[1])[0]
+    assert _rel(got, qm.w8a16_matmul_ref(x, q.qweight, q.scales)) < 8e-3
+    assert int(dispatch._ARRIVALS[x.device].sum()) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("m,k", [(1, 14336), (2048, 4096)])
 def test_per_token_quantization_matches_the_reference_bitwise(dtype, m, k):

@@ -7,8 +7,7 @@ default); waits without early launches; PDL without the loads before the wait (`
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
 kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
-again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone; the decode partials combined in two
-passes (`attention.COMBINE_ONE_PASS`). Records: device time of one graph replay per
+again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -45,14 +44,13 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             # the GEMV configs tuned again: each candidate timed alone (do_bench), or in a chain again
             "tune-alone": ("pdl, configs tuned alone", {"CHAIN_TUNING": False, "RETUNE": True}),
             "retune": ("pdl, configs tuned again in a chain", {"RETUNE": True}),
-            "two-pass": ("pdl, decode partials combined in two passes", {"COMBINE_ONE_PASS": False}),
             # ablations, wrong outputs, timing only: what the step would save at most if these kernels cost nothing
             "skip-norm": ("pdl, RMSNorms skipped (ablation)", {"ABLATE": "norm"}),
             "skip-attn": ("pdl, attention skipped (ablation)", {"ABLATE": "attn"})}
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
-          (qm, "CHAIN_TUNING"), (attention, "COMBINE_ONE_PASS"))}
+          (qm, "CHAIN_TUNING"))}
 
 
 def _ablate(what: str | None):

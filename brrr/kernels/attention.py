@@ -228,9 +228,9 @@ if triton is not None:
                        stride_kn, stride_kh, stride_vn, stride_vh, stride_cos,
                        block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                        SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                       ROPE: tl.constexpr, WHOLE: tl.constexpr, ONE_PASS: tl.constexpr):
+                       ROPE: tl.constexpr, WHOLE: tl.constexpr):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
@@ -335,8 +335,7 @@ if triton is not None:
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             count = COUNTS + b * tl.num_programs(1) + kvh
             if tl.atomic_add(count, 1, sem="acq_rel") == parts - 1:
-                _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, BLOCK_S, UNROLL,
-                               ONE_PASS)
+                _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, UNROLL)
                 tl.atomic_xchg(count, 0)
 
     @triton.jit
@@ -357,17 +356,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, ONE_PASS: tl.constexpr):
-        if ONE_PASS:
-            _combine_parts_online(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, UNROLL)
-        else:
-            _combine_parts_two_pass(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, BLOCK_S, UNROLL)
-
-    @triton.jit
-    def _combine_parts_online(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr,
-                              BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
-        """As `_combine_parts_two_pass` in one pass: a running max rescales what is summed so far (as the online
-        softmax does), so no load waits on another and UNROLL parts' m, l and acc are in flight together."""
+                       UNROLL: tl.constexpr):
+        """The output of GROUP heads from their `parts` partials (acc, m, l), in one pass: a running max rescales
+        what is summed so far (as the online softmax does), so no load waits on another and UNROLL parts' loads are
+        in flight together. Against reading every part's m first (two passes), the batch-1 step on the H200 was
+        2.2-3.0% shorter (bench/results/pdl_decode_combine_h200.jsonl); UNROLL 4 against one part at a time: 1 x 32k
+        keys in 63 parts 58 us against 61. Read through L2 (.cg): other programs wrote them. Tiles stay [BLOCK_G,
+        BLOCK_D], the main loop's: a [heads, parts, dim] one cost every launch ~1 us, combining or not."""
         m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_G], tl.float32)
         out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -385,32 +380,6 @@ if triton is not None:
                 out = out * alpha[:, None] + acc * beta[:, None]
                 total = total * alpha + l_t * beta
                 m_run = m_new
-        out = out / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-
-    @triton.jit
-    def _combine_parts_two_pass(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G: tl.constexpr,
-                                BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr):
-        """The output of GROUP heads from their `parts` partials: weights exp2(m_s - max m), normalised by the
-        weighted l; UNROLL parts' loads in flight at once (H200, 1 x 32k keys in 63 parts: 61 us one at a time, 58
-        four at a time). Read through L2 (.cg): other programs wrote them. Tiles stay [BLOCK_G, BLOCK_D],
-        the main loop's: a [heads, parts, dim] one cost every launch ~1 us on the H200, combining or not."""
-        s = tl.arange(0, BLOCK_S)
-        sm = gm[:, None] & (s < parts)[None, :]
-        m = tl.load(MLP + 2 * (base[:, None] + s[None, :]), mask=sm, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.max(m, 1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a part with no keys weighs 0
-        l = tl.load(MLP + 2 * (base[:, None] + s[None, :]) + 1, mask=sm, other=0.0, cache_modifier=".cg")
-        total = tl.sum(l * tl.math.exp2(m - m_max[:, None]), 1)
-        out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for c in range(0, parts, UNROLL):
-            for u in tl.static_range(UNROLL):
-                t = base * 0 + c + u  # part c + u, one per row
-                ok = gm & (t < parts)
-                m_t = tl.load(MLP + 2 * (base + t), mask=ok, other=float("-inf"), cache_modifier=".cg")
-                acc = tl.load(OP + (base + t)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                out += acc * tl.math.exp2(m_t - m_max)[:, None]
         out = out / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
 
@@ -557,9 +526,6 @@ DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 # (`decode_rope`). Benchmarks set DECODE_ROPE False for the A/B (bench/results/pdl_decode_rope_h200.jsonl).
 DECODE_ROPE = True
 ROPE_PART = 64
-# The last part to arrive combines the partials in one pass (running max) rather than reading every part's max
-# first: one round trip to L2 fewer on the decode step's critical path.
-COMBINE_ONE_PASS = True
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,
@@ -643,10 +609,10 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_S=max(2, next_power_of_2(splits)), UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
+        UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
         EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=1 if early else 2,
-        ONE_PASS=COMBINE_ONE_PASS,
+
         enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 

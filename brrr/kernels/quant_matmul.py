@@ -1184,13 +1184,13 @@ _TUNED: dict[tuple, dict] = {}
 TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
 
 
-# GEMV shapes (M <= GEMV_M) are timed the way the engine runs them: a CUDA graph of back-to-back launches (PDL
+# Decode shapes (M <= SMALL_M) are timed the way the engine runs them: a CUDA graph of back-to-back launches (PDL
 # overlaps each with the one before) over copies of the weight that together exceed L2 twice, so every call reads
 # HBM. Timed alone with L2 flushed (do_bench), near-equal candidates swapped ranks from run to run and the pick
-# could be the slower one in the step: on the H200 three chain tunings gave batch-1 W4A16 + lm_head steps of
-# 1960-1973 us, two alone 1978 and 2078 (bench/results/pdl_decode_chain_tuning_h200.jsonl). M 5-16 share a bucket
-# tuned at whichever M comes first; there chained picks were no steadier (W4A16 batch 16: 3360-3668 us), so those
-# stay timed alone. Benchmarks turn it off for the A/B.
+# could be the slower one in the step. On the H200 (bench/results/pdl_decode_chain_tuning_h200.jsonl,
+# quant_speed_h200_chain_tuning.jsonl), batch-1 W4A16 + lm_head steps: chain 1960-1973 us, alone 1978-2078;
+# batch 16 (M 5-16 share a bucket, tuned at whichever M comes first): W8A16 chain 3518-3526 against alone
+# 3797-4247, W4A16 3360-3668 against 3381-3968. Benchmarks turn it off for the A/B.
 CHAIN_TUNING = True
 CHAIN_CALLS = 16  # launches a graph
 
@@ -1222,15 +1222,15 @@ def _weight_copies(weight: torch.Tensor) -> list:
 
 def _pick(key: tuple, configs: list[dict], run, weight: torch.Tensor | None = None, m: int = 0) -> dict:
     """The fastest of `configs` for `key`, timed once on the GPU: `run(cfg, weight)` as a chain over weight copies
-    for GEMV shapes (`CHAIN_TUNING`, weight given, m <= GEMV_M), else alone with L2 flushed between runs (a few
-    ms each). The first config, untimed, under the interpreter or inside a CUDA-graph capture (timing there would
+    for decode shapes (`CHAIN_TUNING`, weight given, m <= SMALL_M), else alone with L2 flushed between runs (a
+    few ms each). The first config, untimed, under the interpreter or inside a CUDA-graph capture (timing there would
     break the capture; the engine's warm-up step before each capture tunes the same shapes)."""
     if key in _TUNED:
         return _TUNED[key]
     if len(configs) == 1 or _interpreting() or torch.cuda.is_current_stream_capturing():
         return configs[0]
     copies = None
-    if CHAIN_TUNING and weight is not None and 0 < m <= GEMV_M:
+    if CHAIN_TUNING and weight is not None and 0 < m <= SMALL_M:
         try:
             copies = _weight_copies(weight)
         except torch.OutOfMemoryError:  # no room for the copies: timed alone

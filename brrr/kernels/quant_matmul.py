@@ -1221,7 +1221,7 @@ def _weight_copies(weight: torch.Tensor) -> list:
 
 
 def _pick(key: tuple, configs: list[dict], run, weight: torch.Tensor | None = None, m: int = 0) -> dict:
-    """The fastest of `configs` for `key`, timed once on the GPU: `run(cfg, weight)` as a chain over weight copies
+    """The fastest of `configs` for `key`, timed once on the GPU: `run(cfg, copy)` as a chain over weight copies
     for decode shapes (`CHAIN_TUNING`, weight given, m <= SMALL_M), else alone with L2 flushed between runs (a
     few ms each). The first config, untimed, under the interpreter or inside a CUDA-graph capture (timing there would
     break the capture; the engine's warm-up step before each capture tunes the same shapes)."""
@@ -1239,7 +1239,7 @@ def _pick(key: tuple, configs: list[dict], run, weight: torch.Tensor | None = No
     for cfg in configs:
         try:
             times.append(_chain_ms(run, cfg, copies) if copies else
-                         triton.testing.do_bench(lambda: run(cfg, weight), warmup=5, rep=20))
+                         triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20))
         except Exception:  # e.g. a config needing more shared memory than the GPU has
             times.append(float("inf"))
     del copies

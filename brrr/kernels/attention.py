@@ -612,7 +612,6 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
         EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=1 if early else 2,
-
         enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 

@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from brrr.bench.timing import graph_time_us
 from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
 from brrr.kernels import pdl as pdl_mod
@@ -1197,20 +1198,8 @@ CHAIN_CALLS = 16  # launches a graph
 
 def _chain_ms(run, cfg: dict, copies: list) -> float:
     """Device ms of one `run(cfg, weight)` in a captured chain of CHAIN_CALLS launches cycling over `copies`."""
-    run(cfg, copies[0])  # compiles; arrival counters and other caches made outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CHAIN_CALLS):
-            run(cfg, copies[i % len(copies)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * CHAIN_CALLS)
+    calls = [lambda w=copies[i % len(copies)]: run(cfg, w) for i in range(CHAIN_CALLS)]
+    return graph_time_us(calls, replays=5) / 1e3
 
 
 def _weight_copies(weight: torch.Tensor) -> list:

@@ -336,7 +336,7 @@ if triton is not None:
             count = COUNTS + b * tl.num_programs(1) + kvh
             if tl.atomic_add(count, 1, sem="acq_rel") == parts - 1:
                 _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, UNROLL)
-                tl.atomic_xchg(count, 0)
+                tl.atomic_xchg(count, 0, sem="relaxed")  # the next launch reads it after this one ends
 
     @triton.jit
     def _write_out(acc, l_i, o_ptrs, o_mask):

@@ -291,13 +291,24 @@ if triton is not None:
             tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
-                acc = tl.zeros_like(acc)
-                for k in range(split_k):  # .cg: read through L2, never a stale L1 line
-                    acc += tl.load(ws_ptrs + k * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                acc = _sum_partials(ws_ptrs, mask, split_k, M * N, 16 if acc.numel <= 512 else 4)
                 _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
-                tl.atomic_xchg(LOCKS + tile, 0)
+                tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")  # ordered by the kernel's end
         else:
             _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+
+    @triton.jit
+    def _sum_partials(ptrs, mask, split_k, stride, UNROLL: tl.constexpr):
+        """The sum of the split_k partials ptrs[k * stride], added in k order. UNROLL loads are in flight at once: a
+        loop of one load then one add waited out an L2 round trip a partial (H200: 3.25 us from the last program's
+        K loop to its end at split 16, bench/results/gemv_timeline_h200.jsonl). .cg: read through L2, never a stale
+        L1 line."""
+        acc = tl.zeros(ptrs.shape, tl.float32)
+        for k0 in range(0, split_k, UNROLL):
+            for j in tl.static_range(UNROLL):
+                ok = mask & (tl.full(mask.shape, k0 + j, tl.int32) < split_k)  # a tensor: the interpreter's rule
+                acc += tl.load(ptrs + (k0 + j) * stride, mask=ok, other=0.0, cache_modifier=".cg")
+        return acc
 
     @triton.jit
     def _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
@@ -865,12 +876,10 @@ if triton is not None:
             tl.store(ws + tl.program_id(1) * N + half, up, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             if tl.atomic_add(LOCKS + tl.program_id(0), 1, sem="acq_rel") == split_k - 1:
-                gate, up = tl.zeros_like(gate), tl.zeros_like(up)
-                for k in range(split_k):  # .cg: read through L2, never a stale L1 line
-                    gate += tl.load(ws + k * N, mask=mask, other=0.0, cache_modifier=".cg")
-                    up += tl.load(ws + k * N + half, mask=mask, other=0.0, cache_modifier=".cg")
+                gate = _sum_partials(ws, mask, split_k, N, 16)
+                up = _sum_partials(ws + half, mask, split_k, N, 16)
                 _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
-                tl.atomic_xchg(LOCKS + tl.program_id(0), 0)
+                tl.atomic_xchg(LOCKS + tl.program_id(0), 0, sem="relaxed")
         else:
             _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
 
@@ -885,15 +894,25 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(Y + rows, (s * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
+    @triton.jit
+    def _stamp(TRACE, slot: tl.constexpr, after):
+        """Benchmarks' timeline (`TRACE`: int64 [programs, 4], None in the engine): the global ns clock, read once
+        `after` (a value computed from the phase's loads) is ready, in this program's `slot`."""
+        if TRACE is not None:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after.to(tl.int32)],
+                                          dtype=tl.int64, is_pure=False, pack=1)
+            tl.store(TRACE + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * 4 + slot, t)
+
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, stride_pc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                               stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                                FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
         last = g_end - 1
+        _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
@@ -901,6 +920,7 @@ if triton is not None:
                                                       stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
+        _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
         for g in range(g_begin, g_end):
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
@@ -913,8 +933,10 @@ if triton is not None:
                 x_ahead = _mma_gemv_x(nxt, x8)
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
+        _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
                         BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
+        _stamp(TRACE, 3, last)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
     # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
@@ -989,7 +1011,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
-                               stride_qc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                               stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
                                EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
@@ -998,6 +1020,7 @@ if triton is not None:
         under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         last = s_end - 1
+        _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
@@ -1007,6 +1030,7 @@ if triton is not None:
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
+        _stamp(TRACE, 1, last)
         x = tl.load(x8 + first * 16)
         for t in range(s_begin, s_end):
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
@@ -1014,8 +1038,10 @@ if triton is not None:
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
             wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
+        _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
+        _stamp(TRACE, 3, last)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
@@ -1183,6 +1209,7 @@ def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
 
 _TUNED: dict[tuple, dict] = {}
 TIMINGS: dict[tuple, list[tuple[dict, float]]] = {}  # every timed candidate, for benchmarks to report
+TRACE: torch.Tensor | None = None  # bench/gemv_timeline.py: the MMA GEMVs stamp their phases here (`_stamp`)
 
 
 # Decode shapes (M <= SMALL_M) are timed the way the engine runs them: a CUDA graph of back-to-back launches (PDL
@@ -1327,7 +1354,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
                                 EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
-                           extra=(scales.stride(1), word_chunk_stride))
+                           extra=(scales.stride(1), word_chunk_stride, TRACE))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
@@ -1371,7 +1398,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
                                 enable_fp_fusion=False),
-                           extra=(_packed_strides(words)[1],))
+                           extra=(_packed_strides(words)[1], TRACE))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)

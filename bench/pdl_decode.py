@@ -5,7 +5,7 @@ tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs 
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
-kernel (`attention.DECODE_ROPE`); o_proj loading only its first step before the wait (`quant_matmul.PRELOAD`); without either fusion; off again (drift check); and two ablations that skip the
+kernel (`attention.DECODE_ROPE`); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
 again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
@@ -36,7 +36,6 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "late": ("pdl, no loads before the wait", {"EARLY_LOADS": False}),
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
-            "no-preload": ("pdl, o_proj loads one step before its wait", {"PRELOAD": False}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
             "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
@@ -51,7 +50,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
-          (qm, "CHAIN_TUNING"), (qm, "PRELOAD"))}
+          (qm, "CHAIN_TUNING"))}
 
 
 def _ablate(what: str | None):
@@ -69,7 +68,7 @@ def _brief(cfg: dict) -> str:
     """A tuned config in a few characters: family, rows a program, split K, warps."""
     family = "mma-gemv" if cfg.get("MMA_GEMV") else "mma" if cfg.get("MMA") else "gemv" if "CHUNKS" in cfg else "tc"
     return f"{family} {cfg.get('BLOCK_N')} {cfg.get('SPLIT_K')} w{cfg.get('num_warps')}" + (
-        " ahead" if cfg.get("AHEAD") else "") + (f" pre{cfg['PRE']}" if cfg.get("PRE", 1) > 1 else "")
+        " ahead" if cfg.get("AHEAD") else "")
 
 
 def main(argv=None) -> int:
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
-            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}{' gated' if k[-2] else ''}{' preloaded' if k[-1] else ''}": _brief(c)
+            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}{' gated' if k[-1] else ''}": _brief(c)
                                for k, c in qm._TUNED.items() if k[1] == 1}
             if key in args.kernels:
                 rec["kernels_batch1"] = [[k[:60], round(t, 2), round(c, 1)] for k, t, c in

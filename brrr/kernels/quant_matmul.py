@@ -771,9 +771,9 @@ if triton is not None:
     _MMA_GEMV_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8 + ["f"] * 16))
 
     @triton.jit
-    def _mma_gemv_group(acc, w, z, s, words, g, X, live):
+    def _mma_gemv_group(acc, w, z, s, words, g, X):
         """Portable form of one tile's group (interpreter, fp32): acc [R, 16] + the group's row sums, scaled, in
-        each row's first accumulator (nothing when not `live`). w [R, 16] int32 words; z, s [R] fp32."""
+        each row's first accumulator. w [R, 16] int32 words; z, s [R] fp32."""
         part = tl.zeros((w.shape[0],), dtype=tl.float32)
         for b in tl.static_range(4):
             byte = (w >> (8 * b)) & 0xFF
@@ -781,7 +781,7 @@ if triton is not None:
             xh = tl.load(X + g * 128 + 64 + words * 4 + b).to(tl.float32)
             part += tl.sum(((byte & 15).to(tl.float32) - z[:, None]) * xl[None, :], axis=1)
             part += tl.sum(((byte >> 4).to(tl.float32) - z[:, None]) * xh[None, :], axis=1)
-        return acc + tl.where((words[None, :] == 0) & live, (part * s)[:, None], 0.0)
+        return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
     @triton.jit
     def _mma_gemv_consts(g, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS: tl.constexpr):
@@ -803,20 +803,8 @@ if triton is not None:
         return tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16)
 
     @triton.jit
-    def _mma_gemv_preloaded(acc_a, acc_b, consts, g, g_end, x8, X, words, FAST: tl.constexpr):
-        """Group g from constants loaded before the wait (`_mma_gemv_consts`), x loaded now; a group past the
-        program's slice (g >= g_end: its constants are the last group's) adds nothing."""
-        wa, wb, s_a, s_b, z_a, z_b = consts
-        live = g < g_end
-        x_lo, x_hi = _mma_gemv_x(tl.minimum(g, g_end - 1), x8)
-        return _mma_gemv_group_pair(acc_a, acc_b, wa, wb, tl.where(live, x_lo, 0), tl.where(live, x_hi, 0), s_a, s_b,
-                                    z_a, z_b, tl.minimum(g, g_end - 1), X, words, live, FAST)
-
-    @triton.jit
-    def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, live,
-                             FAST: tl.constexpr):
-        """Group g of both tiles into their accumulators; a group that is not `live` comes with x zero (FAST) or
-        adds nothing (portable)."""
+    def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
+        """Group g of both tiles into their accumulators."""
         DTYPE: tl.constexpr = X.dtype.element_ty
         if FAST:
             BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
@@ -835,8 +823,8 @@ if triton is not None:
                 acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV_F16, constraints=_MMA_GEMV_IO, args=args,
                                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:
-            acc_a = _mma_gemv_group(acc_a, wa, z_a, s_a, words, g, X, live)
-            acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, X, live)
+            acc_a = _mma_gemv_group(acc_a, wa, z_a, s_a, words, g, X)
+            acc_b = _mma_gemv_group(acc_b, wb, z_b, s_b, words, g, X)
         return acc_a, acc_b
 
     @triton.jit
@@ -919,11 +907,9 @@ if triton is not None:
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
-                               PRE: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
-        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
-        PRE (1-4): groups whose weights, scales and zeros load before the PDL wait (with EARLY); x at them after."""
+        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
         last = g_end - 1
         _stamp(TRACE, 0, last)
@@ -932,35 +918,16 @@ if triton is not None:
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
                                                       stride_pc, HAS_ZEROS)
-        if PRE > 1:
-            c1 = _mma_gemv_consts(tl.minimum(g_begin + 1, last), pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
-        if PRE > 2:
-            c2 = _mma_gemv_consts(tl.minimum(g_begin + 2, last), pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
-        if PRE > 3:
-            c3 = _mma_gemv_consts(tl.minimum(g_begin + 3, last), pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        rest = g_begin
-        if PRE > 1:
-            acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, (wa, wb, s_a, s_b, z_a, z_b), g_begin, g_end, x8, X,
-                                               words, FAST)
-            acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, c1, g_begin + 1, g_end, x8, X, words, FAST)
-            if PRE > 2:
-                acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, c2, g_begin + 2, g_end, x8, X, words, FAST)
-            if PRE > 3:
-                acc_a, acc_b = _mma_gemv_preloaded(acc_a, acc_b, c3, g_begin + 3, g_end, x8, X, words, FAST)
-            rest = g_begin + PRE
-            wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(rest, last), pa, pb, S, Z, N, ra, rb, stride_sn,
-                                                          stride_pc, HAS_ZEROS)
-        x_lo, x_hi = _mma_gemv_x(tl.minimum(rest, last), x8)
-        for g in range(rest, g_end):
+        x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
+        for g in range(g_begin, g_end):
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
                 x_ahead = _mma_gemv_x(nxt, x8)
-            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, True,
-                                                FAST)
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
             if not AHEAD:
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
                 x_ahead = _mma_gemv_x(nxt, x8)
@@ -1014,10 +981,9 @@ if triton is not None:
     _MMA_GEMV8_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 4 + ["f"] * 8))
 
     @triton.jit
-    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, live, FAST: tl.constexpr):
+    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr):
         """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
-        the row's running sum: a quarter of the row's total after the sum over its 16). A step that is not `live`
-        comes with x zero (FAST) or adds nothing (portable)."""
+        the row's running sum: a quarter of the row's total after the sum over its 16)."""
         if FAST:
             args = [wa, wb, tl.broadcast_to(x[None, :], wa.shape), acc_a, acc_b]
             if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
@@ -1033,21 +999,10 @@ if triton is not None:
                 xv = tl.load(X + step * 64 + words * 4 + b).to(tl.float32)[None, :]
                 part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
                 part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
-            first = (words[None, :] % 4 == 0) & live
+            first = words[None, :] % 4 == 0
             acc_a += tl.where(first, part_a[:, None], 0.0)
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
-
-    @triton.jit
-    def _mma_gemv8_x(x8, t, s_end):
-        """x at step t's columns, zero for a step past the program's slice (t >= s_end)."""
-        return tl.where(t < s_end, tl.load(x8 + tl.minimum(t, s_end - 1) * 16), 0)
-
-    @triton.jit
-    def _mma_gemv8_preloaded(acc_a, acc_b, w, x, t, s_end, X, words, FAST: tl.constexpr):
-        """Step t from weights w loaded before the wait and x (`_mma_gemv8_x`); a step past the program's slice (its
-        weights are the last step's) adds nothing."""
-        return _mma_gemv8_step(acc_a, acc_b, w[0], w[1], x, tl.minimum(t, s_end - 1), X, words, t < s_end, FAST)
 
     @triton.jit
     def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
@@ -1058,11 +1013,11 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, PRE: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
         EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
-        under PDL their latency overlaps the previous kernel; PRE (1-4) steps' weights are (x at them after)."""
+        under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         last = s_end - 1
         _stamp(TRACE, 0, last)
@@ -1071,38 +1026,17 @@ if triton is not None:
         ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
         first = tl.minimum(s_begin, last)
         wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
-        if PRE > 1:
-            w1 = tl.load(pa + tl.minimum(s_begin + 1, last) * stride_qc), tl.load(pb + tl.minimum(s_begin + 1, last) * stride_qc)
-        if PRE > 2:
-            w2 = tl.load(pa + tl.minimum(s_begin + 2, last) * stride_qc), tl.load(pb + tl.minimum(s_begin + 2, last) * stride_qc)
-        if PRE > 3:
-            w3 = tl.load(pa + tl.minimum(s_begin + 3, last) * stride_qc), tl.load(pb + tl.minimum(s_begin + 3, last) * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        rest = s_begin
-        if PRE > 1:  # every x load issued before the first MMA waits on one
-            x0, x1 = _mma_gemv8_x(x8, s_begin, s_end), _mma_gemv8_x(x8, s_begin + 1, s_end)
-            if PRE > 2:
-                x2 = _mma_gemv8_x(x8, s_begin + 2, s_end)
-            if PRE > 3:
-                x3 = _mma_gemv8_x(x8, s_begin + 3, s_end)
-            acc_a, acc_b = _mma_gemv8_preloaded(acc_a, acc_b, (wa, wb), x0, s_begin, s_end, X, words, FAST)
-            acc_a, acc_b = _mma_gemv8_preloaded(acc_a, acc_b, w1, x1, s_begin + 1, s_end, X, words, FAST)
-            if PRE > 2:
-                acc_a, acc_b = _mma_gemv8_preloaded(acc_a, acc_b, w2, x2, s_begin + 2, s_end, X, words, FAST)
-            if PRE > 3:
-                acc_a, acc_b = _mma_gemv8_preloaded(acc_a, acc_b, w3, x3, s_begin + 3, s_end, X, words, FAST)
-            rest = s_begin + PRE
-            wa, wb = tl.load(pa + tl.minimum(rest, last) * stride_qc), tl.load(pb + tl.minimum(rest, last) * stride_qc)
-        x = tl.load(x8 + tl.minimum(rest, last) * 16)
-        for t in range(rest, s_end):
+        x = tl.load(x8 + first * 16)
+        for t in range(s_begin, s_end):
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, True, FAST)
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
             wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
@@ -1212,25 +1146,8 @@ MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, PRE=1, num_warps=w, num_stages=1)
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
             for bn, w, sk, ahead in table]
-
-
-# A GEMV right after a kernel that leaves HBM idle (o_proj after decode attention, `QuantLinear.preloaded`) can load
-# every step of its weights before its PDL wait, i.e. while that kernel runs: its candidates are the MMA GEMV ones
-# whose programs have at most PRELOAD_STEPS steps, with PRE = all of them. False: such calls run as any other.
-PRELOAD = True
-PRELOAD_STEPS = 4
-
-
-def _preload_configs(configs: list[dict], n: int, steps: int, device) -> list[dict]:
-    """The MMA GEMV `configs` whose programs have at most PRELOAD_STEPS steps, each loading all of them early."""
-    out = []
-    for cfg in configs:
-        per = triton.cdiv(steps, _split_k(cfg, 1, n, steps, device))
-        if cfg.get("MMA_GEMV") and per <= PRELOAD_STEPS:
-            out.append(dict(cfg, PRE=per))
-    return out
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
@@ -1401,7 +1318,7 @@ def _gemv_chunks(cfg: dict, group_size: int) -> dict:
 
 
 def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None,
-                        gated: bool = False, preload: bool = False):
+                        gated: bool = False):
     """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one. gated (M = 1, group 128; N = 2 x I
     rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue."""
     k, n = x.shape[-1], qweight.shape[0]
@@ -1446,17 +1363,13 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
+        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
         configs = _mma_gemv_configs(m, group_size) if gated else w4_configs(m, group_size, gemv=words is not None)
-        pre = preload and PRELOAD and not gated and words is not None and bool(
-            pre_cfgs := _preload_configs(configs, n, k // group_size, x.device))
-        configs = pre_cfgs if pre else configs
-        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated, pre)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
 
-def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False,
-                        preload: bool = False):
+def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False):
     """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
@@ -1496,10 +1409,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
 
     if config is None:
         configs = _mma_gemv8_configs(m, k) if gated else w8_configs(m, gemv=words is not None, k=k)
-        pre = preload and PRELOAD and not gated and words is not None and bool(
-            pre_cfgs := _preload_configs(configs, n, k // 64, x.device))
-        configs = pre_cfgs if pre else configs
-        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated, pre)
+        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated)
         config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
@@ -1540,19 +1450,18 @@ def _dtype_ok(x) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, preload: bool = False):
-    """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere. preload:
-    the kernel before leaves HBM idle (`PRELOAD`)."""
+def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None):
+    """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere."""
     tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
     if group_size in INT4_GROUPS and x.shape[-1] % group_size == 0 and _dtype_ok(x) and use_triton(*tensors):
-        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, preload=preload)
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias)
     return w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias)
 
 
-def w8a16_matmul(x, qweight, scales, bias=None, preload: bool = False):
+def w8a16_matmul(x, qweight, scales, bias=None):
     tensors = [x, qweight, scales] + ([bias] if bias is not None else [])
     if _dtype_ok(x) and qweight.stride(-1) == 1 and use_triton(*tensors):
-        return w8a16_matmul_triton(x, qweight, scales, bias, preload=preload)
+        return w8a16_matmul_triton(x, qweight, scales, bias)
     return w8a16_matmul_ref(x, qweight, scales, bias)
 
 

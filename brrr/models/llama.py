@@ -76,10 +76,8 @@ class LlamaAttention(nn.Module):
         # RoPE inside the decode kernel pays after a Triton projection (PDL lets attention start early), not cuBLAS's
         proj = self.qkv_proj if self.qkv_proj is not None else self.q_proj
         decode_rope = type(proj) is not nn.Linear
-        o = attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin),
-                      decode_rope=decode_rope)
-        preloaded = getattr(self.o_proj, "preloaded", None)  # QuantLinear: weights loaded during attention (PDL)
-        return preloaded(o) if preloaded else self.o_proj(o)
+        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin),
+                                     decode_rope=decode_rope))
 
 
 class LlamaMLP(nn.Module):

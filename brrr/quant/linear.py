@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
             tensors["shape"] = torch.tensor([self.out_features, self.in_features])
         return DEQUANTIZE[self.fmt](tensors)
 
-    def forward(self, x, preload: bool = False):
+    def forward(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.activations is not None:
             from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
@@ -118,15 +118,10 @@ class QuantLinear(nn.Module):
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
             return run(x, self.qweight, self.scales, bias)
         if self.fmt == "int4":
-            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, preload)
+            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
         if self.fmt == "int8":
-            return w8a16_matmul(x, self.qweight, self.scales, bias, preload)
+            return w8a16_matmul(x, self.qweight, self.scales, bias)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
-
-    def preloaded(self, x):
-        """forward right after a kernel that leaves HBM idle (o_proj after decode attention): at batch-1 decode the
-        MMA GEMV loads all of its weights before its PDL wait, during that kernel (`quant_matmul.PRELOAD`)."""
-        return self.forward(x, preload=True)
 
     def gated(self, x):
         """silu(gate) * up of a packed gate/up projection (outputs: gate, then up): weight-only int8/int4 in one

@@ -375,46 +375,6 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         assert _rel(got, want) < 8e-3
 
 
-# ---- all of a program's steps loaded before the PDL wait (o_proj after attention) ---------------------------------
-@pytest.mark.parametrize("fmt,steps,split,pre,dtype", [
-    ("int8", 5, 2, 3, torch.float32), ("int8", 5, 2, 4, torch.bfloat16), ("int8", 3, 4, 2, torch.float16),
-    ("int4", 5, 2, 3, torch.float32), ("int4", 3, 2, 4, torch.bfloat16), ("int4", 2, 3, 2, torch.float32)])
-def test_preloaded_steps_give_the_plain_kernel_s_bits(device, fmt, steps, split, pre, dtype):
-    """PRE steps' weights loaded up front, x at them after the wait: the same sums in the same order as PRE = 1,
-    also for slices shorter than PRE (their extra steps add nothing) and empty ones (split 4 over 3 steps)."""
-    if fmt == "int8":
-        x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=40, k=64 * steps, dtype=dtype))
-        run = lambda cfg: qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg)  # noqa: E731
-        base = qm._mma_gemv8_configs(1, 64)[0]
-    else:
-        x, q, scales, zeros, bias, _ = _w4_problem(128, 1, False, n=40, groups=steps, dtype=dtype)
-        x, q, scales, zeros, bias = (t.to(device) for t in (x, q, scales, zeros, bias))
-        run = lambda cfg: qm.w4a16_matmul_triton(x, q, scales, zeros, 128, bias, config=cfg)  # noqa: E731
-        base = qm._mma_gemv_configs(1, 128)[0]
-    plain, early = run(dict(base, SPLIT_K=split)), run(dict(base, SPLIT_K=split, PRE=pre))
-    assert torch.equal(plain, early)
-
-
-def test_preload_candidates_hold_every_step_of_a_program():
-    cpu = torch.device("cpu")  # counted as 4 SMs: 256 rows in 2-4 tiles split 4-8 ways
-    configs = qm._preload_configs(qm.w8_configs(1, k=512), 256, 8, cpu)
-    assert configs and all(c.get("MMA_GEMV") for c in configs)
-    for c in configs:
-        assert c["PRE"] == -(-8 // qm._split_k(c, 1, 256, 8, cpu)) <= qm.PRELOAD_STEPS
-    assert qm._preload_configs(qm.w8_configs(1, k=4096), 4096, 640, cpu) == []
-
-
-def test_quant_linear_preloaded_is_forward(device):
-    from brrr.quant import formats
-    from brrr.quant.linear import QuantLinear
-
-    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0))
-    for fmt, q in (("int8", formats.quantize_int8(w)), ("int4", formats.quantize_int4(w, 128))):
-        layer = QuantLinear(fmt, q, 256, 48, None, dtype=torch.float32).to(device)
-        x = torch.randn(1, 256, device=device)
-        assert torch.equal(layer.preloaded(x), layer(x))
-
-
 # ---- gate/up with SiLU-and-mul in the MMA GEMV's epilogue (batch-1 decode) ----------------------------------------
 @pytest.mark.parametrize("fmt,half,split,with_bias,dtype", [
     ("int8", 40, 1, True, torch.bfloat16), ("int8", 100, 3, False, torch.float16), ("int4", 40, 2, False, torch.bfloat16),

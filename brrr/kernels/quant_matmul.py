@@ -52,6 +52,10 @@ SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
 GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogue (benchmarks turn it off for A/B)
+# Under PDL the MMA GEMVs let the next kernel launch when each program starts its last K step, not at its epilogue:
+# with the split-K tail down to ~1.25 us (`_sum_partials`), a launch from the epilogue no longer finished before the
+# GEMV did (bench/results/gemv_timeline_h200.jsonl: the next program's first wait 0.75-1 us after the end, was 0.25-0.5)
+LAST_STEP_RELEASE = True
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
@@ -907,7 +911,8 @@ if triton is not None:
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
                                stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
+                               LAST_STEP_RELEASE: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)
@@ -923,6 +928,9 @@ if triton is not None:
         _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
         for g in range(g_begin, g_end):
+            if LAST_STEP_RELEASE:
+                if g == last:
+                    release_dependents(PDL)
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
@@ -1013,7 +1021,7 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
         EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
@@ -1033,6 +1041,9 @@ if triton is not None:
         _stamp(TRACE, 1, last)
         x = tl.load(x8 + first * 16)
         for t in range(s_begin, s_end):
+            if LAST_STEP_RELEASE:
+                if t == last:
+                    release_dependents(PDL)
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
@@ -1353,7 +1364,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
+                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, LAST_STEP_RELEASE=LAST_STEP_RELEASE,
+                                enable_fp_fusion=False),
                            extra=(scales.stride(1), word_chunk_stride, TRACE))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1397,7 +1409,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                                enable_fp_fusion=False),
+                                LAST_STEP_RELEASE=LAST_STEP_RELEASE, enable_fp_fusion=False),
                            extra=(_packed_strides(words)[1], TRACE))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),

@@ -53,8 +53,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
-    ap.add_argument("--release", nargs="+", default=["last-step"], choices=["last-step", "epilogue"],
-                    help="where the GEMVs let the next launch start (`quant_matmul.LAST_STEP_RELEASE`)")
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -70,9 +68,7 @@ def main(argv=None) -> int:
                 mods.append(QuantLinear(fmt, q, k, n, None, dtype=BF16))
             nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
             configs = qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, k)
-            for cfg, release in [(c, r) for c in configs for r in args.release]:
-                qm.LAST_STEP_RELEASE = release == "last-step"
-
+            for cfg in configs:
                 def call(q, cfg=cfg):
                     if fmt == "int4":
                         return qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
@@ -91,11 +87,10 @@ def main(argv=None) -> int:
                 traced_us = replay_time_us(graph, 20) / CALLS  # stamps cost a little: both times reported
                 emit({"bench": "gemv_timeline", "machine": machine, "shape": name, "n": n, "k": k, "format": fmt,
                       "config": {a: b for a, b in cfg.items() if a not in ("MMA_GEMV", "BLOCK_M", "num_stages")},
-                      "release": release, "programs": programs, "split": split, "us": round(us, 2),
+                      "programs": programs, "split": split, "us": round(us, 2),
                       "traced_us": round(traced_us, 2), "gbs": round(nbytes / us / 1e3, 1), **timeline(traces)}, args.out)
             del mods
         torch.cuda.empty_cache()
-    qm.LAST_STEP_RELEASE = True
     return 0
 
 

@@ -5,8 +5,8 @@ tuned once; then for each setting (`pdl.MODE`, as `BRRR_PDL`) the decode graphs 
 runs the same kernel configs (separate runs of bench/quant_speed.py may tune different ones): off; on (the
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
-kernel (`attention.DECODE_ROPE`); the MMA GEMVs releasing the next kernel from their epilogue, not their last K
-step (`quant_matmul.LAST_STEP_RELEASE`); without either fusion; off again (drift check); and two ablations that skip the
+kernel (`attention.DECODE_ROPE`); the MMA GEMVs releasing the next kernel only from their epilogue, not
+from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
 again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
@@ -37,8 +37,8 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "late": ("pdl, no loads before the wait", {"EARLY_LOADS": False}),
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
-            "epilogue-release": ("pdl, MMA GEMVs release the next kernel from their epilogue",
-                                 {"LAST_STEP_RELEASE": False}),
+            "epilogue-release": ("pdl, MMA GEMVs release the next kernel from their epilogue (tuned again)",
+                                 {"LAST_STEP_RELEASE": False, "RETUNE": True}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
             "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
@@ -71,7 +71,7 @@ def _brief(cfg: dict) -> str:
     """A tuned config in a few characters: family, rows a program, split K, warps."""
     family = "mma-gemv" if cfg.get("MMA_GEMV") else "mma" if cfg.get("MMA") else "gemv" if "CHUNKS" in cfg else "tc"
     return f"{family} {cfg.get('BLOCK_N')} {cfg.get('SPLIT_K')} w{cfg.get('num_warps')}" + (
-        " ahead" if cfg.get("AHEAD") else "")
+        " ahead" if cfg.get("AHEAD") else "") + (" last-step-release" if cfg.get("LAST_STEP_RELEASE") else "")
 
 
 def main(argv=None) -> int:

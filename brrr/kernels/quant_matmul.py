@@ -52,9 +52,12 @@ SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
 FAST_DEQUANT = os.environ.get("BRRR_QUANT_FAST_DEQUANT", "1") != "0"  # inline-PTX nibble conversion on the GPU
 GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogue (benchmarks turn it off for A/B)
-# Under PDL the MMA GEMVs let the next kernel launch when each program starts its last K step, not at its epilogue:
-# with the split-K tail down to ~1.25 us (`_sum_partials`), a launch from the epilogue no longer finished before the
-# GEMV did (bench/results/gemv_timeline_h200.jsonl: the next program's first wait 0.75-1 us after the end, was 0.25-0.5)
+# Under PDL an MMA GEMV lets the next kernel launch from its epilogue, or (candidates with LAST_STEP_RELEASE) when each
+# program starts its last K step: with the split-K tail down to ~1.25 us (`_sum_partials`), a launch from the epilogue
+# no longer finished before the GEMV did (the next program's first wait 0.75-1 us after the end, 0.25-0.5 before).
+# On the H200 the last-step release made the W8A16 + lm_head step 2554 -> 2501 us, but int4 configs loading a group
+# ahead much slower (bench/results/gemv_timeline_release_h200.jsonl), so the tuner picks per shape. False: no such
+# candidates (benchmarks' A/B).
 LAST_STEP_RELEASE = True
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
@@ -1157,8 +1160,10 @@ MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, w, sk, ahead in table]
+    """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) from their last
+    K step."""
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, LAST_STEP_RELEASE=last, num_warps=w,
+                 num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE] for bn, w, sk, ahead in table]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
@@ -1364,8 +1369,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, LAST_STEP_RELEASE=LAST_STEP_RELEASE,
-                                enable_fp_fusion=False),
+                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
                            extra=(scales.stride(1), word_chunk_stride, TRACE))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1409,7 +1413,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                                LAST_STEP_RELEASE=LAST_STEP_RELEASE, enable_fp_fusion=False),
+                                enable_fp_fusion=False),
                            extra=(_packed_strides(words)[1], TRACE))
         if _gemv(cfg):
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),

@@ -992,10 +992,9 @@ if triton is not None:
     _MMA_GEMV8_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 4 + ["f"] * 8))
 
     @triton.jit
-    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, live, FAST: tl.constexpr):
+    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr):
         """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
-        the row's running sum: a quarter of the row's total after the sum over its 16). A step that is not `live`
-        comes with x zero (FAST) or adds nothing (portable)."""
+        the row's running sum: a quarter of the row's total after the sum over its 16)."""
         if FAST:
             args = [wa, wb, tl.broadcast_to(x[None, :], wa.shape), acc_a, acc_b]
             if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
@@ -1011,24 +1010,10 @@ if triton is not None:
                 xv = tl.load(X + step * 64 + words * 4 + b).to(tl.float32)[None, :]
                 part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
                 part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
-            first = (words[None, :] % 4 == 0) & live
+            first = words[None, :] % 4 == 0
             acc_a += tl.where(first, part_a[:, None], 0.0)
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
-
-    @triton.jit
-    def _mma_gemv8_deep(acc_a, acc_b, w, t, s_end, x8, X, words, FAST: tl.constexpr):
-        """Step t of a DEEP block: weights w already in flight, x loaded here, nothing for a step past the program's
-        slice (t >= s_end; its loads were clamped to the last step)."""
-        live = t < s_end
-        x = tl.where(live, tl.load(x8 + tl.minimum(t, s_end - 1) * 16), 0)
-        return _mma_gemv8_step(acc_a, acc_b, w[0], w[1], x, tl.minimum(t, s_end - 1), X, words, live, FAST)
-
-    @triton.jit
-    def _mma_gemv8_words(t, last, pa, pb, stride_qc):
-        """Step t's words of both tiles (clamped to the program's last step)."""
-        t = tl.minimum(t, last)
-        return tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc)
 
     @triton.jit
     def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
@@ -1039,13 +1024,11 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr,
-                               DEEP: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
         EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
-        under PDL their latency overlaps the previous kernel. DEEP: right after the wait the next 3 steps' weights are
-        requested at once (not one a loop iteration), so a short slice waits for HBM about once, not once a step."""
+        under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         last = s_end - 1
         _stamp(TRACE, 0, last)
@@ -1059,29 +1042,15 @@ if triton is not None:
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        rest = s_begin
-        if DEEP:
-            w1 = _mma_gemv8_words(s_begin + 1, last, pa, pb, stride_qc)
-            w2 = _mma_gemv8_words(s_begin + 2, last, pa, pb, stride_qc)
-            w3 = _mma_gemv8_words(s_begin + 3, last, pa, pb, stride_qc)
-            if LAST_STEP_RELEASE:
-                if s_end - s_begin <= 4:
-                    release_dependents(PDL)
-            acc_a, acc_b = _mma_gemv8_deep(acc_a, acc_b, (wa, wb), s_begin, s_end, x8, X, words, FAST)
-            acc_a, acc_b = _mma_gemv8_deep(acc_a, acc_b, w1, s_begin + 1, s_end, x8, X, words, FAST)
-            acc_a, acc_b = _mma_gemv8_deep(acc_a, acc_b, w2, s_begin + 2, s_end, x8, X, words, FAST)
-            acc_a, acc_b = _mma_gemv8_deep(acc_a, acc_b, w3, s_begin + 3, s_end, x8, X, words, FAST)
-            rest = s_begin + 4
-            wa, wb = _mma_gemv8_words(rest, last, pa, pb, stride_qc)
-        x = tl.load(x8 + tl.minimum(rest, last) * 16)
-        for t in range(rest, s_end):
+        x = tl.load(x8 + first * 16)
+        for t in range(s_begin, s_end):
             if LAST_STEP_RELEASE:
                 if t == last:
                     release_dependents(PDL)
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, True, FAST)
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
             wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
@@ -1188,8 +1157,6 @@ MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, 
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)
 MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
-# ... and these with DEEP (after the wait, a program's next 3 steps requested at once)
-MMA_GEMV8_DEEP_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
@@ -1204,10 +1171,7 @@ def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
 
 
 def _mma_gemv8_configs(m: int, k: int) -> list[dict]:
-    if m != 1 or k % 64:
-        return []
-    return ([dict(c, DEEP=False) for c in _mma_gemv_dicts(MMA_GEMV8_CONFIGS)]
-            + [dict(c, DEEP=True) for c in _mma_gemv_dicts(MMA_GEMV8_DEEP_CONFIGS)])
+    return _mma_gemv_dicts(MMA_GEMV8_CONFIGS) if m == 1 and k % 64 == 0 else []
 
 
 def _gemv_configs(m: int) -> list[dict]:

@@ -375,19 +375,6 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         assert _rel(got, want) < 8e-3
 
 
-@pytest.mark.parametrize("steps,split,dtype", [(6, 2, torch.float32), (3, 1, torch.float32), (3, 4, torch.bfloat16),
-                                              (9, 1, torch.float16)])
-def test_w8a16_deep_mma_gemv_gives_the_plain_kernel_s_bits(device, steps, split, dtype):
-    """DEEP (a program's next 3 steps requested at once after the wait): the same sums in the same order, for slices
-    of 3 steps and 6-9 (the loop takes the rest), shorter than 4 (extra steps add nothing) and empty (split 4 of 3)."""
-    x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=40, k=64 * steps, dtype=dtype))
-    plain, deep = (dict(c, SPLIT_K=split) for c in qm._mma_gemv8_configs(1, 64) if not c["LAST_STEP_RELEASE"]
-                   and c["BLOCK_N"] == 128 and c["num_warps"] == 8 and c["SPLIT_K"] == "auto4" and not c["AHEAD"])
-    assert deep["DEEP"] and not plain["DEEP"]
-    assert torch.equal(qm.w8a16_matmul_triton(x, q, scales, bias, config=plain),
-                       qm.w8a16_matmul_triton(x, q, scales, bias, config=deep))
-
-
 # ---- gate/up with SiLU-and-mul in the MMA GEMV's epilogue (batch-1 decode) ----------------------------------------
 @pytest.mark.parametrize("fmt,half,split,with_bias,dtype", [
     ("int8", 40, 1, True, torch.bfloat16), ("int8", 100, 3, False, torch.float16), ("int4", 40, 2, False, torch.bfloat16),

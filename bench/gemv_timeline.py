@@ -19,9 +19,7 @@ from brrr.bench.timing import graph_time_us, replay_time_us  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
 from brrr.quant import formats  # noqa: E402
 from brrr.quant.linear import QuantLinear  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "q/o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-BF16 = torch.bfloat16
+from quant_decode_sweep import BF16, SHAPES, weight_copies  # noqa: E402  (this folder)
 CALLS = 16
 
 
@@ -51,14 +49,14 @@ def timeline(traces: list[torch.Tensor]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s != "lm_head"], choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = max(3, math.ceil(4 * 60e6 / (n * k / 2)))
+        copies = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         for fmt in args.formats:
             mods = []

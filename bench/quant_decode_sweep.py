@@ -26,6 +26,11 @@ SHAPES = {"qkv": (6144, 4096), "q/o": (4096, 4096), "gate_up": (28672, 4096), "d
 BF16 = torch.bfloat16
 
 
+def weight_copies(n: int, k: int) -> int:
+    """Copies of an n x k weight whose int4 bytes exceed a 60 MB L2 four times over: every call reads HBM."""
+    return max(3, math.ceil(4 * 60e6 / (n * k / 2)))
+
+
 def family(cfg: dict) -> str:
     return ("mma" if cfg.get("MMA") else "mma-gemv" if cfg.get("MMA_GEMV") else "gemv" if "CHUNKS" in cfg
             else "tensor-core")
@@ -59,7 +64,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = max(3, math.ceil(4 * 60e6 / (n * k / 2)))
+        copies = weight_copies(n, k)
         weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in weights[:max(3, copies // 4)]])

@@ -86,7 +86,8 @@ def main(argv=None) -> int:
                 emit({"bench": "gemv_timeline", "machine": machine, "shape": name, "n": n, "k": k, "format": fmt,
                       "config": {a: b for a, b in cfg.items() if a not in ("MMA_GEMV", "BLOCK_M", "num_stages")},
                       "programs": programs, "split": split, "us": round(us, 2),
-                      "traced_us": round(traced_us, 2), "gbs": round(nbytes / us / 1e3, 1), **timeline(traces)}, args.out)
+                      "traced_us": round(traced_us, 2), "gbs": round(nbytes / us / 1e3, 1), **timeline(traces)},
+                     args.out)
             del mods
         torch.cuda.empty_cache()
     return 0

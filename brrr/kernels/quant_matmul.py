@@ -308,8 +308,8 @@ if triton is not None:
     def _sum_partials(ptrs, mask, split_k, stride, UNROLL: tl.constexpr):
         """The sum of the split_k partials ptrs[k * stride], added in k order. UNROLL loads are in flight at once: a
         loop of one load then one add waited out an L2 round trip a partial (H200: 3.25 us from the last program's
-        K loop to its end at split 16, bench/results/gemv_timeline_h200.jsonl). .cg: read through L2, never a stale
-        L1 line."""
+        K loop to its end at split 16, 1.0-1.5 us now: bench/results/gemv_timeline_before_h200.jsonl and
+        gemv_timeline_h200.jsonl). .cg: read through L2, never a stale L1 line."""
         acc = tl.zeros(ptrs.shape, tl.float32)
         for k0 in range(0, split_k, UNROLL):
             for j in tl.static_range(UNROLL):
@@ -912,10 +912,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
-                               SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
-                               LAST_STEP_RELEASE: tl.constexpr):
+                               stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                               GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
         g_begin, g_end = _split_range(K // 128, split_k)

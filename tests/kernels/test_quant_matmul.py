@@ -375,6 +375,21 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         assert _rel(got, want) < 8e-3
 
 
+def test_mma_gemv_candidates_come_in_both_release_points(monkeypatch):
+    """Each MMA GEMV config releases the next launch from its epilogue (the default first), then from its last K
+    step; LAST_STEP_RELEASE False (benchmarks' A/B) leaves only the first kind. The release changes no output."""
+    both = qm._mma_gemv8_configs(1, 64)
+    assert [c["LAST_STEP_RELEASE"] for c in both] == [False] * (len(both) // 2) + [True] * (len(both) // 2)
+    assert [dict(c, LAST_STEP_RELEASE=False) for c in both[len(both) // 2:]] == both[:len(both) // 2]
+    monkeypatch.setattr(qm, "LAST_STEP_RELEASE", False)
+    assert qm._mma_gemv_configs(1, 128) == [c for c in qm._mma_gemv_configs(1, 128) if not c["LAST_STEP_RELEASE"]]
+    assert len(qm._mma_gemv8_configs(1, 64)) == len(both) // 2
+    x, q, scales, bias = _w8_problem(1, n=40, k=192)
+    cfg = dict(both[0], SPLIT_K=2)
+    assert torch.equal(qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg),
+                       qm.w8a16_matmul_triton(x, q, scales, bias, config=dict(cfg, LAST_STEP_RELEASE=True)))
+
+
 # ---- gate/up with SiLU-and-mul in the MMA GEMV's epilogue (batch-1 decode) ----------------------------------------
 @pytest.mark.parametrize("fmt,half,split,with_bias,dtype", [
     ("int8", 40, 1, True, torch.bfloat16), ("int8", 100, 3, False, torch.float16), ("int4", 40, 2, False, torch.bfloat16),

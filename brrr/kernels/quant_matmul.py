@@ -902,6 +902,13 @@ if triton is not None:
         tl.store(Y + rows, (s * up.to(dt).to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit
+    def _release_at_last_step(step, last, PDL: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
+        """A config releasing the next launch at its last K step (`LAST_STEP_RELEASE`) does so here."""
+        if LAST_STEP_RELEASE:
+            if step == last:
+                release_dependents(PDL)
+
+    @triton.jit
     def _stamp(TRACE, slot: tl.constexpr, after):
         """Benchmarks' timeline (`TRACE`: int64 [programs, 4], None in the engine): the global ns clock, read once
         `after` (a value computed from the phase's loads) is ready, in this program's `slot`."""
@@ -931,9 +938,7 @@ if triton is not None:
         _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
         for g in range(g_begin, g_end):
-            if LAST_STEP_RELEASE:
-                if g == last:
-                    release_dependents(PDL)
+            _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
                 ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
@@ -1044,9 +1049,7 @@ if triton is not None:
         _stamp(TRACE, 1, last)
         x = tl.load(x8 + first * 16)
         for t in range(s_begin, s_end):
-            if LAST_STEP_RELEASE:
-                if t == last:
-                    release_dependents(PDL)
+            _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)

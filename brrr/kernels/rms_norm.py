@@ -87,18 +87,18 @@ def _launch(x, residual, weight, eps):
     # enable_fp_fusion=False: no FMA contraction, so each step rounds where the reference's torch ops round
     grid = (triton.cdiv(rows, block_r),)
     pdl = pdl_on(x)
+    early = pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT
     if residual is None:
         _rms_norm_kernel[grid](x2, x2, weight, out, x2, rows, hidden, n_inner, stride_xo, stride_x, 0, out.stride(0),
                                0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
-                               enable_fp_fusion=False, PDL=pdl, EARLY=pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT,
-                               launch_pdl=pdl > 0)
+                               enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
         return out.view(*x.shape[:-1], hidden), None
     r2 = residual.reshape(-1, hidden)
     new_residual = torch.empty_like(x2)
     _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, rows, hidden, 1, x2.stride(0), 0, r2.stride(0),
                            out.stride(0), new_residual.stride(0), eps,
                            HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
-                           enable_fp_fusion=False, PDL=pdl, EARLY=pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT, launch_pdl=pdl > 0)
+                           enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
     return out.view(*x.shape[:-1], hidden), new_residual.view(x.shape)
 
 

@@ -2,6 +2,10 @@
 programs (row tiles x split K) fill the SMs evenly or not, as GB/s of stored bytes, beside a plain read of the same
 bytes by a whole number of programs per SM (the ceiling). CUDA-graph chains over copies that exceed L2.
 
+On the H200 (bench/results/gemv_balance_h200.jsonl) the answer was no: one config was faster at an even count, the
+rest were not, and a stream-K kernel that gave every SM the same bytes ran slower still
+(gemv_balance_stream_h200.jsonl).
+
     PYTHONPATH=$PWD python bench/gemv_balance.py --out bench/results/gemv_balance_h200.jsonl
 """
 import argparse
@@ -78,10 +82,7 @@ def main(argv=None) -> int:
                       "programs": programs, "per_sm": programs / sms, "us": round(us, 2),
                       "gbs": round(bufs[0].numel() * 4 / us / 1e3, 1)}, args.out)
             for spec in args.configs:
-                bn, warps, split = spec.split(",")
-                bn, warps, split = int(bn), int(warps), split if split.startswith("stream") else int(split)
-                if fmt == "int4" and isinstance(split, str):
-                    continue  # stream-K: the int8 kernel only
+                bn, warps, split = (int(v) for v in spec.split(","))
                 cfg = dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=False, SPLIT_K=split,
                            LAST_STEP_RELEASE=fmt == "int8", num_warps=warps, num_stages=1)
 
@@ -91,8 +92,7 @@ def main(argv=None) -> int:
                                                       gated=args.gated)
                     return qm.w8a16_matmul_triton(x, q.qweight, q.scales, config=cfg, gated=args.gated)
                 us = graph_time_us([lambda q=mods[i % copies]: call(q) for i in range(CALLS)])
-                programs = qm._split_k(cfg, 1, n, k // 64, x.device) if isinstance(split, str) else \
-                    triton.cdiv(n, bn) * split
+                programs = triton.cdiv(n, bn) * split
                 emit({"bench": "gemv_balance", "machine": machine, "kernel": "mma-gemv", "n": n, "k": k,
                       "format": fmt, "block_n": bn, "warps": warps, "split": split, "gated": args.gated,
                       "programs": programs,

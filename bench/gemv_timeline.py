@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                 calls = [lambda q=mods[i % copies]: call(q) for i in range(CALLS)]
                 us = graph_time_us(calls)
                 split = qm._split_k(dict(cfg), 1, n, k // (128 if fmt == "int4" else 64), x.device)
-                programs = split if qm._stream(cfg) else math.ceil(n / cfg["BLOCK_N"]) * split
+                programs = math.ceil(n / cfg["BLOCK_N"]) * split
                 traces = [torch.zeros(programs, 4, dtype=torch.int64, device="cuda") for _ in range(CALLS)]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):

@@ -6,8 +6,7 @@ runs the same kernel configs (separate runs of bench/quant_speed.py may tune dif
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
 kernel (`attention.DECODE_ROPE`); the MMA GEMVs releasing the next kernel only from their epilogue, not
-from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); without the stream-K W8A16 candidates
-(`quant_matmul.STREAM_K`, tuned again); the RMSNorm weight read after the wait
+from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); the RMSNorm weight read after the wait
 (`rms_norm.EARLY_WEIGHT`); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
 again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
@@ -43,8 +42,6 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "norm-late": ("pdl, RMSNorm weight read after the wait", {"EARLY_WEIGHT": False}),
             "epilogue-release": ("pdl, MMA GEMVs release the next kernel from their epilogue (tuned again)",
                                  {"LAST_STEP_RELEASE": False, "RETUNE": True}),
-            "no-stream": ("pdl, no stream-K W8A16 GEMV candidates (tuned again)",
-                          {"STREAM_K": False, "RETUNE": True}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
             "off-no-rope": ("off, rotary kernel", {"MODE": 0, "DECODE_ROPE": False}),
             "part32": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
@@ -59,7 +56,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
-          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "STREAM_K"), (norm, "EARLY_WEIGHT"))}
+          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (norm, "EARLY_WEIGHT"))}
 
 
 def _ablate(what: str | None):

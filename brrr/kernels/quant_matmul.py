@@ -59,7 +59,6 @@ GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogu
 # ahead much slower (bench/results/gemv_timeline_release_h200.jsonl), so the tuner picks per shape. False: no such
 # candidates (benchmarks' A/B).
 LAST_STEP_RELEASE = True
-STREAM_K = True  # stream-K W8A16 MMA GEMV candidates (`_w8a16_mma_gemv_stream_kernel`); benchmarks' A/B turns it off
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
@@ -292,20 +291,14 @@ if triton is not None:
         index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
         output and no second pass."""
         release_dependents(PDL)
-        _store_at(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tl.program_id(0),
-                  tl.program_id(1), split_k, HAS_BIAS, SPLIT)
-
-    @triton.jit
-    def _store_at(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, slot, count,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-        """`_store` for partial `slot` of `count` of output tile `tile`."""
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
+            pid_k, tile = tl.program_id(1), tl.program_id(0)
             ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(ws_ptrs + slot * M * N, acc, mask=mask)
+            tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
-            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == count - 1:
-                acc = _sum_partials(ws_ptrs, mask, count, M * N, 16 if acc.numel <= 512 else 4)
+            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
+                acc = _sum_partials(ws_ptrs, mask, split_k, M * N, 16 if acc.numel <= 512 else 4)
                 _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
                 tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")  # ordered by the kernel's end
         else:
@@ -842,17 +835,17 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _mma_gemv_tiles(X, W, N, stride_wn, tile, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-        """Output tile `tile`'s two halves of BLOCK_N / 2 rows (clamped to the last row; not stored past it), their word
+    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+        """A program's two tiles of BLOCK_N / 2 rows (clamped to the last row; not stored past it), their word
         pointers at the first chunk, x as 8-byte words and both tiles' zeroed accumulators. GATED (W = [gate; up],
         N rows): the tiles are gate rows and the same up rows, so the epilogue has both halves of SiLU-and-mul."""
         HALF_N: tl.constexpr = BLOCK_N // 2
         if GATED:
-            rows_a = tile * HALF_N + tl.arange(0, HALF_N)
+            rows_a = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
             ra = tl.minimum(rows_a, N // 2 - 1)
             rb = ra + N // 2
         else:
-            rows_a = tile * BLOCK_N + tl.arange(0, HALF_N)
+            rows_a = tl.program_id(0) * BLOCK_N + tl.arange(0, HALF_N)
             ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
         words = tl.arange(0, 16)
         pa = W + ra.to(tl.int64)[:, None] * stride_wn + words[None, :]
@@ -862,37 +855,38 @@ if triton is not None:
         return ra, rb, words, pa, pb, x8, acc, acc
 
     @triton.jit
-    def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, tile, slot, count, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr):
-        """Tile `tile`'s row sums (partial `slot` of `count`), in row order, through `_store_at`; GATED: through
-        `_gated_store`. The caller releases the next launch."""
+    def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                        GATED: tl.constexpr):
+        """Both tiles' row sums, in row order, through `_store`; GATED: through `_gated_store`."""
         if GATED:
-            _gated_store(sum_a, sum_b, B, Y, WS, LOCKS, N, tile, slot, count, BLOCK_N // 2, HAS_BIAS, SPLIT)
+            _gated_store(sum_a, sum_b, B, Y, WS, LOCKS, N, split_k, BLOCK_N // 2, HAS_BIAS, SPLIT, PDL)
         else:
             out = tl.reshape(tl.permute(tl.join(sum_a, sum_b), (1, 0)), (BLOCK_N,))
             offs_m = tl.arange(0, BLOCK_M)
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            _store_at(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, tile,
-                      slot, count, HAS_BIAS, SPLIT)
+            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
+                   HAS_BIAS, SPLIT, PDL)
 
     @triton.jit
-    def _gated_store(gate, up, B, Y, WS, LOCKS, N, tile, slot, count, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SPLIT: tl.constexpr):
-        """y[i] = silu(gate[i]) * up[i] for tile `tile`'s HALF_N outputs (M = 1, N = 2 x outputs), split K as in
-        `_store_at`: the partials of both halves in WS [count, N], the last program to arrive adds them in order."""
+    def _gated_store(gate, up, B, Y, WS, LOCKS, N, split_k, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """y[i] = silu(gate[i]) * up[i] for this program's HALF_N outputs (M = 1, N = 2 x outputs), split K as in
+        `_store`: the partials of both halves in WS [split_k, N], the last program to arrive adds them in order."""
+        release_dependents(PDL)
         half = N // 2
-        rows = tile * HALF_N + tl.arange(0, HALF_N)
+        rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
         mask = rows < half
         if SPLIT:
             ws = WS + rows
-            tl.store(ws + slot * N, gate, mask=mask)
-            tl.store(ws + slot * N + half, up, mask=mask)
+            tl.store(ws + tl.program_id(1) * N, gate, mask=mask)
+            tl.store(ws + tl.program_id(1) * N + half, up, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
-            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == count - 1:
-                gate = _sum_partials(ws, mask, count, N, 16)
-                up = _sum_partials(ws + half, mask, count, N, 16)
+            if tl.atomic_add(LOCKS + tl.program_id(0), 1, sem="acq_rel") == split_k - 1:
+                gate = _sum_partials(ws, mask, split_k, N, 16)
+                up = _sum_partials(ws + half, mask, split_k, N, 16)
                 _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
-                tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")
+                tl.atomic_xchg(LOCKS + tl.program_id(0), 0, sem="relaxed")
         else:
             _gated_write(gate, up, B, Y, rows, mask, half, HAS_BIAS)
 
@@ -936,8 +930,7 @@ if triton is not None:
         _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, tl.program_id(0), BLOCK_N,
-                                                                  GATED)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
                                                       stride_pc, HAS_ZEROS)
         if EARLY:
@@ -957,9 +950,8 @@ if triton is not None:
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        release_dependents(PDL)
-        _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym,
-                        tl.program_id(0), tl.program_id(1), split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, GATED)
+        _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
+                        BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
@@ -1047,8 +1039,7 @@ if triton is not None:
         _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, tl.program_id(0), BLOCK_N,
-                                                                  GATED)
+        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
         first = tl.minimum(s_begin, last)
         wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
@@ -1065,75 +1056,9 @@ if triton is not None:
             acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
             wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        release_dependents(PDL)
         _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
-                        tl.program_id(0), tl.program_id(1), split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, GATED)
+                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
-
-    # ---- stream-K W8A16 MMA GEMV: the same bytes for every SM ------------------------------------------------------
-    # Split K gives every program of a tile the same steps, but tiles x split programs rarely divide evenly among
-    # 132 SMs: at the 8B gate/up (448 tiles of 64) 6.79 programs a SM, so a quarter of the SMs stream one more
-    # program's bytes and the kernel runs at 3.2-3.7 TB/s, against 3.9 for a row count that fills them evenly
-    # (bench/results/gemv_balance_h200.jsonl). Here the (tile, step) units, tile-major, are cut into equal runs,
-    # a whole number of programs a SM.
-    @triton.jit
-    def _stream_owner(u, units, programs):
-        """The program whose run holds unit u (program p's run: [p * units // programs, (p + 1) * units //
-        programs))."""
-        return ((u + 1) * programs - 1) // units
-
-    @triton.jit(do_not_specialize=["programs"])
-    def _w8a16_mma_gemv_stream_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, programs,
-                                      stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                      AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                      FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                                      GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
-        """`_w8a16_mma_gemv_kernel` over this program's run of units: the part of each tile it holds goes into the
-        tile's workspace slot (its index among the tile's programs); the last program to arrive adds them in slot
-        order. The first tile's first step and scales load before the PDL wait (EARLY), the next launch is released
-        in the last tile's part."""
-        steps = K // 64
-        units = (tl.cdiv(N // 2, BLOCK_N // 2) if GATED else tl.cdiv(N, BLOCK_N)) * steps
-        p = tl.program_id(0).to(tl.int64)
-        u0, u1 = p * units // programs, (p + 1) * units // programs
-        t_first, t_last = u0 // steps, (u1 - 1) // steps
-        _stamp(TRACE, 0, u1)
-        if not EARLY:
-            wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, t_first, BLOCK_N, GATED)
-        first = u0 - t_first * steps
-        wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
-        s_a = tl.load(S + ra).to(tl.float32) * 0.25
-        s_b = tl.load(S + rb).to(tl.float32) * 0.25
-        if EARLY:
-            wait_previous(PDL)
-        _stamp(TRACE, 1, u1)
-        x = tl.load(x8 + first * 16)
-        for tile in range(t_first, t_last + 1):
-            begin, end = tl.maximum(u0 - tile * steps, 0), tl.minimum(u1 - tile * steps, steps)
-            last = end - 1
-            release_at = tl.where(tile == t_last, last, -1)
-            for t in range(begin, end):
-                _release_at_last_step(t, release_at, PDL, LAST_STEP_RELEASE)
-                nxt = tl.minimum(t + 1, last)
-                if AHEAD:
-                    ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
-                wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-            if tile == t_last:
-                _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-                release_dependents(PDL)
-            head = _stream_owner(tile * steps, units, programs)
-            count = _stream_owner(tile * steps + steps - 1, units, programs) - head + 1
-            _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N,
-                            stride_ym, tile, p - head, count, BLOCK_M, BLOCK_N, HAS_BIAS, True, GATED)
-            if tile < t_last:  # the next tile, from its first step
-                ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, tile + 1, BLOCK_N,
-                                                                          GATED)
-                wa, wb, x = _mma_gemv8_load(0, pa, pb, x8, stride_qc)
-                s_a = tl.load(S + ra).to(tl.float32) * 0.25
-                s_b = tl.load(S + rb).to(tl.float32) * 0.25
-        _stamp(TRACE, 3, u1)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
     # At M >= a few hundred a GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels beat a mixed-input one, so
@@ -1235,17 +1160,13 @@ MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, 
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)
 MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
-# ... and stream-K ones, "streamC": C programs a SM share the (tile, step) units evenly (`_stream`)
-MMA_GEMV8_CONFIGS += [(128, 8, "stream4", False), (128, 8, "stream6", False), (64, 4, "stream8", False),
-                      (256, 8, "stream3", False)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
     """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) from their last
     K step."""
     return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, LAST_STEP_RELEASE=last, num_warps=w,
-                 num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE] for bn, w, sk, ahead in table
-            if STREAM_K or not str(sk).startswith("stream")]
+                 num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE] for bn, w, sk, ahead in table]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
@@ -1296,19 +1217,11 @@ def w8_configs(m: int, gemv: bool = True, k: int | None = None) -> list[dict]:
     return tiled + mid + [DEQUANT]
 
 
-def _stream(cfg: dict) -> bool:
-    """A stream-K config (`_w8a16_mma_gemv_stream_kernel`): SPLIT_K "streamC", C programs a SM."""
-    return str(cfg["SPLIT_K"]).startswith("stream")
-
-
 def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
-    """Programs a tile (stream-K: programs in all, at most one a unit)."""
     split = cfg["SPLIT_K"]
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
-    if _stream(cfg):
-        return min(int(split[6:]) * sms, tiles * k_steps)
     if isinstance(split, str):  # "auto", "auto4", "auto8": about 2, 4, 8 programs per SM
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        sms = num_sms(device.index or 0) if device.type == "cuda" else 4
         split = max(1, min(16, (int(split[4:] or 2) * sms) // tiles))
     return max(1, min(split, k_steps))
 
@@ -1383,22 +1296,18 @@ def _launch(kernel, x2, n, k_steps, out_dtype, cfg, args, consts, extra=()):
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     m = x2.shape[0]
     split = _split_k(cfg, m, n, k_steps, x2.device)
-    stream = _stream(cfg)
     del cfg["SPLIT_K"]
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    # stream-K: `split` programs in all, a tile's units shared by at most this many (its workspace slots)
-    grid, slots = ((split, 1), min(split, k_steps // (tiles * k_steps // split) + 2)) if stream else ((tiles, split),
-                                                                                                      split)
     y = torch.empty(m, n // 2 if consts.get("GATED") else n, dtype=out_dtype, device=x2.device)
-    ws = torch.empty(slots, m, n, dtype=torch.float32, device=x2.device) if split > 1 or stream else y
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     locks = arrival_counts(x2.device, tiles) if split > 1 else y
     x_arg, w_arg, s_arg, *rest = args
     # PDL (brrr/kernels/pdl.py): at M <= GEMV_M the next kernel may launch from the epilogue (3); above, not early
     # at all (1): on the H200 an early launch after a 16-row W8A16 GEMM made the step slower (bench/pdl_decode.py)
     pdl = pdl_on(x2)
     pdl = 3 if pdl == 2 and m <= GEMV_M else min(pdl, 1)
-    kernel[grid](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
-                           w_arg.stride(0), y.stride(0), split, *extra, SPLIT=split > 1 or stream, num_warps=warps,
+    kernel[(tiles, split)](x_arg, w_arg, s_arg, *rest, y, ws, locks, m, n, x2.shape[1], x2.stride(0),
+                           w_arg.stride(0), y.stride(0), split, *extra, SPLIT=split > 1, num_warps=warps,
                            num_stages=stages, PDL=pdl, launch_pdl=pdl > 0, **consts, **cfg)
     return y
 
@@ -1504,8 +1413,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
-            kernel = _w8a16_mma_gemv_stream_kernel if _stream(cfg) else _w8a16_mma_gemv_kernel
-            return _launch(kernel, xa, n, k // 64, x.dtype,
+            return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
                                 enable_fp_fusion=False),

@@ -375,49 +375,6 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         assert _rel(got, want) < 8e-3
 
 
-@pytest.mark.parametrize("n,k,per_sm,ahead,gated,with_bias", [
-    (1000, 128, 1, False, False, True),  # 4 programs, 32 units: each program 4 whole tiles, no tile shared
-    (100, 320, 3, True, False, False),  # 12 programs asked, 10 units: one unit a program, a tile's 5 shared
-    (96, 448, 2, False, False, True),  # 8 programs over 14 units: runs of 1-2 units, tiles split unevenly
-    (200, 640, 5, True, True, True),  # gated: 4 tiles of 32 gate + 32 up rows, 20 programs of 2 units
-    (130, 192, 2, False, True, False)])  # gated, the last tile clamped past row 65
-def test_w8a16_stream_k_gemv_matches_reference(device, n, k, per_sm, ahead, gated, with_bias):
-    """Stream-K (`_w8a16_mma_gemv_stream_kernel`): the (tile, step) units cut into equal runs, a run's part of
-    each tile summed by the tile's last program to arrive. Every split of units above; two calls give the same bits
-    (the counters are left at zero, the partials added in slot order)."""
-    from brrr.kernels.activation import silu_and_mul_ref
-
-    x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=n, k=k))
-    bias = bias if with_bias else None
-    cfg = dict(qm._mma_gemv8_configs(1, k)[0], BLOCK_N=64, num_warps=4, SPLIT_K=f"stream{per_sm}", AHEAD=ahead)
-    got = qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg, gated=gated)
-    want = qm.w8a16_matmul_ref(x, q, scales, bias)
-    want = silu_and_mul_ref(*want.chunk(2, -1)) if gated else want
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    assert torch.equal(got, qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg, gated=gated))
-
-
-def test_stream_k_workspace_holds_every_tile_s_parts():
-    """The launch's workspace slots (`_launch`) bound the programs any tile's units span, for every program count
-    up to the units (the kernel's `_stream_owner` arithmetic, in Python)."""
-    for tiles in range(1, 12):
-        for steps in range(1, 12):
-            units = tiles * steps
-            for programs in range(1, units + 1):
-                owner = lambda u: ((u + 1) * programs - 1) // units  # noqa: E731
-                parts = max(owner(t * steps + steps - 1) - owner(t * steps) + 1 for t in range(tiles))
-                assert parts <= min(programs, steps // (units // programs) + 2), (tiles, steps, programs)
-                runs = [(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
-                assert all(owner(u) == p for p, (a, b) in enumerate(runs) for u in range(a, b))
-
-
-def test_stream_k_candidates_follow_the_flag(monkeypatch):
-    assert any(qm._stream(c) for c in qm._mma_gemv8_configs(1, 64))
-    assert not any(qm._stream(c) for c in qm._mma_gemv_configs(1, 128))  # int4: not built
-    monkeypatch.setattr(qm, "STREAM_K", False)
-    assert not any(qm._stream(c) for c in qm._mma_gemv8_configs(1, 64))
-
-
 def test_mma_gemv_candidates_come_in_both_release_points(device, monkeypatch):
     """Each MMA GEMV config releases the next launch from its epilogue (the default first), then from its last K
     step; LAST_STEP_RELEASE False (benchmarks' A/B) leaves only the first kind. The release changes no output."""

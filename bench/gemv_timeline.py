@@ -17,9 +17,7 @@ import torch  # noqa: E402
 from brrr.bench.latency import emit  # noqa: E402
 from brrr.bench.timing import graph_time_us, replay_time_us  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
-from brrr.quant import formats  # noqa: E402
-from brrr.quant.linear import QuantLinear  # noqa: E402
-from quant_decode_sweep import BF16, SHAPES, weight_copies  # noqa: E402  (this folder)
+from quant_decode_sweep import BF16, quant_linears, SHAPES, weight_copies  # noqa: E402  (this folder)
 CALLS = 16
 
 
@@ -59,12 +57,8 @@ def main(argv=None) -> int:
         copies = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         for fmt in args.formats:
-            mods = []
-            for _ in range(copies):
-                w = torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
-                q = formats.quantize_int4(w, 128) if fmt == "int4" else formats.quantize_int8(w)
-                mods.append(QuantLinear(fmt, q, k, n, None, dtype=BF16))
-            nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
+            mods, nbytes = quant_linears(fmt, [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
+                                                for _ in range(copies)])
             configs = qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, k)
             for cfg in configs:
                 def call(q, cfg=cfg):

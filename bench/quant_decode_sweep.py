@@ -31,6 +31,14 @@ def weight_copies(n: int, k: int) -> int:
     return max(3, math.ceil(4 * 60e6 / (n * k / 2)))
 
 
+def quant_linears(fmt: str, weights: list[torch.Tensor]) -> tuple[list[QuantLinear], int]:
+    """RTN int4 g128 or int8 layers of `weights` [n, k] (bf16), and one layer's stored bytes."""
+    n, k = weights[0].shape
+    mods = [QuantLinear(fmt, formats.quantize_int4(w, 128) if fmt == "int4" else formats.quantize_int8(w), k, n, None,
+                        dtype=BF16) for w in weights]
+    return mods, sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
+
+
 def family(cfg: dict) -> str:
     return ("mma" if cfg.get("MMA") else "mma-gemv" if cfg.get("MMA_GEMV") else "gemv" if "CHUNKS" in cfg
             else "tensor-core")
@@ -71,9 +79,7 @@ def main(argv=None) -> int:
         emit({"bench": "quant_decode_sweep", "machine": machine, "shape": name, "n": n, "k": k, "format": "bf16",
               "us": round(bf16_us, 2), "gbs": round(n * k * 2 / bf16_us / 1e3, 1)}, args.out)
         for fmt in args.formats:
-            mods = [QuantLinear(fmt, formats.quantize_int4(w, 128) if fmt == "int4" else formats.quantize_int8(w),
-                                k, n, None, dtype=BF16) for w in weights]
-            nbytes = sum(t.numel() * t.element_size() for t in mods[0].tensors().values() if t is not None)
+            mods, nbytes = quant_linears(fmt, weights)
             ref = mods[0](x)
             runs = [(c, "rows") for c in candidates(fmt, args.stages, args.splits) if family(c) in args.families]
             if fmt == "int8" and args.int8_chunk_major:

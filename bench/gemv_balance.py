@@ -22,7 +22,7 @@ from brrr.bench.latency import emit  # noqa: E402
 from brrr.bench.timing import graph_time_us  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
 from brrr.kernels.dispatch import num_sms  # noqa: E402
-from quant_decode_sweep import BF16, quant_linears, weight_copies  # noqa: E402  (this folder)
+from quant_decode_sweep import BF16, quant_linears, random_weights, weight_copies  # noqa: E402  (this folder)
 
 CALLS = 16
 
@@ -66,8 +66,7 @@ def main(argv=None) -> int:
     for n in args.rows:
         copies = weight_copies(n, k)
         for fmt in args.formats:
-            mods, nbytes = quant_linears(fmt, [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
-                                                for _ in range(copies)])
+            mods, nbytes = quant_linears(fmt, random_weights(n, k, gen))
             bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
                     for _ in range(copies)]
             for programs in () if args.no_read else (4 * sms, 8 * sms):

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from brrr.bench.latency import emit  # noqa: E402
 from brrr.bench.timing import graph_time_us, replay_time_us  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
-from quant_decode_sweep import BF16, quant_linears, SHAPES, weight_copies  # noqa: E402  (this folder)
+from quant_decode_sweep import BF16, SHAPES, quant_linears, random_weights, weight_copies  # noqa: E402  (this folder)
 CALLS = 16
 
 
@@ -57,8 +57,7 @@ def main(argv=None) -> int:
         copies = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         for fmt in args.formats:
-            mods, nbytes = quant_linears(fmt, [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
-                                                for _ in range(copies)])
+            mods, nbytes = quant_linears(fmt, random_weights(n, k, gen))
             configs = qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, k)
             for cfg in configs:
                 def call(q, cfg=cfg):

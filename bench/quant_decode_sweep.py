@@ -31,6 +31,11 @@ def weight_copies(n: int, k: int) -> int:
     return max(3, math.ceil(4 * 60e6 / (n * k / 2)))
 
 
+def random_weights(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """`weight_copies` random bf16 weights [n, k] (std 0.02) on the GPU."""
+    return [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02 for _ in range(weight_copies(n, k))]
+
+
 def quant_linears(fmt: str, weights: list[torch.Tensor]) -> tuple[list[QuantLinear], int]:
     """RTN int4 g128 or int8 layers of `weights` [n, k] (bf16), and one layer's stored bytes."""
     n, k = weights[0].shape
@@ -72,8 +77,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
         n, k = SHAPES[name]
-        copies = weight_copies(n, k)
-        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02 for _ in range(copies)]
+        weights = random_weights(n, k, gen)
+        copies = len(weights)
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in weights[:max(3, copies // 4)]])
         emit({"bench": "quant_decode_sweep", "machine": machine, "shape": name, "n": n, "k": k, "format": "bf16",

@@ -780,27 +780,28 @@ if triton is not None:
     @triton.jit
     def _mma_gemv_group(acc, w, z, s, words, g, X):
         """Portable form of one tile's group (interpreter, fp32): acc [R, 16] + the group's row sums, scaled, in
-        each row's first accumulator. w [R, 16] int32 words; z, s [R] fp32."""
+        each row's first accumulator. w [R, 16] int32 words; z, s [R] fp32; X points at x's first column of each
+        row's K slice (`_k_slices`)."""
         part = tl.zeros((w.shape[0],), dtype=tl.float32)
         for b in tl.static_range(4):
             byte = (w >> (8 * b)) & 0xFF
-            xl = tl.load(X + g * 128 + words * 4 + b).to(tl.float32)
-            xh = tl.load(X + g * 128 + 64 + words * 4 + b).to(tl.float32)
-            part += tl.sum(((byte & 15).to(tl.float32) - z[:, None]) * xl[None, :], axis=1)
-            part += tl.sum(((byte >> 4).to(tl.float32) - z[:, None]) * xh[None, :], axis=1)
+            xl = tl.load(X + g * 128 + words[None, :] * 4 + b).to(tl.float32)
+            xh = tl.load(X + g * 128 + 64 + words[None, :] * 4 + b).to(tl.float32)
+            part += tl.sum(((byte & 15).to(tl.float32) - z[:, None]) * xl, axis=1)
+            part += tl.sum(((byte >> 4).to(tl.float32) - z[:, None]) * xh, axis=1)
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
     @triton.jit
-    def _mma_gemv_consts(g, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS: tl.constexpr):
-        """Group g's words of both tiles and the rows' scales and zero points (fp32): constants, so a PDL kernel may
-        load them before its wait."""
-        s_a = tl.load(S + g * N + ra * stride_sn).to(tl.float32)
-        s_b = tl.load(S + g * N + rb * stride_sn).to(tl.float32)
+    def _mma_gemv_consts(g, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS: tl.constexpr):
+        """Group g (of each row's K slice) of both tiles' words, and the rows' scales and zero points (fp32; sa..zb
+        point at the slice's first group): constants, so a PDL kernel may load them before its wait."""
+        s_a = tl.load(sa + g * N).to(tl.float32)
+        s_b = tl.load(sb + g * N).to(tl.float32)
         if HAS_ZEROS:
-            z_a = tl.load(Z + g * N + ra * stride_sn).to(tl.float32)
-            z_b = tl.load(Z + g * N + rb * stride_sn).to(tl.float32)
+            z_a = tl.load(za + g * N).to(tl.float32)
+            z_b = tl.load(zb + g * N).to(tl.float32)
         else:
-            z_a = tl.full(ra.shape, 8.0, tl.float32)
+            z_a = tl.full(s_a.shape, 8.0, tl.float32)
             z_b = z_a
         return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
 
@@ -810,6 +811,13 @@ if triton is not None:
         return tl.load(x8 + g * 32), tl.load(x8 + g * 32 + 16)
 
     @triton.jit
+    def _rows_of(x, like):
+        """x broadcast to the tile's shape: x [16] is every row's, x [R, 16] (K split over warps) per row."""
+        if len(x.shape) == 1:
+            return tl.broadcast_to(x[None, :], like.shape)
+        return tl.broadcast_to(x, like.shape)
+
+    @triton.jit
     def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
         """Group g of both tiles into their accumulators."""
         DTYPE: tl.constexpr = X.dtype.element_ty
@@ -817,7 +825,7 @@ if triton is not None:
             BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
             ha = (-(z_a + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             hb = (-(z_b + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            args = [wa, wb, tl.broadcast_to(x_lo[None, :], wa.shape), tl.broadcast_to(x_hi[None, :], wa.shape),
+            args = [wa, wb, _rows_of(x_lo, wa), _rows_of(x_hi, wa),
                     tl.broadcast_to((ha | (ha << 16))[:, None], wa.shape),
                     tl.broadcast_to((hb | (hb << 16))[:, None], wa.shape),
                     tl.broadcast_to((s_a * 0.25)[:, None], wa.shape), tl.broadcast_to((s_b * 0.25)[:, None], wa.shape),
@@ -835,24 +843,50 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    def _mma_gemv_tiles(X, W, N, stride_wn, BLOCK_N: tl.constexpr, GATED: tl.constexpr, KW: tl.constexpr):
         """A program's two tiles of BLOCK_N / 2 rows (clamped to the last row; not stored past it), their word
         pointers at the first chunk, x as 8-byte words and both tiles' zeroed accumulators. GATED (W = [gate; up],
-        N rows): the tiles are gate rows and the same up rows, so the epilogue has both halves of SiLU-and-mul."""
+        N rows): the tiles are gate rows and the same up rows, so the epilogue has both halves of SiLU-and-mul.
+        KW > 1: the program's warps split its K range KW ways. A tile then has BLOCK_N / 2 x KW rows (8 a warp);
+        tile row t is output row (t // (8 KW)) * 8 + t % 8 and takes K slice (t // 8) % KW (`part`), so each warp's
+        rows share one slice and the MMA's right operand, x, stays one column for the warp."""
         HALF_N: tl.constexpr = BLOCK_N // 2
+        t = tl.arange(0, HALF_N * KW)
+        local = (t // (8 * KW)) * 8 + t % 8
+        part = (t // 8) % KW
         if GATED:
-            rows_a = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+            rows_a = tl.program_id(0) * HALF_N + local
             ra = tl.minimum(rows_a, N // 2 - 1)
             rb = ra + N // 2
         else:
-            rows_a = tl.program_id(0) * BLOCK_N + tl.arange(0, HALF_N)
+            rows_a = tl.program_id(0) * BLOCK_N + local
             ra, rb = tl.minimum(rows_a, N - 1), tl.minimum(rows_a + HALF_N, N - 1)
         words = tl.arange(0, 16)
         pa = W + ra.to(tl.int64)[:, None] * stride_wn + words[None, :]
         pb = W + rb.to(tl.int64)[:, None] * stride_wn + words[None, :]
         x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words  # 4 columns of x per 8 bytes
-        acc = tl.zeros((HALF_N, 16), dtype=tl.float32)
-        return ra, rb, words, pa, pb, x8, acc, acc
+        acc = tl.zeros((HALF_N * KW, 16), dtype=tl.float32)
+        return ra, rb, part, words, pa, pb, x8, acc, acc
+
+    @triton.jit
+    def _k_slices(part, begin, per, steps, KW: tl.constexpr):
+        """The first K step of each tile row's slice: a scalar for KW = 1, else [R] and as a column [R, 1]. A split
+        program left with no steps gets the last one, so its loads stay in bounds (and are unused)."""
+        if KW == 1:
+            first = tl.minimum(begin, steps - 1)
+            return first, first
+        first = tl.minimum(begin + part * per, steps - 1)
+        return first, first[:, None]
+
+    @triton.jit
+    def _slice_sums(acc, scale, KW: tl.constexpr):
+        """Each output row's sum from the tile's [R, 16] accumulators: over a row's 16, times `scale` (the W8 rows'),
+        then over its KW slices (the cross-warp step goes through shared memory, not the split-K workspace)."""
+        rows = tl.sum(acc, axis=1) * scale
+        if KW == 1:
+            return rows
+        R: tl.constexpr = acc.shape[0]
+        return tl.reshape(tl.sum(tl.reshape(rows, (R // (8 * KW), KW, 8)), axis=1), (R // KW,))
 
     @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
@@ -922,35 +956,42 @@ if triton is not None:
                                stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
                                HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                               GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
+                               GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
-        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored."""
+        are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
+        KW > 1: the program's K range is cut into KW equal slices, one per warp (`_mma_gemv_tiles`; the launcher
+        makes them equal)."""
         g_begin, g_end = _split_range(K // 128, split_k)
-        last = g_end - 1
+        per = tl.maximum(g_end - g_begin, 0) // KW
+        last = tl.maximum(per - 1, 0)
         _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED)
-        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(tl.minimum(g_begin, last), pa, pb, S, Z, N, ra, rb, stride_sn,
-                                                      stride_pc, HAS_ZEROS)
+        ra, rb, part, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED, KW)
+        first, first_col = _k_slices(part, g_begin, per, K // 128, KW)
+        pa, pb, x8, xs = pa + first_col * stride_pc, pb + first_col * stride_pc, x8 + first_col * 32, X + first_col * 128
+        sa, sb = S + first * N + ra * stride_sn, S + first * N + rb * stride_sn
+        za, zb = Z + first * N + ra * stride_sn, Z + first * N + rb * stride_sn
+        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        x_lo, x_hi = _mma_gemv_x(tl.minimum(g_begin, last), x8)
-        for g in range(g_begin, g_end):
+        x_lo, x_hi = _mma_gemv_x(0, x8)
+        for g in range(0, per):
             _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
-                ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
                 x_ahead = _mma_gemv_x(nxt, x8)
-            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST)
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs, words,
+                                                FAST)
             if not AHEAD:
-                ahead = _mma_gemv_consts(nxt, pa, pb, S, Z, N, ra, rb, stride_sn, stride_pc, HAS_ZEROS)
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
                 x_ahead = _mma_gemv_x(nxt, x8)
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        _mma_gemv_store(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
+        _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
                         BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
 
@@ -1001,7 +1042,7 @@ if triton is not None:
         """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
         the row's running sum: a quarter of the row's total after the sum over its 16)."""
         if FAST:
-            args = [wa, wb, tl.broadcast_to(x[None, :], wa.shape), acc_a, acc_b]
+            args = [wa, wb, _rows_of(x, wa), acc_a, acc_b]
             if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
                 acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_BF16, constraints=_MMA_GEMV8_IO, args=args,
                                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
@@ -1012,7 +1053,7 @@ if triton is not None:
             part_a = tl.zeros((wa.shape[0],), dtype=tl.float32)
             part_b = tl.zeros((wa.shape[0],), dtype=tl.float32)
             for b in tl.static_range(4):
-                xv = tl.load(X + step * 64 + words * 4 + b).to(tl.float32)[None, :]
+                xv = tl.load(X + step * 64 + words[None, :] * 4 + b).to(tl.float32)
                 part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
                 part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
             first = words[None, :] % 4 == 0
@@ -1029,34 +1070,37 @@ if triton is not None:
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
                                stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr):
+                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr,
+                               KW: tl.constexpr):
         """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
-        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles and rows past N as in the int4 kernel.
-        EARLY: the first step's weights and the scales are loaded before the PDL wait (they are constants), so
-        under PDL their latency overlaps the previous kernel."""
+        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices (KW) as in the
+        int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait (they are
+        constants), so under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
-        last = s_end - 1
+        per = tl.maximum(s_end - s_begin, 0) // KW
+        last = tl.maximum(per - 1, 0)
         _stamp(TRACE, 0, last)
         if not EARLY:
             wait_previous(PDL)
-        ra, rb, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED)
-        first = tl.minimum(s_begin, last)
-        wa, wb = tl.load(pa + first * stride_qc), tl.load(pb + first * stride_qc)
+        ra, rb, part, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED, KW)
+        first, first_col = _k_slices(part, s_begin, per, K // 64, KW)
+        pa, pb, x8, xs = pa + first_col * stride_qc, pb + first_col * stride_qc, x8 + first_col * 16, X + first_col * 64
+        wa, wb = tl.load(pa), tl.load(pb)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        x = tl.load(x8 + first * 16)
-        for t in range(s_begin, s_end):
+        x = tl.load(x8)
+        for t in range(0, per):
             _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
             nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
             if AHEAD:  # step t + 1 loads while t computes
                 ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, X, words, FAST)
+            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST)
             wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        _mma_gemv_store(tl.sum(acc_a, axis=1) * s_a, tl.sum(acc_b, axis=1) * s_b, B, Y, WS, LOCKS, M, N, stride_ym,
+        _mma_gemv_store(_slice_sums(acc_a, s_a, KW), _slice_sums(acc_b, s_b, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
 
@@ -1152,21 +1196,26 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 
 
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
-# issued before this one computes). Loading two groups ahead (more registers) and Triton's shared-memory pipelining
-# ran 5-30% slower on the H200 (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl), so neither is a candidate.
-# BLOCK_N / 2 is a multiple of 8 x warps (each tile's rows fill whole warps, 8 rows a warp).
-MMA_GEMV_CONFIGS = [(128, 8, "auto4", False), (64, 4, "auto8", False), (128, 8, "auto4", True), (64, 4, "auto8", True),
-                    (128, 8, "auto8", False), (128, 8, "auto2", True)]
+# issued before this one computes, KW warps splitting a program's K range). Loading two groups ahead (more registers)
+# and Triton's shared-memory pipelining ran 5-30% slower on the H200 (bench/results/quant_decode_sweep_mma_gemv_h200.
+# jsonl), so neither is a candidate. BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
+# 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a row's slices in shared memory
+# at the program's end instead of across programs through the workspace (split K's combine tail, ~1-1.5 us).
+MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
+                    (64, 4, "auto8", True, 1), (128, 8, "auto8", False, 1), (128, 8, "auto2", True, 1),
+                    (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),
+                    (32, 16, 1, False, 8), (16, 8, "auto4", True, 8)]
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)
-MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False)]
+MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
     """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) from their last
     K step."""
-    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, LAST_STEP_RELEASE=last, num_warps=w,
-                 num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE] for bn, w, sk, ahead in table]
+    return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, KW=kw, LAST_STEP_RELEASE=last,
+                 num_warps=w, num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE]
+            for bn, w, sk, ahead, kw in table]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:
@@ -1223,7 +1272,11 @@ def _split_k(cfg: dict, m: int, n: int, k_steps: int, device) -> int:
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         sms = num_sms(device.index or 0) if device.type == "cuda" else 4
         split = max(1, min(16, (int(split[4:] or 2) * sms) // tiles))
-    return max(1, min(split, k_steps))
+    split = max(1, min(split, k_steps))
+    kw = cfg.get("KW", 1)  # MMA GEMV warps splitting a program's K range: every slice the same length
+    if k_steps % kw:
+        raise ValueError(f"KW = {kw} warps cannot split {k_steps} K steps evenly")
+    return max(s for s in range(1, split + 1) if k_steps % (s * kw) == 0) if kw > 1 else split
 
 
 _TUNED: dict[tuple, dict] = {}

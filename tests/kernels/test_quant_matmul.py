@@ -313,13 +313,19 @@ def test_gemv_rejects_unaligned_weight_rows(device):
 
 
 # ---- MMA GEMV path (M = 1, int4 g128) -------------------------------------------------------------------------------
+def _fills_warps(cfg) -> bool:
+    """A tile's rows (BLOCK_N / 2 outputs x KW slices) fill whole warps, 8 rows a warp, and a warp's rows share one
+    K slice."""
+    return cfg["BLOCK_N"] // 2 * cfg["KW"] % (8 * cfg["num_warps"]) == 0 and cfg["num_warps"] % cfg["KW"] == 0
+
+
 def test_mma_gemv_candidates_only_for_one_row_and_group_128():
     """After the GEMV ones, for M = 1 and g128 only (the MMA's K relabeling needs a 16-word group row)."""
     configs = qm.w4_configs(1, 128)
     assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv_configs(1, 128) != []
     assert configs.index(qm._mma_gemv_configs(1, 128)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
     assert not any(c.get("MMA_GEMV") for c in qm.w4_configs(2, 128) + qm.w4_configs(1, 64))
-    assert all(c["BLOCK_N"] // 2 % (8 * c["num_warps"]) == 0 for c in qm._mma_gemv_configs(1, 128))
+    assert all(_fills_warps(c) for c in qm._mma_gemv_configs(1, 128))
 
 
 @pytest.mark.parametrize("symmetric,n,with_bias,split,dtype", [
@@ -349,7 +355,7 @@ def test_w8_mma_gemv_candidates_only_for_one_row_and_k_in_steps_of_64():
     assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv8_configs(1, 4096) != []
     assert configs.index(qm._mma_gemv8_configs(1, 4096)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
     assert not any(c.get("MMA_GEMV") for c in qm.w8_configs(2, k=4096) + qm.w8_configs(1, k=300))
-    assert all(c["BLOCK_N"] // 2 % (8 * c["num_warps"]) == 0 for c in qm._mma_gemv8_configs(1, 64))
+    assert all(_fills_warps(c) for c in qm._mma_gemv8_configs(1, 64))
     x, q, scales, _ = _w8_problem(1, k=300)
     with pytest.raises(ValueError, match="steps of 64"):
         qm.w8a16_matmul_triton(x, q, scales, config=qm._mma_gemv8_configs(1, 64)[0])
@@ -373,6 +379,30 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:
         assert _rel(got, want) < 8e-3
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_mma_gemv_warps_split_k_within_a_program(device, fmt):
+    """KW > 1: a program's warps take equal K slices and sum them in shared memory. Every such candidate, alone and
+    with split K across programs too (cut down to a split that keeps the slices equal: 16 steps, KW 8, asked for 3
+    -> 2), matches the reference; a step count KW does not divide is refused with the numbers."""
+    steps = 16
+    for cfg in [c for c in (qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, 64))
+                if c["KW"] > 1 and not c["LAST_STEP_RELEASE"]]:
+        for split in (1, 3):
+            assert qm._split_k(dict(cfg, SPLIT_K=split), 1, 100, steps, torch.device("cpu")) * cfg["KW"] <= steps
+            c = dict(cfg, SPLIT_K=split)
+            if fmt == "int4":
+                x, w, s, z, b, _ = (t if t is None else t.to(device) for t in _w4_problem(128, 1, False, n=100,
+                                                                                          groups=steps))
+                got, want = (qm.w4a16_matmul_triton(x, w, s, z, 128, b, config=c),
+                             qm.w4a16_matmul_ref(x, w, s, z, 128, b))
+            else:
+                x, w, s, b = (t.to(device) for t in _w8_problem(1, n=100, k=64 * steps))
+                got, want = qm.w8a16_matmul_triton(x, w, s, b, config=c), qm.w8a16_matmul_ref(x, w, s, b)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=str(c))
+    with pytest.raises(ValueError, match="KW = 8 warps cannot split 12 K steps"):
+        qm._split_k(dict(SPLIT_K=1, KW=8), 1, 100, 12, torch.device("cpu"))
 
 
 def test_mma_gemv_candidates_come_in_both_release_points(device, monkeypatch):

@@ -814,8 +814,10 @@ if triton is not None:
     def _rows_of(x, like):
         """x broadcast to the tile's shape: x [16] is every row's, x [R, 16] (K split over warps) per row."""
         if len(x.shape) == 1:
-            return tl.broadcast_to(x[None, :], like.shape)
-        return tl.broadcast_to(x, like.shape)
+            rows = tl.broadcast_to(x[None, :], like.shape)
+        else:
+            rows = tl.broadcast_to(x, like.shape)
+        return rows
 
     @triton.jit
     def _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words, FAST: tl.constexpr):
@@ -872,21 +874,23 @@ if triton is not None:
     def _k_slices(part, begin, per, steps, KW: tl.constexpr):
         """The first K step of each tile row's slice: a scalar for KW = 1, else [R] and as a column [R, 1]. A split
         program left with no steps gets the last one, so its loads stay in bounds (and are unused)."""
-        if KW == 1:
+        if KW == 1:  # one return: a Triton function's returns must agree in type
             first = tl.minimum(begin, steps - 1)
-            return first, first
-        first = tl.minimum(begin + part * per, steps - 1)
-        return first, first[:, None]
+            col = first
+        else:
+            first = tl.minimum(begin + part * per, steps - 1)
+            col = first[:, None]
+        return first, col
 
     @triton.jit
     def _slice_sums(acc, scale, KW: tl.constexpr):
         """Each output row's sum from the tile's [R, 16] accumulators: over a row's 16, times `scale` (the W8 rows'),
         then over its KW slices (the cross-warp step goes through shared memory, not the split-K workspace)."""
         rows = tl.sum(acc, axis=1) * scale
-        if KW == 1:
-            return rows
-        R: tl.constexpr = acc.shape[0]
-        return tl.reshape(tl.sum(tl.reshape(rows, (R // (8 * KW), KW, 8)), axis=1), (R // KW,))
+        if KW > 1:
+            R: tl.constexpr = acc.shape[0]
+            rows = tl.reshape(tl.sum(tl.reshape(rows, (R // (8 * KW), KW, 8)), axis=1), (R // KW,))
+        return rows
 
     @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,

@@ -6,7 +6,8 @@ runs the same kernel configs (separate runs of bench/quant_speed.py may tune dif
 default); waits without early launches; PDL without the loads before the wait (`pdl.EARLY_LOADS`); without
 the gate/up GEMV's SiLU-and-mul epilogue (`quant_matmul.GATED_GEMV`); without RoPE and the KV write in the decode
 kernel (`attention.DECODE_ROPE`); the MMA GEMVs releasing the next kernel only from their epilogue, not
-from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); the RMSNorm weight read after the wait
+from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); without the MMA GEMV candidates whose warps
+split K (`quant_matmul.K_SLICE_WARPS`, tuned again); the RMSNorm weight read after the wait
 (`rms_norm.EARLY_WEIGHT`); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
 again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
@@ -40,6 +41,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "no-gated": ("pdl, silu_and_mul kernel", {"GATED_GEMV": False}),
             "no-rope": ("pdl, rotary kernel", {"DECODE_ROPE": False}),
             "norm-late": ("pdl, RMSNorm weight read after the wait", {"EARLY_WEIGHT": False}),
+            "no-kw": ("pdl, MMA GEMVs without warps splitting K (tuned again)", {"K_SLICE_WARPS": False, "RETUNE": True}),
             "epilogue-release": ("pdl, MMA GEMVs release the next kernel from their epilogue (tuned again)",
                                  {"LAST_STEP_RELEASE": False, "RETUNE": True}),
             "unfused": ("pdl, silu_and_mul and rotary kernels", {"GATED_GEMV": False, "DECODE_ROPE": False}),
@@ -56,7 +58,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
-          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (norm, "EARLY_WEIGHT"))}
+          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (norm, "EARLY_WEIGHT"))}
 
 
 def _ablate(what: str | None):
@@ -74,6 +76,7 @@ def _brief(cfg: dict) -> str:
     """A tuned config in a few characters: family, rows a program, split K, warps."""
     family = "mma-gemv" if cfg.get("MMA_GEMV") else "mma" if cfg.get("MMA") else "gemv" if "CHUNKS" in cfg else "tc"
     return f"{family} {cfg.get('BLOCK_N')} {cfg.get('SPLIT_K')} w{cfg.get('num_warps')}" + (
+        f" kw{cfg['KW']}" if cfg.get("KW", 1) > 1 else "") + (
         " ahead" if cfg.get("AHEAD") else "") + (" last-step-release" if cfg.get("LAST_STEP_RELEASE") else "")
 
 

@@ -1208,7 +1208,8 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
                     (64, 4, "auto8", True, 1), (128, 8, "auto8", False, 1), (128, 8, "auto2", True, 1),
                     (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),
-                    (32, 16, 1, False, 8), (16, 8, "auto4", True, 8)]
+                    (32, 16, 1, False, 8), (16, 8, "auto4", True, 8), (16, 8, 2, True, 8), (16, 4, 1, True, 4)]
+K_SLICE_WARPS = True  # offer the KW > 1 candidates (benchmarks turn it off for the A/B)
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)
 MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1)]
@@ -1219,7 +1220,7 @@ def _mma_gemv_dicts(table) -> list[dict]:
     K step."""
     return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, KW=kw, LAST_STEP_RELEASE=last,
                  num_warps=w, num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE]
-            for bn, w, sk, ahead, kw in table]
+            for bn, w, sk, ahead, kw in table if kw == 1 or K_SLICE_WARPS]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:

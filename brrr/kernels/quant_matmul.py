@@ -1208,7 +1208,7 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
                     (64, 4, "auto8", True, 1), (128, 8, "auto8", False, 1), (128, 8, "auto2", True, 1),
                     (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),
-                    (32, 16, 1, False, 8), (16, 8, "auto4", True, 8), (16, 8, 2, True, 8), (16, 4, 1, True, 4)]
+                    (32, 16, 1, False, 8), (16, 8, "auto4", True, 8), (16, 4, 1, True, 4)]
 K_SLICE_WARPS = True  # offer the KW > 1 candidates (benchmarks turn it off for the A/B)
 # W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
 # registers a row)

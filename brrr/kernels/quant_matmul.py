@@ -1216,11 +1216,13 @@ MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
-    """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) from their last
-    K step."""
+    """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) those with
+    KW = 1 from their last K step. A KW > 1 warp has only a few steps, so its last one comes early: in the chain
+    tuning such configs won, in the decode step they lost (H200, W8A16 + lm_head step 2503 us with them, 2459
+    without; W4A16 1720-1725 against 1727; bench/results/pdl_decode_kw_release_h200.jsonl)."""
     return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, KW=kw, LAST_STEP_RELEASE=last,
                  num_warps=w, num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE]
-            for bn, w, sk, ahead, kw in table if kw == 1 or K_SLICE_WARPS]
+            for bn, w, sk, ahead, kw in table if (kw == 1 or K_SLICE_WARPS) and not (last and kw > 1)]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:

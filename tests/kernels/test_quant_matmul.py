@@ -406,14 +406,16 @@ def test_mma_gemv_warps_split_k_within_a_program(device, fmt):
 
 
 def test_mma_gemv_candidates_come_in_both_release_points(device, monkeypatch):
-    """Each MMA GEMV config releases the next launch from its epilogue (the default first), then from its last K
-    step; LAST_STEP_RELEASE False (benchmarks' A/B) leaves only the first kind. The release changes no output."""
+    """Each MMA GEMV config releases the next launch from its epilogue (the default first), then those with KW = 1
+    from their last K step; LAST_STEP_RELEASE False (benchmarks' A/B) leaves only the first kind. The release
+    changes no output."""
     both = qm._mma_gemv8_configs(1, 64)
-    assert [c["LAST_STEP_RELEASE"] for c in both] == [False] * (len(both) // 2) + [True] * (len(both) // 2)
-    assert [dict(c, LAST_STEP_RELEASE=False) for c in both[len(both) // 2:]] == both[:len(both) // 2]
+    first = [c for c in both if not c["LAST_STEP_RELEASE"]]
+    assert both[:len(first)] == first and len(first) == len(qm.MMA_GEMV8_CONFIGS)
+    assert [dict(c, LAST_STEP_RELEASE=False) for c in both[len(first):]] == [c for c in first if c["KW"] == 1]
     monkeypatch.setattr(qm, "LAST_STEP_RELEASE", False)
     assert qm._mma_gemv_configs(1, 128) == [c for c in qm._mma_gemv_configs(1, 128) if not c["LAST_STEP_RELEASE"]]
-    assert len(qm._mma_gemv8_configs(1, 64)) == len(both) // 2
+    assert qm._mma_gemv8_configs(1, 64) == first
     x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=40, k=192))
     cfg = dict(both[0], SPLIT_K=2)
     assert torch.equal(qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg),

@@ -973,7 +973,8 @@ if triton is not None:
             wait_previous(PDL)
         ra, rb, part, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, P, N, stride_pn, BLOCK_N, GATED, KW)
         first, first_col = _k_slices(part, g_begin, per, K // 128, KW)
-        pa, pb, x8, xs = pa + first_col * stride_pc, pb + first_col * stride_pc, x8 + first_col * 32, X + first_col * 128
+        pa, pb = pa + first_col * stride_pc, pb + first_col * stride_pc
+        x8, xs = x8 + first_col * 32, X + first_col * 128
         sa, sb = S + first * N + ra * stride_sn, S + first * N + rb * stride_sn
         za, zb = Z + first * N + ra * stride_sn, Z + first * N + rb * stride_sn
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
@@ -995,8 +996,8 @@ if triton is not None:
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym, split_k,
-                        BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
+        _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
+                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
@@ -1088,7 +1089,8 @@ if triton is not None:
             wait_previous(PDL)
         ra, rb, part, words, pa, pb, x8, acc_a, acc_b = _mma_gemv_tiles(X, Q, N, stride_qn, BLOCK_N, GATED, KW)
         first, first_col = _k_slices(part, s_begin, per, K // 64, KW)
-        pa, pb, x8, xs = pa + first_col * stride_qc, pb + first_col * stride_qc, x8 + first_col * 16, X + first_col * 64
+        pa, pb = pa + first_col * stride_qc, pb + first_col * stride_qc
+        x8, xs = x8 + first_col * 16, X + first_col * 64
         wa, wb = tl.load(pa), tl.load(pb)
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25

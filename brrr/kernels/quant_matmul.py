@@ -1317,13 +1317,15 @@ def _weight_copies(weight: torch.Tensor) -> list:
     return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
-def _pick(key: tuple, configs: list[dict], run, weight: torch.Tensor | None = None, m: int = 0) -> dict:
-    """The fastest of `configs` for `key`, timed once on the GPU: `run(cfg, copy)` as a chain over weight copies
-    for decode shapes (`CHAIN_TUNING`, weight given, m <= SMALL_M), else alone with L2 flushed between runs (a
-    few ms each). The first config, untimed, under the interpreter or inside a CUDA-graph capture (timing there would
-    break the capture; the engine's warm-up step before each capture tunes the same shapes)."""
+def _pick(key: tuple, candidates, run, weight: torch.Tensor | None = None, m: int = 0) -> dict:
+    """The fastest of `candidates()` for `key` (the list is built only on a miss: ~30 us of Python, paid by every
+    eager call, prefill's included, when it was built first), timed once on the GPU: `run(cfg, copy)` as a chain
+    over weight copies for decode shapes (`CHAIN_TUNING`, weight given, m <= SMALL_M), else alone with L2 flushed
+    between runs (a few ms each). The first config, untimed, under the interpreter or inside a CUDA-graph capture
+    (timing there would break the capture; the engine's warm-up step before each capture tunes the same shapes)."""
     if key in _TUNED:
         return _TUNED[key]
+    configs = candidates()
     if len(configs) == 1 or _interpreting() or torch.cuda.is_current_stream_capturing():
         return configs[0]
     copies = None
@@ -1445,8 +1447,9 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
         key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
-        configs = _mma_gemv_configs(m, group_size) if gated else w4_configs(m, group_size, gemv=words is not None)
-        config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run, qweight, m)
+        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
+                              else w4_configs(m, group_size, gemv=words is not None))
+        config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
 
@@ -1489,9 +1492,9 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                        extra=(chunk_stride,))
 
     if config is None:
-        configs = _mma_gemv8_configs(m, k) if gated else w8_configs(m, gemv=words is not None, k=k)
+        candidates = lambda: _mma_gemv8_configs(m, k) if gated else w8_configs(m, gemv=words is not None, k=k)  # noqa
         key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated)
-        config = configs[0] if x.dtype == torch.float32 else _pick(key, configs, run, qweight, m)
+        config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
 

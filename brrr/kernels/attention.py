@@ -5,6 +5,7 @@ block per sequence (block_size = its capacity), so the reference generator and t
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -165,7 +166,7 @@ except Exception:
     triton = None
 
 if triton is not None:
-    from brrr.kernels.pdl import wait_previous
+    from brrr.kernels.pdl import release_dependents, wait_previous
 
     @triton.jit
     def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -274,6 +275,9 @@ if triton is not None:
                 v0 = tl.load(VC + rows[:, None] + d[None, :], mask=nm0[:, None] & dm[None, :], other=0.0)
         if EARLY:
             wait_previous(PDL)
+        if PDL == 3:  # a sequence in one part lets the next kernel launch now, a split one from its epilogue
+            if parts == 1:
+                release_dependents(PDL)
         if not single:  # a prefill chunk: the prefill kernel's
             return
         if split >= parts:
@@ -321,6 +325,9 @@ if triton is not None:
                 l_i = l_i * alpha + p_new
                 acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
                 m_i = m_new
+        if PDL == 3:
+            if parts > 1:
+                release_dependents(PDL)
         o_ptrs = O + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
         o_mask = gm[:, None] & dm[None, :]
         if not SPLIT:  # its own branch: unsplit launches pass no counters, so the atomics below must not compile
@@ -526,6 +533,11 @@ DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 # (`decode_rope`). Benchmarks set DECODE_ROPE False for the A/B (bench/results/pdl_decode_rope_h200.jsonl).
 DECODE_ROPE = True
 ROPE_PART = 64
+# Where the decode kernel lets the next kernel launch under PDL: "parts" right after its wait when the sequence is
+# one part, after its keys are folded in when split (the next kernel's early loads then do not queue ahead of the
+# parts' reads and combine: W8A16 + lm_head step at 100-204 keys -11 to -17 us against "wait", the same at <= 64 keys);
+# "wait" always right after it (bench/results/engine_step_gap_h200.jsonl).
+DECODE_RELEASE = "parts"
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,
@@ -563,6 +575,21 @@ def decode_tile(splits: int, block_d: int, max_context: int) -> tuple[int, int]:
     return (128, 3) if splits > 1 or max_context <= SHORT_CONTEXT else (64, 2)
 
 
+@functools.lru_cache(maxsize=256)
+def _part_tiles(bound: int, splits: int, wave: int, min_part: int, block_n: int, whole: int) -> int:
+    """The most key tiles one program of the decode kernel reads for any context up to `bound` (what
+    `_decode_parts` gives). Two at most: no software pipeline (one stage). Its shared memory kept the programs from
+    being placed beside the kernel before them: batch-1 step at 8-204 keys, W8A16 + lm_head 28-48 us shorter
+    with one stage than three, W4A16 29-45, bf16 17-52 (bench/results/engine_step_gap_h200.jsonl)."""
+    most = 0
+    for span in range(block_n, bound + block_n, block_n):
+        span = min(span, bound)
+        parts = max(min(wave, -(-span // min_part)), -(-span // DECODE_LONG_PART))
+        parts = 1 if span <= whole * min_part or splits == 1 else min(parts, splits)
+        most = max(most, -(-span // parts))
+    return -(-most // block_n)
+
+
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             sliding_window=None, max_context_len=None, out=None, num_splits=None,
                             block_n=None, num_warps=4, num_stages=None, min_part=DECODE_MIN_PART, rope=None):
@@ -591,7 +618,11 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         whole=1 if early else 2)
     splits = min(splits, MAX_SPLITS)
     tile, stages = decode_tile(splits, block_d, max_context_len)
-    block_n, num_stages = block_n or tile, num_stages or stages
+    block_n = block_n or tile
+    whole = 1 if early else 2
+    if _part_tiles(max_context_len, splits, wave, min_part if early else DECODE_MIN_PART, block_n, whole) <= 2:
+        stages = 1
+    num_stages = num_stages or stages
     group = n_heads // n_kv
     if splits > 1:
         partial = torch.empty(batch * n_heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -601,6 +632,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         partial = max_sum = counts = out  # unused
     k, v, cos, sin, slots = rope if rope is not None else (q, q, q, q, cu_seqlens_q)
     pdl = pdl_on(q)
+    if pdl == 2 and DECODE_RELEASE == "parts":
+        pdl = 3
     # with rope, no FMA contraction: the rotation rounds where torch and the rotary kernel round
     _decode_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
@@ -611,7 +644,7 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
-        EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=1 if early else 2,
+        EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=whole,
         enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 

@@ -11,7 +11,7 @@ import torch
 
 from brrr.kernels import dispatch
 from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton,
-                                    decode_splits, prefill_attention_triton, write_kv_ref, write_kv_triton)
+                                    _part_tiles, decode_splits, prefill_attention_triton, write_kv_ref, write_kv_triton)
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -250,6 +250,20 @@ def test_decode_splits_heuristic():
     assert decode_splits(1, 8, 2048, dev) == (16, 16)
     assert decode_splits(1, 8, 256, dev) == (1, 1)
     assert decode_splits(1, 1, 10**6, dev) == (64, 132)
+
+
+def test_decode_part_tiles():
+    """The most key tiles a decode program reads over contexts up to the bound, which picks one pipeline stage
+    (<= 2): one-tile RoPE parts and the plain kernel's whole first 256 keys stay within two, a long batch-1 bound
+    reaches 512-key parts, an unsplit full batch reads the whole bound."""
+    assert _part_tiles(208, 4, 16, 64, 64, 1) == 1  # RoPE path, the benchmark's bound: 4 parts of <= 64 keys
+    assert _part_tiles(2048, 16, 16, 64, 64, 1) == 2  # past 16 x 64 keys a part holds two tiles
+    assert _part_tiles(208, 2, 16, 128, 128, 2) == 2  # plain path: <= 256 keys in one program
+    assert _part_tiles(2048, 16, 16, 128, 128, 2) == 2
+    assert _part_tiles(8192, 64, 16, 128, 128, 2) == 4  # 16 parts of 512 keys
+    assert _part_tiles(32768, 64, 16, 128, 128, 2) == 4  # 64 parts of 512
+    assert _part_tiles(65536, 64, 16, 128, 128, 2) == 8  # capped at 64 parts: 1024 keys each
+    assert _part_tiles(4096, 1, 1, 128, 64, 2) == 64  # a full batch is not split
 
 
 @pytest.mark.parametrize("block_n", [16, 32])

@@ -1,0 +1,201 @@
+"""Where the engine's decode step spends the time its graph replay does not: per step, CUDA events around the
+graph replay inside the engine (graph time) and from one replay's start to the next (cycle time), the host's
+time in engine.step, against the same graph replayed back to back after the run (each replay timed alone).
+
+    PYTHONPATH=$PWD python bench/engine_step_gap.py --variants bf16 w8a16-lmhead --out bench/results/x.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib
+import statistics
+import time
+
+import torch
+
+from brrr.bench.latency import emit, run_batch
+from brrr.bench.timing import replay_time_us
+
+
+class TimedGraph:
+    """A captured graph whose every replay records a CUDA event pair (no synchronisation)."""
+
+    def __init__(self, graph):
+        self.graph, self.events = graph, []
+
+    def replay(self):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+
+def _summary(values: list[float]) -> dict:
+    """First, middle and last tenth of a series, and its median."""
+    n = max(1, len(values) // 10)
+    return {"first": round(statistics.median(values[:n]), 1), "middle": round(statistics.median(
+        values[len(values) // 2 - n // 2: len(values) // 2 + n - n // 2]), 1),
+        "last": round(statistics.median(values[-n:]), 1), "median": round(statistics.median(values), 1)}
+
+
+def profile(engine, cfg, new_tokens: int) -> dict:
+    runner = engine.runner
+    timed = {}
+    for table in (runner.graphs, runner.short_graphs):
+        for g, (graph, logits, meta) in table.items():
+            timed[id(graph)] = TimedGraph(graph)
+            table[g] = (timed[id(graph)], logits, meta)
+    from brrr.engine import SamplingParams
+    engine.add_request("gap", torch.randint(0, cfg.vocab_size, (5,)).tolist(),
+                       SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    host, t0 = [], time.perf_counter()
+    while engine.has_unfinished_requests():
+        s = time.perf_counter()
+        engine.step()
+        host.append((time.perf_counter() - s) * 1e6)
+    wall_us = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    events = [e for t in timed.values() for e in t.events]  # batch 1, bound 205: one graph, in replay order
+    graph_us = [s.elapsed_time(e) * 1e3 for s, e in events]
+    cycle_us = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(events, events[1:])]
+    for table in (runner.graphs, runner.short_graphs):  # put the graphs back
+        for g, (t, logits, meta) in table.items():
+            table[g] = (t.graph, logits, meta)
+    graph = runner.graphs[1][0]
+    back = []
+    for _ in range(200):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        back.append((s, e))
+    torch.cuda.synchronize()
+    by_context = {c: replay_at(runner, c) for c in (8, 60, 70, 100, 130, 190, 204)}
+    with_small = replay_with_small_kernels(runner)
+    return {"steps": len(graph_us), "wall_us_per_token": round(wall_us / new_tokens, 1),
+            "graph_in_engine_us": _summary(graph_us), "cycle_us": _summary(cycle_us),
+            "gap_us": _summary([c - g for c, g in zip(cycle_us, graph_us)]), "host_step_us": _summary(host[1:]),
+            "replay_back_to_back_us": _summary([s.elapsed_time(e) * 1e3 for s, e in back]),
+            "replay_time_us": round(replay_time_us(graph), 1), "replay_at_context_us": by_context,
+            "replay_with_small_kernels_us": with_small}
+
+
+ATTN = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
+DECODE = ATTN.decode_attention_triton
+# decode attention settings: name -> (decode kernel keyword arguments, module flags)
+SETTINGS = {"pdl": ({}, {}), "off": ({}, {"MODE": 0}), "late": ({}, {"EARLY_LOADS": False}),
+            "stages1": ({"num_stages": 1}, {}), "stages2": ({"num_stages": 2}, {}), "stages3": ({"num_stages": 3}, {}),
+            "warps2": ({"num_warps": 2}, {}), "warps8": ({"num_warps": 8}, {}), "part32": ({}, {"ROPE_PART": 32}),
+            "wait": ({}, {"DECODE_RELEASE": "wait"}),
+            "stages3-wait": ({"num_stages": 3}, {"DECODE_RELEASE": "wait"})}
+
+
+def by_context(runner, contexts: list[int], max_len: int, settings: list[str]) -> dict:
+    """Step time at each context for each decode attention setting (graphs captured again); with PDL off also each
+    kernel's time (with PDL a kernel's time includes its wait)."""
+    from brrr.bench.timing import step_kernels
+    from brrr.kernels import pdl
+
+    out, table = {}, runner.g_tables[0].clone()  # the run's blocks (a capture zeroes the table)
+    defaults = {"MODE": (pdl, pdl.MODE), "EARLY_LOADS": (pdl, pdl.EARLY_LOADS), "ROPE_PART": (ATTN, ATTN.ROPE_PART),
+                "DECODE_RELEASE": (ATTN, ATTN.DECODE_RELEASE)}
+    for name in settings:
+        kwargs, flags = SETTINGS[name]
+        for flag, (module, value) in defaults.items():
+            setattr(module, flag, flags.get(flag, value))
+        ATTN.decode_attention_triton = functools.partial(DECODE, **kwargs)
+        runner.graphs.clear(), runner.short_graphs.clear()
+        gc.collect(), torch.cuda.empty_cache()
+        runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))
+        with torch.inference_mode():
+            runner.g_tables[0].copy_(table)
+        for c in contexts:
+            rec = out.setdefault(str(c), {})
+            rec[name] = replay_at(runner, c)
+            if name == "off":
+                rec["kernels_off"] = [[k[:50], round(t, 2), round(n, 1)] for k, t, n in
+                                      step_kernels(runner.graphs[1][0])[:4]]
+    for flag, (module, value) in defaults.items():
+        setattr(module, flag, value)
+    ATTN.decode_attention_triton = DECODE
+    return out
+
+
+@torch.inference_mode()
+def replay_at(runner, context: int) -> float:
+    """Back-to-back replay time of the batch-1 graph with its one sequence at `context` keys (the run's table)."""
+    bs = runner.block_size
+    runner.g_ctx[0] = context
+    runner.g_pos[0] = context - 1
+    runner.g_slots[0] = runner.g_tables[0, (context - 1) // bs].long() * bs + (context - 1) % bs
+    return round(replay_time_us(runner.graphs[1][0]), 1)
+
+
+@torch.inference_mode()
+def replay_with_small_kernels(runner, n: int = 100) -> float:
+    """Replays with the engine's between-step work beside each (an argmax of the logits, a dozen tiny copies), the
+    graph alone timed by events: whether that work slows the graph after it."""
+    graph, logits, _ = runner.graphs[1]
+    ids = torch.zeros(1, dtype=torch.long, device=logits.device)
+    events = []
+    for _ in range(n):
+        for t in (runner.g_pos, runner.g_slots, runner.g_ctx):
+            t[:1].copy_(t[:1].clone())
+        ids.copy_(logits.argmax(-1))
+        runner.g_ids[:1].copy_(ids)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return round(statistics.median([s.elapsed_time(e) * 1e3 for s, e in events]), 1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--variants", nargs="+", default=["bf16", "w8a16-lmhead", "w4a16-g128-lmhead"])
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--contexts", nargs="*", type=int, default=[],
+                   help="also: the batch-1 graph captured again for each --attn setting, timed at these contexts")
+    p.add_argument("--attn", nargs="+", default=["pdl", "off"], choices=list(SETTINGS))
+    args = p.parse_args(argv)
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
+    from brrr.quant.linear import pack_quantized_projections
+    from brrr.quant.methods import quantize_model
+
+    cfg = model_config("llama-3.1-8b")
+    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    for variant in args.variants:
+        model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+        if variant != "bf16":
+            quantize_model(model, "rtn-int8" if variant.startswith("w8") else "rtn-int4", group_size=128,
+                           lm_head=variant.endswith("-lmhead"))
+            pack_quantized_projections(model)
+        max_len = 5 + args.new_tokens
+        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=1,
+                                                     num_blocks=-(-max_len // 16) + 8, cuda_graphs=True))
+        run_batch(engine, 1, 5, 8, cfg.vocab_size, seed=90)  # warm-up: tuning
+        _, decode_s = run_batch(engine, 1, 5, args.new_tokens, cfg.vocab_size, seed=1)
+        rec = {"bench": "engine_step_gap", "machine": machine, "variant": variant, "new_tokens": args.new_tokens,
+               "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1)}
+        rec.update(profile(engine, cfg, args.new_tokens))
+        emit(rec, args.out)
+        if args.contexts:
+            emit({"bench": "engine_step_by_context", "machine": machine, "variant": variant,
+                  **by_context(engine.runner, args.contexts, max_len, args.attn)}, args.out)
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,10 +9,11 @@ Three sections, one JSON record per result (stdout, and appended to --out):
   prefill  FP8 W8A8 `torch._scaled_mm` (row-wise scales) vs bf16 at M = 2048, 4096: the GEMM alone, with fast
            accumulation, and the whole linear (per-token activation quantization included); SmoothQuant's
            `torch._int_mm` and the tuned W4A16 / W8A16 paths beside them.
-  decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench latency`)
-           for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine packs the
-           bf16 model, pack_quantized_projections the quantized ones; -lmhead: lm_head quantized too), plus the device time of one captured decode
-           step (graph replay alone), which separates kernel speed from the engine's host work per step;
+  decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench
+           latency`) for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine
+           packs the bf16 model, pack_quantized_projections the quantized ones; -lmhead: lm_head quantized too),
+           the median of --rounds rounds that take the variants in turn, plus the device time of one captured
+           decode step (graph replay alone), which separates kernel speed from the engine's host work per step;
            with --kernels, each kernel's device time in that step.
 
   PYTHONPATH=$PWD python bench/quant_speed.py --out bench/results/quant_speed_h200.jsonl
@@ -141,6 +142,9 @@ def model_bytes(model) -> int:
 
 
 def section_decode(args, machine, bandwidth):
+    """Every variant's engine is built first and kept; then --rounds rounds each decode every variant once in turn,
+    so a drift of the GPU over the run (one bf16 run was 3% slower than another in the same session) reaches every
+    variant alike; each variant's rate is its median round."""
     from brrr.bench.latency import run_batch
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
@@ -150,7 +154,7 @@ def section_decode(args, machine, bandwidth):
 
     cfg = model_config("llama-3.1-8b")
     max_len = args.prompt_len + args.new_tokens
-    base = {}
+    built = []
     for variant in args.variants:
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
@@ -164,11 +168,19 @@ def section_decode(args, machine, bandwidth):
                                                      num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
         for i, batch in enumerate(args.batches):  # warm-up: prefill and per-batch tuning
             run_batch(engine, batch, args.prompt_len, 8, cfg.vocab_size, seed=90 + i)
-        nbytes = model_bytes(model)
-        setup_s = time.perf_counter() - t0
-        for batch in ((1,) if variant.endswith("-unpacked") else args.batches):
-            ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
-            tok_s = batch * (args.new_tokens - 1) / decode_s
+        batches = (1,) if variant.endswith("-unpacked") else args.batches
+        built.append((variant, engine, batches, model_bytes(model), time.perf_counter() - t0))
+        del model
+    rates = {}  # (variant, batch) -> tok/s of each round
+    for _ in range(args.rounds):
+        for variant, engine, batches, _, _ in built:
+            for batch in batches:
+                ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
+                rates.setdefault((variant, batch), []).append((batch * (args.new_tokens - 1) / decode_s, ttft))
+    base = {}
+    for variant, engine, batches, nbytes, setup_s in built:
+        for batch in batches:
+            tok_s, ttft = sorted(rates[variant, batch])[len(rates[variant, batch]) // 2]
             graphs = getattr(engine.runner, "graphs", {})
             step_us = replay_time_us(graphs[batch][0]) if batch in graphs else None
             base.setdefault(batch, (tok_s, step_us))
@@ -177,6 +189,7 @@ def section_decode(args, machine, bandwidth):
             rec = {"bench": "quant_decode", "machine": machine, "model": "llama-3.1-8b (random weights)",
                    "variant": variant, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "decode_tok_s": round(tok_s, 1), "speedup_vs_bf16": round(tok_s / base[batch][0], 2),
+                   "decode_tok_s_rounds": [round(r, 1) for r, _ in rates[variant, batch]],
                    "ttft_s": round(ttft, 4), "bytes_per_step": nbytes + kv,
                    "roofline_tok_s": round(batch * bandwidth / (nbytes + kv), 1),
                    "fraction_of_roofline": round(tok_s * (nbytes + kv) / (batch * bandwidth), 3),
@@ -190,9 +203,9 @@ def section_decode(args, machine, bandwidth):
                 emit({"bench": "quant_step_kernels", "machine": machine, "variant": variant, "batch": batch,
                       "kernel_us": round(sum(t for _, t, _ in kernels), 1),
                       "kernels": [[k[:90], round(t, 2), round(c, 1)] for k, t, c in kernels]}, args.out)
-        del engine, model
-        gc.collect()
-        torch.cuda.empty_cache()
+    del built
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def emit_tuning(args, machine, section):
@@ -219,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-m", nargs="+", type=int, default=[1, 16, 64, 256], help="rows of x in the gemm section")
     p.add_argument("--prompt-len", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3, help="decode: rounds of every variant in turn (median)")
     p.add_argument("--kernels", action="store_true", help="decode: also each kernel's device time in one captured "
                    "step (torch.profiler over graph replays)")
     args = p.parse_args(argv)

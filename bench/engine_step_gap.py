@@ -2,7 +2,10 @@
 graph replay inside the engine (graph time) and from one replay's start to the next (cycle time), the host's
 time in engine.step, against the same graph replayed back to back after the run (each replay timed alone).
 
-    PYTHONPATH=$PWD python bench/engine_step_gap.py --variants bf16 w8a16-lmhead --out bench/results/x.jsonl
+With --contexts, the batch-1 graph is captured again for each --attn setting of the decode attention kernel
+(stages, warps, release point, PDL) and timed with its sequence set to each context.
+
+    PYTHONPATH=$PWD python bench/engine_step_gap.py --contexts 8 40 100 204 --attn pdl stages3-wait --out F.jsonl
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ class TimedGraph:
         end.record()
         self.events.append((start, end))
 
+    def times_us(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in self.events]
+
 
 def _summary(values: list[float]) -> dict:
     """First, middle and last tenth of a series, and its median."""
@@ -60,26 +67,21 @@ def profile(engine, cfg, new_tokens: int) -> dict:
     wall_us = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
     events = [e for t in timed.values() for e in t.events]  # batch 1, bound 205: one graph, in replay order
-    graph_us = [s.elapsed_time(e) * 1e3 for s, e in events]
+    graph_us = [us for t in timed.values() for us in t.times_us()]
     cycle_us = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(events, events[1:])]
     for table in (runner.graphs, runner.short_graphs):  # put the graphs back
         for g, (t, logits, meta) in table.items():
             table[g] = (t.graph, logits, meta)
     graph = runner.graphs[1][0]
-    back = []
+    back = TimedGraph(graph)
     for _ in range(200):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        back.append((s, e))
-    torch.cuda.synchronize()
+        back.replay()
     by_context = {c: replay_at(runner, c) for c in (8, 60, 70, 100, 130, 190, 204)}
     with_small = replay_with_small_kernels(runner)
     return {"steps": len(graph_us), "wall_us_per_token": round(wall_us / new_tokens, 1),
             "graph_in_engine_us": _summary(graph_us), "cycle_us": _summary(cycle_us),
             "gap_us": _summary([c - g for c, g in zip(cycle_us, graph_us)]), "host_step_us": _summary(host[1:]),
-            "replay_back_to_back_us": _summary([s.elapsed_time(e) * 1e3 for s, e in back]),
+            "replay_back_to_back_us": _summary(back.times_us()),
             "replay_time_us": round(replay_time_us(graph), 1), "replay_at_context_us": by_context,
             "replay_with_small_kernels_us": with_small}
 
@@ -137,23 +139,18 @@ def replay_at(runner, context: int) -> float:
 
 @torch.inference_mode()
 def replay_with_small_kernels(runner, n: int = 100) -> float:
-    """Replays with the engine's between-step work beside each (an argmax of the logits, a dozen tiny copies), the
-    graph alone timed by events: whether that work slows the graph after it."""
+    """Replays with work like the engine's between steps before each (an argmax of the logits, a few tiny copies),
+    the graph alone timed by events: whether that work slows the graph after it."""
     graph, logits, _ = runner.graphs[1]
+    timed = TimedGraph(graph)
     ids = torch.zeros(1, dtype=torch.long, device=logits.device)
-    events = []
     for _ in range(n):
         for t in (runner.g_pos, runner.g_slots, runner.g_ctx):
             t[:1].copy_(t[:1].clone())
         ids.copy_(logits.argmax(-1))
         runner.g_ids[:1].copy_(ids)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return round(statistics.median([s.elapsed_time(e) * 1e3 for s, e in events]), 1)
+        timed.replay()
+    return round(statistics.median(timed.times_us()), 1)
 
 
 def main(argv=None) -> int:

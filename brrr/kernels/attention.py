@@ -579,8 +579,8 @@ def decode_tile(splits: int, block_d: int, max_context: int) -> tuple[int, int]:
 def _part_tiles(bound: int, splits: int, wave: int, min_part: int, block_n: int, whole: int) -> int:
     """The most key tiles one program of the decode kernel reads for any context up to `bound` (what
     `_decode_parts` gives). Two at most: no software pipeline (one stage). Its shared memory kept the programs from
-    being placed beside the kernel before them: batch-1 step at 8-204 keys, W8A16 + lm_head 15-48 us shorter
-    with one stage than three, W4A16 18-40, bf16 17-52 (bench/results/engine_step_gap_settings_h200.jsonl)."""
+    being placed beside the kernel before them: batch-1 step at 8-204 keys, W8A16 + lm_head 15-49 us shorter
+    with one stage than three, W4A16 18-40, bf16 18-52 (bench/results/engine_step_gap_settings_h200.jsonl)."""
     most = 0
     for span in range(block_n, bound + block_n, block_n):
         span = min(span, bound)

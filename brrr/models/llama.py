@@ -123,9 +123,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
-    def forward(self, input_ids, positions, meta):
+    def embed(self, input_ids, positions):
+        """The stream entering the first layer, and the rotation every layer applies: (h, cos, sin)."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
+        return (h, *self.rotary_emb(positions, h.dtype))
+
+    def forward(self, input_ids, positions, meta):
+        h, cos, sin = self.embed(input_ids, positions)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, cos, sin, meta, residual)

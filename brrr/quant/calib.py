@@ -1,7 +1,8 @@
-"""Calibration: token sequences from a brrr data directory (its memmapped train split) or a text file, and one
-float forward pass of the model that records what each projection sees."""
+"""Calibration: token sequences from a brrr data directory (its memmapped train split) or a text file; a forward
+pass that records what each projection sees, over the whole model or one decoder layer at a time."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,24 +39,56 @@ def load_tokens(source: str | Path | None, tokenizer, split: str = "train") -> t
                         dtype=torch.int64)
 
 
-@torch.no_grad()
-def run_model(model, seqs: torch.Tensor, batch: int = 8):
-    """Float forward of every sequence (the hooks attached to the model do the recording)."""
+def _chunks(model, seqs: torch.Tensor, batch: int):
+    """(input ids, positions, attention metadata) of each batch of calibration sequences, on the model's device."""
     device = next(model.parameters()).device
     for i in range(0, len(seqs), batch):
         chunk = seqs[i:i + batch]
-        ids = chunk.flatten().to(device)
-        positions = torch.arange(chunk.shape[1], device=device).repeat(len(chunk))
-        model(ids, positions, AttnMeta.causal([chunk.shape[1]] * len(chunk), device))
+        yield (chunk.flatten().to(device), torch.arange(chunk.shape[1], device=device).repeat(len(chunk)),
+               AttnMeta.causal([chunk.shape[1]] * len(chunk), device))
 
 
-def record_inputs(model, seqs: torch.Tensor, on_input, only: set[str] | None = None) -> None:
-    """Call on_input(name, x [tokens, in_features]) for each projection's input (those in `only`, if given)
-    during a forward pass over `seqs`."""
+@torch.no_grad()
+def run_model(model, seqs: torch.Tensor, batch: int = 8):
+    """Float forward of every sequence (the hooks attached to the model do the recording)."""
+    for ids, positions, meta in _chunks(model, seqs, batch):
+        model(ids, positions, meta)
+
+
+@contextmanager
+def recording(model, on_input, only: set[str] | None = None):
+    """Within the block, on_input(name, x [tokens, in_features]) for each projection's input (those in `only`, if
+    given) in every forward pass."""
     handles = [m.register_forward_hook(lambda mod, args, out, name=name: on_input(name, args[0].float()))
                for name, m in projections(model) if only is None or name in only]
     try:
-        run_model(model, seqs)
+        yield
     finally:
         for h in handles:
             h.remove()
+
+
+def record_inputs(model, seqs: torch.Tensor, on_input, only: set[str] | None = None) -> None:
+    """on_input(name, x) for each projection's input (those in `only`) during a forward pass over `seqs`."""
+    with recording(model, on_input, only):
+        run_model(model, seqs)
+
+
+@torch.no_grad()
+def layer_by_layer(model, seqs: torch.Tensor, batch: int = 8):
+    """Yield (i, layer, replay) for each decoder layer in order: replay() runs layer i over the calibration data's
+    stream as it reaches that layer, through the layers before it as the caller left them (GPTQ: quantized). After
+    the caller's turn the stream moves on through layer i as it is then. Each layer runs twice; a whole forward
+    pass for each layer ran the trunk L(L+1)/2 times."""
+    stream = []  # per batch: [h, residual, cos, sin, meta]
+    for ids, positions, meta in _chunks(model, seqs, batch):
+        h, cos, sin = model.model.embed(ids, positions)
+        stream.append([h, None, cos, sin, meta])
+    for i, layer in enumerate(model.model.layers):
+        @torch.no_grad()  # the caller calls it, outside this generator's no_grad
+        def replay(layer=layer):
+            for h, residual, cos, sin, meta in stream:
+                layer(h, cos, sin, meta, residual)
+        yield i, layer, replay
+        for s in stream if i + 1 < len(model.model.layers) else ():
+            s[0], s[1] = layer(s[0], s[2], s[3], s[4], s[1])

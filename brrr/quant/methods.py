@@ -11,7 +11,7 @@ import torch
 from brrr.errors import BrrrError
 from brrr.quant import formats
 from brrr.quant.awq import fold, fold_groups, search_clip, search_scale
-from brrr.quant.calib import record_inputs
+from brrr.quant.calib import layer_by_layer, record_inputs, recording
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.smoothquant import ALPHA, smooth_model
@@ -85,13 +85,14 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
 
 
 def _gptq(model, calib, group_size, symmetric, act_order):
-    """Layer by layer, as the reference: each layer's Hessians come from a forward pass in which the layers before
-    it are already quantized, so GPTQ also corrects the error they pass on."""
-    for i, layer in enumerate(model.model.layers):
+    """Layer by layer, as the reference: each layer's Hessians come from the calibration stream as the layers
+    before it, already quantized, pass it on, so GPTQ also corrects the error they add."""
+    for i, layer, replay in layer_by_layer(model, calib):
         names = [n for n, _ in projections(model) if n.startswith(f"model.layers.{i}.")]
         device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
         hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in names}
-        record_inputs(model, calib, lambda name, x: hessians[name].add(x), only=set(names))
+        with recording(model, lambda name, x: hessians[name].add(x), only=set(names)):
+            replay()
         tensors = {n: gptq_quantize(model.get_submodule(n).weight.detach(), hessians[n].H, group_size, symmetric,
                                     act_order) for n in names}
         swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))

@@ -3,9 +3,8 @@ quantization, s = mean|x|^alpha (alpha searched on a grid), and folding 1/s into
 RMSNorm's weight or the previous linear's output rows), so the float model computes exactly the same function.
 Then a per-group clipping search shrinks each group's range where that lowers the output error.
 
-The scale search's loss is, as the reference's, the MSE of the block's output where a norm feeds the linears (the
-attention for q/k/v, the MLP for gate/up) and of the consumer's own output for v -> o and up -> down; the clip
-search's is each linear's output."""
+The loss for both searches is the MSE of the outputs of the linears that share the input (brrr's simplification:
+the reference measures the whole attention/MLP block's output)."""
 from __future__ import annotations
 
 import torch
@@ -20,11 +19,6 @@ def fake_int4(w, group_size, symmetric, clip=1.0):
     return dequantize_int4(quantize_int4(w, group_size, symmetric, clip))
 
 
-def _alpha_scale(s_x: torch.Tensor, alpha: float) -> torch.Tensor:
-    s = s_x.pow(alpha).clamp(min=1e-4)
-    return s / (s.max() * s.min()).sqrt()
-
-
 @torch.no_grad()
 def search_scale(weights: list[torch.Tensor], x: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
     """Per-input-channel scale s minimizing ||x W^T - (x/s) Q(W s)^T||^2 over the alpha grid."""
@@ -33,38 +27,11 @@ def search_scale(weights: list[torch.Tensor], x: torch.Tensor, group_size: int, 
     s_x = x.abs().mean(dim=0)
     best, best_s = float("inf"), torch.ones_like(s_x)
     for alpha in ALPHAS:
-        s = _alpha_scale(s_x, alpha)
+        s = s_x.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
         err = ((x / s) @ fake_int4(W * s, group_size, symmetric).T - ref).pow(2).mean().item()
         if err < best:
             best, best_s = err, s
-    return best_s
-
-
-@torch.no_grad()
-def search_scale_block(linears: list[torch.nn.Module], block, inputs: list[tuple], group_size: int,
-                       symmetric: bool) -> torch.Tensor:
-    """Per-input-channel scale s over the alpha grid minimizing the MSE of `block`'s output (the attention or MLP
-    the linears feed; its other weights stay float) when the linears compute (x/s) Q(W s)^T: the reference's loss.
-    inputs: the block's positional arguments, one tuple per calibration batch, x first."""
-    # in float32: a bf16 block's output rounding is as large as the differences between alphas
-    inputs = [tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args) for args in inputs]
-    originals, dtype = [m.weight.data for m in linears], next(block.parameters()).dtype
-    block.float()
-    try:
-        ref = [block(*args) for args in inputs]
-        s_x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args in inputs]).abs().mean(dim=0)
-        best, best_s = float("inf"), torch.ones_like(s_x)
-        for alpha in ALPHAS:
-            s = _alpha_scale(s_x, alpha)
-            for m, w in zip(linears, originals):  # Q(W s) / s on x is (x / s) Q(W s)^T
-                m.weight.data = fake_int4(w.float() * s, group_size, symmetric) / s
-            err = sum((block(*args) - r).pow(2).sum().item() for args, r in zip(inputs, ref))
-            if err < best:
-                best, best_s = err, s
-    finally:
-        block.to(dtype)  # bf16 -> float32 -> bf16 is exact
-        for m, w in zip(linears, originals):
-            m.weight.data = w
     return best_s
 
 

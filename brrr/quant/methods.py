@@ -10,8 +10,8 @@ import torch
 
 from brrr.errors import BrrrError
 from brrr.quant import formats
-from brrr.quant.awq import fold, fold_groups, search_clip, search_scale, search_scale_block
-from brrr.quant.calib import layer_by_layer, recording
+from brrr.quant.awq import fold, fold_groups, search_clip, search_scale
+from brrr.quant.calib import layer_by_layer, record_inputs, recording
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.smoothquant import ALPHA, smooth_model
@@ -21,7 +21,6 @@ METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": 
 METHOD_ACTIVATIONS = {"smoothquant": "int8", "fp8-w8a8": "fp8"}
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
 AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
-AWQ_BLOCK_TOKENS = 4096  # whole calibration sequences through the attention and MLP in AWQ's scale search
 
 
 def quant_linear(fmt: str, linear, tensors: dict, activations: str | None = None) -> QuantLinear:
@@ -99,46 +98,34 @@ def _gptq(model, calib, group_size, symmetric, act_order):
         swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
 
 
-def _sampled(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """AWQ_TOKENS rows drawn from a projection's recorded inputs (already thinned by a stride over all the data)."""
-    x = torch.cat(chunks)
-    return x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:AWQ_TOKENS]]
+def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
+    """Up to AWQ_TOKENS calibration inputs of each projection, spread over all the data, on the model's device (the
+    searches run where the model is)."""
+    inputs: dict[str, list] = {}
+    stride = max(1, calib.numel() // (2 * AWQ_TOKENS))
+    record_inputs(model, calib,
+                  lambda name, x: inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[::stride].clone()))
+    gen = torch.Generator().manual_seed(0)
+    return {name: (x := torch.cat(chunks))[torch.randperm(len(x), generator=gen)[:AWQ_TOKENS]]
+            for name, chunks in inputs.items()}
 
 
-def fold_awq_scales(model, calib: torch.Tensor, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
-    """Layer by layer over the float calibration stream: record what the layer's projections (AWQ_TOKENS rows each,
-    spread over all the data) and its attention and MLP (the first AWQ_BLOCK_TOKENS tokens) see, search each fold
-    group's scales and fold them in (the float model's function is unchanged). Returns each projection's recorded
-    inputs as the scaled projection sees them, for the clip search."""
-    xs, stride = {}, max(1, calib.numel() // (2 * AWQ_TOKENS))
-    for i, layer, replay in layer_by_layer(model, calib):
-        prefix, chunks, blocks = f"model.layers.{i}.", {}, {layer.self_attn: [], layer.mlp: []}
-        names = {n for n, _ in projections(model) if n.startswith(prefix)}
-        hooks = [m.register_forward_pre_hook(lambda mod, args: blocks[mod].append(args) if sum(
-            a[0].shape[0] for a in blocks[mod]) < AWQ_BLOCK_TOKENS else None) for m in blocks]
-        try:
-            with recording(model, lambda name, x: chunks.setdefault(name, []).append(
-                    x.reshape(-1, x.shape[-1])[::stride].clone()), only=names):
-                replay()
-        finally:
-            for h in hooks:
-                h.remove()
-        xs.update({name: _sampled(c) for name, c in chunks.items()})
-        block_of = {layer.input_layernorm: layer.self_attn, layer.post_attention_layernorm: layer.mlp}
+def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool):
+    """Search each fold group's scales and fold them in (the float model's function is unchanged); `xs` is
+    updated to the inputs the scaled projections now see."""
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
         for producer, consumers in fold_groups(layer, model.config):
             mods = [layer.get_submodule(c) for c in consumers]
-            if producer in block_of:
-                s = search_scale_block(mods, block_of[producer], blocks[block_of[producer]], group_size, symmetric)
-            else:
-                s = search_scale([m.weight for m in mods], xs[prefix + consumers[0]], group_size, symmetric)
+            s = search_scale([m.weight for m in mods], xs[prefix + consumers[0]], group_size, symmetric)
             fold(s, producer, mods)
             for c in consumers:
                 xs[prefix + c] = xs[prefix + c] / s
-    return xs
 
 
 def _awq(model, calib, group_size, symmetric) -> dict:
-    xs = fold_awq_scales(model, calib, group_size, symmetric)
+    xs = awq_inputs(model, calib)
+    fold_awq_scales(model, xs, group_size, symmetric)
     tensors = {}
     for name, linear in projections(model):
         w = linear.weight.detach().float()

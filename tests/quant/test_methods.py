@@ -8,7 +8,7 @@ from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
 from brrr.quant.linear import QuantLinear, projections, swap_linears
-from brrr.quant.methods import fold_awq_scales, quant_linear, quantize_model
+from brrr.quant.methods import awq_inputs, fold_awq_scales, quant_linear, quantize_model
 
 
 def _layer_problem(seed=0, out=64, n=256, tokens=1024):
@@ -76,7 +76,8 @@ def test_awq_folded_scales_leave_the_float_model_unchanged(tiny_dir, calib):
     model = load_model(tiny_dir, dtype=torch.float32)
     before = _logits(model, calib)
     norm_before = model.model.layers[0].input_layernorm.weight.clone()
-    fold_awq_scales(model, calib, group_size=32, symmetric=False)
+    xs = awq_inputs(model, calib)
+    fold_awq_scales(model, xs, group_size=32, symmetric=False)
     assert not torch.equal(norm_before, model.model.layers[0].input_layernorm.weight)  # something was folded
     torch.testing.assert_close(_logits(model, calib), before, rtol=1e-5, atol=1e-5)
 

@@ -20,6 +20,7 @@ METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": 
                  "smoothquant": "int8", "fp8-w8a8": "fp8"}
 METHOD_ACTIVATIONS = {"smoothquant": "int8", "fp8-w8a8": "fp8"}
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
+SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
 
 
@@ -88,13 +89,17 @@ def _gptq(model, calib, group_size, symmetric, act_order):
     """Layer by layer, as the reference: each layer's Hessians come from the calibration stream as the layers
     before it, already quantized, pass it on, so GPTQ also corrects the error they add."""
     for i, layer, replay in layer_by_layer(model, calib):
-        names = [n for n, _ in projections(model) if n.startswith(f"model.layers.{i}.")]
+        prefix = f"model.layers.{i}."
+        names = [n for n, _ in projections(model) if n.startswith(prefix)]
+        # q/k/v read one input, gate/up another: one Hessian each, accumulated from the group's first projection
+        source = {n: prefix + next((g[0] for g in SHARED_INPUT if n[len(prefix):] in g), n[len(prefix):])
+                  for n in names}
         device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
-        hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in names}
-        with recording(model, lambda name, x: hessians[name].add(x), only=set(names)):
+        hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in set(source.values())}
+        with recording(model, lambda name, x: hessians[name].add(x), only=set(hessians)):
             replay()
-        tensors = {n: gptq_quantize(model.get_submodule(n).weight.detach(), hessians[n].H, group_size, symmetric,
-                                    act_order) for n in names}
+        tensors = {n: gptq_quantize(model.get_submodule(n).weight.detach(), hessians[source[n]].H, group_size,
+                                    symmetric, act_order) for n in names}
         swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
 
 

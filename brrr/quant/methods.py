@@ -91,9 +91,9 @@ def _gptq(model, calib, group_size, symmetric, act_order):
     for i, layer, replay in layer_by_layer(model, calib):
         prefix = f"model.layers.{i}."
         names = [n for n, _ in projections(model) if n.startswith(prefix)]
-        # q/k/v read one input, gate/up another: one Hessian each, accumulated from the group's first projection
-        source = {n: prefix + next((g[0] for g in SHARED_INPUT if n[len(prefix):] in g), n[len(prefix):])
-                  for n in names}
+        # q/k/v read one input, gate/up another: one Hessian each, accumulated at the group's first projection
+        source = {n: next((prefix + g[0] for g in SHARED_INPUT if n[len(prefix):] in g and prefix + g[0] in names),
+                          n) for n in names}
         device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
         hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in set(source.values())}
         with recording(model, lambda name, x: hessians[name].add(x), only=set(hessians)):

@@ -55,11 +55,21 @@ def run_model(model, seqs: torch.Tensor, batch: int = 8):
         model(ids, positions, meta)
 
 
+class Recorded(Exception):
+    """Ends a batch of a layer's replay once what it records is seen (`recording(..., stop=True)`)."""
+
+
 @contextmanager
-def recording(model, on_input, only: set[str] | None = None):
+def recording(model, on_input, only: set[str] | None = None, stop: bool = False):
     """Within the block, on_input(name, x [tokens, in_features]) for each projection's input (those in `only`, if
-    given) in every forward pass."""
-    handles = [m.register_forward_hook(lambda mod, args, out, name=name: on_input(name, args[0].float()))
+    given) in every forward pass; stop: then end the pass (a `layer_by_layer` replay: the rest of the layer is not
+    run)."""
+    def hook(mod, args, name):
+        on_input(name, args[0].float())
+        if stop:
+            raise Recorded
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
                for name, m in projections(model) if only is None or name in only]
     try:
         yield
@@ -88,7 +98,10 @@ def layer_by_layer(model, seqs: torch.Tensor, batch: int = 8):
         @torch.no_grad()  # the caller calls it, outside this generator's no_grad
         def replay(layer=layer):
             for h, residual, cos, sin, meta in stream:
-                layer(h, cos, sin, meta, residual)
+                try:
+                    layer(h, cos, sin, meta, residual)
+                except Recorded:
+                    pass
         yield i, layer, replay
         for s in stream if i + 1 < len(model.model.layers) else ():
             s[0], s[1] = layer(s[0], s[2], s[3], s[4], s[1])

@@ -20,7 +20,9 @@ METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": 
                  "smoothquant": "int8", "fp8-w8a8": "fp8"}
 METHOD_ACTIVATIONS = {"smoothquant": "int8", "fp8-w8a8": "fp8"}
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
-SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+# GPTQ's order within a layer; the projections of a group read one input
+SEQUENTIAL = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+              ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
 
 
@@ -87,20 +89,23 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
 
 def _gptq(model, calib, group_size, symmetric, act_order):
     """Layer by layer, as the reference: each layer's Hessians come from the calibration stream as the layers
-    before it, already quantized, pass it on, so GPTQ also corrects the error they add."""
-    for i, layer, replay in layer_by_layer(model, calib):
-        prefix = f"model.layers.{i}."
-        names = [n for n, _ in projections(model) if n.startswith(prefix)]
-        # q/k/v read one input, gate/up another: one Hessian each, accumulated at the group's first projection
-        source = {n: next((prefix + g[0] for g in SHARED_INPUT if n[len(prefix):] in g and prefix + g[0] in names),
-                          n) for n in names}
+    before it, already quantized, pass it on, so GPTQ also corrects the error they add. Within a layer, true
+    sequential (AutoGPTQ's default): q/k/v, then o, gate/up, down, each group's inputs recorded with the groups
+    before it already quantized; projections that read one input share one Hessian."""
+    for _, layer, replay in layer_by_layer(model, calib):
+        left = [n for n, m in projections(layer) if not isinstance(m, QuantLinear)]
+        groups = [[n for n in g if n in left] for g in SEQUENTIAL]
+        groups += [[n] for n in left if not any(n in g for g in groups)]
         device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
-        hessians = {n: Hessian(model.get_submodule(n).in_features, device) for n in set(source.values())}
-        with recording(model, lambda name, x: hessians[name].add(x), only=set(hessians)):
-            replay()
-        tensors = {n: gptq_quantize(model.get_submodule(n).weight.detach(), hessians[source[n]].H, group_size,
-                                    symmetric, act_order) for n in names}
-        swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
+        for group in filter(None, groups):
+            hessian = Hessian(layer.get_submodule(group[0]).in_features, device)
+            with recording(layer, lambda name, x: hessian.add(x), only={group[0]}, stop=True):
+                replay()
+            for n in group:
+                linear = layer.get_submodule(n)
+                parent, _, attr = n.rpartition(".")
+                tensors = gptq_quantize(linear.weight.detach(), hessian.H, group_size, symmetric, act_order)
+                setattr(layer.get_submodule(parent), attr, quant_linear("int4", linear, tensors))
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:

@@ -7,8 +7,8 @@ from brrr.loader import load_model
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
-from brrr.quant.linear import QuantLinear, projections, swap_linears
-from brrr.quant.methods import awq_inputs, fold_awq_scales, quant_linear, quantize_model
+from brrr.quant.linear import QuantLinear, projections
+from brrr.quant.methods import SEQUENTIAL, awq_inputs, fold_awq_scales, quant_linear, quantize_model
 
 
 def _layer_problem(seed=0, out=64, n=256, tokens=1024):
@@ -45,23 +45,27 @@ def test_gptq_handles_dead_inputs():
     assert torch.isfinite(back).all() and (back[:, 5] == 0).all()
 
 
-def test_gptq_layer_by_layer_sees_what_a_whole_forward_pass_per_layer_saw(tiny_dir):
-    """The calibration stream run one layer at a time gives each layer the Hessians a whole forward pass with the
-    layers before it quantized gave (the way it was done before): the same quantized model, bit for bit, while each
-    layer runs twice per batch (once to record, once to pass the stream on; the last layer once)."""
+def test_gptq_layer_by_layer_sees_what_a_whole_forward_pass_per_group_saw(tiny_dir):
+    """True sequential over the calibration stream kept between layers: each projection group (q/k/v, o, gate/up,
+    down) gets the Hessian a whole forward pass gives with every layer and group before it already quantized (the
+    way it was done before, in whole passes): the same quantized model, bit for bit. Each group's replay stops at
+    the group's input; the stream passes each layer once more (the last layer: not at all)."""
     calib = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(1))  # two batches of 8 and 4
     model, ref = load_model(tiny_dir, dtype=torch.float32), load_model(tiny_dir, dtype=torch.float32)
     calls = [0] * len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(lambda *args, i=i: calls.__setitem__(i, calls[i] + 1))
+        layer.register_forward_pre_hook(lambda *args, i=i: calls.__setitem__(i, calls[i] + 1))
     quantize_model(model, "gptq", group_size=32, calib=calib)
-    assert calls == [4] * (len(calls) - 1) + [2]
+    assert calls == [(4 + 1) * 2] * (len(calls) - 1) + [4 * 2]
     for i, layer in enumerate(ref.model.layers):
-        names = [n for n, _ in projections(ref) if n.startswith(f"model.layers.{i}.")]
-        hessians = {n: Hessian(ref.get_submodule(n).in_features) for n in names}
-        record_inputs(ref, calib, lambda name, x: hessians[name].add(x), only=set(names))
-        tensors = {n: gptq_quantize(ref.get_submodule(n).weight.detach(), hessians[n].H, 32) for n in names}
-        swap_linears(layer, lambda name, linear: quant_linear("int4", linear, tensors[f"model.layers.{i}.{name}"]))
+        for group in SEQUENTIAL:
+            hessian = Hessian(layer.get_submodule(group[0]).in_features)
+            record_inputs(ref, calib, lambda name, x: hessian.add(x), only={f"model.layers.{i}.{group[0]}"})
+            for n in group:
+                parent, _, attr = n.rpartition(".")
+                linear = layer.get_submodule(n)
+                setattr(layer.get_submodule(parent), attr,
+                        quant_linear("int4", linear, gptq_quantize(linear.weight.detach(), hessian.H, 32)))
     got, want = model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 

@@ -64,12 +64,12 @@ def recording(model, on_input, only: set[str] | None = None, stop: bool = False)
     """Within the block, on_input(name, x [tokens, in_features]) for each projection's input (those in `only`, if
     given) in every forward pass; stop: then end the pass (a `layer_by_layer` replay: the rest of the layer is not
     run)."""
-    def hook(mod, args, name):
-        on_input(name, args[0].float())
+    def hook(name, x):
+        on_input(name, x.float())
         if stop:
             raise Recorded
 
-    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(name, args[0]))
                for name, m in projections(model) if only is None or name in only]
     try:
         yield

@@ -180,10 +180,13 @@ def projections(model, lm_head: bool = False) -> list[tuple[str, nn.Module]]:
     return mods + [("lm_head", model.lm_head)] if lm_head else mods
 
 
-def swap_linears(model, make) -> dict[str, QuantLinear]:
-    """Replace each projection `name` with make(name, linear) -> QuantLinear. Returns the new modules by name."""
+def swap_linears(model, make, only=None) -> dict[str, QuantLinear]:
+    """Replace each projection `name` (those in `only`, if given) with make(name, linear) -> QuantLinear. Returns
+    the new modules by name."""
     swapped = {}
     for name, linear in projections(model):
+        if only is not None and name not in only:
+            continue
         parent, _, attr = name.rpartition(".")
         q = make(name, linear)
         setattr(model.get_submodule(parent), attr, q)

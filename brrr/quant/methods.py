@@ -93,19 +93,16 @@ def _gptq(model, calib, group_size, symmetric, act_order):
     sequential (AutoGPTQ's default): q/k/v, then o, gate/up, down, each group's inputs recorded with the groups
     before it already quantized; projections that read one input share one Hessian."""
     for _, layer, replay in layer_by_layer(model, calib):
-        left = [n for n, m in projections(layer) if not isinstance(m, QuantLinear)]
-        groups = [[n for n in g if n in left] for g in SEQUENTIAL]
-        groups += [[n] for n in left if not any(n in g for g in groups)]
+        names = [n for n, _ in projections(layer)]
+        groups = [[n for n in g if n in names] for g in SEQUENTIAL]
+        groups += [[n] for n in names if not any(n in g for g in groups)]
         device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
         for group in filter(None, groups):
             hessian = Hessian(layer.get_submodule(group[0]).in_features, device)
             with recording(layer, lambda name, x: hessian.add(x), only={group[0]}, stop=True):
                 replay()
-            for n in group:
-                linear = layer.get_submodule(n)
-                parent, _, attr = n.rpartition(".")
-                tensors = gptq_quantize(linear.weight.detach(), hessian.H, group_size, symmetric, act_order)
-                setattr(layer.get_submodule(parent), attr, quant_linear("int4", linear, tensors))
+            swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_quantize(
+                linear.weight.detach(), hessian.H, group_size, symmetric, act_order)), only=set(group))
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:

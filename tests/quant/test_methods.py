@@ -7,7 +7,7 @@ from brrr.loader import load_model
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
-from brrr.quant.linear import QuantLinear, projections
+from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.methods import SEQUENTIAL, awq_inputs, fold_awq_scales, quant_linear, quantize_model
 
 
@@ -61,11 +61,8 @@ def test_gptq_layer_by_layer_sees_what_a_whole_forward_pass_per_group_saw(tiny_d
         for group in SEQUENTIAL:
             hessian = Hessian(layer.get_submodule(group[0]).in_features)
             record_inputs(ref, calib, lambda name, x: hessian.add(x), only={f"model.layers.{i}.{group[0]}"})
-            for n in group:
-                parent, _, attr = n.rpartition(".")
-                linear = layer.get_submodule(n)
-                setattr(layer.get_submodule(parent), attr,
-                        quant_linear("int4", linear, gptq_quantize(linear.weight.detach(), hessian.H, 32)))
+            swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_quantize(
+                linear.weight.detach(), hessian.H, 32)), only=set(group))
     got, want = model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 

@@ -20,6 +20,7 @@ import torch
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us
+from brrr.kernels import graph_inputs
 
 
 class TimedGraph:
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--contexts", nargs="*", type=int, default=[],
                    help="also: the batch-1 graph captured again for each --attn setting, timed at these contexts")
+    p.add_argument("--staging-ab", action="store_true",
+                   help="also the engine run with the decode inputs staged by torch copies and by one kernel")
     p.add_argument("--attn", nargs="+", default=["pdl", "off"], choices=list(SETTINGS))
     args = p.parse_args(argv)
     from brrr.bench.random_model import model_config, random_model
@@ -185,6 +188,13 @@ def main(argv=None) -> int:
                "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1)}
         rec.update(profile(engine, cfg, args.new_tokens))
         emit(rec, args.out)
+        for kernel in ((False, True) if args.staging_ab else ()):  # the inputs' staging: torch copies, one kernel
+            graph_inputs.STAGING_KERNEL = kernel
+            _, decode_s = run_batch(engine, 1, 5, args.new_tokens, cfg.vocab_size, seed=2)
+            emit({"bench": "engine_step_gap", "machine": machine, "variant": variant, "staging_kernel": kernel,
+                  "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1),
+                  **profile(engine, cfg, args.new_tokens)}, args.out)
+        graph_inputs.STAGING_KERNEL = True
         if args.contexts:
             emit({"bench": "engine_step_by_context", "machine": machine, "variant": variant,
                   **by_context(engine.runner, args.contexts, max_len, args.attn)}, args.out)

@@ -9,6 +9,7 @@ from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import SHORT_CONTEXT
+from brrr.kernels.graph_inputs import stage_decode_inputs
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -84,7 +85,7 @@ class ModelRunner:
         g = next(size for size in sorted(self.graphs) if size >= b)
         # Launched ahead (ids on the device), each sequence is one token further than the host has recorded.
         ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ids_from is not None)
-        pad = g - b  # padded rows: token 0 at position 0, writing to the spare block, reading 1 token
+        # padded rows b..g: token 0 at position 0, writing to the spare block, reading 1 token
         spare = self.num_blocks * self.block_size
         width = tables.shape[1]
         # One pinned host buffer, one asynchronous copy; a pageable copy would make the host wait for the GPU.
@@ -93,16 +94,8 @@ class ModelRunner:
         host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = spare, 1
         rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
-        if ids_from is None:
-            self.g_ids[:g].copy_(rows[:g])
-        else:
-            self.g_ids[:g].zero_()
-            self.g_ids[:b].copy_(ids_from[0].index_select(0, ids_from[1]))
-        self.g_pos[:g].copy_(rows[g:2 * g])
-        self.g_slots[:g].copy_(rows[2 * g:3 * g])
-        self.g_ctx[:g].copy_(rows[3 * g:4 * g])
-        self.g_tables[:g].zero_()
-        self.g_tables[:b, :width].copy_(rows[4 * g:].view(b, width))
+        stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
+                            ids_from)
         short = g in self.short_graphs and max(context_lens) <= SHORT_CONTEXT
         graph, logits, _ = (self.short_graphs if short else self.graphs)[g]
         graph.replay()

@@ -287,6 +287,10 @@ if triton is not None:
         q_ptrs = Q + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh
         if ROPE:
             q = _rope(q_ptrs, d, gm[:, None] & dm[None, :], c[None, :], sn[None, :], swap[None, :], sign[None, :])
+            # the new key and value load beside q: one round trip to L2 after the wait, not a second after the loop
+            nkm = dm & (d < tl.where(new_key, HEAD_DIM, 0))  # (dm & new_key is int32 under the interpreter)
+            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
+            v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
         else:
             q = tl.load(q_ptrs + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -311,8 +315,6 @@ if triton is not None:
             rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         if ROPE:
             if new_key:
-                k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, dm, c, sn, swap, sign)
-                v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=dm, other=0.0)
                 if slot >= 0:  # a padded row has none
                     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kvh * stride_ch + d
                     tl.store(KC + dst, k_new, mask=dm)

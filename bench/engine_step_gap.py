@@ -3,7 +3,8 @@ graph replay inside the engine (graph time) and from one replay's start to the n
 time in engine.step, against the same graph replayed back to back after the run (each replay timed alone).
 
 With --contexts, the batch-1 graph is captured again for each --attn setting of the decode attention kernel
-(stages, warps, release point, PDL) and timed with its sequence set to each context.
+(stages, warps, release point, PDL) and timed with its sequence set to each context. With --engine-ab, the engine's
+decode rate under the default and each named setting, alternating (a graph timed out of the engine can sit ~3% off).
 
     PYTHONPATH=$PWD python bench/engine_step_gap.py --contexts 8 40 100 204 --attn pdl stages3-wait --out F.jsonl
 """
@@ -89,31 +90,46 @@ def profile(engine, cfg, new_tokens: int) -> dict:
 
 ATTN = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 DECODE = ATTN.decode_attention_triton
+PDL = importlib.import_module("brrr.kernels.pdl")
+# module flags a setting may change: flag -> (module, default)
+FLAGS = {"MODE": (PDL, PDL.MODE), "EARLY_LOADS": (PDL, PDL.EARLY_LOADS), "ROPE_PART": (ATTN, ATTN.ROPE_PART),
+         "DECODE_RELEASE": (ATTN, ATTN.DECODE_RELEASE)}
 # decode attention settings: name -> (decode kernel keyword arguments, module flags)
 SETTINGS = {"pdl": ({}, {}), "off": ({}, {"MODE": 0}), "late": ({}, {"EARLY_LOADS": False}),
             "stages1": ({"num_stages": 1}, {}), "stages2": ({"num_stages": 2}, {}), "stages3": ({"num_stages": 3}, {}),
             "warps2": ({"num_warps": 2}, {}), "warps8": ({"num_warps": 8}, {}), "part32": ({}, {"ROPE_PART": 32}),
             "wait": ({}, {"DECODE_RELEASE": "wait"}),
-            "stages3-wait": ({"num_stages": 3}, {"DECODE_RELEASE": "wait"})}
+            "stages3-wait": ({"num_stages": 3}, {"DECODE_RELEASE": "wait"}), "part128": ({}, {"ROPE_PART": 128}),
+            "warps8-wait": ({"num_warps": 8}, {"DECODE_RELEASE": "wait"})}
+
+
+def recapture(runner, max_len: int, name: str) -> None:
+    """The batch-1 graphs captured again with decode attention setting `name` (module flags as they were for the
+    rest: `restore`)."""
+    kwargs, flags = SETTINGS[name]
+    for flag, (module, default) in FLAGS.items():
+        setattr(module, flag, flags.get(flag, default))
+    ATTN.decode_attention_triton = functools.partial(DECODE, **kwargs)
+    runner.graphs.clear(), runner.short_graphs.clear()
+    gc.collect(), torch.cuda.empty_cache()
+    runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))
+
+
+def restore() -> None:
+    for flag, (module, default) in FLAGS.items():
+        setattr(module, flag, default)
+    ATTN.decode_attention_triton = DECODE
 
 
 def by_context(runner, contexts: list[int], max_len: int, settings: list[str]) -> dict:
     """Step time at each context for each decode attention setting (graphs captured again); with PDL off also each
-    kernel's time (with PDL a kernel's time includes its wait)."""
+    kernel's time (with PDL a kernel's time includes its wait). The first context timed after a capture can run
+    ~3% faster than the rest (docs/quantization.md, "a replay's two levels"): compare settings by `engine_ab`."""
     from brrr.bench.timing import step_kernels
-    from brrr.kernels import pdl
 
     out, table = {}, runner.g_tables[0].clone()  # the run's blocks (a capture zeroes the table)
-    defaults = {"MODE": (pdl, pdl.MODE), "EARLY_LOADS": (pdl, pdl.EARLY_LOADS), "ROPE_PART": (ATTN, ATTN.ROPE_PART),
-                "DECODE_RELEASE": (ATTN, ATTN.DECODE_RELEASE)}
     for name in settings:
-        kwargs, flags = SETTINGS[name]
-        for flag, (module, value) in defaults.items():
-            setattr(module, flag, flags.get(flag, value))
-        ATTN.decode_attention_triton = functools.partial(DECODE, **kwargs)
-        runner.graphs.clear(), runner.short_graphs.clear()
-        gc.collect(), torch.cuda.empty_cache()
-        runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))
+        recapture(runner, max_len, name)
         with torch.inference_mode():
             runner.g_tables[0].copy_(table)
         for c in contexts:
@@ -122,10 +138,21 @@ def by_context(runner, contexts: list[int], max_len: int, settings: list[str]) -
             if name == "off":
                 rec["kernels_off"] = [[k[:50], round(t, 2), round(n, 1)] for k, t, n in
                                       step_kernels(runner.graphs[1][0])[:4]]
-    for flag, (module, value) in defaults.items():
-        setattr(module, flag, value)
-    ATTN.decode_attention_triton = DECODE
+    restore()
     return out
+
+
+def engine_ab(engine, vocab: int, new_tokens: int, max_len: int, settings: list[str], rounds: int) -> dict:
+    """Engine decode tok/s (batch 1) under the default decode attention and each setting, alternating, graphs
+    captured again before every run."""
+    rates = {}
+    for _ in range(rounds):
+        for name in ["pdl", *settings]:
+            recapture(engine.runner, max_len, name)
+            _, decode_s = run_batch(engine, 1, 5, new_tokens, vocab, seed=3)
+            rates.setdefault(name, []).append(round((new_tokens - 1) / decode_s, 1))
+    restore()
+    return rates
 
 
 @torch.inference_mode()
@@ -164,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--staging-ab", action="store_true",
                    help="also the engine run with the decode inputs staged by torch copies and by one kernel")
     p.add_argument("--attn", nargs="+", default=["pdl", "off"], choices=list(SETTINGS))
+    p.add_argument("--engine-ab", nargs="*", default=[], choices=list(SETTINGS),
+                   help="also: engine decode tok/s under the default and these settings, alternating (--rounds)")
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
@@ -195,6 +225,9 @@ def main(argv=None) -> int:
                   "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1),
                   **profile(engine, cfg, args.new_tokens)}, args.out)
         graph_inputs.STAGING_KERNEL = True
+        if args.engine_ab:
+            emit({"bench": "engine_ab", "machine": machine, "variant": variant, "decode_tok_s": engine_ab(
+                engine, cfg.vocab_size, args.new_tokens, max_len, args.engine_ab, args.rounds)}, args.out)
         if args.contexts:
             emit({"bench": "engine_step_by_context", "machine": machine, "variant": variant,
                   **by_context(engine.runner, args.contexts, max_len, args.attn)}, args.out)

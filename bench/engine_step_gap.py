@@ -218,7 +218,8 @@ def main(argv=None) -> int:
                "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1)}
         rec.update(profile(engine, cfg, args.new_tokens))
         emit(rec, args.out)
-        for kernel in ((False, True, False, True) if args.staging_ab else ()):  # the inputs' staging: torch copies, one kernel
+        # the inputs' staging by torch copies and by one kernel, alternating
+        for kernel in ((False, True, False, True) if args.staging_ab else ()):
             graph_inputs.STAGING_KERNEL = kernel
             _, decode_s = run_batch(engine, 1, 5, args.new_tokens, cfg.vocab_size, seed=2)
             emit({"bench": "engine_step_gap", "machine": machine, "variant": variant, "staging_kernel": kernel,

@@ -52,7 +52,7 @@ if triton is not None:
         row = STAGE + 4 * g + r.to(tl.int64) * width
         for c in range(0, n_cols, BLOCK_W):
             cols = c + tl.arange(0, BLOCK_W)
-            v = tl.load(row + cols, mask=(cols < width) & (cols * 0 + r < b), other=0)
+            v = tl.load(row + cols, mask=(cols < width) & (cols * 0 + r < b), other=0)  # r < b as a vector
             tl.store(TABLES + r.to(tl.int64) * stride_t + cols, v.to(TABLES.dtype.element_ty), mask=cols < n_cols)
 
 

@@ -615,14 +615,14 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     early = rope is not None and pdl_mod.EARLY_LOADS and block_d <= 128
     if early:
         min_part = block_n = block_n or ROPE_PART
+    whole = 1 if early else 2
     splits, wave = (num_splits, num_splits) if num_splits else decode_splits(
-        batch, n_kv, max_context_len, q.device, min_part=min_part if early else DECODE_MIN_PART,
-        whole=1 if early else 2)
+        batch, n_kv, max_context_len, q.device, min_part=min_part if early else DECODE_MIN_PART, whole=whole)
     splits = min(splits, MAX_SPLITS)
     tile, stages = decode_tile(splits, block_d, max_context_len)
     block_n = block_n or tile
-    whole = 1 if early else 2
-    if _part_tiles(max_context_len, splits, wave, min_part if early else DECODE_MIN_PART, block_n, whole) <= 2:
+    min_part = max(min_part, 1)  # as the kernel gets it
+    if _part_tiles(max_context_len, splits, wave, min_part, block_n, whole) <= 2:
         stages = 1
     num_stages = num_stages or stages
     group = n_heads // n_kv
@@ -642,7 +642,7 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         k, v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, max(min_part, 1), DECODE_LONG_PART,
+        block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, min_part, DECODE_LONG_PART,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,

@@ -535,11 +535,15 @@ DECODE_MIN_PART, DECODE_LONG_PART = 128, 512
 # (`decode_rope`). Benchmarks set DECODE_ROPE False for the A/B (bench/results/pdl_decode_rope_h200.jsonl).
 DECODE_ROPE = True
 ROPE_PART = 64
-# Where the decode kernel lets the next kernel launch under PDL: "parts" right after its wait when the sequence is
-# one part, after its keys are folded in when split (the next kernel's early loads then do not queue ahead of the
-# parts' reads and combine: batch-1 step at 100-204 keys 12-19 us shorter than with "wait", the same at <= 64 keys);
-# "wait" always right after it (bench/results/engine_step_gap_settings_h200.jsonl).
-DECODE_RELEASE = "parts"
+# Where the decode kernel lets the next kernel launch under PDL: "wait" right after its wait; "parts" there when the
+# sequence is one part, after its keys are folded in when split. "parts" looked 12-19 us better at 100-204 keys in
+# graphs replayed out of the engine (engine_step_gap_settings_h200.jsonl), but the engine itself, the two
+# alternating, ran faster with "wait": W8A16 + lm_head 417.9 against 416.2 tok/s, W4A16 589.4 against 586.4
+# (engine_ab_h200.jsonl; docs/quantization.md, "a replay's two levels", on why the two measurements disagree).
+DECODE_RELEASE = "wait"
+# Warps of a decode program on the RoPE path when a sequence is split (batch 1 on the H200): 8, the engine's W4A16 +
+# lm_head 591.3 against 586.4 tok/s with 4, 593.9 with "wait" too (engine_ab_h200.jsonl); other launches keep 4.
+SPLIT_ROPE_WARPS = 8
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,
@@ -594,7 +598,7 @@ def _part_tiles(bound: int, splits: int, wave: int, min_part: int, block_n: int,
 
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             sliding_window=None, max_context_len=None, out=None, num_splits=None,
-                            block_n=None, num_warps=4, num_stages=None, min_part=DECODE_MIN_PART, rope=None):
+                            block_n=None, num_warps=None, num_stages=None, min_part=DECODE_MIN_PART, rope=None):
     """Sequences with one new token: q [N, H, D] (row cu_seqlens_q[b] is sequence b's query when it has one new
     token; other sequences are skipped), paged k/v cache, context_lens [B] int32 on the device -> out [N, H, D].
     No host synchronisation and a grid fixed by (B, kv heads, max_context_len): CUDA-graph capturable.
@@ -625,6 +629,7 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if _part_tiles(max_context_len, splits, wave, min_part, block_n, whole) <= 2:
         stages = 1
     num_stages = num_stages or stages
+    num_warps = num_warps or (SPLIT_ROPE_WARPS if early and splits > 1 else 4)
     group = n_heads // n_kv
     if splits > 1:
         partial = torch.empty(batch * n_heads * splits * block_d, dtype=torch.float32, device=q.device)

@@ -6,6 +6,7 @@ first program started, when the first wait returned, how long the programs strea
     PYTHONPATH=$PWD python bench/gemv_timeline.py --out bench/results/gemv_timeline_h200.jsonl
 """
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -44,11 +45,25 @@ def timeline(traces: list[torch.Tensor]) -> dict:
     return {key: round(_median([r[key] for r in rows]), 3) for key in rows[0]}
 
 
+def _compiled() -> dict:
+    """Every compiled MMA GEMV kernel so far, by id: (registers, spilled bytes) a thread."""
+    found = {}
+    for fn in (qm._w4a16_mma_gemv_kernel, qm._w8a16_mma_gemv_kernel):
+        for caches in fn.device_caches.values():
+            for k in caches[0].values():
+                k._init_handles()
+                found[id(k)] = (k.n_regs, k.n_spills)
+    return found
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s != "lm_head"], choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument("--kw-only", action="store_true", help="only the candidates whose warps split K (KW > 1)")
+    ap.add_argument("--variants", nargs="*", type=json.loads, default=[],
+                    help='JSON overrides timed beside each candidate, e.g. \'{"AHEAD": 2, "maxnreg": 72}\'')
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -59,13 +74,17 @@ def main(argv=None) -> int:
         for fmt in args.formats:
             mods, nbytes = quant_linears(fmt, random_weights(n, k, gen))
             configs = qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, k)
+            configs = [c for c in configs if c["KW"] > 1 or not args.kw_only]
+            configs += [dict(c, **v) for c in configs for v in args.variants]
             for cfg in configs:
                 def call(q, cfg=cfg):
                     if fmt == "int4":
                         return qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
                     return qm.w8a16_matmul_triton(x, q.qweight, q.scales, config=cfg)
                 calls = [lambda q=mods[i % copies]: call(q) for i in range(CALLS)]
+                before = _compiled()
                 us = graph_time_us(calls)
+                regs = [v for key, v in _compiled().items() if key not in before]
                 split = qm._split_k(dict(cfg), 1, n, k // (128 if fmt == "int4" else 64), x.device)
                 programs = math.ceil(n / cfg["BLOCK_N"]) * split
                 traces = [torch.zeros(programs, 4, dtype=torch.int64, device="cuda") for _ in range(CALLS)]
@@ -79,6 +98,7 @@ def main(argv=None) -> int:
                 emit({"bench": "gemv_timeline", "machine": machine, "shape": name, "n": n, "k": k, "format": fmt,
                       "config": {a: b for a, b in cfg.items() if a not in ("MMA_GEMV", "BLOCK_M", "num_stages")},
                       "programs": programs, "split": split, "us": round(us, 2),
+                      "registers_spills": regs[0] if regs else None,
                       "traced_us": round(traced_us, 2), "gbs": round(nbytes / us / 1e3, 1), **timeline(traces)},
                      args.out)
             del mods

@@ -978,23 +978,34 @@ if triton is not None:
         sa, sb = S + first * N + ra * stride_sn, S + first * N + rb * stride_sn
         za, zb = Z + first * N + ra * stride_sn, Z + first * N + rb * stride_sn
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+        if AHEAD == 2:
+            second = _mma_gemv_consts(tl.minimum(1, last), pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        x_lo, x_hi = _mma_gemv_x(0, x8)
-        for g in range(0, per):
-            _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
-            nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
-            if AHEAD:  # group g + 1 loads while g computes
-                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-                x_ahead = _mma_gemv_x(nxt, x8)
-            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs, words,
-                                                FAST)
-            if not AHEAD:
-                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-                x_ahead = _mma_gemv_x(nxt, x8)
-            wa, wb, s_a, s_b, z_a, z_b = ahead
-            x_lo, x_hi = x_ahead
+        if AHEAD == 2:  # groups g + 1 and g + 2 in flight while g computes; x (L1 hits) loads where it is used
+            for g in range(0, per):
+                third = _mma_gemv_consts(tl.minimum(g + 2, last), pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                x_lo, x_hi = _mma_gemv_x(g, x8)
+                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs,
+                                                    words, FAST)
+                wa, wb, s_a, s_b, z_a, z_b = second
+                second = third
+        else:
+            x_lo, x_hi = _mma_gemv_x(0, x8)
+            for g in range(0, per):
+                _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
+                nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
+                if AHEAD:  # group g + 1 loads while g computes
+                    ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                    x_ahead = _mma_gemv_x(nxt, x8)
+                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs,
+                                                    words, FAST)
+                if not AHEAD:
+                    ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                    x_ahead = _mma_gemv_x(nxt, x8)
+                wa, wb, s_a, s_b, z_a, z_b = ahead
+                x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
@@ -1092,19 +1103,29 @@ if triton is not None:
         pa, pb = pa + first_col * stride_qc, pb + first_col * stride_qc
         x8, xs = x8 + first_col * 16, X + first_col * 64
         wa, wb = tl.load(pa), tl.load(pb)
+        if AHEAD == 2:
+            second = (tl.load(pa + tl.minimum(1, last) * stride_qc), tl.load(pb + tl.minimum(1, last) * stride_qc))
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        x = tl.load(x8)
-        for t in range(0, per):
-            _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
-            nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
-            if AHEAD:  # step t + 1 loads while t computes
-                ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-            acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST)
-            wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
+        if AHEAD == 2:  # steps t + 1 and t + 2 in flight while t computes; x (L1 hits) loads where it is used
+            for t in range(0, per):
+                nxt = tl.minimum(t + 2, last)
+                third = (tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc))
+                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, tl.load(x8 + t * 16), t, xs, words, FAST)
+                wa, wb = second
+                second = third
+        else:
+            x = tl.load(x8)
+            for t in range(0, per):
+                _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
+                nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
+                if AHEAD:  # step t + 1 loads while t computes
+                    ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
+                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST)
+                wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(_slice_sums(acc_a, s_a, KW), _slice_sums(acc_b, s_b, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
@@ -1202,9 +1223,9 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 
 
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
-# issued before this one computes, KW warps splitting a program's K range). Loading two groups ahead (more registers)
-# and Triton's shared-memory pipelining ran 5-30% slower on the H200 (bench/results/quant_decode_sweep_mma_gemv_h200.
-# jsonl), so neither is a candidate. BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
+# issued before this one computes: True, or 2 for two groups, KW warps splitting a program's K range). Loading two
+# groups ahead and Triton's shared-memory pipelining ran 5-30% slower on the H200 for int4 (bench/results/
+# quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl), so neither is an int4 candidate. BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
 # 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a row's slices in shared memory
 # at the program's end instead of across programs through the workspace (split K's combine tail, ~1-1.5 us).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
@@ -1212,9 +1233,12 @@ MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (12
                     (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),
                     (32, 16, 1, False, 8), (16, 8, "auto4", True, 8), (16, 4, 1, True, 4)]
 K_SLICE_WARPS = True  # offer the KW > 1 candidates (benchmarks turn it off for the A/B)
-# W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones and 256-row tiles (int8 holds fewer
-# registers a row)
-MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1)]
+# W8A16 MMA GEMV candidates for M = 1 and K a multiple of 64: the int4 ones, 256-row tiles (int8 holds fewer
+# registers a row), and 4 warps splitting K with two steps in flight (AHEAD = 2: steps t + 1 and t + 2 load while t
+# computes, x loads where it is used) capped at 72 registers a thread (sixth field, `maxnreg`; 80 uncapped). In a
+# chain on the H200 that one took the int8 gate/up from 32.06 to 30.48 us; for int4, and for the other int8 shapes,
+# two groups ahead was never faster (bench/results/gemv_timeline_ahead2_h200.jsonl).
+MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1), (16, 4, 1, 2, 4, 72)]
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
@@ -1223,8 +1247,9 @@ def _mma_gemv_dicts(table) -> list[dict]:
     tuning such configs won, in the decode step they lost (H200, W8A16 + lm_head step 2503 us with them, 2459
     without; W4A16 1720-1725 against 1727; bench/results/pdl_decode_kw_release_h200.jsonl)."""
     return [dict(MMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, AHEAD=ahead, SPLIT_K=sk, KW=kw, LAST_STEP_RELEASE=last,
-                 num_warps=w, num_stages=1) for last in (False, True)[:1 + LAST_STEP_RELEASE]
-            for bn, w, sk, ahead, kw in table if (kw == 1 or K_SLICE_WARPS) and not (last and kw > 1)]
+                 num_warps=w, num_stages=1, **({"maxnreg": regs[0]} if regs else {}))
+            for last in (False, True)[:1 + LAST_STEP_RELEASE]
+            for bn, w, sk, ahead, kw, *regs in table if (kw == 1 or K_SLICE_WARPS) and not (last and kw > 1)]
 
 
 def _mma_gemv_configs(m: int, group_size: int) -> list[dict]:

@@ -978,34 +978,23 @@ if triton is not None:
         sa, sb = S + first * N + ra * stride_sn, S + first * N + rb * stride_sn
         za, zb = Z + first * N + ra * stride_sn, Z + first * N + rb * stride_sn
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-        if AHEAD == 2:
-            second = _mma_gemv_consts(tl.minimum(1, last), pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
         _stamp(TRACE, 1, last)
-        if AHEAD == 2:  # groups g + 1 and g + 2 in flight while g computes; x (L1 hits) loads where it is used
-            for g in range(0, per):
-                third = _mma_gemv_consts(tl.minimum(g + 2, last), pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-                x_lo, x_hi = _mma_gemv_x(g, x8)
-                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs,
-                                                    words, FAST)
-                wa, wb, s_a, s_b, z_a, z_b = second
-                second = third
-        else:
-            x_lo, x_hi = _mma_gemv_x(0, x8)
-            for g in range(0, per):
-                _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
-                nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
-                if AHEAD:  # group g + 1 loads while g computes
-                    ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-                    x_ahead = _mma_gemv_x(nxt, x8)
-                acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs,
-                                                    words, FAST)
-                if not AHEAD:
-                    ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
-                    x_ahead = _mma_gemv_x(nxt, x8)
-                wa, wb, s_a, s_b, z_a, z_b = ahead
-                x_lo, x_hi = x_ahead
+        x_lo, x_hi = _mma_gemv_x(0, x8)
+        for g in range(0, per):
+            _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
+            nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
+            if AHEAD:  # group g + 1 loads while g computes
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                x_ahead = _mma_gemv_x(nxt, x8)
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs, words,
+                                                FAST)
+            if not AHEAD:
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                x_ahead = _mma_gemv_x(nxt, x8)
+            wa, wb, s_a, s_b, z_a, z_b = ahead
+            x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
@@ -1223,9 +1212,11 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 
 
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
-# issued before this one computes: True, or 2 for two groups, KW warps splitting a program's K range). Loading two
-# groups ahead and Triton's shared-memory pipelining ran 5-30% slower on the H200 for int4 (bench/results/
-# quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl), so neither is an int4 candidate. BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
+# issued before this one computes, KW warps splitting a program's K range). On the H200 these ran slower for int4
+# and are not candidates: two groups ahead (5-40%), two groups an iteration in registers of their own (fewer
+# instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW) (bench/results/
+# quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.jsonl,
+# gemv_timeline_stages_h200.jsonl). BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
 # 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a row's slices in shared memory
 # at the program's end instead of across programs through the workspace (split K's combine tail, ~1-1.5 us).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),

@@ -14,6 +14,7 @@ import argparse
 import functools
 import gc
 import importlib
+import json
 import statistics
 import time
 
@@ -48,6 +49,39 @@ def _summary(values: list[float]) -> dict:
     return {"first": round(statistics.median(values[:n]), 1), "middle": round(statistics.median(
         values[len(values) // 2 - n // 2: len(values) // 2 + n - n // 2]), 1),
         "last": round(statistics.median(values[-n:]), 1), "median": round(statistics.median(values), 1)}
+
+
+def between_graphs(trace: dict) -> dict:
+    """From a Chrome trace of engine steps: the GPU work between two decode graph replays, op by op. A replay's
+    kernels share the correlation id of its cudaGraphLaunch; between two replays, each op that starts after the
+    first one's end (work overlapping a replay is hidden) with its gap after the previous end and its duration,
+    medians over the steps; and the median time from one replay's end to the next one's start."""
+    events = trace["traceEvents"]
+    launches = {e["args"]["correlation"] for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+                and e["name"] == "cudaGraphLaunch"}
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    spans = {}
+    for e in gpu:
+        c = e["args"].get("correlation")
+        if c in launches:
+            first, last = spans.get(c, (e["ts"], e["ts"] + e["dur"]))
+            spans[c] = (min(first, e["ts"]), max(last, e["ts"] + e["dur"]))
+    replays = sorted(spans.values())
+    outside = sorted((e for e in gpu if e["args"].get("correlation") not in launches), key=lambda e: e["ts"])
+    steps = []
+    for (_, end), (start, _) in zip(replays, replays[1:]):
+        ops, prev = [], end
+        for e in outside:
+            if end <= e["ts"] < start:
+                ops.append((e["name"][:60], e["ts"] - prev, e["dur"]))
+                prev = max(prev, e["ts"] + e["dur"])
+        steps.append((ops, start - end))
+    names = [tuple(n for n, _, _ in o) for o, _ in steps]
+    common = max(set(names), key=names.count)
+    same = [(o, gap) for (o, gap), n in zip(steps, names) if n == common]
+    return {"steps": len(same), "of": len(steps), "outside_graphs_us": round(statistics.median(g for _, g in same), 2),
+            "ops": [[name, round(statistics.median(o[i][1] for o, _ in same), 2),
+                     round(statistics.median(o[i][2] for o, _ in same), 2)] for i, name in enumerate(common)]}
 
 
 def profile(engine, cfg, new_tokens: int) -> dict:
@@ -194,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--engine-ab", nargs="*", default=[], choices=list(SETTINGS),
                    help="also: engine decode tok/s under the default and these settings, alternating (--rounds)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--trace", default=None,
+                   help="also: a torch.profiler Chrome trace of 30 decode steps, to PREFIX-VARIANT.json")
     args = p.parse_args(argv)
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
@@ -218,6 +254,14 @@ def main(argv=None) -> int:
                "decode_tok_s": round((args.new_tokens - 1) / decode_s, 1)}
         rec.update(profile(engine, cfg, args.new_tokens))
         emit(rec, args.out)
+        if args.trace:  # what runs on the GPU between two graph replays, op by op
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_batch(engine, 1, 5, 30, cfg.vocab_size, seed=3)
+            prof.export_chrome_trace(f"{args.trace}-{variant}.json")
+            with open(f"{args.trace}-{variant}.json") as f:
+                emit({"bench": "engine_between_graphs", "machine": machine, "variant": variant,
+                      **between_graphs(json.load(f))}, args.out)
         # the inputs' staging by torch copies and by one kernel, alternating
         for kernel in ((False, True, False, True) if args.staging_ab else ()):
             graph_inputs.STAGING_KERNEL = kernel

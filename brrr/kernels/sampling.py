@@ -115,7 +115,10 @@ if triton is not None:
         tl.store(OUT + row, tl.min(tl.where(vals == top, idx, vocab), 0).to(tl.int64))
 
 
-ARGMAX_CHUNK = 8192  # columns per program: a 128k vocabulary row is 16 programs
+# Columns per program: a 128k vocabulary row is 126 programs, each one load (BLOCK) deep. With 8192 (16 programs,
+# eight dependent loads each) the part kernel took 5.0 us of the ~31 us between two decode graphs on the H200
+# (bench/results/engine_step_gap_trace_h200.jsonl).
+ARGMAX_CHUNK = 1024
 
 
 def _argmax_triton(logits, temperature, keys, noise: bool) -> torch.Tensor:
@@ -137,8 +140,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: torch.Tensor, keys: 
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, -1) for fp32 rows without NaN (the first column of a tie), split over 16 programs a
-    128k row instead of one."""
+    """torch.argmax(logits, -1) for fp32 rows without NaN (the first column of a tie), split over ARGMAX_CHUNK-column
+    programs instead of one a row."""
     return _argmax_triton(logits, logits, logits, False)
 
 

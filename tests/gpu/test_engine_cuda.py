@@ -39,3 +39,24 @@ def _check(tmp_path):
             want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert done[str(i)].outputs[0].token_ids == want
+
+
+def test_copies_on_side_streams_stay_ordered_with_the_compute_stream():
+    """h2d uploads on the upload stream and PendingTokens downloads on the download stream, while the compute
+    stream is busy: every upload is what the next kernel reads, every download what the kernel before wrote."""
+    from brrr.engine.sampler import PendingTokens, copy_stream, h2d
+
+    dev = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=dev)
+    pending = []
+    for i in range(30):
+        busy = (busy @ busy).clamp_(-1, 1)  # queued work the copies must not wait behind, nor overtake
+        values = h2d(list(range(i, i + 1000)), dev)
+        assert copy_stream("up", dev) != torch.cuda.current_stream(dev)
+        pending.append((i, PendingTokens(values * 3)))
+    for i, p in pending:
+        assert p.tokens() == [3 * v for v in range(i, i + 1000)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # inside a capture: the plain path, no side streams
+        assert copy_stream("down", dev) is None
+        busy.add_(1)

@@ -1101,6 +1101,7 @@ if triton is not None:
         _stamp(TRACE, 1, last)
         if AHEAD == 2:  # steps t + 1 and t + 2 in flight while t computes; x (L1 hits) loads where it is used
             for t in range(0, per):
+                _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
                 nxt = tl.minimum(t + 2, last)
                 third = (tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc))
                 acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, tl.load(x8 + t * 16), t, xs, words, FAST)

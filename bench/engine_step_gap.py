@@ -6,7 +6,7 @@ With --contexts, the batch-1 graph is captured again for each --attn setting of 
 (stages, warps, release point, PDL) and timed with its sequence set to each context. With --engine-ab, the engine's
 decode rate under the default and each named setting, alternating (a graph timed out of the engine can sit ~3% off).
 
-    PYTHONPATH=$PWD python bench/engine_step_gap.py --contexts 8 40 100 204 --attn pdl stages3-wait --out F.jsonl
+    PYTHONPATH=$PWD python bench/engine_step_gap.py --contexts 8 40 100 204 --attn pdl parts --out F.jsonl
 """
 from __future__ import annotations
 
@@ -132,9 +132,9 @@ FLAGS = {"MODE": (PDL, PDL.MODE), "EARLY_LOADS": (PDL, PDL.EARLY_LOADS), "ROPE_P
 SETTINGS = {"pdl": ({}, {}), "off": ({}, {"MODE": 0}), "late": ({}, {"EARLY_LOADS": False}),
             "stages1": ({"num_stages": 1}, {}), "stages2": ({"num_stages": 2}, {}), "stages3": ({"num_stages": 3}, {}),
             "warps2": ({"num_warps": 2}, {}), "warps8": ({"num_warps": 8}, {}), "part32": ({}, {"ROPE_PART": 32}),
-            "wait": ({}, {"DECODE_RELEASE": "wait"}),
-            "stages3-wait": ({"num_stages": 3}, {"DECODE_RELEASE": "wait"}), "part128": ({}, {"ROPE_PART": 128}),
-            "warps8-wait": ({"num_warps": 8}, {"DECODE_RELEASE": "wait"})}
+            "part128": ({}, {"ROPE_PART": 128}),
+            # the release point that was the default before 0faf3bc ("wait" is now): the A/B that replaced it
+            "parts": ({}, {"DECODE_RELEASE": "parts"}), "warps4-parts": ({"num_warps": 4}, {"DECODE_RELEASE": "parts"})}
 
 
 def recapture(runner, max_len: int, name: str) -> None:

@@ -795,6 +795,12 @@ if triton is not None:
     def _mma_gemv_consts(g, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS: tl.constexpr):
         """Group g (of each row's K slice) of both tiles' words, and the rows' scales and zero points (fp32; sa..zb
         point at the slice's first group): constants, so a PDL kernel may load them before its wait."""
+        s_a, s_b, z_a, z_b = _group_scales(g, sa, sb, za, zb, N, HAS_ZEROS)
+        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
+
+    @triton.jit
+    def _group_scales(g, sa, sb, za, zb, N, HAS_ZEROS: tl.constexpr):
+        """Group g's scales and zero points of both tiles' rows, fp32 (symmetric: zero point 8)."""
         s_a = tl.load(sa + g * N).to(tl.float32)
         s_b = tl.load(sb + g * N).to(tl.float32)
         if HAS_ZEROS:
@@ -803,7 +809,7 @@ if triton is not None:
         else:
             z_a = tl.full(s_a.shape, 8.0, tl.float32)
             z_b = z_a
-        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
+        return s_a, s_b, z_a, z_b
 
     @triton.jit
     def _mma_gemv_x(g, x8):
@@ -999,6 +1005,52 @@ if triton is not None:
         _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
+
+    # ---- W4A16 TMA GEMV (M = 1, sm_90+): the MMA GEMV's group math, the weights streamed by the copy engine -------
+    # The MMA GEMV above holds every byte it has in flight in registers (64 a thread cap an SM at 32 warps, ~32 KB of
+    # weights), which bounds its bandwidth by Little's law. Here each group's two [HALF_N, 16]-word tiles are
+    # tensor-descriptor loads in a `tl.range(num_stages=STAGES)` loop: Triton turns them into TMA copies into a ring
+    # of STAGES shared-memory buffers behind mbarriers, so STAGES - 1 groups are in flight without a register held
+    # for them, and x rides along by cp.async. A program's warps each take 8 rows of both tiles over its whole K
+    # range (KW = 1); split K across programs as in the other kernels. Scales and zero points (1-2 bytes a row, too
+    # small for TMA or cp.async) load a group ahead into registers.
+    @triton.jit(do_not_specialize=["split_k", "stride_sn"])
+    def _w4a16_tma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
+                               stride_sn, WD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                               SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               FAST: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
+        """M = 1, group 128. WD: a descriptor over the int4 words as [K/128, N, 16] int32 (group, row, word), block
+        [1, BLOCK_N / 2, 16]; P is unused (the launcher's signature). Rows past N read zeros and are not stored."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        g_begin, g_end = _split_range(K // 128, split_k)
+        last = tl.maximum(g_end - 1, g_begin)
+        if GATED:
+            ra0 = tl.program_id(0) * HALF_N
+            rb0 = ra0 + N // 2
+        else:
+            ra0 = tl.program_id(0) * BLOCK_N
+            rb0 = ra0 + HALF_N
+        local = tl.arange(0, HALF_N)
+        ra, rb = tl.minimum(ra0 + local, N - 1), tl.minimum(rb0 + local, N - 1)
+        sa, sb = S + ra * stride_sn, S + rb * stride_sn
+        za, zb = Z + ra * stride_sn, Z + rb * stride_sn
+        words = tl.arange(0, 16)
+        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words
+        acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
+        acc_b = acc_a
+        first = tl.minimum(g_begin, last)
+        s_a, s_b, z_a, z_b = _group_scales(first, sa, sb, za, zb, N, HAS_ZEROS)
+        wait_previous(PDL)
+        for g in tl.range(g_begin, g_end, num_stages=STAGES):
+            wa = tl.reshape(WD.load([g, ra0, 0]), (HALF_N, 16))
+            wb = tl.reshape(WD.load([g, rb0, 0]), (HALF_N, 16))
+            x_lo, x_hi = _mma_gemv_x(g, x8)
+            ahead = _group_scales(tl.minimum(g + 1, last), sa, sb, za, zb, N, HAS_ZEROS)
+            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
+                                                FAST)
+            s_a, s_b, z_a, z_b = ahead
+        _mma_gemv_store(_slice_sums(acc_a, 1.0, 1), _slice_sums(acc_b, 1.0, 1), B, Y, WS, LOCKS, M, N, stride_ym,
+                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
     # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
@@ -1233,6 +1285,35 @@ K_SLICE_WARPS = True  # offer the KW > 1 candidates (benchmarks turn it off for 
 MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1), (16, 4, 1, 2, 4, 72)]
 
 
+# TMA GEMV candidates for M = 1 and group 128 on sm_90+ (`_w4a16_tma_gemv_kernel`): (BLOCK_N, warps, SPLIT_K, groups
+# in the shared-memory ring). Each warp takes 8 rows of both tiles, so warps = BLOCK_N / 16.
+TMA_GEMV_CONFIGS = [(16, 1, 1, 4), (16, 1, 1, 8), (16, 1, "auto8", 4), (32, 2, 1, 4), (32, 2, 1, 8),
+                    (32, 2, "auto8", 6), (64, 4, "auto8", 4), (64, 4, "auto8", 8), (128, 8, "auto8", 4)]
+TMA_GEMV = True  # offer them (benchmarks turn it off for the A/B)
+
+
+def _tma_gemv_configs(m: int, group_size: int, qweight: torch.Tensor) -> list[dict]:
+    """The TMA GEMV candidates where they can run: M = 1, group 128, an sm_90+ GPU, words 16-byte aligned."""
+    if not (TMA_GEMV and m == 1 and group_size == 128 and qweight.is_cuda and qweight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(qweight.device)[0] >= 9):
+        return []
+    return tma_gemv_dicts()
+
+
+def tma_gemv_dicts() -> list[dict]:
+    return [dict(TMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, SPLIT_K=sk, STAGES=st, num_warps=w, num_stages=1)
+            for bn, w, sk, st in TMA_GEMV_CONFIGS]
+
+
+def _tma_words(words: torch.Tensor, half_n: int):
+    """A tensor descriptor over int4 words (chunk-major [N, K/128, 16] or by rows [N, K/8]) as [K/128, N, 16],
+    loading [1, half_n, 16] blocks: one group of half_n rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    n = words.shape[0]
+    by_group = (words if words.dim() == 3 else words.view(n, -1, 16)).transpose(0, 1)
+    return TensorDescriptor.from_tensor(by_group, [1, half_n, 16])
+
+
 def _mma_gemv_dicts(table) -> list[dict]:
     """The table's configs releasing the next kernel from their epilogue, then (`LAST_STEP_RELEASE`) those with
     KW = 1 from their last K step. A KW > 1 warp has only a few steps, so its last one comes early: in the chain
@@ -1437,14 +1518,14 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         word_chunk_stride = None if words is None else _packed_strides(words)[1]
         # unused pointer arguments get a real tensor (scales) so every launch has the same signature
         args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
-        if gated and not cfg.get("MMA_GEMV"):
-            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
+        if gated and not (cfg.get("MMA_GEMV") or cfg.get("TMA_GEMV")):
+            raise ValueError("gated: only the MMA and TMA GEMVs have the SiLU-and-mul epilogue")
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
             return _launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA"}, args, consts, extra=(chunk_stride,))
-        if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
+        if (cfg.get("MMA_GEMV") or cfg.get("TMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
@@ -1455,6 +1536,15 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
                                 EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
                            extra=(scales.stride(1), word_chunk_stride, TRACE))
+        if cfg.get("TMA_GEMV"):
+            if m != 1 or group_size != 128:
+                raise ValueError(f"the TMA GEMV runs M = 1 and group 128 (M = {m}, group {group_size})")
+            xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()
+            return _launch(_w4a16_tma_gemv_kernel, xa, n, k // group_size, x.dtype,
+                           {key: v for key, v in cfg.items() if key != "TMA_GEMV"}, (xa, words, *args[2:]),
+                           dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast, GATED=gated,
+                                enable_fp_fusion=False),
+                           extra=(scales.stride(1), _tma_words(words, cfg["BLOCK_N"] // 2)))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
@@ -1464,8 +1554,9 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
         key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
-        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
-                              else w4_configs(m, group_size, gemv=words is not None))
+        candidates = lambda: ((_mma_gemv_configs(m, group_size) if gated  # noqa: E731
+                               else w4_configs(m, group_size, gemv=words is not None))
+                              + (_tma_gemv_configs(m, group_size, qweight) if words is not None else []))
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 

@@ -230,14 +230,15 @@ def test_every_gated_mma_gemv_candidate_at_the_8b_gate_up(fmt, index):
 @pytest.mark.parametrize("index", range(len(qm.TMA_GEMV_CONFIGS)))
 def test_every_tma_gemv_candidate_at_8b_shapes(index):
     """Each W4A16 TMA GEMV candidate (weights through tensor descriptors into a shared-memory ring) at the 8B shapes,
-    the Llama-3 vocabulary and N = 1000 (a partial tile): within 16-bit rounding of the reference, bf16 with a bias
+    the Llama-3 vocabulary and N = 1008 (a partial tile): within 16-bit rounding of the reference, bf16 with a bias
     and fp16 symmetric with split K forced; gated gate/up bit for bit the ungated output through silu_and_mul; and
     replayed in a CUDA graph, the same bits."""
     from brrr.kernels.activation import silu_and_mul_triton
 
     cfg = qm.tma_gemv_dicts()[index]
-    assert qm._tma_gemv_configs(1, 128, _linear("int4", 64, 128).qweight) == qm.tma_gemv_dicts()
-    for n, k in SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)]:
+    q = _linear("int4", 64, 128)
+    assert qm._tma_gemv_configs(1, 128, q.qweight, q.scales, q.zeros) == qm.tma_gemv_dicts()
+    for n, k in SHAPES_8B + [(6144, 4096), (1008, 4096), (128256, 4096)]:
         q, qs = _linear("int4", n, k), _linear("int4", n, k, seed=1, symmetric=True)
         bias = torch.randn(n, device="cuda", dtype=BF16)
         x = torch.randn(1, k, device="cuda", dtype=BF16)

@@ -351,11 +351,11 @@ def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split
 
 # ---- W4A16 TMA GEMV (M = 1, group 128; the weights through tensor descriptors) -------------------------------------
 @pytest.mark.parametrize("index,symmetric,n,split,gated,chunked,dtype", [
-    (0, False, 40, 1, False, True, torch.float32), (3, True, 100, 2, False, False, torch.float32),
-    (6, False, 130, 3, False, True, torch.bfloat16), (1, False, 40, 1, True, True, torch.bfloat16),
-    (4, True, 140, 2, True, False, torch.float16)])
+    (0, False, 48, 1, False, True, torch.float32), (3, True, 96, 2, False, False, torch.float32),
+    (6, False, 144, 3, False, True, torch.bfloat16), (1, False, 64, 1, True, True, torch.bfloat16),
+    (4, True, 160, 2, True, False, torch.float16)])
 def test_w4a16_tma_gemv_matches_reference(device, index, symmetric, n, split, gated, chunked, dtype):
-    """Rows past N (zeros from the descriptor, clamped scales) are not stored; split K over 3 groups; gated: the
+    """Rows past N (zeros from the descriptors) are not stored; split K over 3 groups; gated: the
     output is the ungated kernel's, rounded, through silu_and_mul, bit for bit. The weight by rows or chunk-major."""
     from brrr.kernels.activation import silu_and_mul_triton
 
@@ -378,9 +378,11 @@ def test_w4a16_tma_gemv_matches_reference(device, index, symmetric, n, split, ga
 
 def test_tma_gemv_candidates_only_on_a_hopper_gpu():
     """Tensor descriptors in a pipelined loop become TMA copies from sm_90 on: no candidates elsewhere."""
-    q = torch.zeros(64, 256, dtype=torch.uint8)
-    assert qm._tma_gemv_configs(1, 128, q) == []
-    assert qm.tma_gemv_dicts() and all(c["BLOCK_N"] == 16 * c["num_warps"] for c in qm.tma_gemv_dicts())
+    q, s = torch.zeros(64, 256, dtype=torch.uint8), torch.ones(4, 64)
+    assert qm._tma_gemv_configs(1, 128, q, s, None) == []
+    assert qm._tma_ok(q, s) and not qm._tma_ok(s.t()) and not qm._tma_ok(torch.ones(4, 6))
+    # 16-byte zero-point blocks: half a program's rows is at least 16
+    assert qm.tma_gemv_dicts() and all(c["BLOCK_N"] == 16 * c["num_warps"] >= 32 for c in qm.tma_gemv_dicts())
 
 
 # ---- W8A16 MMA GEMV path (M = 1, K a multiple of 64) -----------------------------------------------------------------

@@ -45,14 +45,14 @@ def quant_linears(fmt: str, weights: list[torch.Tensor]) -> tuple[list[QuantLine
 
 
 def family(cfg: dict) -> str:
-    return ("mma" if cfg.get("MMA") else "mma-gemv" if cfg.get("MMA_GEMV") else "tma-gemv" if cfg.get("TMA_GEMV")
-            else "gemv" if "CHUNKS" in cfg else "tensor-core")
+    return ("mma" if cfg.get("MMA") else "mma-gemv" if cfg.get("MMA_GEMV") else "gemv" if "CHUNKS" in cfg
+            else "tensor-core")
 
 
 def candidates(fmt: str, stages: list[int], splits: list[str]) -> list[dict]:
     """The tuner's candidates, then each MMA / GEMV one with `stages` steps pipelined and with each of `splits`, and
     each unpipelined MMA one loading the next group's x, zeros and scales a group ahead (AHEAD)."""
-    base = qm.w4_configs(1, 128) + qm.tma_gemv_dicts() if fmt == "int4" else qm.w8_configs(1)
+    base = qm.w4_configs(1, 128) if fmt == "int4" else qm.w8_configs(1)
     extra = []
     for cfg in base:
         if cfg.get("MMA") or "CHUNKS" in cfg:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["int4", "int8"])
     ap.add_argument("--stages", nargs="*", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="*", default=[], help="extra SPLIT_K values for the MMA / GEMV candidates")
-    ap.add_argument("--families", nargs="+", default=["tensor-core", "mma", "gemv", "mma-gemv", "tma-gemv"])
+    ap.add_argument("--families", nargs="+", default=["tensor-core", "mma", "gemv", "mma-gemv"])
     ap.add_argument("--int8-chunk-major", action="store_true",
                     help="also time the int8 MMA GEMV candidates on a chunk-major copy of the weights (layout chunks)")
     args = ap.parse_args(argv)

@@ -795,12 +795,6 @@ if triton is not None:
     def _mma_gemv_consts(g, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS: tl.constexpr):
         """Group g (of each row's K slice) of both tiles' words, and the rows' scales and zero points (fp32; sa..zb
         point at the slice's first group): constants, so a PDL kernel may load them before its wait."""
-        s_a, s_b, z_a, z_b = _group_scales(g, sa, sb, za, zb, N, HAS_ZEROS)
-        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
-
-    @triton.jit
-    def _group_scales(g, sa, sb, za, zb, N, HAS_ZEROS: tl.constexpr):
-        """Group g's scales and zero points of both tiles' rows, fp32 (symmetric: zero point 8)."""
         s_a = tl.load(sa + g * N).to(tl.float32)
         s_b = tl.load(sb + g * N).to(tl.float32)
         if HAS_ZEROS:
@@ -809,7 +803,7 @@ if triton is not None:
         else:
             z_a = tl.full(s_a.shape, 8.0, tl.float32)
             z_b = z_a
-        return s_a, s_b, z_a, z_b
+        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
 
     @triton.jit
     def _mma_gemv_x(g, x8):
@@ -1005,80 +999,6 @@ if triton is not None:
         _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
                         split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
         _stamp(TRACE, 3, last)
-
-    # ---- W4A16 TMA GEMV (M = 1, sm_90+): the MMA GEMV's group math, the weights streamed by the copy engine -------
-    # The MMA GEMV above holds every byte it has in flight in registers (64 a thread cap an SM at 32 warps, ~32 KB of
-    # weights), which bounds its bandwidth by Little's law. Here a group's two [HALF_N, 16]-word tiles are
-    # tensor-descriptor loads in a `tl.range(num_stages=STAGES)` loop: Triton turns them into TMA copies into a ring
-    # of STAGES shared-memory buffers behind mbarriers, so STAGES - 1 groups are in flight without a register held
-    # for them. x, the scales and the zero points ride along by cp.async, which copies 4 bytes or more a thread: the
-    # 16-bit scales and 8-bit zero points are loaded as the int32 words that hold 2 and 4 rows' and split after.
-    # A program's warps each take 8 rows of both tiles over its whole K range (KW = 1); split K across programs as
-    # in the other kernels.
-    @triton.jit
-    def _words_rows(w, DTYPE: tl.constexpr):
-        """Rows' values from the int32 words holding them (little-endian): 16-bit DTYPE 2 a word, uint8 4, fp32 1;
-        fp32, in row order."""
-        if DTYPE == tl.float32:
-            rows = w.to(tl.float32, bitcast=True)
-        elif DTYPE == tl.uint8:
-            pair0 = tl.join(w & 0xFF, (w >> 8) & 0xFF)
-            pair1 = tl.join((w >> 16) & 0xFF, (w >> 24) & 0xFF)
-            rows = tl.reshape(tl.permute(tl.join(pair0, pair1), (0, 2, 1)), (4 * w.shape[0],)).to(tl.float32)
-        else:
-            lo = (w & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
-            hi = ((w >> 16) & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
-            rows = tl.reshape(tl.join(lo, hi), (2 * w.shape[0],)).to(tl.float32)
-        return rows
-
-    @triton.jit
-    def _tma_gemv_scales(g, S, Z, N, ra0, rb0, HALF_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
-        """Group g's scales and zero points of rows ra0.. and rb0.. (HALF_N each), read as int32 words."""
-        SPW: tl.constexpr = 32 // S.dtype.element_ty.primitive_bitwidth  # scales a word
-        s32 = S.to(tl.pointer_type(tl.int32), bitcast=True) + g * (N // SPW)
-        ws = tl.arange(0, HALF_N // SPW)
-        s_a = _words_rows(tl.load(s32 + ra0 // SPW + ws), S.dtype.element_ty)
-        s_b = _words_rows(tl.load(s32 + rb0 // SPW + ws), S.dtype.element_ty)
-        if HAS_ZEROS:
-            z32 = Z.to(tl.pointer_type(tl.int32), bitcast=True) + g * (N // 4)
-            wz = tl.arange(0, HALF_N // 4)
-            z_a = _words_rows(tl.load(z32 + ra0 // 4 + wz), tl.uint8)
-            z_b = _words_rows(tl.load(z32 + rb0 // 4 + wz), tl.uint8)
-        else:
-            z_a = tl.full(s_a.shape, 8.0, tl.float32)
-            z_b = z_a
-        return s_a, s_b, z_a, z_b
-
-    @triton.jit(do_not_specialize=["split_k", "stride_sn"])
-    def _w4a16_tma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, WD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                               SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               FAST: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
-        """M = 1, group 128. WD: a descriptor over the int4 words as [K/128, N, 16] int32 (group, row, word), block
-        [1, BLOCK_N / 2, 16]; P is unused (the launcher's signature); scales and zeros [K/128, N] contiguous in N,
-        which is a multiple of 4 (gated: of 32). Rows past N read zeros and are not stored."""
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        g_begin, g_end = _split_range(K // 128, split_k)
-        if GATED:
-            ra0 = tl.program_id(0) * HALF_N
-            rb0 = ra0 + N // 2
-        else:
-            ra0 = tl.program_id(0) * BLOCK_N
-            rb0 = ra0 + HALF_N
-        words = tl.arange(0, 16)
-        x8 = X.to(tl.pointer_type(tl.int64), bitcast=True) + words
-        acc_a = tl.zeros((HALF_N, 16), dtype=tl.float32)
-        acc_b = acc_a
-        wait_previous(PDL)
-        for g in tl.range(g_begin, g_end, num_stages=STAGES):
-            wa = tl.reshape(WD.load([g, ra0, 0]), (HALF_N, 16))
-            wb = tl.reshape(WD.load([g, rb0, 0]), (HALF_N, 16))
-            x_lo, x_hi = _mma_gemv_x(g, x8)
-            s_a, s_b, z_a, z_b = _tma_gemv_scales(g, S, Z, N, ra0, rb0, HALF_N, HAS_ZEROS)
-            acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, X, words,
-                                                FAST)
-        _mma_gemv_store(_slice_sums(acc_a, 1.0, 1), _slice_sums(acc_b, 1.0, 1), B, Y, WS, LOCKS, M, N, stride_ym,
-                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
     # A [R, 16] tile of int32 words is 64 int8 weights of R rows; a thread's word w of row r pairs with word w of row r
@@ -1295,9 +1215,10 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
 # issued before this one computes, KW warps splitting a program's K range). On the H200 these ran slower for int4
 # and are not candidates: two groups ahead (5-40%), two groups an iteration in registers of their own (fewer
-# instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW) (bench/results/
-# quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.jsonl,
-# gemv_timeline_stages_h200.jsonl). BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
+# instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW), the weights by TMA
+# through tensor descriptors in a pipelined loop (1.35-1.8x) (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl,
+# gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.jsonl, gemv_timeline_stages_h200.jsonl,
+# quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl). BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
 # 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a row's slices in shared memory
 # at the program's end instead of across programs through the workspace (split K's combine tail, ~1-1.5 us).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
@@ -1311,50 +1232,6 @@ K_SLICE_WARPS = True  # offer the KW > 1 candidates (benchmarks turn it off for 
 # chain on the H200 that one took the int8 gate/up from 32.06 to 30.48 us; for int4, and for the other int8 shapes,
 # two groups ahead was never faster (bench/results/gemv_timeline_ahead2_h200.jsonl).
 MMA_GEMV8_CONFIGS = MMA_GEMV_CONFIGS + [(256, 8, "auto4", False, 1), (16, 4, 1, 2, 4, 72)]
-
-
-# TMA GEMV candidates for M = 1 and group 128 on sm_90+ (`_w4a16_tma_gemv_kernel`): (BLOCK_N, warps, SPLIT_K, groups
-# in the shared-memory ring). Each warp takes 8 rows of both tiles, so warps = BLOCK_N / 16.
-TMA_GEMV_CONFIGS = [(32, 2, 1, 4), (32, 2, 1, 8), (32, 2, "auto8", 4), (32, 2, "auto8", 8), (64, 4, 1, 4),
-                    (64, 4, "auto8", 4), (64, 4, "auto8", 8), (128, 8, "auto8", 4), (128, 8, "auto4", 6)]
-TMA_GEMV = True  # offer them (benchmarks turn it off for the A/B)
-
-
-def _tma_ok(*tensors) -> bool:
-    """Tensors a TMA descriptor can address: 16-byte aligned base and row strides, the last dimension dense."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0
-                                                                      for st in t.stride()[:-1]) for t in tensors)
-
-
-def _tma_gemv_configs(m: int, group_size: int, qweight: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor | None) -> list[dict]:
-    """The TMA GEMV candidates where they can run: M = 1, group 128, an sm_90+ GPU, a TMA-addressable weight,
-    scales and zeros rows whose words hold whole rows (`_tma_gemv_scales_ok`)."""
-    if not (TMA_GEMV and m == 1 and group_size == 128 and qweight.is_cuda and _tma_ok(qweight)
-            and _tma_gemv_scales_ok(scales, zeros)
-            and torch.cuda.get_device_capability(qweight.device)[0] >= 9):
-        return []
-    return tma_gemv_dicts()
-
-
-def _tma_gemv_scales_ok(scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
-    """Scales and zeros [K/128, N] dense in N, 4-byte aligned, N a multiple of 4: read as int32 words."""
-    return all(t.stride(1) == 1 and t.data_ptr() % 4 == 0 and (t.stride(0) * t.element_size()) % 4 == 0
-               for t in [scales] + ([] if zeros is None else [zeros])) and scales.shape[1] % 4 == 0
-
-
-def tma_gemv_dicts() -> list[dict]:
-    return [dict(TMA_GEMV=True, BLOCK_M=1, BLOCK_N=bn, SPLIT_K=sk, STAGES=st, num_warps=w, num_stages=1)
-            for bn, w, sk, st in TMA_GEMV_CONFIGS]
-
-
-def _tma_words(words: torch.Tensor, half_n: int):
-    """A tensor descriptor over int4 words (chunk-major [N, K/128, 16] or by rows [N, K/8]) as [K/128, N, 16],
-    loading [1, half_n, 16] blocks: one group of half_n rows."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    n = words.shape[0]
-    by_group = (words if words.dim() == 3 else words.view(n, -1, 16)).transpose(0, 1)
-    return TensorDescriptor.from_tensor(by_group, [1, half_n, 16])
 
 
 def _mma_gemv_dicts(table) -> list[dict]:
@@ -1561,14 +1438,14 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         word_chunk_stride = None if words is None else _packed_strides(words)[1]
         # unused pointer arguments get a real tensor (scales) so every launch has the same signature
         args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
-        if gated and not (cfg.get("MMA_GEMV") or cfg.get("TMA_GEMV")):
-            raise ValueError("gated: only the MMA and TMA GEMVs have the SiLU-and-mul epilogue")
+        if gated and not cfg.get("MMA_GEMV"):
+            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
             return _launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA"}, args, consts, extra=(chunk_stride,))
-        if (cfg.get("MMA_GEMV") or cfg.get("TMA_GEMV") or _gemv(cfg)) and words is None:
+        if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
@@ -1579,17 +1456,6 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
                            dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
                                 EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
                            extra=(scales.stride(1), word_chunk_stride, TRACE))
-        if cfg.get("TMA_GEMV"):
-            if (m != 1 or group_size != 128 or (gated and n // 2 % 16)  # a TMA block starts 16-byte aligned
-                    or not _tma_gemv_scales_ok(scales, zeros)):
-                raise ValueError(f"the TMA GEMV runs M = 1, group 128, gated halves of 16k rows, scales and zeros "
-                                 f"dense in N (M = {m}, group {group_size}, N = {n}, scales {tuple(scales.stride())})")
-            xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()
-            return _launch(_w4a16_tma_gemv_kernel, xa, n, k // group_size, x.dtype,
-                           {key: v for key, v in cfg.items() if key != "TMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast, GATED=gated,
-                                enable_fp_fusion=False),
-                           extra=(scales.stride(1), _tma_words(words, cfg["BLOCK_N"] // 2)))
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
@@ -1599,10 +1465,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
         key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
-        candidates = lambda: ((_mma_gemv_configs(m, group_size) if gated  # noqa: E731
-                               else w4_configs(m, group_size, gemv=words is not None))
-                              + (_tma_gemv_configs(m, group_size, qweight, scales, zeros)
-                                 if words is not None and not (gated and n // 2 % 16) else []))
+        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
+                              else w4_configs(m, group_size, gemv=words is not None))
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 

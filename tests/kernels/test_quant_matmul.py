@@ -349,42 +349,6 @@ def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split
         assert _rel(got, want) < 8e-3
 
 
-# ---- W4A16 TMA GEMV (M = 1, group 128; the weights through tensor descriptors) -------------------------------------
-@pytest.mark.parametrize("index,symmetric,n,split,gated,chunked,dtype", [
-    (0, False, 48, 1, False, True, torch.float32), (3, True, 96, 2, False, False, torch.float32),
-    (6, False, 144, 3, False, True, torch.bfloat16), (1, False, 64, 1, True, True, torch.bfloat16),
-    (4, True, 160, 2, True, False, torch.float16)])
-def test_w4a16_tma_gemv_matches_reference(device, index, symmetric, n, split, gated, chunked, dtype):
-    """Rows past N (zeros from the descriptors) are not stored; split K over 3 groups; gated: the
-    output is the ungated kernel's, rounded, through silu_and_mul, bit for bit. The weight by rows or chunk-major."""
-    from brrr.kernels.activation import silu_and_mul_triton
-
-    x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, symmetric, n=n, groups=3, dtype=dtype)
-    x, qweight, scales = x.to(device), qweight.to(device), scales.to(device)
-    qweight = qm.chunk_major(qweight) if chunked else qweight
-    zeros = None if zeros is None else zeros.to(device)
-    configs = qm.tma_gemv_dicts()
-    cfg = dict(configs[index % len(configs)], SPLIT_K=split)
-    got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, config=cfg)
-    want = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128)
-    if gated:
-        assert torch.equal(qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, config=cfg, gated=True),
-                           silu_and_mul_triton(*got.chunk(2, -1)))
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    else:
-        assert _rel(got, want) < 8e-3
-
-
-def test_tma_gemv_candidates_only_on_a_hopper_gpu():
-    """Tensor descriptors in a pipelined loop become TMA copies from sm_90 on: no candidates elsewhere."""
-    q, s = torch.zeros(64, 256, dtype=torch.uint8), torch.ones(4, 64)
-    assert qm._tma_gemv_configs(1, 128, q, s, None) == []
-    assert qm._tma_ok(q, s) and not qm._tma_ok(s.t()) and not qm._tma_ok(torch.ones(4, 6))
-    # 16-byte zero-point blocks: half a program's rows is at least 16
-    assert qm.tma_gemv_dicts() and all(c["BLOCK_N"] == 16 * c["num_warps"] >= 32 for c in qm.tma_gemv_dicts())
-
-
 # ---- W8A16 MMA GEMV path (M = 1, K a multiple of 64) -----------------------------------------------------------------
 def test_w8_mma_gemv_candidates_only_for_one_row_and_k_in_steps_of_64():
     configs = qm.w8_configs(1, k=4096)

@@ -247,7 +247,7 @@ if triton is not None:
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS_PER_ITER: tl.constexpr, SPLIT: tl.constexpr, SWIZZLE: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-                      IEEE: tl.constexpr, PDL: tl.constexpr):
+                      IEEE: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr = False):
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         HALF: tl.constexpr = GROUP // 2
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -259,7 +259,7 @@ if triton is not None:
         wait_previous(PDL)
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
         p_ptrs = P + offs_n.to(tl.int64)[:, None] * stride_pn + offs_h[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g0 in range(g_begin, g_end, GROUPS_PER_ITER):
             for t in tl.static_range(GROUPS_PER_ITER):
                 g = g0 + t
@@ -271,8 +271,14 @@ if triton is not None:
                 x_hi = tl.load(x_ptrs + g * GROUP + HALF, mask=x_mask, other=0.0)
                 p = tl.load(p_ptrs + _packed_col(g, stride_pc, HALF, 64), mask=w_mask, other=0)
                 w_lo, w_hi = _group_weights(p, Z, S, g, N, offs_n, n_ok, BLOCK_N, HAS_ZEROS, X.dtype.element_ty, FAST)
-                acc = _dot(x_lo, w_lo, acc, IEEE)
-                acc = _dot(x_hi, w_hi, acc, IEEE)
+                if SWAP:  # y^T = W x^T: the dequantized weights are the MMA's left operand, from registers
+                    acc = _dot(w_lo, x_lo, acc, IEEE)
+                    acc = _dot(w_hi, x_hi, acc, IEEE)
+                else:
+                    acc = _dot(x_lo, w_lo, acc, IEEE)
+                    acc = _dot(x_hi, w_hi, acc, IEEE)
+        if SWAP:
+            acc = tl.trans(acc)
         _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
 
     @triton.jit
@@ -1193,6 +1199,13 @@ MID_M = 128
 MID_CONFIGS = [(32, 64, 256, "auto4", 4, 3), (64, 64, 128, "auto4", 4, 3), (32, 128, 256, "auto", 4, 3),
                (64, 128, 128, "auto", 4, 3)]
 DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight once, then F.linear (cuBLAS)
+# Swapped int4 tiles (`SWAP`: y^T = W x^T, so the dequantized weight tile is the wgmma's left operand straight from
+# registers and only x goes through shared memory; BLOCK_M rows of x are the MMA's N, 16-256), appended after each
+# M range's candidates: (BLOCK_M, BLOCK_N, input columns per iteration, SPLIT_K, warps, stages). A range takes the
+# ones whose BLOCK_M fits it (`_swap_configs`).
+SWAP_CONFIGS = [(16, 64, 128, "auto4", 4, 4), (16, 128, 128, "auto4", 8, 3), (32, 64, 128, "auto4", 4, 4),
+                (64, 64, 128, "auto4", 4, 3), (64, 128, 128, "auto4", 8, 3), (128, 128, 128, "auto", 8, 3),
+                (128, 128, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3), (128, 256, 128, 1, 8, 3)]
 # MMA decode candidates for M <= SMALL_M, after the tensor-core ones (the default stays the first of those):
 # (BLOCK_N, warps, SPLIT_K, two groups an iteration, L2 prefetch distance in groups or 0, the next group's x, zeros
 # and scales loaded a group ahead). BLOCK_N is a multiple of 16 x warps (`_mma_rows`).
@@ -1261,6 +1274,15 @@ def _gemv_configs(m: int) -> list[dict]:
                  num_warps=w, num_stages=1) for bn, c, sk, w, ahead in GEMV_CONFIGS if bn * c // (32 * w) <= max_rows]
 
 
+def _swap_configs(m: int, group_size: int) -> list[dict]:
+    """The swapped int4 tiles for M rows: BLOCK_M 16 up to M = 16, 32-128 (at most M rounded up) up to MID_M,
+    128 and up above."""
+    lo, hi = (16, 16) if m <= SMALL_M else (32, next_power_of_2(m)) if m <= MID_M else (128, 256)
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=max(1, bk // group_size), SPLIT_K=sk,
+                 SWIZZLE=8 if m > MID_M else 1, SWAP=True, num_warps=w, num_stages=st)
+            for bm, bn, bk, sk, w, st in SWAP_CONFIGS if lo <= bm <= hi]
+
+
 def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture). For M <= SMALL_M
     the MMA decode ones (an `MMA` key) follow the tensor-core ones, and GEMV candidates (a `CHUNKS` key) come last,
@@ -1271,12 +1293,12 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
                       num_stages=st) for bn, bk, sk, w, st in SMALL_CONFIGS]
                 + [dict(MMA=True, BLOCK_M=16, BLOCK_N=bn, NW=w, PAIR=pair, PREFETCH=dist, AHEAD=ahead, SPLIT_K=sk,
                         num_warps=w, num_stages=1) for bn, w, sk, pair, dist, ahead in MMA_CONFIGS]
-                + (_gemv_configs(m) + _mma_gemv_configs(m, group_size) if gemv else []))
+                + _swap_configs(m, group_size) + (_gemv_configs(m) + _mma_gemv_configs(m, group_size) if gemv else []))
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
              for bm, bn, bk, w, st in TILED_CONFIGS]
     mid = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
            for bm, bn, bk, sk, w, st in MID_CONFIGS] if m <= MID_M else []
-    return tiled + mid + [DEQUANT]
+    return tiled + mid + [DEQUANT] + _swap_configs(m, group_size)
 
 
 def w8_configs(m: int, gemv: bool = True, k: int | None = None) -> list[dict]:

@@ -84,6 +84,26 @@ def test_w4a16_kernel_matches_reference(device, group, m, symmetric, cfg):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("group,m,symmetric,dtype", [(128, 3, False, torch.float32), (64, 17, True, torch.float32),
+                                                     (128, 70, False, torch.bfloat16), (32, 140, False, torch.float32)])
+def test_w4a16_swapped_tiles_match_reference(device, group, m, symmetric, dtype):
+    """The swapped tiles (y^T = W x^T, the weight tile as the MMA's left operand) of M's range: N = 40 (a partial
+    tile), 5 groups, M below the tile's rows; every candidate whose rows fit M, split K forced on the first."""
+    x, qweight, scales, zeros, bias, _ = _w4_problem(group, m, symmetric, dtype=dtype)
+    x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
+    zeros = None if zeros is None else zeros.to(device)
+    swapped = [c for c in qm.w4_configs(m, group) if c.get("SWAP")]
+    assert swapped and swapped == qm._swap_configs(m, group)
+    for i, cfg in enumerate(swapped[:2]):
+        got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, group, bias, config=dict(cfg, SPLIT_K=2) if i == 0
+                                     else cfg)
+        want = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, group, bias.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        else:
+            assert _rel(got, want) < 8e-3, cfg
+
+
 MMA_CASES = [(32, 1, False, 0, torch.float32), (64, 3, True, 4, torch.bfloat16), (128, 16, False, 5, torch.float32),
              (128, 1, True, 2, torch.bfloat16), (128, 5, False, 1, torch.float16)]
 
@@ -129,9 +149,12 @@ def test_large_m_candidates():
     """Above the small-M path: the tiled configs (the untimed default first), the mid-M split-K tiles up to MID_M,
     and dequantize-then-F.linear last; at most the tiled ones and the dequantize one beyond MID_M."""
     for configs in (qm.w4_configs(64, 128), qm.w8_configs(64)):
-        assert configs[-1] == qm.DEQUANT and configs[0]["SPLIT_K"] == 1 and configs[0]["BLOCK_M"] >= 64
-        assert len(configs) == len(qm.TILED_CONFIGS) + len(qm.MID_CONFIGS) + 1
-    assert len(qm.w4_configs(qm.MID_M + 1, 128)) == len(qm.w8_configs(4096)) == len(qm.TILED_CONFIGS) + 1
+        plain = [c for c in configs if not c.get("SWAP")]  # int4's swapped tiles come last
+        assert plain[-1] == qm.DEQUANT and configs[0]["SPLIT_K"] == 1 and configs[0]["BLOCK_M"] >= 64
+        assert len(plain) == len(qm.TILED_CONFIGS) + len(qm.MID_CONFIGS) + 1 and configs[:len(plain)] == plain
+    assert (len(qm.w4_configs(qm.MID_M + 1, 128)) - len(qm._swap_configs(qm.MID_M + 1, 128))
+            == len(qm.w8_configs(4096)) == len(qm.TILED_CONFIGS) + 1)
+    assert [c["BLOCK_M"] for c in qm._swap_configs(64, 128)] == [32, 64, 64]
     assert qm.DEQUANT not in qm.w4_configs(16, 128) + qm.w8_configs(1)
 
 

@@ -1202,7 +1202,9 @@ DEQUANT = {"DEQUANT": True}  # candidate for M > SMALL_M: dequantize the weight 
 # Swapped int4 tiles (`SWAP`: y^T = W x^T, so the dequantized weight tile is the wgmma's left operand straight from
 # registers and only x goes through shared memory; BLOCK_M rows of x are the MMA's N, 16-256), appended after each
 # M range's candidates: (BLOCK_M, BLOCK_N, input columns per iteration, SPLIT_K, warps, stages). A range takes the
-# ones whose BLOCK_M fits it (`_swap_configs`).
+# ones whose BLOCK_M fits it (`_swap_configs`). On the H200 they win gate_up at M = 128 (106.5 against 113.1 us)
+# and M = 256 (141.5 against 186.2, the dequantize + cuBLAS candidate) and lose or tie the other 8B shapes
+# (bench/results/quant_swap_tiles_h200.jsonl, quant_swap_tiles_rerun_h200.jsonl).
 SWAP_CONFIGS = [(16, 64, 128, "auto4", 4, 4), (16, 128, 128, "auto4", 8, 3), (32, 64, 128, "auto4", 4, 4),
                 (64, 64, 128, "auto4", 4, 3), (64, 128, 128, "auto4", 8, 3), (128, 128, 128, "auto", 8, 3),
                 (128, 128, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3), (128, 256, 128, 1, 8, 3)]
@@ -1285,8 +1287,8 @@ def _swap_configs(m: int, group_size: int) -> list[dict]:
 
 def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     """Candidates for the int4 kernel; the first is the default (interpreter, CUDA-graph capture). For M <= SMALL_M
-    the MMA decode ones (an `MMA` key) follow the tensor-core ones, and GEMV candidates (a `CHUNKS` key) come last,
-    for M <= GEMV_M."""
+    the MMA decode ones (an `MMA` key) follow the tensor-core ones, then the swapped tiles (`SWAP`), and GEMV
+    candidates (a `CHUNKS` key) come last, for M <= GEMV_M. Above SMALL_M the swapped tiles come last."""
     per = lambda bk: max(1, bk // group_size)  # noqa: E731  (whole groups per iteration)
     if m <= SMALL_M:
         return ([dict(BLOCK_M=16, BLOCK_N=bn, GROUPS_PER_ITER=per(bk), SPLIT_K=sk, SWIZZLE=1, num_warps=w,

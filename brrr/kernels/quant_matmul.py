@@ -1233,9 +1233,10 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 # instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW), the weights by TMA
 # through tensor descriptors in a pipelined loop (1.35-1.8x) (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl,
 # gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.jsonl, gemv_timeline_stages_h200.jsonl,
-# quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl). BLOCK_N / 2 x KW is a multiple of 8 x warps (each tile's rows fill whole warps,
-# 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a row's slices in shared memory
-# at the program's end instead of across programs through the workspace (split K's combine tail, ~1-1.5 us).
+# quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl). BLOCK_N / 2 x KW is a multiple of
+# 8 x warps (each tile's rows fill whole warps, 8 rows a warp) and KW divides warps (a warp's rows share a K
+# slice). KW > 1 sums a row's slices in shared memory at the program's end instead of across programs through the
+# workspace (split K's combine tail, ~1-1.5 us).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
                     (64, 4, "auto8", True, 1), (128, 8, "auto8", False, 1), (128, 8, "auto2", True, 1),
                     (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),
@@ -1277,8 +1278,10 @@ def _gemv_configs(m: int) -> list[dict]:
 
 
 def _swap_configs(m: int, group_size: int) -> list[dict]:
-    """The swapped int4 tiles for M rows: BLOCK_M 16 up to M = 16, 32-128 (at most M rounded up) up to MID_M,
-    128 and up above."""
+    """The swapped int4 tiles for M rows: none up to GEMV_M (the GEMVs own those), BLOCK_M 16 up to SMALL_M,
+    32-128 (at most M rounded up) up to MID_M, 128 and up above."""
+    if m <= GEMV_M:
+        return []
     lo, hi = (16, 16) if m <= SMALL_M else (32, next_power_of_2(m)) if m <= MID_M else (128, 256)
     return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS_PER_ITER=max(1, bk // group_size), SPLIT_K=sk,
                  SWIZZLE=8 if m > MID_M else 1, SWAP=True, num_warps=w, num_stages=st)

@@ -16,10 +16,7 @@ import triton  # noqa: E402
 
 from brrr.bench.latency import emit  # noqa: E402
 from brrr.kernels import quant_matmul as qm  # noqa: E402
-from brrr.quant import formats  # noqa: E402
-from brrr.quant.linear import QuantLinear  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "q/o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from quant_decode_sweep import BF16, SHAPES, quant_linears  # noqa: E402  (this folder)
 
 
 def main(argv=None) -> int:
@@ -29,11 +26,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     machine = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-        q = QuantLinear("int4", formats.quantize_int4(w, 128), k, n, None, dtype=torch.bfloat16)
+    for name, (n, k) in ((s, SHAPES[s]) for s in SHAPES if s != "lm_head"):
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=BF16) * 0.02
+        (q,), _ = quant_linears("int4", [w])
         for m in args.m:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
             bf16_us = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50) * 1e3
             qm.TIMINGS.clear()
             qm._TUNED.clear()

@@ -1217,10 +1217,11 @@ MMA_CONFIGS = [(64, 4, "auto4", False, 4, False), (64, 4, "auto8", True, 4, Fals
 # GEMV candidates for M <= GEMV_M, appended after the split-K ones (the default stays the split-K config; the tuner
 # picks per shape): (BLOCK_N, 16-byte chunks per row per step, SPLIT_K, warps, L2 prefetch distance in loop steps
 # or 0). STAGES (Triton's software pipelining of the K loop through shared memory) stays 1: 2 and 3 ran up to 24%
-# slower on the H200 and never gave a shape's fastest candidate (bench/results/quant_decode_sweep_h200.jsonl). Rows of W per thread R = BLOCK_N * CHUNKS / (32 *
-# warps): a thread's x loads and conversions are shared by its R rows, and fewer chunks per step (int4) share a
-# group's scale and zeros over more codes, at the cost of registers (R * M accumulators), so larger M keeps the
-# smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16): int4 g128 3.9-4.4, int8 3.8-4.1.
+# slower on the H200 and never gave a shape's fastest candidate (bench/results/quant_decode_sweep_h200.jsonl).
+# Rows of W per thread R = BLOCK_N * CHUNKS / (32 * warps): a thread's x loads and conversions are shared by its R rows,
+# and fewer chunks per step (int4) share a group's scale and zeros over more codes, at the cost of registers (R * M
+# accumulators), so larger M keeps the smaller R. Instructions per weight in the main loop (sm_90 SASS, M = 1, bf16):
+# int4 g128 3.9-4.4, int8 3.8-4.1.
 GEMV_M = 4
 GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto4", 2, 0), (128, 2, "auto8", 2, 0),
                 (128, 4, "auto8", 2, 0), (64, 4, "auto8", 2, 0), (512, 4, "auto", 8, 0), (256, 4, "auto4", 4, 4),
@@ -1231,9 +1232,10 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 # issued before this one computes, KW warps splitting a program's K range). On the H200 these ran slower for int4
 # and are not candidates: two groups ahead (5-40%), two groups an iteration in registers of their own (fewer
 # instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW), the weights by TMA
-# through tensor descriptors in a pipelined loop (1.35-1.8x) (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl,
-# gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.jsonl, gemv_timeline_stages_h200.jsonl,
-# quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl). BLOCK_N / 2 x KW is a multiple of
+# through tensor descriptors in a pipelined loop (1.35-1.8x), a TMA ring fed by a producer warp in Gluon (1.04-1.16x)
+# (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.
+# jsonl, gemv_timeline_stages_h200.jsonl, quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl,
+# quant_ws_gemv_h200.jsonl). BLOCK_N / 2 x KW is a multiple of
 # 8 x warps (each tile's rows fill whole warps, 8 rows a warp) and KW divides warps (a warp's rows share a K
 # slice). KW > 1 sums a row's slices in shared memory at the program's end instead of across programs through the
 # workspace (split K's combine tail, ~1-1.5 us).

@@ -757,37 +757,31 @@ if triton is not None:
     # points load before this group is computed.
     def _mma_gemv_asm(one: str, magic: str, kind: str) -> str:
         """PTX for one thread's 4 words of tiles A and B ($8-$11, $12-$15): x at each word's low and high columns
-        ($16-$19, $20-$23, 8 bytes each), the rows' -(magic + z) ($24, $28), scales / 4 ($32, $36) and
-        accumulators ($40-$47 in, $0-$7 out; the group's sum goes to the first of each row's four). The weight MMAs
-        take magic + q as lop3 makes it, and the zero point comes out once a group: sum (q - z) x = sum (magic + q) x
-        - (magic + z) sum x. sum x is 4 more MMAs on the same x registers, x the left operand (word m's low columns
-        as rows 0-7, its high ones as rows 8-15) and ones the right: the quad's words cover the group once, so each
-        thread gets the whole sum, as it gets its rows' sums."""
+        ($16-$19, $20-$23, 8 bytes each), the rows' -(magic + z) pairs ($24, $28), scales / 4 ($32, $36) and
+        accumulators ($40-$47 in, $0-$7 out; the group's sum goes to the first of each row's four)."""
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind[:-2]}.{kind[:-2]}.f32"
         body = []
         for m in range(4):
-            tile_a = _word_nibbles_ptx(f"${8 + m}", ("t0", "t1", "u0", "u1"), ("t0", "t1", "u0", "u1"), (), magic,
-                                       kind)[:3]
-            tile_b = _word_nibbles_ptx(f"${12 + m}", ("v0", "v1", "y0", "y1"), ("v0", "v1", "y0", "y1"), (), magic,
-                                       kind)[:3]
+            tile_a = _word_nibbles_ptx(f"${8 + m}", ("t0", "t1", "u0", "u1"), ("t0", "t1", "u0", "u1"), ("$24",) * 4,
+                                       magic, kind)
+            tile_b = _word_nibbles_ptx(f"${12 + m}", ("v0", "v1", "y0", "y1"), ("v0", "v1", "y0", "y1"), ("$28",) * 4,
+                                       magic, kind)
             for a, b in zip(tile_a, tile_b):
                 body += a + b
-            body += [f"mov.b64 {{xa, xb}}, ${16 + m};", f"mov.b64 {{xc, xd}}, ${20 + m};",
+            body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
                      f"{mma} {{d0, d1, d2, d3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{d0, d1, d2, d3}};",
-                     f"{mma} {{d0, d1, d2, d3}}, {{u0, y0, u1, y1}}, {{xc, xd}}, {{d0, d1, d2, d3}};",
-                     f"{mma} {{g0, g1, g2, g3}}, {{xa, xc, xb, xd}}, {{one, one}}, {{g0, g1, g2, g3}};"]
-        head = [".reg .b32 zero, one, t0, t1, u0, u1, v0, v1, y0, y1, xa, xb, xc, xd;",
-                ".reg .f32 d0, d1, d2, d3, g0, g1, g2, g3;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
-        head += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3", "g0", "g1", "g2", "g3")]
-        tail = ["add.f32 g0, g0, g2;",
-                "fma.rn.f32 d0, $24, g0, d0;", "fma.rn.f32 d2, $28, g0, d2;",
-                "fma.rn.f32 $0, d0, $32, $40;", "fma.rn.f32 $4, d2, $36, $44;"]
-        tail += [f"mov.b32 ${i}, ${40 + i};" for i in (1, 2, 3, 5, 6, 7)]
+                     f"mov.b64 {{xa, xb}}, ${20 + m};",
+                     f"{mma} {{e0, e1, e2, e3}}, {{u0, y0, u1, y1}}, {{xa, xb}}, {{e0, e1, e2, e3}};"]
+        head = [".reg .b32 zero, one, t0, t1, u0, u1, v0, v1, y0, y1, xa, xb;",
+                ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+        head += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+        tail = ["add.f32 d0, d0, e0;", "add.f32 d2, d2, e2;", "fma.rn.f32 $0, d0, $32, $40;",
+                "fma.rn.f32 $4, d2, $36, $44;"] + [f"mov.b32 ${i}, ${40 + i};" for i in (1, 2, 3, 5, 6, 7)]
         return "{\n" + "\n".join(head + body + tail) + "\n}"
 
     _MMA_GEMV_BF16 = tl.constexpr(_mma_gemv_asm("0x3F803F80", "0x43004300", "bf16x2"))
     _MMA_GEMV_F16 = tl.constexpr(_mma_gemv_asm("0x3C003C00", "0x64006400", "f16x2"))
-    _MMA_GEMV_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 8 + ["f"] * 24))
+    _MMA_GEMV_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8 + ["f"] * 16))
 
     @triton.jit
     def _mma_gemv_group(acc, w, z, s, words, g, X):
@@ -837,9 +831,11 @@ if triton is not None:
         DTYPE: tl.constexpr = X.dtype.element_ty
         if FAST:
             BIAS: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
+            ha = (-(z_a + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hb = (-(z_b + BIAS)).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             args = [wa, wb, _rows_of(x_lo, wa), _rows_of(x_hi, wa),
-                    tl.broadcast_to((-(z_a + BIAS))[:, None], wa.shape),
-                    tl.broadcast_to((-(z_b + BIAS))[:, None], wa.shape),
+                    tl.broadcast_to((ha | (ha << 16))[:, None], wa.shape),
+                    tl.broadcast_to((hb | (hb << 16))[:, None], wa.shape),
                     tl.broadcast_to((s_a * 0.25)[:, None], wa.shape), tl.broadcast_to((s_b * 0.25)[:, None], wa.shape),
                     acc_a, acc_b]
             # one call per asm: Triton 3.6 cannot select the asm string

@@ -51,8 +51,9 @@ def bench_us(fn) -> float:
 
 
 def quant_linear(fmt: str, w: torch.Tensor) -> QuantLinear:
-    t = formats.quantize_int4(w, 128) if fmt == "int4" else formats.quantize_int8(w)
-    return QuantLinear(fmt, t, w.shape[1], w.shape[0], None, dtype=BF16)
+    quantize = {"int4": lambda: formats.quantize_int4(w, 128), "int8": lambda: formats.quantize_int8(w),
+                "fp8": lambda: formats.quantize_fp8(w)}
+    return QuantLinear(fmt, quantize[fmt](), w.shape[1], w.shape[0], None, dtype=BF16)
 
 
 def stored_bytes(module) -> int:
@@ -67,6 +68,8 @@ def section_gemm(args, machine):
         variants = {"bf16": weights}
         variants["w8a16"] = [quant_linear("int8", w) for w in weights]
         variants["w4a16-g128"] = [quant_linear("int4", w) for w in weights]
+        if args.gemm_fp8:
+            variants["fp8-w8a16"] = [quant_linear("fp8", w) for w in weights]
         for m in args.gemm_m:
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             base = None
@@ -159,7 +162,8 @@ def section_decode(args, machine, bandwidth):
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
         if variant != "bf16":
-            method = "rtn-int8" if variant.startswith("w8a16") else "rtn-int4"
+            method = {"w8a16": "rtn-int8", "w4a16": "rtn-int4", "fp8": "fp8", "fp8-w8a8": "fp8-w8a8"}[
+                variant.removesuffix("-lmhead").removesuffix("-g128-unpacked").removesuffix("-g128")]
             quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
             if not variant.endswith("-unpacked"):
                 pack_quantized_projections(model)
@@ -225,9 +229,11 @@ def main(argv=None) -> int:
                    choices=["gemm", "prefill", "decode"])
     p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
                    choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked", "w8a16-lmhead",
-                            "w4a16-g128-lmhead"],
+                            "w4a16-g128-lmhead", "fp8", "fp8-lmhead", "fp8-w8a8"],
                    help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only; "
-                        "-lmhead: lm_head quantized too, `brrr quantize --lm-head`)")
+                        "-lmhead: lm_head quantized too, `brrr quantize --lm-head`; fp8: E4M3 weights with a "
+                        "scale a row, weight-only; fp8-w8a8: and E4M3 activations a token, `torch._scaled_mm`)")
+    p.add_argument("--gemm-fp8", action="store_true", help="gemm section: weight-only FP8 too")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="decode batch sizes")
     p.add_argument("--gemm-m", nargs="+", type=int, default=[1, 16, 64, 256], help="rows of x in the gemm section")
     p.add_argument("--prompt-len", type=int, default=5)

@@ -242,6 +242,11 @@ if triton is not None:
             w = q.to(tl.float32).to(DTYPE)
         return w
 
+    @triton.jit
+    def _fp8_to(q, DTYPE: tl.constexpr):
+        """E4M3 bytes (read as int8) -> their exact values in DTYPE."""
+        return q.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+
     @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for every M and split, not one for M = 1
     def _w4a16_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k, stride_pc,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -334,7 +339,8 @@ if triton is not None:
     def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                       SWIZZLE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, FP8: tl.constexpr = False):
+        """FP8: the bytes are E4M3 codes (weight-only FP8), not int8."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, SWIZZLE)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -351,7 +357,7 @@ if triton is not None:
             k_mask = (t * BLOCK_K + offs_k) < K
             x = tl.load(x_ptrs + t * BLOCK_K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             q = tl.load(q_ptrs + t * (BLOCK_K // 64) * stride_pc, mask=n_mask[:, None] & k_mask[None, :], other=0)
-            w = _int8_to(q, X.dtype.element_ty, FAST)
+            w = _fp8_to(q, X.dtype.element_ty) if FP8 else _int8_to(q, X.dtype.element_ty, FAST)
             acc = _dot(x, w, acc, IEEE)
         s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         _store(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
@@ -1024,7 +1030,22 @@ if triton is not None:
                     f"fma.rn.{kind} {reg}, sg, nego, l7;"]
         return out
 
-    def _mma_gemv8_asm(nego: str, magic: str, kind: str) -> str:
+    def _word_fp8_ptx(word: str, lo: str, hi: str, kind: str) -> list[str]:
+        """PTX turning one word of 4 E4M3 bytes into the exact pairs (b0, b1) in `lo` and (b2, b3) in `hi`. fp16:
+        one cvt a pair. bf16 has no such cvt on sm_90: each byte goes to the top of a 16-bit half (prmt), its low 7
+        bits move down under bf16's exponent and mantissa (E4M3's 4 + 3 bits as the low bits of bf16's 8 + 7), the
+        sign stays, and a multiply by 2^120 moves E4M3's exponent bias (7) to bf16's (127); E4M3's subnormals are
+        bf16 subnormals there, exact too. Needs registers `zero` (0), `big` (2^120, bf16) and scratch `sg`; fp16
+        needs 16-bit `h0`, `h1`."""
+        if kind == "f16x2":
+            return [f"mov.b32 {{h0, h1}}, {word};", f"cvt.rn.f16x2.e4m3x2 {lo}, h0;", f"cvt.rn.f16x2.e4m3x2 {hi}, h1;"]
+        out = []
+        for reg, sel in ((lo, "0x1404"), (hi, "0x3424")):
+            out += [f"prmt.b32 {reg}, {word}, zero, {sel};", f"shr.b32 sg, {reg}, 4;", "and.b32 sg, sg, 0x07F007F0;",
+                    f"lop3.b32 {reg}, {reg}, 0x80008000, sg, 0xEA;", f"fma.rn.bf16x2 {reg}, {reg}, big, nzero;"]
+        return out
+
+    def _mma_gemv8_asm(nego: str, magic: str, kind: str, fp8: bool = False) -> str:
         """PTX for one step: a thread's 4 words of tiles A and B ($8-$11, $12-$15), x at each word's 4 columns
         ($16-$19, 8 bytes each), accumulators $20-$27 in and $0-$7 out (each row's running sum in the first of a
         thread's four; the MMA's C operand, so no add per step)."""
@@ -1032,12 +1053,16 @@ if triton is not None:
         body = []
         for m in range(4):
             d = "d" if m % 2 == 0 else "e"  # two accumulator chains
-            body += _word_bytes_ptx(f"${8 + m}", "t0", "t1", magic, kind)
-            body += _word_bytes_ptx(f"${12 + m}", "v0", "v1", magic, kind)
+            if fp8:
+                body += _word_fp8_ptx(f"${8 + m}", "t0", "t1", kind) + _word_fp8_ptx(f"${12 + m}", "v0", "v1", kind)
+            else:
+                body += _word_bytes_ptx(f"${8 + m}", "t0", "t1", magic, kind)
+                body += _word_bytes_ptx(f"${12 + m}", "v0", "v1", magic, kind)
             body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
                      f"{mma} {{{d}0, {d}1, {d}2, {d}3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{{d}0, {d}1, {d}2, {d}3}};"]
-        head = [".reg .b32 zero, nego, t0, t1, v0, v1, l7, sg, xa, xb;",
+        head = [".reg .b32 zero, nego, big, nzero, t0, t1, v0, v1, l7, sg, xa, xb;", ".reg .b16 h0, h1;",
                 ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 nego, {nego};",
+                "mov.b32 big, 0x7B807B80;", "mov.b32 nzero, 0x80008000;",
                 "mov.f32 d0, $20;", "mov.f32 d2, $24;"]
         head += [f"mov.f32 {r}, 0f00000000;" for r in ("d1", "d3", "e0", "e1", "e2", "e3")]
         tail = ["add.f32 $0, d0, e0;", "add.f32 $4, d2, e2;"]
@@ -1046,15 +1071,26 @@ if triton is not None:
 
     _MMA_GEMV8_BF16 = tl.constexpr(_mma_gemv8_asm("0xBF80BF80", "0x43004300", "bf16x2"))
     _MMA_GEMV8_F16 = tl.constexpr(_mma_gemv8_asm("0xBC00BC00", "0x64006400", "f16x2"))
+    _MMA_GEMV8_FP8_BF16 = tl.constexpr(_mma_gemv8_asm("0xBF80BF80", "0x43004300", "bf16x2", fp8=True))
+    _MMA_GEMV8_FP8_F16 = tl.constexpr(_mma_gemv8_asm("0xBC00BC00", "0x64006400", "f16x2", fp8=True))
     _MMA_GEMV8_IO = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 8 + ["l"] * 4 + ["f"] * 8))
 
     @triton.jit
-    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr):
+    def _mma_gemv8_step(acc_a, acc_b, wa, wb, x, step, X, words, FAST: tl.constexpr, FP8: tl.constexpr):
         """One 64-column step of both tiles into their accumulators (each thread's first accumulator of a row holds
-        the row's running sum: a quarter of the row's total after the sum over its 16)."""
+        the row's running sum: a quarter of the row's total after the sum over its 16). FP8: E4M3 bytes."""
         if FAST:
             args = [wa, wb, _rows_of(x, wa), acc_a, acc_b]
-            if X.dtype.element_ty == tl.bfloat16:  # one call per asm: Triton 3.6 cannot select the asm string
+            # one call per asm: Triton 3.6 cannot select the asm string
+            if X.dtype.element_ty == tl.bfloat16 and FP8:
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_FP8_BF16, constraints=_MMA_GEMV8_IO,
+                                                         args=args, dtype=(tl.float32, tl.float32), is_pure=True,
+                                                         pack=4)
+            elif FP8:
+                acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_FP8_F16, constraints=_MMA_GEMV8_IO,
+                                                         args=args, dtype=(tl.float32, tl.float32), is_pure=True,
+                                                         pack=4)
+            elif X.dtype.element_ty == tl.bfloat16:
                 acc_a, acc_b = tl.inline_asm_elementwise(asm=_MMA_GEMV8_BF16, constraints=_MMA_GEMV8_IO, args=args,
                                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
             else:
@@ -1065,12 +1101,19 @@ if triton is not None:
             part_b = tl.zeros((wa.shape[0],), dtype=tl.float32)
             for b in tl.static_range(4):
                 xv = tl.load(X + step * 64 + words[None, :] * 4 + b).to(tl.float32)
-                part_a += tl.sum(((wa << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
-                part_b += tl.sum(((wb << (24 - 8 * b)) >> 24).to(tl.float32) * xv, axis=1)
+                part_a += tl.sum(_byte_value((wa << (24 - 8 * b)) >> 24, FP8) * xv, axis=1)
+                part_b += tl.sum(_byte_value((wb << (24 - 8 * b)) >> 24, FP8) * xv, axis=1)
             first = words[None, :] % 4 == 0
             acc_a += tl.where(first, part_a[:, None], 0.0)
             acc_b += tl.where(first, part_b[:, None], 0.0)
         return acc_a, acc_b
+
+    @triton.jit
+    def _byte_value(b, FP8: tl.constexpr):
+        """A sign-extended byte (int32) as fp32: the int8 code, or the E4M3 value of its bits."""
+        if FP8:
+            return b.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return b.to(tl.float32)
 
     @triton.jit
     def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
@@ -1082,8 +1125,8 @@ if triton is not None:
                                stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
                                EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr,
-                               KW: tl.constexpr):
-        """M = 1, K a multiple of 64. Q: int8 [N, K] as int32 words, word column c of row n at n * stride_qn +
+                               KW: tl.constexpr, FP8: tl.constexpr = False):
+        """M = 1, K a multiple of 64. Q: int8 (FP8: E4M3) [N, K] as int32 words, word column c of row n at n * stride_qn +
         (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices (KW) as in the
         int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait (they are
         constants), so under PDL their latency overlaps the previous kernel."""
@@ -1110,7 +1153,7 @@ if triton is not None:
                 _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
                 nxt = tl.minimum(t + 2, last)
                 third = (tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc))
-                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, tl.load(x8 + t * 16), t, xs, words, FAST)
+                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, tl.load(x8 + t * 16), t, xs, words, FAST, FP8)
                 wa, wb = second
                 second = third
         else:
@@ -1120,7 +1163,7 @@ if triton is not None:
                 nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
                 if AHEAD:  # step t + 1 loads while t computes
                     ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
-                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST)
+                acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST, FP8)
                 wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         _mma_gemv_store(_slice_sums(acc_a, s_a, KW), _slice_sums(acc_b, s_b, KW), B, Y, WS, LOCKS, M, N, stride_ym,
@@ -1149,7 +1192,7 @@ if triton is not None:
 
     @triton.jit
     def _dequant_w8_kernel(Q, S, W, N, K, stride_qn, stride_pc, stride_wn, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, FP8: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
@@ -1159,8 +1202,8 @@ if triton is not None:
         q = tl.load(Q + rows * stride_qn + pid_k * (BLOCK_K // 64) * stride_pc + _chunk_cols(cols, stride_pc)[None, :],
                     mask=mask, other=0)
         s = tl.load(S + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(W + rows * stride_wn + offs_k[None, :], (q.to(tl.float32) * s[:, None]).to(W.dtype.element_ty),
-                 mask=mask)
+        v = _fp8_to(q, tl.float32) if FP8 else q.to(tl.float32)
+        tl.store(W + rows * stride_wn + offs_k[None, :], (v * s[:, None]).to(W.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, QINV: tl.constexpr,
@@ -1308,11 +1351,13 @@ def w4_configs(m: int, group_size: int, gemv: bool = True) -> list[dict]:
     return tiled + mid + [DEQUANT] + _swap_configs(m, group_size)
 
 
-def w8_configs(m: int, gemv: bool = True, k: int | None = None) -> list[dict]:
-    """Candidates for the int8 kernel, the first the default; GEMV ones (M <= GEMV_M) and MMA GEMV ones (M = 1, K
-    a multiple of 64; k None: as if it were) last, when the weight can be read as int32 words (`gemv`)."""
+def w8_configs(m: int, gemv: bool = True, k: int | None = None, cuda_core: bool = True) -> list[dict]:
+    """Candidates for the int8 kernel, the first the default; GEMV ones (M <= GEMV_M; cuda_core False: none, FP8)
+    and MMA GEMV ones (M = 1, K a multiple of 64; k None: as if it were) last, when the weight can be read as int32
+    words (`gemv`)."""
     if m <= SMALL_M:
-        gemvs = _gemv_configs(m) + _mma_gemv8_configs(m, 64 if k is None else k) if gemv else []
+        gemvs = ((_gemv_configs(m) if cuda_core else []) + _mma_gemv8_configs(m, 64 if k is None else k)
+                 if gemv else [])
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWIZZLE=1, num_warps=w, num_stages=st)
                 for bn, bk, sk, w, st in SMALL_CONFIGS] + gemvs
     tiled = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2, SPLIT_K=1, SWIZZLE=8, num_warps=w, num_stages=st)
@@ -1501,14 +1546,17 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
 
 
 def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False):
-    """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64."""
+    """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64. A float8_e4m3fn qweight (weight-only FP8) runs
+    the same kernels on its bytes, converting E4M3 instead of int8 (no CUDA-core GEMV candidates)."""
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    qweight = qweight.view(torch.int8) if fp8 else qweight
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
     fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
-    consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting())
+    consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting(), FP8=fp8)
     words = _words(qweight)
 
     def run(cfg, qweight=qweight):  # qweight: a copy of the weight when the tuner times a chain
@@ -1518,7 +1566,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
         if gated and not cfg.get("MMA_GEMV"):
             raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
         if cfg.get("DEQUANT"):
-            return F.linear(x2, dequantize_w8_triton(qweight, scales, x.dtype), bias)
+            return F.linear(x2, _dequantize_w8(qweight, scales, x.dtype, fp8), bias)
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: K must be a multiple of 4")
         if cfg.get("MMA_GEMV"):
@@ -1528,9 +1576,11 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                            {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                            dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                                enable_fp_fusion=False),
+                                FP8=fp8, enable_fp_fusion=False),
                            extra=(_packed_strides(words)[1], TRACE))
         if _gemv(cfg):
+            if fp8:
+                raise ValueError("the CUDA-core GEMV reads int8 codes only; FP8 weights take the other kernels")
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=FAST_DEQUANT and not _interpreting(),
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)
             return _launch(_w8a16_gemv_kernel, x2, n, triton.cdiv(k, 16 * cfg["CHUNKS"]), x.dtype, cfg,
@@ -1539,8 +1589,9 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                        extra=(chunk_stride,))
 
     if config is None:
-        candidates = lambda: _mma_gemv8_configs(m, k) if gated else w8_configs(m, gemv=words is not None, k=k)  # noqa
-        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated)
+        candidates = lambda: (_mma_gemv8_configs(m, k) if gated  # noqa: E731
+                              else w8_configs(m, gemv=words is not None, k=k, cuda_core=not fp8))
+        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated, fp8)
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
     return run(config).view(*x.shape[:-1], n // 2 if gated else n)
 
@@ -1557,10 +1608,16 @@ def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.d
 
 
 def dequantize_w8_triton(qweight, scales, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` from int8 or float8_e4m3fn bytes (by rows or chunk-major) and row scales."""
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    return _dequantize_w8(qweight.view(torch.int8) if fp8 else qweight, scales, dtype, fp8)
+
+
+def _dequantize_w8(qweight, scales, dtype: torch.dtype, fp8: bool) -> torch.Tensor:
     n, k = qweight.shape[0], math.prod(qweight.shape[1:])
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     _dequant_w8_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](qweight, scales, w, n, k, *_packed_strides(qweight),
-                                                                  w.stride(0), BLOCK_N=32, BLOCK_K=256)
+                                                                  w.stride(0), BLOCK_N=32, BLOCK_K=256, FP8=fp8)
     return w
 
 

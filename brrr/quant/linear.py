@@ -6,7 +6,8 @@ It takes a format's tensors as a checkpoint stores them and keeps them in the la
        torch reference elsewhere)
   int8: stored `chunk_major` for `w8a16_matmul`, or as stored with activations="int8" (SmoothQuant W8A8) per-token int8
        activations through `torch._int_mm` (brrr/quant/w8a8.py)
-  fp8: as stored; weight-only dequantizes, activations="fp8" (FP8 W8A8) runs `torch._scaled_mm`
+  fp8: weight-only stored `chunk_major` with a scale per row for the W8A16 kernels (which convert E4M3 bytes where
+       they convert int8 ones), or as stored with activations="fp8" (FP8 W8A8): `torch._scaled_mm`
   nf4, act-order GPTQ: as stored; forward dequantizes the weight in torch (correct, not fast).
 `state_dict()` gives the checkpoint format back, so `save_quantized` writes what the loader reads.
 
@@ -47,8 +48,9 @@ class QuantLinear(nn.Module):
                       "zeros": None if symmetric else zeros.to(torch.uint8).contiguous()}
         else:
             kernel = dict(tensors)
-            if fmt == "int8" and activations is None:  # weight-only: the W8A16 kernels' layout
+            if fmt in ("int8", "fp8") and activations is None:  # weight-only: the W8A16 kernels' layout
                 kernel["qweight"] = chunk_major(kernel["qweight"])
+                kernel["scales"] = kernel["scales"].float().expand(out_features).contiguous()  # fp8 per tensor: [1]
         self.tensor_names = tuple(kernel)
         for name, t in kernel.items():
             self.register_buffer(name, t)
@@ -119,7 +121,7 @@ class QuantLinear(nn.Module):
             return run(x, self.qweight, self.scales, bias)
         if self.fmt == "int4":
             return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
-        if self.fmt == "int8":
+        if self.fmt in ("int8", "fp8"):
             return w8a16_matmul(x, self.qweight, self.scales, bias)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
@@ -129,7 +131,7 @@ class QuantLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.activations is None and self.fmt == "int4":
             return w4a16_gated_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
-        if self.activations is None and self.fmt == "int8":
+        if self.activations is None and self.fmt in ("int8", "fp8"):
             return w8a16_gated_matmul(x, self.qweight, self.scales, bias)
         return silu_and_mul(*self.forward(x).chunk(2, -1))
 

@@ -38,8 +38,9 @@ def _rel(got, want):
 def _linear(fmt, n, k, seed=0, group_size=128, symmetric=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    t = formats.quantize_int4(w, group_size, symmetric) if fmt == "int4" else formats.quantize_int8(w)
-    return QuantLinear(fmt, t, k, n, None, dtype=BF16)
+    quantize = {"int4": lambda: formats.quantize_int4(w, group_size, symmetric), "int8": lambda: formats.quantize_int8(w),
+                "fp8": lambda: formats.quantize_fp8(w)}
+    return QuantLinear(fmt, quantize[fmt](), k, n, None, dtype=BF16)
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B)
@@ -59,7 +60,7 @@ def test_a_quantized_lm_head_at_the_llama3_vocab(m):
 
 def _check_tuned_paths(n, k, m):
     x = torch.randn(m, k, device="cuda", dtype=BF16)
-    for fmt in ("int4", "int8"):
+    for fmt in ("int4", "int8", "fp8"):
         q = _linear(fmt, n, k)
         if fmt == "int4":
             args = (x, q.qweight, q.scales, q.zeros, 128)
@@ -77,9 +78,10 @@ def test_dequantize_kernels_are_the_reference_rounded_once(n, k):
         q = _linear("int4", n, k, group_size=group, symmetric=symmetric)
         got = qm.dequantize_w4_triton(q.qweight, q.scales, q.zeros, group, BF16)
         assert torch.equal(got, qm.dequantize_w4(q.qweight, q.scales, q.zeros, group).to(BF16))
-    q = _linear("int8", n, k)
-    assert torch.equal(qm.dequantize_w8_triton(q.qweight, q.scales, BF16),
-                       (q.qweight.reshape(n, k).float() * q.scales.float()[:, None]).to(BF16))
+    for fmt in ("int8", "fp8"):
+        q = _linear(fmt, n, k)
+        assert torch.equal(qm.dequantize_w8_triton(q.qweight, q.scales, BF16),
+                           (q.qweight.reshape(n, k).float() * q.scales.float()[:, None]).to(BF16))
 
 
 def _launchable(run):
@@ -186,12 +188,13 @@ def test_every_mma_gemv_candidate_at_8b_shapes(index, n, k):
 
 @pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)])
 @pytest.mark.parametrize("index", range(len(qm._mma_gemv8_configs(1, 4096))))
-def test_every_w8_mma_gemv_candidate_at_8b_shapes(index, n, k, monkeypatch):
-    """Each W8A16 MMA GEMV candidate (M = 1) on the chunk-major weight QuantLinear stores, bf16 with a bias and fp16
-    with split K forced: within 16-bit rounding of the reference; the codes are exact and the sums fp32, so the
-    portable path (FAST_DEQUANT off, plain fp32 sums) agrees closely too."""
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_every_w8_mma_gemv_candidate_at_8b_shapes(fmt, index, n, k, monkeypatch):
+    """Each W8A16 MMA GEMV candidate (M = 1) on the chunk-major weight QuantLinear stores, int8 or weight-only FP8,
+    bf16 with a bias and fp16 with split K forced: within 16-bit rounding of the reference; the codes are exact and
+    the sums fp32, so the portable path (FAST_DEQUANT off, plain fp32 sums) agrees closely too."""
     cfg = qm._mma_gemv8_configs(1, k)[index]
-    q = _linear("int8", n, k)
+    q = _linear(fmt, n, k)
     assert q.qweight.dim() == 3  # chunk-major
     bias = torch.randn(n, device="cuda", dtype=BF16)
     x = torch.randn(1, k, device="cuda", dtype=BF16)
@@ -293,7 +296,7 @@ def test_chain_tuning_times_every_candidate_over_weight_copies():
     assert len({c.data_ptr() for c in copies}) == len(copies)
     del copies
     x = torch.randn(1, 4096, device="cuda", dtype=BF16)
-    key = ("w8", 1, 4096, 4096, BF16, False, True, False)
+    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False)
     qm._TUNED.pop(key, None)
     got = qm.w8a16_matmul(x, q.qweight, q.scales)
     timed = qm.TIMINGS[key]
@@ -386,7 +389,7 @@ def test_quantized_default_model_engine_matches_reference_generation(quantized_d
                                                                                ignore_eos=True)))
 
 
-@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4", "smoothquant", "fp8-w8a8"])
+@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4", "fp8", "smoothquant", "fp8-w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_quantized_model_triton_kernels_match_reference_logits(quantized_default, method, dtype):
     """The same quantized model, the same prompt, Triton kernels (prefill: tiled path; one-row call: decode path)
@@ -412,7 +415,7 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
         assert _rel(logits(rows), want[rows]) < tol, (method, rows, "packed")
 
 
-@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "smoothquant"])
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "fp8", "smoothquant"])
 def test_cuda_graph_decode_through_the_quant_kernels_agrees_with_eager_decode(quantized_default, method):
     """Triton everywhere, packed projections, fp32: the captured graphs replay the quant kernels (split K and its
     arrival counts included). Token 0 comes from the (eager) prefill, token 1 from the first decode step, replayed

@@ -405,6 +405,45 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
         assert _rel(got, want) < 8e-3
 
 
+def _fp8_problem(m, n=40, k=512, dtype=torch.float32, seed=0):
+    """E4M3 weights holding every finite code (subnormals, both zeros, +-448) and a scale per row."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=g)
+    codes[:2, :256] = torch.arange(256)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN: the quantizer never writes one
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.rand(n, generator=g) * 0.01 + 1e-3
+    return torch.randn(m, k, generator=g).to(dtype), q, scales, torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_weights_run_every_w8_family_but_the_cuda_core_gemv(device, dtype):
+    """Weight-only FP8 (float8_e4m3fn bytes, chunk-major) through the W8A16 kernels: tensor-core decode, the MMA
+    GEMV (one warp a K slice and K split across warps), tiled, mid-M split K and dequantize, against the reference
+    on E4M3's every finite code. On the GPU in bf16 the MMA GEMV converts by bit moves and a multiply by 2^120
+    (E4M3's subnormals pass through bf16's), in fp16 by cvt."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter's portable paths are covered in fp32")
+    x, q, scales, bias = (t.to(device) for t in _fp8_problem(33, dtype=dtype))
+    chunked = qm.chunk_major(q)
+    mma = qm._mma_gemv8_configs(1, 512)
+    cases = [(1, dict(mma[0], SPLIT_K=2)), (1, next(c for c in mma if c["KW"] > 1)), (3, qm.w8_configs(3)[0]),
+             (17, qm.w8_configs(17)[0]), (33, dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3)),
+             (33, qm.DEQUANT)]
+    for m, cfg in cases:
+        got = qm.w8a16_matmul_triton(x[:m], chunked, scales, bias, config=cfg)
+        want = qm.w8a16_matmul_ref(x[:m].float(), q, scales, bias.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=str(cfg))
+        else:
+            assert got.dtype == dtype and _rel(got, want) < 8e-3, cfg
+    exact = qm.dequantize_w8_triton(chunked, scales, torch.float32).cpu()
+    assert torch.equal(exact, q.cpu().float() * scales.cpu()[:, None])
+    assert not any("CHUNKS" in c for c in qm.w8_configs(1, k=512, cuda_core=False))
+    with pytest.raises(ValueError, match="CUDA-core GEMV reads int8 codes only"):
+        qm.w8a16_matmul_triton(x[:1], chunked, scales, config=_gemv(1, 0))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_mma_gemv_warps_split_k_within_a_program(device, fmt):
     """KW > 1: a program's warps take equal K slices and sum them in shared memory. Every such candidate, alone and

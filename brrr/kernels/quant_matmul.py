@@ -1126,10 +1126,10 @@ if triton is not None:
                                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
                                EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr,
                                KW: tl.constexpr, FP8: tl.constexpr = False):
-        """M = 1, K a multiple of 64. Q: int8 (FP8: E4M3) [N, K] as int32 words, word column c of row n at n * stride_qn +
-        (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices (KW) as in the
-        int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait (they are
-        constants), so under PDL their latency overlaps the previous kernel."""
+        """M = 1, K a multiple of 64. Q: int8 (FP8: E4M3) [N, K] as int32 words, word column c of row n at
+        n * stride_qn + (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices
+        (KW) as in the int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait
+        (they are constants), so under PDL their latency overlaps the previous kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         per = tl.maximum(s_end - s_begin, 0) // KW
         last = tl.maximum(per - 1, 0)

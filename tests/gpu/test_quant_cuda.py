@@ -38,8 +38,8 @@ def _rel(got, want):
 def _linear(fmt, n, k, seed=0, group_size=128, symmetric=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    quantize = {"int4": lambda: formats.quantize_int4(w, group_size, symmetric), "int8": lambda: formats.quantize_int8(w),
-                "fp8": lambda: formats.quantize_fp8(w)}
+    quantize = {"int4": lambda: formats.quantize_int4(w, group_size, symmetric),
+                "int8": lambda: formats.quantize_int8(w), "fp8": lambda: formats.quantize_fp8(w)}
     return QuantLinear(fmt, quantize[fmt](), k, n, None, dtype=BF16)
 
 

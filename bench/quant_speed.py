@@ -162,8 +162,8 @@ def section_decode(args, machine, bandwidth):
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
         if variant != "bf16":
-            method = {"w8a16": "rtn-int8", "w4a16": "rtn-int4", "fp8": "fp8", "fp8-w8a8": "fp8-w8a8"}[
-                variant.removesuffix("-lmhead").removesuffix("-g128-unpacked").removesuffix("-g128")]
+            method = next(m for prefix, m in (("fp8-w8a8", "fp8-w8a8"), ("fp8", "fp8"), ("w8a16", "rtn-int8"),
+                                               ("w4a16", "rtn-int4")) if variant.startswith(prefix))
             quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
             if not variant.endswith("-unpacked"):
                 pack_quantized_projections(model)

@@ -1060,10 +1060,12 @@ if triton is not None:
                 body += _word_bytes_ptx(f"${12 + m}", "v0", "v1", magic, kind)
             body += [f"mov.b64 {{xa, xb}}, ${16 + m};",
                      f"{mma} {{{d}0, {d}1, {d}2, {d}3}}, {{t0, v0, t1, v1}}, {{xa, xb}}, {{{d}0, {d}1, {d}2, {d}3}};"]
-        head = [".reg .b32 zero, nego, big, nzero, t0, t1, v0, v1, l7, sg, xa, xb;", ".reg .b16 h0, h1;",
-                ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", "mov.b32 zero, 0;", f"mov.b32 nego, {nego};",
-                "mov.b32 big, 0x7B807B80;", "mov.b32 nzero, 0x80008000;",
-                "mov.f32 d0, $20;", "mov.f32 d2, $24;"]
+        # fp8: `_word_fp8_ptx`'s registers too (2^120 and -0.0 as bf16 pairs, the fp16 cvt's 16-bit halves)
+        fp8_regs = [".reg .b32 big, nzero;", ".reg .b16 h0, h1;"] if fp8 else []
+        fp8_movs = ["mov.b32 big, 0x7B807B80;", "mov.b32 nzero, 0x80008000;"] if fp8 else []
+        head = [".reg .b32 zero, nego, t0, t1, v0, v1, l7, sg, xa, xb;",
+                ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;", *fp8_regs, "mov.b32 zero, 0;", f"mov.b32 nego, {nego};",
+                *fp8_movs, "mov.f32 d0, $20;", "mov.f32 d2, $24;"]
         head += [f"mov.f32 {r}, 0f00000000;" for r in ("d1", "d3", "e0", "e1", "e2", "e3")]
         tail = ["add.f32 $0, d0, e0;", "add.f32 $4, d2, e2;"]
         tail += [f"mov.b32 ${i}, ${20 + i};" for i in (1, 2, 3, 5, 6, 7)]

@@ -9,8 +9,10 @@ kernel (`attention.DECODE_ROPE`); the MMA GEMVs releasing the next kernel only f
 from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); without the MMA GEMV candidates whose warps
 split K (`quant_matmul.K_SLICE_WARPS`, tuned again); the RMSNorm weight read after the wait
 (`rms_norm.EARLY_WEIGHT`); without either fusion; off again (drift check); and two ablations that skip the
-RMSNorms or attention (wrong outputs: the most fusing or shortening them could save); the GEMV configs tuned
-again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
+RMSNorms or attention (wrong outputs: the most fusing or shortening them could save), and the same kernels replaced
+by copy kernels (the floor of a kernel in their place); decode attention variants (part sizes, warps, register caps)
+and the q/k/v GEMV releasing attention at its last K step; the GEMV configs tuned again, in a chain
+(`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -23,15 +25,19 @@ import importlib
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from brrr.bench.latency import emit, run_batch
 from brrr.bench.timing import replay_time_us, step_kernels
 from brrr.kernels import pdl
+from brrr.kernels.pdl import wait_previous
 from brrr.kernels import quant_matmul as qm
 from brrr.models import llama
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 norm = importlib.import_module("brrr.kernels.rms_norm")  # and one of this name
+TUNED_RELEASE: dict = {}  # the q/k/v GEMV's tuned release point, per tuning key (the `qkv-release` setting)
 ORIGINAL = {name: getattr(llama, name) for name in ("rms_norm", "add_rms_norm", "attention")}
 
 # name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel in
@@ -55,15 +61,55 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "retune": ("pdl, configs tuned again in a chain", {"RETUNE": True}),
             # ablations, wrong outputs, timing only: what the step would save at most if these kernels cost nothing
             "skip-norm": ("pdl, RMSNorms skipped (ablation)", {"ABLATE": "norm"}),
-            "skip-attn": ("pdl, attention skipped (ablation)", {"ABLATE": "attn"})}
+            "skip-attn": ("pdl, attention skipped (ablation)", {"ABLATE": "attn"}),
+            # floors: each replaced by the least kernel in its place (PDL wait, then one L2 read and write of its
+            # output's size), so "floor" minus "skip" is the dependency and "pdl" minus "floor" the kernel's own work
+            "floor-attn": ("pdl, attention as a copy kernel (floor)", {"ABLATE": "floor-attn"}),
+            "floor-norm": ("pdl, RMSNorms as copy kernels (floor)", {"ABLATE": "floor-norm"}),
+            "qkv-release": ("pdl, the q/k/v GEMV releasing attention at its last K step", {"QKV_RELEASE": True}),
+            "part128-w8": ("pdl, RoPE decode parts of 128 keys, 8 warps", {"ROPE_PART": 128, "ROPE_TILE_WARPS": 8}),
+            "part256-w8": ("pdl, RoPE decode parts of 256 keys, 8 warps", {"ROPE_PART": 256, "ROPE_TILE_WARPS": 8}),
+            "part256-w16": ("pdl, RoPE decode parts of 256 keys, 16 warps",
+                            {"ROPE_PART": 256, "ROPE_TILE_WARPS": 16}),
+            "part32-w4": ("pdl, RoPE decode parts of 32 keys, 4 warps", {"ROPE_PART": 32, "SPLIT_ROPE_WARPS": 4}),
+            "part16-w4": ("pdl, RoPE decode parts of 16 keys, 4 warps", {"ROPE_PART": 16, "SPLIT_ROPE_WARPS": 4}),
+            "part32-w8": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
+            "r96": ("pdl, decode kernel capped at 96 registers", {"DECODE_MAXNREG": 96}),
+            "r64": ("pdl, decode kernel capped at 64 registers", {"DECODE_MAXNREG": 64}),
+            "w4-r128": ("pdl, decode kernel 4 warps capped at 128 registers",
+                        {"DECODE_MAXNREG": 128, "SPLIT_ROPE_WARPS": 4})}
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
+          (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"),
+          (attention, "ROPE_TILE_WARPS"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (norm, "EARLY_WEIGHT"))}
 
 
+@triton.jit
+def _copy_kernel(X, Y, R, RES_OUT, n, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The floor of a kernel in the decode chain: wait for the previous one, let the next launch, copy n values (and
+    n of the residual: the fused norm's reads and writes, without the sum, so the stream stays bounded)."""
+    wait_previous(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+    if HAS_RESIDUAL:
+        tl.store(RES_OUT + offs, tl.load(R + offs, mask=offs < n), mask=offs < n)
+
+
+def _copy(x, residual=None, programs=1):
+    x = x.contiguous()
+    out, res = torch.empty_like(x), torch.empty_like(x) if residual is not None else None
+    block = triton.next_power_of_2(-(-x.numel() // programs))
+    mode = pdl.pdl_on(x)
+    _copy_kernel[(programs,)](x, out, residual if residual is not None else x, res if res is not None else out,
+                              x.numel(), HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=mode,
+                              num_warps=4, launch_pdl=mode > 0)
+    return out, res
+
+
 def _ablate(what: str | None):
-    """Swap the model's norms or attention for no-ops (None: put them back)."""
+    """Swap the model's norms or attention for no-ops or copy kernels (None: put them back)."""
     for name, fn in ORIGINAL.items():
         setattr(llama, name, fn)
     if what == "norm":
@@ -71,6 +117,11 @@ def _ablate(what: str | None):
         llama.add_rms_norm = lambda x, residual, weight, eps: (x, residual)
     elif what == "attn":
         llama.attention = lambda q, *args, **kwargs: q.reshape(q.shape[0], -1)
+    elif what == "floor-norm":  # one program, as the batch-1 norm
+        llama.rms_norm = lambda x, weight, eps: _copy(x)[0]
+        llama.add_rms_norm = lambda x, residual, weight, eps: _copy(x, residual)
+    elif what == "floor-attn":  # one program a kv head, as the decode kernel at short contexts
+        llama.attention = lambda q, k, *args, **kwargs: _copy(q, programs=k.shape[1])[0].reshape(q.shape[0], -1)
 
 
 def _brief(cfg: dict) -> str:
@@ -121,6 +172,10 @@ def main(argv=None) -> int:
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
             _ablate(changes.get("ABLATE"))
+            for k, c in qm._TUNED.items():  # the batch-1 q/k/v GEMV: released at its last K step, or as tuned
+                if k[1] == 1 and k[2] == cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim and c.get("MMA_GEMV"):
+                    tuned = TUNED_RELEASE.setdefault(k, c["LAST_STEP_RELEASE"])
+                    c["LAST_STEP_RELEASE"] = True if changes.get("QKV_RELEASE") else tuned
             if changes.get("RETUNE"):
                 qm._TUNED.clear()
                 for batch in args.batches:

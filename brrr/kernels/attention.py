@@ -200,6 +200,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _phase(TRACE, slot: tl.constexpr, after, GLOBAL: tl.constexpr = False):
+        """Benchmarks' phase stamps (`DECODE_TRACE`: int64 [programs, 8], None in the engine): the SM's cycle counter
+        (GLOBAL: the global ns clock), read once `after` (a value of the phase) is ready, in this program's slot."""
+        if TRACE is not None:
+            if GLOBAL:
+                t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after.to(tl.int32)],
+                                              dtype=tl.int64, is_pure=False, pack=1)
+            else:
+                t = tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [after.to(tl.int32)],
+                                              dtype=tl.int64, is_pure=False, pack=1)
+            pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+            tl.store(TRACE + pid * 8 + slot, t)
+
+    @triton.jit
     def _paged_rows(BT, b, stride_bt, n, mask, kvh, block_size, stride_cb, stride_ct, stride_ch):
         """Element offset of key position n's row (one kv head) in a paged cache [blocks, block_size, kvh, D]."""
         blk = tl.load(BT + b * stride_bt + n // block_size, mask=mask, other=0).to(tl.int64)
@@ -224,10 +238,10 @@ if triton is not None:
         return ((x * c).to(dt).to(tl.float32) + (sign * xs * sn).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
+    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                        stride_kn, stride_kh, stride_vn, stride_vh, stride_cos,
-                       block_size, qk_scale, window, n_heads, num_splits, wave, min_part, long_part,
+                       qk_scale, window, n_heads, num_splits, wave, min_part, long_part, BLOCK_SIZE: tl.constexpr,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                        SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
@@ -243,6 +257,7 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        _phase(TRACE, 7, b, True)
         if not EARLY:
             wait_previous(PDL)
         # The step's lengths and block table are inputs, not the previous kernel's outputs: with EARLY they and the
@@ -260,7 +275,6 @@ if triton is not None:
         lo += split * part
         hi = tl.minimum(ctx, lo + part)
         n = lo + tl.arange(0, BLOCK_N)
-        rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         dm = d < HEAD_DIM
@@ -271,10 +285,13 @@ if triton is not None:
             hi = tl.where(new_key, hi - 1, hi)  # the new key comes from registers, after the loop
             if EARLY:  # so every cached key is an input too: the part's first tile is read before the wait
                 nm0 = n < hi
+                rows = _paged_rows(BT, b, stride_bt, n, nm0, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
                 kt0 = tl.load(KC + rows[None, :] + d[:, None], mask=nm0[None, :] & dm[:, None], other=0.0)
                 v0 = tl.load(VC + rows[:, None] + d[None, :], mask=nm0[:, None] & dm[None, :], other=0.0)
         if EARLY:
             wait_previous(PDL)
+        _phase(TRACE, 0, ctx, True)
+        _phase(TRACE, 1, ctx)
         if PDL == 3:  # a sequence in one part lets the next kernel launch now, a split one from its epilogue
             if parts == 1:
                 release_dependents(PDL)
@@ -293,6 +310,7 @@ if triton is not None:
             v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
         else:
             q = tl.load(q_ptrs + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        _phase(TRACE, 2, tl.sum(q.to(tl.float32)))
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -303,20 +321,20 @@ if triton is not None:
                 m_i, l_i, acc = _online_softmax_step(s0, m_i, l_i, acc, v0, PREC)
                 lo += BLOCK_N
                 n += BLOCK_N
-                rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
+                _phase(TRACE, 3, tl.sum(l_i))
         for start in range(lo, hi, BLOCK_N):
             nm = n < hi
+            rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
             kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
             n += BLOCK_N
-            rows = _paged_rows(BT, b, stride_bt, n, n < hi, kvh, block_size, stride_cb, stride_ct, stride_ch)
         if ROPE:
             if new_key:
                 if slot >= 0:  # a padded row has none
-                    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kvh * stride_ch + d
+                    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
                     tl.store(KC + dst, k_new, mask=dm)
                     tl.store(VC + dst, v_new, mask=dm)
                 # the new key as one more online-softmax step, from registers (p rounded as the dot's input is)
@@ -327,6 +345,7 @@ if triton is not None:
                 l_i = l_i * alpha + p_new
                 acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
                 m_i = m_new
+        _phase(TRACE, 4, tl.sum(l_i))
         if PDL == 3:
             if parts > 1:
                 release_dependents(PDL)
@@ -346,6 +365,8 @@ if triton is not None:
             if tl.atomic_add(count, 1, sem="acq_rel") == parts - 1:
                 _combine_parts(OP, MLP, base, parts, o_ptrs, o_mask, gm, d, BLOCK_G, BLOCK_D, UNROLL)
                 tl.atomic_xchg(count, 0, sem="relaxed")  # the next launch reads it after this one ends
+        _phase(TRACE, 5, ctx)
+        _phase(TRACE, 6, ctx, True)
 
     @triton.jit
     def _write_out(acc, l_i, o_ptrs, o_mask):
@@ -541,6 +562,9 @@ ROPE_PART = 64
 # alternating, ran faster with "wait": W8A16 + lm_head 417.9 against 416.2 tok/s, W4A16 589.4 against 586.4
 # (engine_ab_h200.jsonl; docs/quantization.md, "a replay's two levels", on why the two measurements disagree).
 DECODE_RELEASE = "wait"
+ROPE_TILE_WARPS: int | None = None  # warps of a RoPE-path decode program, split or not (benchmarks' A/B)
+DECODE_MAXNREG: int | None = None  # a register cap for the decode kernel (benchmarks' A/B)
+DECODE_TRACE: torch.Tensor | None = None  # bench/decode_phases.py: the decode kernel stamps its phases here (`_phase`)
 # Warps of a decode program on the RoPE path when a sequence is split (batch 1 on the H200): 8, the engine's W4A16 +
 # lm_head 591.3 against 586.4 tok/s with 4, 593.9 with "wait" too (engine_ab_h200.jsonl); other launches keep 4.
 SPLIT_ROPE_WARPS = 8
@@ -629,7 +653,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if _part_tiles(max_context_len, splits, wave, min_part, block_n, whole) <= 2:
         stages = 1
     num_stages = num_stages or stages
-    num_warps = num_warps or (SPLIT_ROPE_WARPS if early and splits > 1 else 4)
+    num_warps = num_warps or (ROPE_TILE_WARPS if early and ROPE_TILE_WARPS else
+                              SPLIT_ROPE_WARPS if early and splits > 1 else 4)
     group = n_heads // n_kv
     if splits > 1:
         partial = torch.empty(batch * n_heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -644,15 +669,15 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     # with rope, no FMA contraction: the rotation rounds where torch and the rotary kernel round
     _decode_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
-        k, v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k, v, cos, sin, slots, DECODE_TRACE, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        block_size, scale * LOG2E, sliding_window or 0, n_heads, splits, wave, min_part, DECODE_LONG_PART,
+        scale * LOG2E, sliding_window or 0, n_heads, splits, wave, min_part, DECODE_LONG_PART, BLOCK_SIZE=block_size,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
         EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=whole,
-        enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
+        enable_fp_fusion=rope is None, launch_pdl=pdl > 0, **({"maxnreg": DECODE_MAXNREG} if DECODE_MAXNREG else {}))
     return out
 
 

@@ -123,8 +123,9 @@ def test_decode_low_context_bound_still_reads_everything(device):
 def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits, window):
     """A step of decodes only (GQA 4:2, a padded row with context 0 and slot -1): q and k unrotated from a packed
     projection, rotated inside the decode kernel, the new k/v written to the cache by the part holding the last
-    position (split in 1-3 parts, 2 parts of 40 keys holding two tiles each, a sliding window). The cache ends bit for bit as the rotary kernel writes it
-    (rotations rounded as torch rounds them), the output within rounding of rotary + the plain decode kernel."""
+    position (split in 1-3 parts, 2 parts of 40 keys holding two tiles each, a sliding window). The cache ends bit
+    for bit as the rotary kernel writes it (rotations rounded as torch rounds them), the output within rounding of
+    rotary + the plain decode kernel."""
     skip_interpreted_bf16(device, dtype)
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin

@@ -19,6 +19,10 @@ from brrr.bench.latency import emit, run_batch
 ATTN = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 
 
+def med(values):
+    return round(statistics.median(values), 1) if values else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -70,9 +74,6 @@ def main(argv=None) -> int:
             rows = rows[rows[:, 0] > 0]  # programs that went past the wait
             worked = rows[rows[:, 5] > 0]  # ... and did a part's work
             t0 = int(rows[:, 0].min())
-
-            def med(values):
-                return round(statistics.median(values), 1) if values else None
 
             rec = {"bench": "decode_phases", "machine": machine, "variant": args.variant, "context": context,
                    "rope_part": ATTN.ROPE_PART, "tile_warps": args.tile_warps,

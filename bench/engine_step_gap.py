@@ -87,7 +87,7 @@ def between_graphs(trace: dict) -> dict:
 def profile(engine, cfg, new_tokens: int) -> dict:
     runner = engine.runner
     timed = {}
-    for table in (runner.graphs, runner.short_graphs):
+    for table in runner.graph_tables:
         for g, (graph, logits, meta) in table.items():
             timed[id(graph)] = TimedGraph(graph)
             table[g] = (timed[id(graph)], logits, meta)
@@ -105,7 +105,7 @@ def profile(engine, cfg, new_tokens: int) -> dict:
     events = [e for t in timed.values() for e in t.events]  # batch 1, bound 205: one graph, in replay order
     graph_us = [us for t in timed.values() for us in t.times_us()]
     cycle_us = [a[0].elapsed_time(b[0]) * 1e3 for a, b in zip(events, events[1:])]
-    for table in (runner.graphs, runner.short_graphs):  # put the graphs back
+    for table in runner.graph_tables:  # put the graphs back
         for g, (t, logits, meta) in table.items():
             table[g] = (t.graph, logits, meta)
     graph = runner.graphs[1][0]
@@ -144,7 +144,7 @@ def recapture(runner, max_len: int, name: str) -> None:
     for flag, (module, default) in FLAGS.items():
         setattr(module, flag, flags.get(flag, default))
     ATTN.decode_attention_triton = functools.partial(DECODE, **kwargs)
-    runner.graphs.clear(), runner.short_graphs.clear()
+    [table.clear() for table in runner.graph_tables]
     gc.collect(), torch.cuda.empty_cache()
     runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))
 

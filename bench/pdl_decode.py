@@ -10,9 +10,9 @@ from their last K step (`quant_matmul.LAST_STEP_RELEASE`, tuned again); without 
 split K (`quant_matmul.K_SLICE_WARPS`, tuned again); the RMSNorm weight read after the wait
 (`rms_norm.EARLY_WEIGHT`); without either fusion; off again (drift check); and two ablations that skip the
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save), and the same kernels replaced
-by copy kernels (the floor of a kernel in their place); decode attention variants (part sizes, warps, register caps)
-and the q/k/v GEMV releasing attention at its last K step; the GEMV configs tuned again, in a chain
-(`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
+by copy kernels (the floor of a kernel in their place); decode attention variants (the split kernel in place of
+the lean one, part sizes, warps, register caps) and the q/k/v GEMV releasing attention where tuned instead of at its
+last K step; the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
 batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -37,7 +37,6 @@ from brrr.models import llama
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 norm = importlib.import_module("brrr.kernels.rms_norm")  # and one of this name
-TUNED_RELEASE: dict = {}  # the q/k/v GEMV's tuned release point, per tuning key (the `qkv-release` setting)
 ORIGINAL = {name: getattr(llama, name) for name in ("rms_norm", "add_rms_norm", "attention")}
 
 # name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel in
@@ -66,7 +65,10 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             # output's size), so "floor" minus "skip" is the dependency and "pdl" minus "floor" the kernel's own work
             "floor-attn": ("pdl, attention as a copy kernel (floor)", {"ABLATE": "floor-attn"}),
             "floor-norm": ("pdl, RMSNorms as copy kernels (floor)", {"ABLATE": "floor-norm"}),
-            "qkv-release": ("pdl, the q/k/v GEMV releasing attention at its last K step", {"QKV_RELEASE": True}),
+            "floor-attn-lean": ("pdl, attention as a copy kernel holding a lean decode program's K/V tiles (floor)",
+                                {"ABLATE": "floor-attn-lean"}),
+            "qkv-as-tuned": ("pdl, the q/k/v GEMV releasing attention where tuned (no last-step hint)",
+                             {"EARLY_RELEASE_HINT": False}),
             "part128-w8": ("pdl, RoPE decode parts of 128 keys, 8 warps", {"ROPE_PART": 128, "ROPE_TILE_WARPS": 8}),
             "part256-w8": ("pdl, RoPE decode parts of 256 keys, 8 warps", {"ROPE_PART": 256, "ROPE_TILE_WARPS": 8}),
             "part256-w16": ("pdl, RoPE decode parts of 256 keys, 16 warps",
@@ -74,6 +76,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part32-w4": ("pdl, RoPE decode parts of 32 keys, 4 warps", {"ROPE_PART": 32, "SPLIT_ROPE_WARPS": 4}),
             "part16-w4": ("pdl, RoPE decode parts of 16 keys, 4 warps", {"ROPE_PART": 16, "SPLIT_ROPE_WARPS": 4}),
             "part32-w8": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
+            "split-attn": ("pdl, the split decode kernel at short contexts (no lean kernel)", {"LEAN_DECODE": False}),
+            "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
+            "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "r96": ("pdl, decode kernel capped at 96 registers", {"DECODE_MAXNREG": 96}),
             "r64": ("pdl, decode kernel capped at 64 registers", {"DECODE_MAXNREG": 64}),
             "w4-r128": ("pdl, decode kernel 4 warps capped at 128 registers",
@@ -82,29 +87,40 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"),
-          (attention, "ROPE_TILE_WARPS"),
-          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (norm, "EARLY_WEIGHT"))}
+          (attention, "ROPE_TILE_WARPS"), (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"),
+          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (norm, "EARLY_WEIGHT"))}
 
 
 @triton.jit
-def _copy_kernel(X, Y, R, RES_OUT, n, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _copy_kernel(X, Y, R, RES_OUT, KV, n, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                 KV_ROWS: tl.constexpr):
     """The floor of a kernel in the decode chain: wait for the previous one, let the next launch, copy n values (and
-    n of the residual: the fused norm's reads and writes, without the sum, so the stream stays bounded)."""
+    n of the residual: the fused norm's reads and writes, without the sum, so the stream stays bounded). KV_ROWS:
+    also a lean decode program's footprint, a [KV_ROWS, 128] K and V tile read before the wait and held past it."""
+    if KV_ROWS:
+        r = tl.arange(0, KV_ROWS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        k = tl.load(KV + r).to(tl.int16, bitcast=True)
+        v = tl.load(KV + KV_ROWS * 128 + r).to(tl.int16, bitcast=True)
     wait_previous(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+    x = tl.load(X + offs, mask=offs < n)
+    if KV_ROWS:  # both tiles reach the output through xor-reductions with a value read after the wait
+        s = tl.load(X).to(tl.int16, bitcast=True)
+        xs = tl.xor_sum(tl.ravel(k ^ s), 0) ^ tl.xor_sum(tl.ravel(v ^ s), 0)
+        x = tl.where(xs == 12345, x * 2, x)
+    tl.store(Y + offs, x, mask=offs < n)
     if HAS_RESIDUAL:
         tl.store(RES_OUT + offs, tl.load(R + offs, mask=offs < n), mask=offs < n)
 
 
-def _copy(x, residual=None, programs=1):
+def _copy(x, residual=None, programs=1, kv=None, warps=4):
     x = x.contiguous()
     out, res = torch.empty_like(x), torch.empty_like(x) if residual is not None else None
     block = triton.next_power_of_2(-(-x.numel() // programs))
     mode = pdl.pdl_on(x)
     _copy_kernel[(programs,)](x, out, residual if residual is not None else x, res if res is not None else out,
-                              x.numel(), HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=mode,
-                              num_warps=4, launch_pdl=mode > 0)
+                              kv if kv is not None else x, x.numel(), HAS_RESIDUAL=residual is not None, BLOCK=block,
+                              PDL=mode, KV_ROWS=256 if kv is not None else 0, num_warps=warps, launch_pdl=mode > 0)
     return out, res
 
 
@@ -122,6 +138,9 @@ def _ablate(what: str | None):
         llama.add_rms_norm = lambda x, residual, weight, eps: _copy(x, residual)
     elif what == "floor-attn":  # one program a kv head, as the decode kernel at short contexts
         llama.attention = lambda q, k, *args, **kwargs: _copy(q, programs=k.shape[1])[0].reshape(q.shape[0], -1)
+    elif what == "floor-attn-lean":  # as the lean decode kernel: a program a query head, its K/V tiles held
+        llama.attention = lambda q, k, v, meta, layer, *args, **kwargs: _copy(
+            q, programs=q.shape[1], kv=meta.kv_caches[layer][0], warps=8)[0].reshape(q.shape[0], -1)
 
 
 def _brief(cfg: dict) -> str:
@@ -172,15 +191,11 @@ def main(argv=None) -> int:
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
             _ablate(changes.get("ABLATE"))
-            for k, c in qm._TUNED.items():  # the batch-1 q/k/v GEMV: released at its last K step, or as tuned
-                if k[1] == 1 and k[2] == cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim and c.get("MMA_GEMV"):
-                    tuned = TUNED_RELEASE.setdefault(k, c["LAST_STEP_RELEASE"])
-                    c["LAST_STEP_RELEASE"] = True if changes.get("QKV_RELEASE") else tuned
             if changes.get("RETUNE"):
                 qm._TUNED.clear()
                 for batch in args.batches:
                     run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
-            runner.graphs.clear(), runner.short_graphs.clear()
+            [table.clear() for table in runner.graph_tables]
             gc.collect(), torch.cuda.empty_cache()
             runner.capture_cuda_graphs(seqs, -(-max_len // runner.block_size))
             _, decode_s = run_batch(engine, 1, prompt_len, args.new_tokens, cfg.vocab_size, seed=7)

@@ -53,7 +53,7 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
     engine = LLMEngine(model, None, EngineConfig(max_model_len=512, max_num_seqs=64, num_blocks=64 * 32 + 8,
                                                  pack_projections=packed))
     for b in (1, 8, 64):
-        ms = replay_time_us((engine.runner.short_graphs or engine.runner.graphs)[b][0]) / 1e3  # short contexts
+        ms = replay_time_us(engine.runner.graph_for(b, 1)[0]) / 1e3  # short contexts
         floor = decode_bytes_per_step(cfg, b, 1, "bf16") / gpu.bandwidth * 1e3
         emit({"section": "replay", "packed": packed, "batch": b, "gpu_ms_per_step": round(ms, 4),
               "roofline_ms": round(floor, 4), "fraction": round(floor / ms, 3)}, f)
@@ -63,9 +63,9 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
           "tok_s": round(199 / decode_s, 1)}, f)
     # The host alone: the same loop with the GPU's step removed (replay a no-op, logits left as they were).
     runner = engine.runner
-    real = (dict(runner.graphs), dict(runner.short_graphs))
+    real = [dict(table) for table in runner.graph_tables]
     noop = type("NoGraph", (), {"replay": lambda self: None})()
-    for graphs in (runner.graphs, runner.short_graphs):
+    for graphs in runner.graph_tables:
         for b, (g, logits, meta) in list(graphs.items()):
             graphs[b] = (noop, logits, meta)
     ttft, decode_s = run_batch(engine, 1, 5, 200, cfg.vocab_size, seed=2)
@@ -78,8 +78,8 @@ def engine_section(model, cfg, packed: bool, gpu, f, prof_dir):
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
         open(f"{prof_dir}/host_cprofile.txt", "w").write(s.getvalue())
-    runner.graphs.update(real[0])
-    runner.short_graphs.update(real[1])
+    for table, graphs in zip(runner.graph_tables, real):
+        table.update(graphs)
     if packed:  # a torch.profiler trace of real graph steps: GPU busy vs idle between steps
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:

@@ -8,7 +8,7 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
-from brrr.kernels.attention import SHORT_CONTEXT
+from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT, lean_decode_ok
 from brrr.kernels.graph_inputs import stage_decode_inputs
 
 
@@ -41,6 +41,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
         self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
+        self.lean_graphs: dict[int, tuple] = {}  # contexts <= LEAN_CONTEXT, small batches: the lean decode kernel
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
@@ -59,12 +60,14 @@ class ModelRunner:
         # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
         self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         pool = None
-        # Two graphs per size when contexts can outgrow SHORT_CONTEXT: one whose decode kernel is tiled for short
-        # contexts (bound SHORT_CONTEXT), replayed while the batch's longest context fits, and one for any context.
+        # Up to three graphs per size: one for any context, and while the bound is longer, one whose decode kernel
+        # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
+        # decode kernel for contexts <= LEAN_CONTEXT. A step replays the tightest one its longest context fits.
         bound = max_blocks * self.block_size
-        bounds = [None] + ([SHORT_CONTEXT] if bound > SHORT_CONTEXT else [])
+        cfg = self.model.config
         for g in reversed(sizes):
-            for short in bounds:
+            lean = lean_decode_ok(g, cfg.num_heads, cfg.head_dim, LEAN_CONTEXT, dev)
+            for short in [None] + [c for c in (SHORT_CONTEXT, LEAN_CONTEXT * lean) if bound > c > 0]:
                 meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
                                 block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
                                 context_lens_t=self.g_ctx[:g], max_context_len=short)
@@ -75,7 +78,21 @@ class ModelRunner:
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = (capture or _cuda_capture)(step, pool)
                 pool = graph.pool()
-                (self.graphs if short is None else self.short_graphs)[g] = (graph, logits, meta)
+                self._graph_table(short)[g] = (graph, logits, meta)
+
+    @property
+    def graph_tables(self) -> tuple[dict[int, tuple], ...]:
+        return self.graphs, self.short_graphs, self.lean_graphs
+
+    def _graph_table(self, bound: int | None) -> dict[int, tuple]:
+        return {None: self.graphs, SHORT_CONTEXT: self.short_graphs, LEAN_CONTEXT: self.lean_graphs}[bound]
+
+    def graph_for(self, size: int, longest: int) -> tuple:
+        """(graph, logits, meta) a step of `size` (a captured size) replays: the tightest bound its longest context
+        fits."""
+        bound = next(c for c in (LEAN_CONTEXT, SHORT_CONTEXT, None)
+                     if size in self._graph_table(c) and (c is None or longest <= c))
+        return self._graph_table(bound)[size]
 
     def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
@@ -96,8 +113,7 @@ class ModelRunner:
         rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
         stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
                             ids_from)
-        short = g in self.short_graphs and max(context_lens) <= SHORT_CONTEXT
-        graph, logits, _ = (self.short_graphs if short else self.graphs)[g]
+        graph, logits, _ = self.graph_for(g, max(context_lens))
         graph.replay()
         return logits[:b]
 

@@ -369,6 +369,80 @@ if triton is not None:
         _phase(TRACE, 6, ctx, True)
 
     @triton.jit
+    def _lean_decode_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
+                            stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
+                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PDL: tl.constexpr,
+                            ROPE: tl.constexpr):
+        """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
+        in one tile read before the PDL wait (the cache is an input), scores and weighted sum on CUDA cores in
+        fp32. No split, so no partials to combine through global memory, and no MMA operand round trips through
+        shared memory: after the wait only q (and the new k/v) are loaded. ROPE as in `_decode_kernel`; the first
+        query head of each kv head writes the new key and value to the cache. TRACE: `_phase` stamps (7 before the
+        wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4 weighted sum, 5-6 the end)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        _phase(TRACE, 7, b, True)
+        kvh = h // GROUP
+        q_row = tl.load(CU_Q + b)
+        single = tl.load(CU_Q + b + 1) - q_row == 1
+        ctx = tl.load(CTX + b)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, ctx - window)
+        hi = ctx
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        if ROPE:  # the new key (position ctx - 1) comes from registers
+            c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
+            slot = tl.load(SLOTS + q_row).to(tl.int64)
+            hi = tl.maximum(hi - 1, 0)
+        n = tl.arange(0, BLOCK_N)
+        nm = (n >= lo) & (n < hi)
+        rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
+        kv_mask = nm[:, None] & dm[None, :]
+        k = tl.load(KC + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VC + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        wait_previous(PDL)
+        _phase(TRACE, 0, ctx, True)
+        _phase(TRACE, 1, ctx)
+        if single:  # else a prefill chunk: the prefill kernel's
+            q_ptrs = Q + q_row.to(tl.int64) * stride_qn + h * stride_qh
+            if ROPE:
+                q = _rope(q_ptrs, d, dm, c, sn, swap, sign).to(tl.float32)
+                nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
+                k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
+                v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
+            else:
+                q = tl.load(q_ptrs + d, mask=dm, other=0.0).to(tl.float32)
+            _phase(TRACE, 2, tl.sum(q))
+            s = tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale
+            s = tl.where(nm, s, float("-inf"))
+            m = tl.max(s, 0)
+            if ROPE:
+                s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
+                m = tl.maximum(m, s_new)
+            m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
+            p = tl.math.exp2(s - m)
+            total = tl.sum(p, 0)
+            _phase(TRACE, 3, total)
+            acc = tl.sum(p[:, None] * v.to(tl.float32), 0)
+            _phase(TRACE, 4, tl.sum(acc))
+            if ROPE:
+                p_new = tl.math.exp2(s_new - m)
+                total += p_new
+                acc += p_new * v_new.to(tl.float32)
+                if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
+                    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
+                    tl.store(KC + dst, k_new, mask=dm)
+                    tl.store(VC + dst, v_new, mask=dm)
+            out = acc / tl.where(total == 0.0, 1.0, total)
+            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=dm)
+            _phase(TRACE, 5, ctx)
+            _phase(TRACE, 6, ctx, True)
+
+    @triton.jit
     def _write_out(acc, l_i, o_ptrs, o_mask):
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
@@ -570,6 +644,31 @@ DECODE_TRACE: torch.Tensor | None = None  # bench/decode_phases.py: the decode k
 SPLIT_ROPE_WARPS = 8
 
 
+# Steps of decodes on the RoPE path whose contexts are all at most LEAN_CONTEXT keys and whose batch x query heads
+# fit one wave take `_lean_decode_kernel`: one program a query head, the whole context in one tile read before the
+# PDL wait, no split to combine. The engine captures a graph bounded by it beside the others (model_runner). On the
+# H200 (bench/results/pdl_decode_lean_h200.jsonl, batch 1, contexts 6-204) the graph step against the split kernel:
+# W4A16 + lm_head 1633.3 against 1658.9 us, W8A16 + lm_head 2306.0 against 2328.8; 4 warps 1779, 16 warps 1703. The
+# plain path (bf16, after a cuBLAS GEMM) keeps the split kernel: lean 4405 against 4393 us. LEAN_DECODE False: the
+# split kernel everywhere (benchmarks' A/B); LEAN_WARPS: warps of a lean program (None: 8 past 128 keys, else 4).
+LEAN_CONTEXT = 256
+LEAN_DECODE = True
+LEAN_WARPS: int | None = None
+
+
+def _sms(device) -> int:
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+
+
+def lean_decode_ok(batch: int, n_heads: int, head_dim: int, max_context: int, device) -> bool:
+    """Whether a decode step of `batch` sequences takes the lean kernel (see LEAN_CONTEXT)."""
+    if not LEAN_DECODE or max_context > LEAN_CONTEXT or head_dim > 128:
+        return False
+    sms = _sms(device)
+    return batch * n_heads <= sms
+
+
 def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,
                   whole: int = 2) -> tuple[int, int]:
     """(grid parts a sequence, parts that fill one wave) for the decode kernel. When batch x kv_heads programs
@@ -580,8 +679,7 @@ def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int
     picks each sequence's own count from its length (`_decode_parts`); these bounds depend only on host-known
     sizes, so a captured graph keeps them."""
     programs = batch * n_kv
-    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
+    sms = _sms(device)
     if programs >= sms or max_context <= whole * min_part:  # the kernel reads `whole` parts' worth in one
         return 1, 1
     wave = sms // programs
@@ -638,6 +736,10 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     block_d = next_power_of_2(dim)
+    if (rope is not None and num_splits is None and block_n is None and num_warps is None
+            and lean_decode_ok(batch, n_heads, dim, max_context_len, q.device)):
+        return _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+                            max_context_len, out, rope)
     # With rope (and PDL's early loads) every part's first tile is read before the wait, so short contexts are cut
     # into one-tile parts of ROPE_PART keys: more programs, each with its keys in flight during the previous kernel.
     early = rope is not None and pdl_mod.EARLY_LOADS and block_d <= 128
@@ -678,6 +780,24 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         PREC=_precision(q), num_warps=num_warps, num_stages=num_stages, PDL=pdl,
         EARLY=pdl_mod.EARLY_LOADS and (early or rope is None), ROPE=rope is not None, WHOLE=whole,
         enable_fp_fusion=rope is None, launch_pdl=pdl > 0, **({"maxnreg": DECODE_MAXNREG} if DECODE_MAXNREG else {}))
+    return out
+
+
+def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+                 max_context_len, out, rope):
+    """`decode_attention_triton` through `_lean_decode_kernel` (grid: sequences x query heads)."""
+    batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
+    block_n = max(16, next_power_of_2(max_context_len))
+    k, v, cos, sin, slots = rope if rope is not None else (q, q, q, q, cu_seqlens_q)
+    pdl = pdl_on(q)
+    _lean_decode_kernel[(batch, n_heads)](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
+        BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, SLIDING=sliding_window is not None, PDL=min(pdl, 2),
+        ROPE=rope is not None, num_warps=LEAN_WARPS or (8 if block_n > 128 else 4), num_stages=1,
+        enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 
 

@@ -59,6 +59,11 @@ GATED_GEMV = True  # batch-1 gate/up with SiLU-and-mul in the MMA GEMV's epilogu
 # ahead much slower (bench/results/gemv_timeline_release_h200.jsonl), so the tuner picks per shape. False: no such
 # candidates (benchmarks' A/B).
 LAST_STEP_RELEASE = True
+# A caller may ask for the last-step release whatever the tuner picked (`release_early`): the packed q/k/v projection,
+# whose next kernel, decode attention, reads its first keys before its wait. The tuner times each GEMV in a chain of
+# its own shape, where the epilogue release won for q/k/v; in the W4A16 + lm_head step the last-step one was 14 us
+# shorter (1659.1 against 1673.0 us, bench/results/pdl_decode_floors_h200.jsonl). False: as tuned (A/B).
+EARLY_RELEASE_HINT = True
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
@@ -1495,9 +1500,10 @@ def _gemv_chunks(cfg: dict, group_size: int) -> dict:
 
 
 def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None,
-                        gated: bool = False):
+                        gated: bool = False, release_early: bool = False):
     """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one. gated (M = 1, group 128; N = 2 x I
-    rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue."""
+    rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue. release_early:
+    an MMA GEMV config releases the next kernel at its last K step (`EARLY_RELEASE_HINT`)."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
@@ -1544,10 +1550,17 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
                               else w4_configs(m, group_size, gemv=words is not None))
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
-    return run(config).view(*x.shape[:-1], n // 2 if gated else n)
+    return run(_hinted(config, release_early)).view(*x.shape[:-1], n // 2 if gated else n)
 
 
-def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False):
+def _hinted(cfg: dict, release_early: bool) -> dict:
+    if release_early and EARLY_RELEASE_HINT and cfg.get("MMA_GEMV") and not cfg.get("LAST_STEP_RELEASE"):
+        return {**cfg, "LAST_STEP_RELEASE": True}
+    return cfg
+
+
+def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False,
+                        release_early: bool = False):
     """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64. A float8_e4m3fn qweight (weight-only FP8) runs
     the same kernels on its bytes, converting E4M3 instead of int8 (no CUDA-core GEMV candidates)."""
     fp8 = qweight.dtype == torch.float8_e4m3fn
@@ -1595,7 +1608,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                               else w8_configs(m, gemv=words is not None, k=k, cuda_core=not fp8))
         key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated, fp8)
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
-    return run(config).view(*x.shape[:-1], n // 2 if gated else n)
+    return run(_hinted(config, release_early)).view(*x.shape[:-1], n // 2 if gated else n)
 
 
 def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1640,18 +1653,18 @@ def _dtype_ok(x) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None):
+def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early: bool = False):
     """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere."""
     tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
     if group_size in INT4_GROUPS and x.shape[-1] % group_size == 0 and _dtype_ok(x) and use_triton(*tensors):
-        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias)
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early)
     return w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias)
 
 
-def w8a16_matmul(x, qweight, scales, bias=None):
+def w8a16_matmul(x, qweight, scales, bias=None, release_early: bool = False):
     tensors = [x, qweight, scales] + ([bias] if bias is not None else [])
     if _dtype_ok(x) and qweight.stride(-1) == 1 and use_triton(*tensors):
-        return w8a16_matmul_triton(x, qweight, scales, bias)
+        return w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early)
     return w8a16_matmul_ref(x, qweight, scales, bias)
 
 

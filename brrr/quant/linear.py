@@ -30,6 +30,8 @@ ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight fo
 
 
 class QuantLinear(nn.Module):
+    release_early = False  # the packed q/k/v sets it: decode attention may launch at the GEMV's last K step
+
     def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, activations: str | None = None):
         super().__init__()
@@ -120,9 +122,9 @@ class QuantLinear(nn.Module):
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
             return run(x, self.qweight, self.scales, bias)
         if self.fmt == "int4":
-            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.release_early)
         if self.fmt in ("int8", "fp8"):
-            return w8a16_matmul(x, self.qweight, self.scales, bias)
+            return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def gated(self, x):
@@ -168,6 +170,7 @@ def pack_quantized_projections(model) -> int:
         if getattr(attn, "qkv_proj", "absent") is None and isinstance(attn.q_proj, QuantLinear):
             if (qkv := QuantLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])) is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
+                qkv.release_early = True
                 packed += 1
         if getattr(mlp, "gate_up_proj", "absent") is None and isinstance(mlp.gate_proj, QuantLinear):
             if (gu := QuantLinear.concat([mlp.gate_proj, mlp.up_proj])) is not None:

@@ -1,6 +1,7 @@
 """The CUDA-graph decode path's inputs, checked on CPU: graphs are replaced by eager re-runs of the captured
 step on the same static buffers, so padding, slot mapping, block tables and context lengths are exercised
 exactly as a replay would see them."""
+import pytest
 import torch
 
 from brrr.config import EngineConfig
@@ -70,14 +71,17 @@ def test_pipelined_decode_equals_step_by_step(models):  # noqa: F811
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop and len(stopped.token_ids) <= 6
 
 
-def test_short_and_long_context_graphs(tmp_path):
-    """Past SHORT_CONTEXT the runner switches from the graphs tiled for short contexts to the general ones."""
+@pytest.mark.parametrize("bound", ["lean", "short"])
+def test_context_bounded_graphs(tmp_path, bound):
+    """A sequence growing past LEAN_CONTEXT (SHORT_CONTEXT) switches from the graphs taking the lean decode kernel
+    (tiled for short contexts) to the next looser ones, with the same tokens as without graphs."""
     from brrr import load_model
-    from brrr.kernels.attention import SHORT_CONTEXT
+    from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT
     from tests import hf_models
     model = load_model(hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=4096), tmp_path),
                        dtype=torch.float32)
-    prompt = [(7 * i) % VOCAB for i in range(SHORT_CONTEXT - 6)]
+    limit = LEAN_CONTEXT if bound == "lean" else SHORT_CONTEXT
+    prompt = [(7 * i) % VOCAB for i in range(limit - 6)]
     req = [("long", prompt, SamplingParams(max_tokens=12, temperature=0))]
     outs, used = [], []
     for graphs in (False, True):
@@ -86,13 +90,15 @@ def test_short_and_long_context_graphs(tmp_path):
         if graphs:
             runner = engine.runner
             runner.capture_cuda_graphs(2, 4096 // 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
-            for table in (runner.graphs, runner.short_graphs):
+            tables = {"lean": runner.lean_graphs, "short": runner.short_graphs, "any": runner.graphs}
+            assert sorted(runner.lean_graphs) == sorted(runner.short_graphs) == sorted(runner.graphs) == [1, 2]
+            for name, table in tables.items():
                 for size, (g, logits, meta) in table.items():
-                    g.replay = (lambda g=g, short=table is runner.short_graphs: (used.append(short), type(g).replay(g)))
+                    g.replay = (lambda g=g, name=name: (used.append(name), type(g).replay(g)))
         outs.append(run_all(engine, req)["long"].outputs[0].token_ids)
     assert outs[0] == outs[1]
-    assert True in used and False in used  # both kinds replayed, short first
-    assert used.index(False) > used.index(True)
+    looser = {"lean": "short", "short": "any"}[bound]
+    assert set(used) == {bound, looser} and used.index(looser) > len(used) - 1 - used[::-1].index(bound)
 
 
 def test_pipelining_with_a_queue_that_cannot_be_admitted(models):  # noqa: F811

@@ -6,13 +6,17 @@ prompt), sliding windows, head dims 64/128/256, and mixed decode + prefill steps
 """
 import math
 
+import importlib
+
 import pytest
 import torch
 
 from brrr.kernels import dispatch
 from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton,
-                                    _part_tiles, decode_splits, prefill_attention_triton, write_kv_ref, write_kv_triton)
+                                    _part_tiles, decode_splits, lean_decode_ok, paged_decode_ref,
+                                    prefill_attention_triton, write_kv_ref, write_kv_triton)
 
+ATTN = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -155,12 +159,53 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
+def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window):
+    """The lean decode kernel (one program a query head, the whole context in one tile, no tl.dot, so bf16 runs
+    under the interpreter too) over contexts of 1, a block + 1, 40 and a padded row (context 0, slot -1), q and k
+    unrotated: the cache ends bit for bit as the rotary kernel writes it, the output within rounding of the
+    reference over the rotated q."""
+    from brrr.config import RopeConfig
+    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+
+    dim = 32
+    q, k, v, meta = make_step([1, 1, 1, 1], [1, 9, 40, 1], heads, kv_heads, dim, 8, dtype, device, seed=heads)
+    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 8, 39, 0]), inv_freq, scale, dtype))
+    ctx = torch.tensor([1, 9, 40, 0], dtype=torch.int32, device=device)
+    slots = meta.slot_mapping.clone()
+    slots[3] = -1
+    want_meta = clone_meta(meta)
+    qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
+    want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
+    assert lean_decode_ok(4, heads, dim, 256, q.device)
+    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
+                                  max_context_len=256, rope=(k, v, cos, sin, slots))
+    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert_close(got[:3], want.view_as(got)[:3], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
+
+
+def test_lean_decode_bounds():
+    """The lean kernel takes steps whose contexts fit LEAN_CONTEXT and whose query heads fit one wave."""
+    dev = torch.device("cpu")  # 132 SMs assumed off a GPU
+    assert lean_decode_ok(1, 32, 128, 256, dev) and lean_decode_ok(4, 32, 128, 208, dev)
+    assert not lean_decode_ok(5, 32, 128, 256, dev)  # 160 programs: more than a wave
+    assert not lean_decode_ok(1, 32, 128, 257, dev)
+    assert not lean_decode_ok(1, 32, 256, 256, dev)
+
+
+@pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 17, 33]), ([1, 4, 1], [5, 17, 33]),
                                         ([1, 1, 1, 1], [1, 64, 65, 200])])
-def test_attention_with_rope_decodes_only_or_mixed(device, q_lens, ctx):
-    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation (contexts of 1 to 200:
-    one-tile parts of 64 keys, each part's first tile read before the PDL wait), a mixed step the rotary kernel;
-    both give the reference's output over rotated q/k and leave the same cache."""
+def test_attention_with_rope_decodes_only_or_mixed(device, q_lens, ctx, lean, monkeypatch):
+    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation (the lean kernel, or
+    the split one for contexts of 1 to 200: one-tile parts of 64 keys, each part's first tile read before the PDL
+    wait), a mixed step the rotary kernel; all give the reference's output over rotated q/k and leave the same
+    cache."""
+    monkeypatch.setattr(ATTN, "LEAN_DECODE", lean)
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_ref, rope_inv_freq, rotary_cos_sin
 

@@ -119,7 +119,18 @@ def test_packed_quantized_projections_compute_what_the_separate_ones_do(tiny_dir
     assert pack_quantized_projections(model) == 4  # q/k/v and gate/up in each of 2 layers
     attn = model.model.layers[0].self_attn
     assert attn.q_proj is None and isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 192
+    # q/k/v lets decode attention launch at its last K step; gate/up releases where tuned
+    assert attn.qkv_proj.release_early and not model.model.layers[0].mlp.gate_up_proj.release_early
     torch.testing.assert_close(_logits(model, calib), before, rtol=1e-5, atol=1e-5)
+
+
+def test_release_hint_only_moves_an_mma_gemv_release():
+    from brrr.kernels.quant_matmul import _hinted
+
+    mma = {"MMA_GEMV": True, "BLOCK_N": 16, "LAST_STEP_RELEASE": False}
+    assert _hinted(mma, True) == {**mma, "LAST_STEP_RELEASE": True} and _hinted(mma, False) is mma
+    tiled = {"BLOCK_M": 16, "BLOCK_N": 64}
+    assert _hinted(tiled, True) is tiled
 
 
 def test_int4_projections_are_stored_chunk_major_also_when_packed_together():

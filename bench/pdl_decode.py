@@ -77,6 +77,8 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part16-w4": ("pdl, RoPE decode parts of 16 keys, 4 warps", {"ROPE_PART": 16, "SPLIT_ROPE_WARPS": 4}),
             "part32-w8": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "split-attn": ("pdl, the split decode kernel at short contexts (no lean kernel)", {"LEAN_DECODE": False}),
+            "lean-one-chunk": ("pdl, lean decode kernel computing its whole tile (no chunks skipped)",
+                               {"LEAN_CHUNKS": 1}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "r96": ("pdl, decode kernel capped at 96 registers", {"DECODE_MAXNREG": 96}),
@@ -88,6 +90,7 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"),
           (attention, "ROPE_TILE_WARPS"), (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"),
+          (attention, "LEAN_CHUNKS"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (norm, "EARLY_WEIGHT"))}
 
 

@@ -369,18 +369,47 @@ if triton is not None:
         _phase(TRACE, 6, ctx, True)
 
     @triton.jit
+    def _lean_tile(KC, VC, BT, b, n, lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch,
+                   BLOCK_SIZE: tl.constexpr):
+        """Keys and values at context positions n (masked outside [lo, hi)) of kv head kvh: (k, v, mask)."""
+        nm = (n >= lo) & (n < hi)
+        rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
+        mask = nm[:, None] & dm[None, :]
+        return (tl.load(KC + rows[:, None] + d[None, :], mask=mask, other=0.0),
+                tl.load(VC + rows[:, None] + d[None, :], mask=mask, other=0.0), nm)
+
+    @triton.jit
+    def _lean_scores(q, k, nm, start, hi, qk_scale):
+        """Base-2 scores of one chunk of keys (-inf where masked); a chunk wholly past the context costs a branch."""
+        s = tl.full(nm.shape, float("-inf"), tl.float32)
+        if start < hi:
+            s = tl.where(nm, tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale, float("-inf"))
+        return s
+
+    @triton.jit
+    def _lean_fold(s, v, m, start, hi, total, acc):
+        """Softmax weights of one chunk at max m, added to the running per-row sums (total [C], acc [C, D])."""
+        if start < hi:
+            p = tl.math.exp2(s - m)
+            total += p
+            acc += p[:, None] * v.to(tl.float32)
+        return total, acc
+
+    @triton.jit
     def _lean_decode_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                             stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PDL: tl.constexpr,
-                            ROPE: tl.constexpr):
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+                            SLIDING: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
-        in one tile read before the PDL wait (the cache is an input), scores and weighted sum on CUDA cores in
-        fp32. No split, so no partials to combine through global memory, and no MMA operand round trips through
-        shared memory: after the wait only q (and the new k/v) are loaded. ROPE as in `_decode_kernel`; the first
-        query head of each kv head writes the new key and value to the cache. TRACE: `_phase` stamps (7 before the
-        wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4 weighted sum, 5-6 the end)."""
+        read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sum on
+        CUDA cores in fp32. No split, so no partials to combine through global memory, and no MMA operand round
+        trips through shared memory: after the wait only q (and the new k/v) are loaded. The work after the wait is
+        instructions, so chunks past the context are skipped; the rows of the chunks are summed elementwise, and
+        the max, the sum and the weighted sum are each one reduction across warps. ROPE as in `_decode_kernel`;
+        the first query head of each kv head writes the new key and value to the cache. TRACE: `_phase` stamps (7
+        before the wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4 weighted sum, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -398,12 +427,15 @@ if triton is not None:
             c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
             slot = tl.load(SLOTS + q_row).to(tl.int64)
             hi = tl.maximum(hi - 1, 0)
-        n = tl.arange(0, BLOCK_N)
-        nm = (n >= lo) & (n < hi)
-        rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
-        kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(KC + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(VC + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        C: tl.constexpr = BLOCK_N // CHUNKS
+        n = tl.arange(0, C)
+        args = (lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        k0, v0, nm0 = _lean_tile(KC, VC, BT, b, n, *args)
+        if CHUNKS > 1:
+            k1, v1, nm1 = _lean_tile(KC, VC, BT, b, n + C, *args)
+        if CHUNKS > 2:
+            k2, v2, nm2 = _lean_tile(KC, VC, BT, b, n + 2 * C, *args)
+            k3, v3, nm3 = _lean_tile(KC, VC, BT, b, n + 3 * C, *args)
         wait_previous(PDL)
         _phase(TRACE, 0, ctx, True)
         _phase(TRACE, 1, ctx)
@@ -417,17 +449,31 @@ if triton is not None:
             else:
                 q = tl.load(q_ptrs + d, mask=dm, other=0.0).to(tl.float32)
             _phase(TRACE, 2, tl.sum(q))
-            s = tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale
-            s = tl.where(nm, s, float("-inf"))
-            m = tl.max(s, 0)
+            s0 = _lean_scores(q, k0, nm0, 0, hi, qk_scale)
+            top = s0
+            if CHUNKS > 1:
+                s1 = _lean_scores(q, k1, nm1, C, hi, qk_scale)
+                top = tl.maximum(top, s1)
+            if CHUNKS > 2:
+                s2 = _lean_scores(q, k2, nm2, 2 * C, hi, qk_scale)
+                s3 = _lean_scores(q, k3, nm3, 3 * C, hi, qk_scale)
+                top = tl.maximum(top, tl.maximum(s2, s3))
+            m = tl.max(top, 0)
             if ROPE:
                 s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
                 m = tl.maximum(m, s_new)
             m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
-            p = tl.math.exp2(s - m)
-            total = tl.sum(p, 0)
+            total = tl.zeros([C], tl.float32)
+            acc = tl.zeros([C, BLOCK_D], tl.float32)
+            total, acc = _lean_fold(s0, v0, m, 0, hi, total, acc)
+            if CHUNKS > 1:
+                total, acc = _lean_fold(s1, v1, m, C, hi, total, acc)
+            if CHUNKS > 2:
+                total, acc = _lean_fold(s2, v2, m, 2 * C, hi, total, acc)
+                total, acc = _lean_fold(s3, v3, m, 3 * C, hi, total, acc)
+            total = tl.sum(total, 0)
             _phase(TRACE, 3, total)
-            acc = tl.sum(p[:, None] * v.to(tl.float32), 0)
+            acc = tl.sum(acc, 0)
             _phase(TRACE, 4, tl.sum(acc))
             if ROPE:
                 p_new = tl.math.exp2(s_new - m)
@@ -654,6 +700,7 @@ SPLIT_ROPE_WARPS = 8
 LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
+LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 
 
 def _sms(device) -> int:
@@ -795,8 +842,9 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
-        BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, SLIDING=sliding_window is not None, PDL=min(pdl, 2),
-        ROPE=rope is not None, num_warps=LEAN_WARPS or (8 if block_n > 128 else 4), num_stages=1,
+        BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=min(LEAN_CHUNKS, max(1, block_n // 32)),
+        SLIDING=sliding_window is not None, PDL=min(pdl, 2), ROPE=rope is not None,
+        num_warps=LEAN_WARPS or (8 if block_n > 128 else 4), num_stages=1,
         enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
     return out
 

@@ -162,30 +162,30 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
 def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window):
-    """The lean decode kernel (one program a query head, the whole context in one tile, no tl.dot, so bf16 runs
-    under the interpreter too) over contexts of 1, a block + 1, 40 and a padded row (context 0, slot -1), q and k
-    unrotated: the cache ends bit for bit as the rotary kernel writes it, the output within rounding of the
-    reference over the rotated q."""
+    """The lean decode kernel (one program a query head, the whole context in one tile of 4 chunks, no tl.dot, so
+    bf16 runs under the interpreter too) over contexts of 1, a block + 1, 40 (one chunk), 70 (two), 200 (all
+    four) and a padded row (context 0, slot -1), q and k unrotated: the cache ends bit for bit as the rotary kernel
+    writes it, the output within rounding of the reference over the rotated q."""
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
-    dim = 32
-    q, k, v, meta = make_step([1, 1, 1, 1], [1, 9, 40, 1], heads, kv_heads, dim, 8, dtype, device, seed=heads)
+    dim, lens = 32, [1, 9, 40, 70, 200, 1]
+    q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 8, dtype, device, seed=heads)
     inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
-    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 8, 39, 0]), inv_freq, scale, dtype))
-    ctx = torch.tensor([1, 9, 40, 0], dtype=torch.int32, device=device)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 8, 39, 69, 199, 0]), inv_freq, scale, dtype))
+    ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
     slots = meta.slot_mapping.clone()
-    slots[3] = -1
+    slots[5] = -1
     want_meta = clone_meta(meta)
     qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
     want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
-    assert lean_decode_ok(4, heads, dim, 256, q.device)
+    assert lean_decode_ok(6, heads, dim, 256, q.device)
     got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
                                   max_context_len=256, rope=(k, v, cos, sin, slots))
     assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
     assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
-    assert torch.equal(got[3], torch.zeros_like(got[3]))
-    assert_close(got[:3], want.view_as(got)[:3], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+    assert_close(got[:5], want.view_as(got)[:5], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
 
 
 def test_lean_decode_bounds():

@@ -62,12 +62,13 @@ class ModelRunner:
         pool = None
         # Up to three graphs per size: one for any context, and while the bound is longer, one whose decode kernel
         # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
-        # decode kernel for contexts <= LEAN_CONTEXT. A step replays the tightest one its longest context fits.
+        # decode kernel for contexts <= LEAN_CONTEXT. A step replays the tightest one its longest context fits. (A
+        # model whose attention takes the plain path, not RoPE in the decode kernel, gets the split kernel in both.)
         bound = max_blocks * self.block_size
         cfg = self.model.config
         for g in reversed(sizes):
             lean = lean_decode_ok(g, cfg.num_heads, cfg.head_dim, LEAN_CONTEXT, dev)
-            for short in [None] + [c for c in (SHORT_CONTEXT, LEAN_CONTEXT * lean) if bound > c > 0]:
+            for short in [None] + [c for c, ok in ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean)) if ok and bound > c]:
                 meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
                                 block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
                                 context_lens_t=self.g_ctx[:g], max_context_len=short)

@@ -401,14 +401,15 @@ if triton is not None:
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-                            SLIDING: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr):
+                            SLIDING: tl.constexpr, PDL: tl.constexpr):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
         read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sum on
         CUDA cores in fp32. No split, so no partials to combine through global memory, and no MMA operand round
         trips through shared memory: after the wait only q (and the new k/v) are loaded. The work after the wait is
         instructions, so chunks past the context are skipped; the rows of the chunks are summed elementwise, and
-        the max, the sum and the weighted sum are each one reduction across warps. ROPE as in `_decode_kernel`;
-        the first query head of each kv head writes the new key and value to the cache. TRACE: `_phase` stamps (7
+        the max, the sum and the weighted sum are each one reduction across warps. q and the new k/v come
+        unrotated, as `_decode_kernel`'s ROPE; the first query head of each kv head writes the new key and value to
+        the cache. TRACE: `_phase` stamps (7
         before the wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4 weighted sum, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -420,13 +421,11 @@ if triton is not None:
         lo = 0
         if SLIDING:
             lo = tl.maximum(0, ctx - window)
-        hi = ctx
+        hi = tl.maximum(ctx - 1, 0)  # the new key (position ctx - 1) comes from registers
         d = tl.arange(0, BLOCK_D)
         dm = d < HEAD_DIM
-        if ROPE:  # the new key (position ctx - 1) comes from registers
-            c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
-            slot = tl.load(SLOTS + q_row).to(tl.int64)
-            hi = tl.maximum(hi - 1, 0)
+        c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
+        slot = tl.load(SLOTS + q_row).to(tl.int64)
         C: tl.constexpr = BLOCK_N // CHUNKS
         n = tl.arange(0, C)
         args = (lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
@@ -440,14 +439,10 @@ if triton is not None:
         _phase(TRACE, 0, ctx, True)
         _phase(TRACE, 1, ctx)
         if single:  # else a prefill chunk: the prefill kernel's
-            q_ptrs = Q + q_row.to(tl.int64) * stride_qn + h * stride_qh
-            if ROPE:
-                q = _rope(q_ptrs, d, dm, c, sn, swap, sign).to(tl.float32)
-                nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
-                k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
-                v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
-            else:
-                q = tl.load(q_ptrs + d, mask=dm, other=0.0).to(tl.float32)
+            q = _rope(Q + q_row.to(tl.int64) * stride_qn + h * stride_qh, d, dm, c, sn, swap, sign).to(tl.float32)
+            nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
+            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
+            v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
             _phase(TRACE, 2, tl.sum(q))
             s0 = _lean_scores(q, k0, nm0, 0, hi, qk_scale)
             top = s0
@@ -458,10 +453,8 @@ if triton is not None:
                 s2 = _lean_scores(q, k2, nm2, 2 * C, hi, qk_scale)
                 s3 = _lean_scores(q, k3, nm3, 3 * C, hi, qk_scale)
                 top = tl.maximum(top, tl.maximum(s2, s3))
-            m = tl.max(top, 0)
-            if ROPE:
-                s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
-                m = tl.maximum(m, s_new)
+            s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
+            m = tl.maximum(tl.max(top, 0), s_new)
             m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
             total = tl.zeros([C], tl.float32)
             acc = tl.zeros([C, BLOCK_D], tl.float32)
@@ -475,14 +468,13 @@ if triton is not None:
             _phase(TRACE, 3, total)
             acc = tl.sum(acc, 0)
             _phase(TRACE, 4, tl.sum(acc))
-            if ROPE:
-                p_new = tl.math.exp2(s_new - m)
-                total += p_new
-                acc += p_new * v_new.to(tl.float32)
-                if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
-                    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
-                    tl.store(KC + dst, k_new, mask=dm)
-                    tl.store(VC + dst, v_new, mask=dm)
+            p_new = tl.math.exp2(s_new - m)
+            total += p_new
+            acc += p_new * v_new.to(tl.float32)
+            if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
+                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
+                tl.store(KC + dst, k_new, mask=dm)
+                tl.store(VC + dst, v_new, mask=dm)
             out = acc / tl.where(total == 0.0, 1.0, total)
             tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=dm)
             _phase(TRACE, 5, ctx)
@@ -832,10 +824,10 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
 
 def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                  max_context_len, out, rope):
-    """`decode_attention_triton` through `_lean_decode_kernel` (grid: sequences x query heads)."""
+    """`decode_attention_triton` with rope through `_lean_decode_kernel` (grid: sequences x query heads)."""
     batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
     block_n = max(16, next_power_of_2(max_context_len))
-    k, v, cos, sin, slots = rope if rope is not None else (q, q, q, q, cu_seqlens_q)
+    k, v, cos, sin, slots = rope
     pdl = pdl_on(q)
     _lean_decode_kernel[(batch, n_heads)](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
@@ -843,9 +835,8 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=min(LEAN_CHUNKS, max(1, block_n // 32)),
-        SLIDING=sliding_window is not None, PDL=min(pdl, 2), ROPE=rope is not None,
-        num_warps=LEAN_WARPS or (8 if block_n > 128 else 4), num_stages=1,
-        enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
+        SLIDING=sliding_window is not None, PDL=min(pdl, 2), num_warps=LEAN_WARPS or (8 if block_n > 128 else 4),
+        num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
     return out
 
 

@@ -12,8 +12,8 @@ split K (`quant_matmul.K_SLICE_WARPS`, tuned again); the RMSNorm weight read aft
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save), and the same kernels replaced
 by copy kernels (the floor of a kernel in their place); decode attention variants (the split kernel in place of
 the lean one, part sizes, warps, register caps) and the q/k/v GEMV releasing attention where tuned instead of at its
-last K step; the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone. Records: device time of one graph replay per
-batch, and the engine's decode tok/s at batch 1.
+last K step; the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone.
+Records: device time of one graph replay per batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
 """
@@ -88,10 +88,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 # each flag's module and its value at import (the default every setting starts from)
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
-          (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"),
-          (attention, "ROPE_TILE_WARPS"), (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"),
-          (attention, "LEAN_CHUNKS"),
-          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (norm, "EARLY_WEIGHT"))}
+          (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
+          (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"), (qm, "CHAIN_TUNING"),
+          (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (norm, "EARLY_WEIGHT"))}
 
 
 @triton.jit

@@ -409,8 +409,8 @@ if triton is not None:
         instructions, so chunks past the context are skipped; the rows of the chunks are summed elementwise, and
         the max, the sum and the weighted sum are each one reduction across warps. q and the new k/v come
         unrotated, as `_decode_kernel`'s ROPE; the first query head of each kv head writes the new key and value to
-        the cache. TRACE: `_phase` stamps (7
-        before the wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4 weighted sum, 5-6 the end)."""
+        the cache. TRACE: `_phase` stamps (7 before the wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4
+        weighted sum, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -702,10 +702,7 @@ def _sms(device) -> int:
 
 def lean_decode_ok(batch: int, n_heads: int, head_dim: int, max_context: int, device) -> bool:
     """Whether a decode step of `batch` sequences takes the lean kernel (see LEAN_CONTEXT)."""
-    if not LEAN_DECODE or max_context > LEAN_CONTEXT or head_dim > 128:
-        return False
-    sms = _sms(device)
-    return batch * n_heads <= sms
+    return LEAN_DECODE and max_context <= LEAN_CONTEXT and head_dim <= 128 and batch * n_heads <= _sms(device)
 
 
 def decode_splits(batch: int, n_kv: int, max_context: int, device, min_part: int = DECODE_MIN_PART,

@@ -1279,16 +1279,16 @@ GEMV_CONFIGS = [(256, 4, "auto4", 4, 0), (128, 4, "auto4", 4, 0), (256, 2, "auto
 
 
 # MMA GEMV candidates for M = 1 and group 128, after the GEMV ones: (BLOCK_N, warps, SPLIT_K, the next group's loads
-# issued before this one computes, KW warps splitting a program's K range). On the H200 these ran slower for int4
-# and are not candidates: two groups ahead (5-40%), two groups an iteration in registers of their own (fewer
-# instructions, 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW), the weights by TMA
-# through tensor descriptors in a pipelined loop (1.35-1.8x), a TMA ring fed by a producer warp in Gluon (1.04-1.16x)
-# (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl, gemv_timeline_unroll2_h200.
-# jsonl, gemv_timeline_stages_h200.jsonl, quant_decode_sweep_tma_h200.jsonl, quant_decode_sweep_tma_cpasync_h200.jsonl,
-# quant_ws_gemv_h200.jsonl). BLOCK_N / 2 x KW is a multiple of
-# 8 x warps (each tile's rows fill whole warps, 8 rows a warp) and KW divides warps (a warp's rows share a K
-# slice). KW > 1 sums a row's slices in shared memory at the program's end instead of across programs through the
-# workspace (split K's combine tail, ~1-1.5 us).
+# issued before this one computes, KW warps splitting a program's K range). On the H200 these ran slower for int4 and
+# are not candidates: two groups ahead (5-40%), two groups an iteration in registers of their own (fewer instructions,
+# 80-88 registers), Triton's shared-memory pipelining (up to 3x, also with KW), the weights by TMA through tensor
+# descriptors in a pipelined loop (1.35-1.8x), a TMA ring fed by a producer warp in Gluon (1.04-1.16x)
+# (bench/results/quant_decode_sweep_mma_gemv_h200.jsonl, gemv_timeline_ahead2_h200.jsonl,
+# gemv_timeline_unroll2_h200.jsonl, gemv_timeline_stages_h200.jsonl, quant_decode_sweep_tma_h200.jsonl,
+# quant_decode_sweep_tma_cpasync_h200.jsonl, quant_ws_gemv_h200.jsonl). BLOCK_N / 2 x KW is a multiple of 8 x warps
+# (each tile's rows fill whole warps, 8 rows a warp) and KW divides warps (a warp's rows share a K slice). KW > 1 sums a
+# row's slices in shared memory at the program's end instead of across programs through the workspace (split K's combine
+# tail, ~1-1.5 us).
 MMA_GEMV_CONFIGS = [(128, 8, "auto4", False, 1), (64, 4, "auto8", False, 1), (128, 8, "auto4", True, 1),
                     (64, 4, "auto8", True, 1), (128, 8, "auto8", False, 1), (128, 8, "auto2", True, 1),
                     (16, 8, 1, False, 8), (16, 8, 1, True, 8), (16, 16, 1, True, 16), (32, 8, 1, True, 4),

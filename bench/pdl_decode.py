@@ -77,6 +77,7 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part16-w4": ("pdl, RoPE decode parts of 16 keys, 4 warps", {"ROPE_PART": 16, "SPLIT_ROPE_WARPS": 4}),
             "part32-w8": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "split-attn": ("pdl, the split decode kernel at short contexts (no lean kernel)", {"LEAN_DECODE": False}),
+            "norm-kernels": ("pdl, RMSNorms as kernels of their own (not in the GEMVs)", {"NORMS_IN_GEMVS": False}),
             "lean-one-chunk": ("pdl, lean decode kernel computing its whole tile (no chunks skipped)",
                                {"LEAN_CHUNKS": 1}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
@@ -183,6 +184,7 @@ def main(argv=None) -> int:
             quantize_model(model, "rtn-int8" if variant == "w8a16" else "rtn-int4", group_size=128,
                            lm_head=args.lm_head)
             pack_quantized_projections(model)
+        norms_in_gemvs = model.model.norms_in_gemvs
         engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
                                                      num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
         runner = engine.runner
@@ -193,6 +195,7 @@ def main(argv=None) -> int:
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
             _ablate(changes.get("ABLATE"))
+            model.model.norms_in_gemvs = changes.get("NORMS_IN_GEMVS", norms_in_gemvs)
             if changes.get("RETUNE"):
                 qm._TUNED.clear()
                 for batch in args.batches:
@@ -206,7 +209,8 @@ def main(argv=None) -> int:
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
-            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}{' gated' if k[-1] else ''}": _brief(c)
+            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}" + "".join(f" {f}" for f, on in zip(
+                ("gated", "norm", "residual"), k[-3:]) if on): _brief(c)
                                for k, c in qm._TUNED.items() if k[1] == 1}
             if key in args.kernels:
                 rec["kernels_batch1"] = [[k[:60], round(t, 2), round(c, 1)] for k, t, c in

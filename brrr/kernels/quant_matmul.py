@@ -36,6 +36,7 @@ Configs are timed once per (shape, path) on the GPU and the fastest kept (`_pick
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -47,6 +48,7 @@ from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
 from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
+from brrr.kernels.rms_norm import PendingNorm
 
 SMALL_M = 16  # rows at or below which the small-M (decode) path runs
 INT4_GROUPS = (32, 64, 128)
@@ -301,11 +303,12 @@ if triton is not None:
 
     @triton.jit
     def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
-               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, res=None, nw=None, SQ=None, XN=None,
+               RESIDUAL: tl.constexpr = False):
         """Write y = acc (+ bias). Split K (SPLIT): each of the split_k programs of a tile stores its partial sum in the
         fp32 workspace WS [split_k, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
         index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
-        output and no second pass."""
+        output and no second pass. RESIDUAL (M = 1): `_write`'s."""
         release_dependents(PDL)
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
@@ -315,10 +318,10 @@ if triton is not None:
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
                 acc = _sum_partials(ws_ptrs, mask, split_k, M * N, 16 if acc.numel <= 512 else 4)
-                _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+                _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL)
                 tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")  # ordered by the kernel's end
         else:
-            _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+            _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL)
 
     @triton.jit
     def _sum_partials(ptrs, mask, split_k, stride, UNROLL: tl.constexpr):
@@ -334,11 +337,20 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
+    def _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr, res=None, nw=None,
+               SQ=None, XN=None, RESIDUAL: tl.constexpr = False):
+        """RESIDUAL (M = 1): y is the new residual stream h = y + res, each rounded as the unfused `h + o_proj(a)`;
+        the next RMSNorm's inputs go beside it (brrr/kernels/rms_norm.py's PendingNorm): nw * h in XN and the sum of
+        h's squares at this tile's place in SQ."""
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mask)
+        y = acc.to(Y.dtype.element_ty)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + res.to(tl.float32)[None, :]).to(Y.dtype.element_ty)
+            h = tl.where(mask, y.to(tl.float32), 0.0)
+            tl.store(SQ + tl.program_id(0), tl.sum(tl.sum(h * h, axis=1), axis=0))
+            tl.store(XN + offs_n[None, :], (nw.to(tl.float32)[None, :] * h).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], y, mask=mask)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
@@ -888,6 +900,28 @@ if triton is not None:
         return ra, rb, part, words, pa, pb, x8, acc, acc
 
     @triton.jit
+    def _rstd(SQ_IN, n_sq, K, eps, NORM: tl.constexpr, BLOCK_SQ: tl.constexpr):
+        """NORM: 1 / rms of x's row (K columns) from its sum of squares in n_sq partials (`_write`'s RESIDUAL);
+        else 1."""
+        if NORM:
+            offs = tl.arange(0, BLOCK_SQ)
+            rstd = tl.rsqrt(tl.sum(tl.load(SQ_IN + offs, mask=offs < n_sq, other=0.0), axis=0) / K + eps)
+        else:
+            rstd = 1.0
+        return rstd
+
+    @triton.jit
+    def _residual(R, NW, N, BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr):
+        """RESIDUAL: the residual and the next norm's weight at this program's outputs, loaded right after the wait
+        for the epilogue; else None."""
+        res, nw = None, None
+        if RESIDUAL:
+            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            res = tl.load(R + offs_n, mask=offs_n < N, other=0.0)
+            nw = tl.load(NW + offs_n, mask=offs_n < N, other=0.0)
+        return res, nw
+
+    @triton.jit
     def _k_slices(part, begin, per, steps, KW: tl.constexpr):
         """The first K step of each tile row's slice: a scalar for KW = 1, else [R] and as a column [R, 1]. A split
         program left with no steps gets the last one, so its loads stay in bounds (and are unused)."""
@@ -912,8 +946,9 @@ if triton is not None:
     @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                        GATED: tl.constexpr):
-        """Both tiles' row sums, in row order, through `_store`; GATED: through `_gated_store`."""
+                        GATED: tl.constexpr, res, nw, SQ, XN, RESIDUAL: tl.constexpr):
+        """Both tiles' row sums, in row order, through `_store` (RESIDUAL: `_write`'s); GATED: through
+        `_gated_store`."""
         if GATED:
             _gated_store(sum_a, sum_b, B, Y, WS, LOCKS, N, split_k, BLOCK_N // 2, HAS_BIAS, SPLIT, PDL)
         else:
@@ -921,7 +956,7 @@ if triton is not None:
             offs_m = tl.arange(0, BLOCK_M)
             offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-                   HAS_BIAS, SPLIT, PDL)
+                   HAS_BIAS, SPLIT, PDL, res, nw, SQ, XN, RESIDUAL)
 
     @triton.jit
     def _gated_store(gate, up, B, Y, WS, LOCKS, N, split_k, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -974,14 +1009,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k", "stride_sn"])
     def _w4a16_mma_gemv_kernel(X, P, S, Z, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_pn, stride_ym, split_k,
-                               stride_sn, stride_pc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                               stride_sn, stride_pc, TRACE, R, SQ, NW, XN, SQ_IN, n_sq, eps, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr,
                                HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                               GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr):
+                               GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr,
+                               NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                               BLOCK_SQ: tl.constexpr = 1):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
         KW > 1: the program's K range is cut into KW equal slices, one per warp (`_mma_gemv_tiles`; the launcher
-        makes them equal)."""
+        makes them equal). NORM: X is a PendingNorm's xw, its row sums times 1 / rms from SQ_IN (`_rstd`).
+        RESIDUAL (not GATED): plus R, with the next norm's inputs (weight NW) in XN and SQ (`_write`)."""
         g_begin, g_end = _split_range(K // 128, split_k)
         per = tl.maximum(g_end - g_begin, 0) // KW
         last = tl.maximum(per - 1, 0)
@@ -997,6 +1035,7 @@ if triton is not None:
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
+        rstd, (res, nw) = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ), _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(0, x8)
         for g in range(0, per):
@@ -1013,8 +1052,8 @@ if triton is not None:
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        _mma_gemv_store(_slice_sums(acc_a, 1.0, KW), _slice_sums(acc_b, 1.0, KW), B, Y, WS, LOCKS, M, N, stride_ym,
-                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
+        _mma_gemv_store(_slice_sums(acc_a, rstd, KW), _slice_sums(acc_b, rstd, KW), B, Y, WS, LOCKS, M, N,
+                        stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN, RESIDUAL)
         _stamp(TRACE, 3, last)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
@@ -1129,14 +1168,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
-                               stride_qc, TRACE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
-                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-                               EARLY: tl.constexpr, GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr,
-                               KW: tl.constexpr, FP8: tl.constexpr = False):
+                               stride_qc, TRACE, R, SQ, NW, XN, SQ_IN, n_sq, eps, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
+                               LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr, FP8: tl.constexpr = False,
+                               NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                               BLOCK_SQ: tl.constexpr = 1):
         """M = 1, K a multiple of 64. Q: int8 (FP8: E4M3) [N, K] as int32 words, word column c of row n at
         n * stride_qn + (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices
         (KW) as in the int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait
-        (they are constants), so under PDL their latency overlaps the previous kernel."""
+        (they are constants), so under PDL their latency overlaps the previous kernel. NORM, RESIDUAL: as in the
+        int4 kernel."""
         s_begin, s_end = _split_range(K // 64, split_k)
         per = tl.maximum(s_end - s_begin, 0) // KW
         last = tl.maximum(per - 1, 0)
@@ -1154,6 +1196,7 @@ if triton is not None:
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
+        rstd, (res, nw) = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ), _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         if AHEAD == 2:  # steps t + 1 and t + 2 in flight while t computes; x (L1 hits) loads where it is used
             for t in range(0, per):
@@ -1173,8 +1216,9 @@ if triton is not None:
                 acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST, FP8)
                 wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
-        _mma_gemv_store(_slice_sums(acc_a, s_a, KW), _slice_sums(acc_b, s_b, KW), B, Y, WS, LOCKS, M, N, stride_ym,
-                        split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED)
+        _mma_gemv_store(_slice_sums(acc_a, s_a * rstd, KW), _slice_sums(acc_b, s_b * rstd, KW), B, Y, WS, LOCKS, M,
+                        N, stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN,
+                        RESIDUAL)
         _stamp(TRACE, 3, last)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
@@ -1490,6 +1534,43 @@ def _words(qweight: torch.Tensor):
     return qweight.view(torch.int32)
 
 
+def with_norm_and_residual(matmul, x, residual: torch.Tensor | None = None, next_norm: tuple | None = None):
+    """The unfused form of the MMA GEMV's NORM and RESIDUAL: matmul of x, or of the rows a PendingNorm x stands for;
+    with a residual, (h = y + residual, PendingNorm.of(h, *next_norm))."""
+    y = matmul(x.apply() if isinstance(x, PendingNorm) else x)
+    if residual is None:
+        return y
+    h = y + residual
+    return h, PendingNorm.of(h, *next_norm)
+
+
+MAX_NORM_PARTS = 4096  # a PendingNorm's sums of squares are read whole by every program (`_rstd`)
+
+
+def _fusable(x2, norm: PendingNorm | None, residual: torch.Tensor | None, next_norm: tuple | None) -> bool:
+    """The MMA GEMV takes the norm and the residual add: one row, 16-bit or fp32, a contiguous residual in x's
+    dtype and norm weight."""
+    return (x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (norm is None or (norm.sq.is_contiguous() and norm.sq.numel() <= MAX_NORM_PARTS))
+            and (residual is None or (residual.dtype == x2.dtype and residual.is_contiguous()
+                                      and next_norm[0].is_contiguous())))
+
+
+def _fused_args(x2, n: int, cfg: dict, norm: PendingNorm | None, residual: torch.Tensor | None,
+                next_norm: tuple | None):
+    """(kernel arguments R, SQ, NW, XN, SQ_IN, n_sq, eps; their constexprs; the PendingNorm RESIDUAL writes or None)
+    for `_fusable` calls."""
+    pending = None
+    if residual is not None:
+        sq = torch.empty(1, triton.cdiv(n, cfg["BLOCK_N"]), dtype=torch.float32, device=x2.device)
+        pending = PendingNorm(torch.empty(1, n, dtype=x2.dtype, device=x2.device), sq, next_norm[1])
+    args = (None, None, None, None) if residual is None else (residual, pending.sq, next_norm[0], pending.xw)
+    args += (None, 0, 0.0) if norm is None else (norm.sq, norm.sq.numel(), norm.eps)
+    consts = dict(NORM=norm is not None, RESIDUAL=residual is not None,
+                  BLOCK_SQ=1 if norm is None else next_power_of_2(norm.sq.numel()))
+    return args, consts, pending
+
+
 def _gemv(cfg: dict) -> bool:
     return "CHUNKS" in cfg
 
@@ -1500,13 +1581,23 @@ def _gemv_chunks(cfg: dict, group_size: int) -> dict:
 
 
 def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None,
-                        gated: bool = False, release_early: bool = False):
+                        gated: bool = False, release_early: bool = False, residual: torch.Tensor | None = None,
+                        next_norm: tuple | None = None):
     """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one. gated (M = 1, group 128; N = 2 x I
     rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue. release_early:
-    an MMA GEMV config releases the next kernel at its last K step (`EARLY_RELEASE_HINT`)."""
+    an MMA GEMV config releases the next kernel at its last K step (`EARLY_RELEASE_HINT`). x a PendingNorm: of the
+    rows it stands for. residual (next_norm: the next RMSNorm's (weight, eps)): (h = y + residual, the PendingNorm
+    of h). Those two in the MMA GEMV at M = 1 (the tuner picks among its configs), else `with_norm_and_residual`."""
+    norm, x = (x, x.xw) if isinstance(x, PendingNorm) else (None, x)
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
+    fuse = norm is not None or residual is not None
+    if fuse and not (group_size == 128 and _words(qweight) is not None and _fusable(x2, norm, residual, next_norm)):
+        run = functools.partial(w4a16_matmul_triton, qweight=qweight, scales=scales, zeros=zeros,
+                                group_size=group_size, bias=bias, config=config, gated=gated,
+                                release_early=release_early)
+        return with_norm_and_residual(run, x if norm is None else norm, residual, next_norm)
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
     fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
@@ -1533,11 +1624,13 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
             # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
-            return _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
-                           {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                                EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False),
-                           extra=(scales.stride(1), word_chunk_stride, TRACE))
+            fused, fused_consts, pending = _fused_args(xa, n, cfg, norm, residual, next_norm)
+            y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
+                        {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
+                        dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
+                             EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False, **fused_consts),
+                        extra=(scales.stride(1), word_chunk_stride, TRACE, *fused))
+            return y if pending is None else (y, pending)
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=FAST_DEQUANT and not _interpreting(), EVEN_N=n % cfg["BLOCK_N"] == 0)
@@ -1546,11 +1639,19 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
-        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
-        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
+        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated,
+               norm is not None, residual is not None)
+        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated or fuse  # noqa: E731
                               else w4_configs(m, group_size, gemv=words is not None))
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
-    return run(_hinted(config, release_early)).view(*x.shape[:-1], n // 2 if gated else n)
+    return _shaped(run(_hinted(config, release_early)), x, n // 2 if gated else n)
+
+
+def _shaped(out, x, n: int):
+    """y as [..., n] (x's leading dims); with a residual, (h, its PendingNorm)."""
+    if isinstance(out, tuple):
+        return out[0].view(*x.shape[:-1], n), out[1]
+    return out.view(*x.shape[:-1], n)
 
 
 def _hinted(cfg: dict, release_early: bool) -> dict:
@@ -1560,14 +1661,22 @@ def _hinted(cfg: dict, release_early: bool) -> dict:
 
 
 def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False,
-                        release_early: bool = False):
-    """As `w4a16_matmul_triton`; gated: M = 1, K a multiple of 64. A float8_e4m3fn qweight (weight-only FP8) runs
-    the same kernels on its bytes, converting E4M3 instead of int8 (no CUDA-core GEMV candidates)."""
-    fp8 = qweight.dtype == torch.float8_e4m3fn
-    qweight = qweight.view(torch.int8) if fp8 else qweight
+                        release_early: bool = False, residual: torch.Tensor | None = None,
+                        next_norm: tuple | None = None):
+    """As `w4a16_matmul_triton`; gated, a PendingNorm x, residual: M = 1, K a multiple of 64. A float8_e4m3fn
+    qweight (weight-only FP8) runs the same kernels on its bytes, converting E4M3 instead of int8 (no CUDA-core
+    GEMV candidates)."""
+    norm, x = (x, x.xw) if isinstance(x, PendingNorm) else (None, x)
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
     m = x2.shape[0]
+    fuse = norm is not None or residual is not None
+    if fuse and not (k % 64 == 0 and _words(qweight) is not None and _fusable(x2, norm, residual, next_norm)):
+        run = functools.partial(w8a16_matmul_triton, qweight=qweight, scales=scales, bias=bias, config=config,
+                                gated=gated, release_early=release_early)
+        return with_norm_and_residual(run, x if norm is None else norm, residual, next_norm)
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    qweight = qweight.view(torch.int8) if fp8 else qweight
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
     fast = FAST_DEQUANT and x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
@@ -1588,11 +1697,13 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
-            return _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
-                           {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                           dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                                FP8=fp8, enable_fp_fusion=False),
-                           extra=(_packed_strides(words)[1], TRACE))
+            fused, fused_consts, pending = _fused_args(xa, n, cfg, norm, residual, next_norm)
+            y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
+                        {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
+                        dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
+                             FP8=fp8, enable_fp_fusion=False, **fused_consts),
+                        extra=(_packed_strides(words)[1], TRACE, *fused))
+            return y if pending is None else (y, pending)
         if _gemv(cfg):
             if fp8:
                 raise ValueError("the CUDA-core GEMV reads int8 codes only; FP8 weights take the other kernels")
@@ -1604,11 +1715,12 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                        extra=(chunk_stride,))
 
     if config is None:
-        candidates = lambda: (_mma_gemv8_configs(m, k) if gated  # noqa: E731
+        candidates = lambda: (_mma_gemv8_configs(m, k) if gated or fuse  # noqa: E731
                               else w8_configs(m, gemv=words is not None, k=k, cuda_core=not fp8))
-        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated, fp8)
+        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, fp8, gated, norm is not None,
+               residual is not None)
         config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
-    return run(_hinted(config, release_early)).view(*x.shape[:-1], n // 2 if gated else n)
+    return _shaped(run(_hinted(config, release_early)), x, n // 2 if gated else n)
 
 
 def dequantize_w4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1653,19 +1765,28 @@ def _dtype_ok(x) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early: bool = False):
-    """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere."""
-    tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
-    if group_size in INT4_GROUPS and x.shape[-1] % group_size == 0 and _dtype_ok(x) and use_triton(*tensors):
-        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early)
-    return w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias)
+def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early: bool = False,
+                 residual: torch.Tensor | None = None, next_norm: tuple | None = None):
+    """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere. x may be
+    a PendingNorm, and a residual with the next norm's (weight, eps) gives (h, its PendingNorm): as
+    `w4a16_matmul_triton`."""
+    x1 = x.xw if isinstance(x, PendingNorm) else x
+    tensors = [x1, qweight, scales] + [t for t in (zeros, bias) if t is not None]
+    if group_size in INT4_GROUPS and x1.shape[-1] % group_size == 0 and _dtype_ok(x1) and use_triton(*tensors):
+        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early,
+                                   residual=residual, next_norm=next_norm)
+    return with_norm_and_residual(lambda x: w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias), x,
+                                  residual, next_norm)
 
 
-def w8a16_matmul(x, qweight, scales, bias=None, release_early: bool = False):
-    tensors = [x, qweight, scales] + ([bias] if bias is not None else [])
-    if _dtype_ok(x) and qweight.stride(-1) == 1 and use_triton(*tensors):
-        return w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early)
-    return w8a16_matmul_ref(x, qweight, scales, bias)
+def w8a16_matmul(x, qweight, scales, bias=None, release_early: bool = False, residual: torch.Tensor | None = None,
+                 next_norm: tuple | None = None):
+    x1 = x.xw if isinstance(x, PendingNorm) else x
+    tensors = [x1, qweight, scales] + ([bias] if bias is not None else [])
+    if _dtype_ok(x1) and qweight.stride(-1) == 1 and use_triton(*tensors):
+        return w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early, residual=residual,
+                                   next_norm=next_norm)
+    return with_norm_and_residual(lambda x: w8a16_matmul_ref(x, qweight, scales, bias), x, residual, next_norm)
 
 
 def _gated_ok(x, qweight, *tensors) -> bool:
@@ -1678,9 +1799,10 @@ def _gated_ok(x, qweight, *tensors) -> bool:
 def w4a16_gated_matmul(x, qweight, scales, zeros, group_size, bias=None):
     """silu(x @ W_gate^T) * (x @ W_up^T) for W = [gate; up] int4 (a packed gate/up projection): [..., N / 2]. One
     row of x (batch-1 decode): the MMA GEMV with the activation in its epilogue, one kernel; else the GEMM, then
-    silu_and_mul."""
+    silu_and_mul. x may be a PendingNorm."""
     tensors = [scales] + [t for t in (zeros, bias) if t is not None]
-    if GATED_GEMV and group_size == 128 and x.shape[-1] % 128 == 0 and _gated_ok(x, qweight, *tensors):
+    x1 = x.xw if isinstance(x, PendingNorm) else x
+    if GATED_GEMV and group_size == 128 and x1.shape[-1] % 128 == 0 and _gated_ok(x1, qweight, *tensors):
         return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, gated=True)
     return silu_and_mul(*w4a16_matmul(x, qweight, scales, zeros, group_size, bias).chunk(2, -1))
 
@@ -1688,7 +1810,8 @@ def w4a16_gated_matmul(x, qweight, scales, zeros, group_size, bias=None):
 def w8a16_gated_matmul(x, qweight, scales, bias=None):
     """As `w4a16_gated_matmul`, int8 weights."""
     tensors = [scales] + ([bias] if bias is not None else [])
-    if GATED_GEMV and x.shape[-1] % 64 == 0 and qweight.stride(-1) == 1 and _gated_ok(x, qweight, *tensors):
+    x1 = x.xw if isinstance(x, PendingNorm) else x
+    if GATED_GEMV and x1.shape[-1] % 64 == 0 and qweight.stride(-1) == 1 and _gated_ok(x1, qweight, *tensors):
         return w8a16_matmul_triton(x, qweight, scales, bias, gated=True)
     return silu_and_mul(*w8a16_matmul(x, qweight, scales, bias).chunk(2, -1))
 

@@ -7,6 +7,8 @@ unfused model, so the fused layer gives the reference's numbers up to the fp32 s
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
@@ -14,6 +16,29 @@ from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
 
 MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the reference
+
+
+class PendingNorm(NamedTuple):
+    """rms_norm(h, weight, eps) left for the GEMV that reads it (brrr/kernels/quant_matmul.py's NORM): xw = weight * h
+    rounded to h's dtype and sq, h's row sums of squares in partials [rows, parts], both written by the GEMV that
+    wrote h (its RESIDUAL epilogue). The reader multiplies its row sums by 1 / rms(h): one multiply an output where
+    the norm was a kernel of its own. It rounds w * h once where rms_norm rounds h / rms, then the product."""
+    xw: torch.Tensor
+    sq: torch.Tensor
+    eps: float
+
+    def rstd(self) -> torch.Tensor:
+        """1 / rms(h) per row, [rows, 1], fp32."""
+        return torch.rsqrt(self.sq.sum(-1, keepdim=True) / self.xw.shape[-1] + self.eps)
+
+    def apply(self) -> torch.Tensor:
+        """The normalized rows, for a GEMM that cannot take the norm."""
+        return (self.xw.float() * self.rstd()).to(self.xw.dtype)
+
+    @staticmethod
+    def of(h: torch.Tensor, weight: torch.Tensor, eps: float) -> "PendingNorm":
+        """What a GEMV's RESIDUAL epilogue writes, in torch (h [rows, hidden]: the new stream)."""
+        return PendingNorm((weight * h).to(h.dtype), h.float().pow(2).sum(-1, keepdim=True), eps)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

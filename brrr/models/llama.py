@@ -63,7 +63,9 @@ class LlamaAttention(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.qkv_proj = None  # set by pack_projections (serving fast path)
 
-    def forward(self, x, cos, sin, meta: AttnMeta):
+    def forward(self, x, cos, sin, meta: AttnMeta, residual=None, next_norm=None):
+        """residual (with the next RMSNorm's (weight, eps)): o_proj adds it and gives (h, the next norm's
+        PendingNorm), `LlamaDecoderLayer.forward_in_gemvs`; x may then be a PendingNorm for the packed q/k/v."""
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim] + [self.n_kv * self.head_dim] * 2, -1)
         else:
@@ -76,8 +78,9 @@ class LlamaAttention(nn.Module):
         # RoPE inside the decode kernel pays after a Triton projection (PDL lets attention start early), not cuBLAS's
         proj = self.qkv_proj if self.qkv_proj is not None else self.q_proj
         decode_rope = type(proj) is not nn.Linear
-        return self.o_proj(attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin),
-                                     decode_rope=decode_rope))
+        out = attention(q, k, v, meta, self.layer, self.scale, self.sliding_window, rope=(cos, sin),
+                        decode_rope=decode_rope)
+        return self.o_proj(out) if residual is None else self.o_proj(out, residual=residual, next_norm=next_norm)
 
 
 class LlamaMLP(nn.Module):
@@ -88,11 +91,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_proj = None  # set by pack_projections (serving fast path)
 
-    def forward(self, x):
+    def forward(self, x, residual=None, next_norm=None):
+        """residual, next_norm: as `LlamaAttention.forward`'s, for down_proj."""
         if self.gate_up_proj is not None:
             gated = getattr(self.gate_up_proj, "gated", None)  # QuantLinear: SiLU-and-mul in the GEMV's epilogue
-            return self.down_proj(gated(x) if gated else silu_and_mul(*self.gate_up_proj(x).chunk(2, -1)))
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+            act = gated(x) if gated else silu_and_mul(*self.gate_up_proj(x).chunk(2, -1))
+        else:
+            act = silu_and_mul(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(act) if residual is None else self.down_proj(act, residual=residual, next_norm=next_norm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,6 +120,16 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
         return self.mlp(x), residual
 
+    def forward_in_gemvs(self, x, h, cos, sin, meta, next_norm):
+        """Batch-1 decode with the RMSNorms and residual adds inside the quantized GEMVs (`LlamaModel.norms_in_gemvs`):
+        h is the stream, x this layer's normed input (a PendingNorm; the first layer's a tensor). o_proj and
+        down_proj add the residual and write the next norm's PendingNorm (next_norm: the next layer's input norm's
+        (weight, eps), or the final norm's). Returns the next layer's (x, h)."""
+        post = self.post_attention_layernorm
+        h, x = self.self_attn(x, cos, sin, meta, residual=h, next_norm=(post.weight, post.eps))
+        h, x = self.mlp(x, residual=h, next_norm=next_norm)
+        return x, h
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -122,6 +138,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        # set by brrr/quant/linear.py's pack_quantized_projections when every projection's GEMV can take the norms
+        self.norms_in_gemvs = False
 
     def embed(self, input_ids, positions):
         """The stream entering the first layer, and the rotation every layer applies: (h, cos, sin)."""
@@ -130,6 +148,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         h, cos, sin = self.embed(input_ids, positions)
+        # fp16 keeps the norm kernels: weight * h before the 1 / rms could overflow where h / rms would not
+        if self.norms_in_gemvs and h.shape[0] == 1 and h.dtype != torch.float16:
+            x = self.layers[0].input_layernorm(h)
+            nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            for layer, norm in zip(self.layers, nexts):
+                x, h = layer.forward_in_gemvs(x, h, cos, sin, meta, (norm.weight, norm.eps))
+            return self.norm(h)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, cos, sin, meta, residual)

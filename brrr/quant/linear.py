@@ -21,12 +21,15 @@ from torch import nn
 
 from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.quant_matmul import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel,
-                                       w4a16_gated_matmul, w4a16_matmul, w8a16_gated_matmul, w8a16_matmul)
+                                       w4a16_gated_matmul, w4a16_matmul, w8a16_gated_matmul, w8a16_matmul,
+                                       with_norm_and_residual)
+from brrr.kernels.rms_norm import PendingNorm
 from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
+NORMS_IN_GEMVS = True  # pack_quantized_projections lets batch-1 decode put the RMSNorms in the GEMVs (A/B: False)
 
 
 class QuantLinear(nn.Module):
@@ -114,23 +117,37 @@ class QuantLinear(nn.Module):
             tensors["shape"] = torch.tensor([self.out_features, self.in_features])
         return DEQUANTIZE[self.fmt](tensors)
 
-    def forward(self, x):
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+    @property
+    def takes_norms(self) -> bool:
+        """Its batch-1 MMA GEMV can take the RMSNorm before it and the residual add after it (`forward`)."""
+        return self.activations is None and (self.fmt == "int4" and self.group_size == 128
+                                             or self.fmt in ("int8", "fp8") and self.in_features % 64 == 0)
+
+    def forward(self, x, residual=None, next_norm=None):
+        """x @ W^T (+ bias). x may be a PendingNorm (brrr/kernels/rms_norm.py): then of the normed rows. residual
+        (next_norm: the next RMSNorm's (weight, eps)): (h = y + residual, h's PendingNorm). Both inside the MMA
+        GEMV where `takes_norms` and one row, else in torch around the GEMM (`with_norm_and_residual`)."""
+        dtype = (x.xw if isinstance(x, PendingNorm) else x).dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        if self.fmt == "int4" and self.activations is None:
+            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.release_early,
+                                residual, next_norm)
+        if self.fmt in ("int8", "fp8") and self.activations is None:
+            return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early, residual, next_norm)
+        return with_norm_and_residual(lambda x: self._matmul(x, bias), x, residual, next_norm)
+
+    def _matmul(self, x, bias):
         if self.activations is not None:
             from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
 
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
             return run(x, self.qweight, self.scales, bias)
-        if self.fmt == "int4":
-            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.release_early)
-        if self.fmt in ("int8", "fp8"):
-            return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def gated(self, x):
         """silu(gate) * up of a packed gate/up projection (outputs: gate, then up): weight-only int8/int4 in one
         kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then silu_and_mul."""
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to((x.xw if isinstance(x, PendingNorm) else x).dtype)
         if self.activations is None and self.fmt == "int4":
             return w4a16_gated_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
         if self.activations is None and self.fmt in ("int8", "fp8"):
@@ -176,6 +193,9 @@ def pack_quantized_projections(model) -> int:
             if (gu := QuantLinear.concat([mlp.gate_proj, mlp.up_proj])) is not None:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gu, None, None
                 packed += 1
+    gemvs = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    model.model.norms_in_gemvs = NORMS_IN_GEMVS and all(isinstance(m, QuantLinear) and m.takes_norms for m in gemvs)
     return packed
 
 

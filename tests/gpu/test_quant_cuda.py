@@ -43,6 +43,39 @@ def _linear(fmt, n, k, seed=0, group_size=128, symmetric=False):
     return QuantLinear(fmt, quantize[fmt](), k, n, None, dtype=BF16)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("n,k,role", [(6144, 4096, "norm"), (4096, 4096, "residual"), (28672, 4096, "gated"),
+                                      (4096, 14336, "residual")])
+def test_norms_in_the_tuned_mma_gemvs_at_8b_shapes(fmt, n, k, role):
+    """Batch-1 decode's packed q/k/v and gate/up take the RMSNorm before them, o and down the residual add after them
+    (brrr/kernels/rms_norm.PendingNorm), through the tuned MMA GEMV in bf16: the norm close to rms_norm then the
+    GEMV (the stand-in rounds w * h once, then 1 / rms), the residual add and the next norm's w * h bit for bit."""
+    from brrr.kernels.rms_norm import PendingNorm, rms_norm
+
+    q = _linear(fmt, n, k)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(1, k, device="cuda", generator=g).to(BF16) * 4
+    weight = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).to(BF16)
+    if role == "residual":
+        residual, nw = h[:, :n].clone(), weight[:n]
+        a = torch.randn(1, k, device="cuda", generator=g).to(BF16)
+        out, pending = q(a, residual=residual, next_norm=(nw, 1e-5))
+        assert torch.equal(out, q(a) + residual)
+        assert torch.equal(pending.xw, PendingNorm.of(out, nw, 1e-5).xw)
+        assert _rel(pending.sq.sum(-1), out.float().pow(2).sum(-1)) < 1e-5
+        return
+    parts = 256  # as the 8B o/down GEMVs leave them (BLOCK_N 16)
+    pn = PendingNorm.of(h, weight, 1e-5)
+    pn = PendingNorm(pn.xw, (pn.sq / parts).expand(-1, parts).contiguous(), 1e-5)
+    x = rms_norm(h, weight, 1e-5)
+    if role == "gated":
+        q = QuantLinear.concat([q, _linear(fmt, n, k, seed=2)])
+        got, want = q.gated(pn), q.gated(x)
+    else:
+        got, want = q(pn), q(x)
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 2048])
 def test_w4a16_and_w8a16_at_8b_shapes_match_the_reference(n, k, m):
@@ -296,7 +329,7 @@ def test_chain_tuning_times_every_candidate_over_weight_copies():
     assert len({c.data_ptr() for c in copies}) == len(copies)
     del copies
     x = torch.randn(1, 4096, device="cuda", dtype=BF16)
-    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False)
+    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False, False, False)
     qm._TUNED.pop(key, None)
     got = qm.w8a16_matmul(x, q.qweight, q.scales)
     timed = qm.TIMINGS[key]

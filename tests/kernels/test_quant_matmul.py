@@ -530,3 +530,104 @@ def test_gated_dispatch_falls_back_to_the_gemm_then_silu_and_mul():
     assert torch.equal(got, silu_and_mul_ref(*qm.w8a16_matmul(x, q, scales).chunk(2, -1)))
     with pytest.raises(ValueError, match="only the MMA GEMV"):
         qm.w8a16_matmul_triton(x[:1], q, scales, config=qm.w8_configs(1)[0], gated=True)
+
+
+# ---- the RMSNorms inside the MMA GEMVs (batch-1 decode, brrr/kernels/rms_norm.PendingNorm) -------------------------
+def _norm_problem(fmt, n, dtype, device, split=1, kw=False):
+    """(run(x, **kw) through one MMA GEMV config, the fp32 reference matmul, x, the config) for int4 g128 or int8,
+    K = 512; kw: the first config whose warps split K 4 ways."""
+    configs = qm._mma_gemv8_configs(1, 512) if fmt == "int8" else qm._mma_gemv_configs(1, 128)
+    cfg = dict(next(c for c in configs if c["KW"] == (4 if kw else 1)), SPLIT_K=split)
+    if fmt == "int8":
+        x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=n, k=512, dtype=dtype))
+        return (lambda x, **kw: qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg, **kw),  # noqa: E731
+                lambda x: qm.w8a16_matmul_ref(x.float(), q, scales, bias.float()), x, cfg)
+    x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, False, n=n, groups=4, dtype=dtype)
+    x, qweight, scales, zeros, bias = (t.to(device) for t in (x, qweight, scales, zeros, bias))
+    return (lambda x, **kw: qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias, config=cfg, **kw),  # noqa
+            lambda x: qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128, bias.float()), x, cfg)
+
+
+def _pending(h, weight, parts=4, eps=1e-5):
+    """h's PendingNorm with its sum of squares cut into `parts` partials, as a GEMV's programs leave it."""
+    from brrr.kernels.rms_norm import PendingNorm
+
+    pn = PendingNorm.of(h, weight, eps)
+    return PendingNorm(pn.xw, (pn.sq / parts).expand(-1, parts).contiguous(), eps)
+
+
+@pytest.mark.parametrize("fmt,n,split,kw,dtype", [
+    ("int4", 40, 1, False, torch.float32), ("int4", 100, 1, True, torch.float32), ("int8", 64, 3, False, torch.float32),
+    ("int8", 130, 1, True, torch.float32), ("int4", 64, 2, False, torch.bfloat16), ("int8", 40, 1, True, torch.bfloat16)])
+def test_mma_gemv_takes_the_rms_norm_before_it(device, fmt, n, split, kw, dtype):
+    """x a PendingNorm (w * h and h's sum of squares in partials): the GEMV of rms_norm(h), its row sums times
+    1 / rms(h) (split K, and warps splitting K). It rounds w * h once where rms_norm rounds h / rms
+    then the product, so against rms_norm then the GEMV it is close, not equal; against the PendingNorm applied in
+    torch then the GEMV, fp32 agrees to the sum's order."""
+    from brrr.kernels.rms_norm import rms_norm_ref
+
+    if dtype != torch.float32 and device == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16; the portable paths are covered in fp32")
+    run, ref, x, _ = _norm_problem(fmt, n, dtype, device, split=split, kw=kw)
+    weight = (1 + 0.3 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(1))).to(dtype).to(device)
+    h = 8 * x  # rows whose rms is not 1
+    pending = _pending(h, weight)
+    got = run(pending)
+    assert got.shape == (1, n) and got.dtype == dtype
+    want = ref(rms_norm_ref(h.float(), weight.float(), 1e-5))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, run(pending.apply()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("fmt,n,split,kw,dtype", [
+    ("int4", 40, 2, False, torch.float32), ("int8", 100, 1, True, torch.float32), ("int4", 64, 1, True, torch.bfloat16),
+    ("int8", 130, 3, False, torch.bfloat16)])
+def test_mma_gemv_adds_the_residual_and_writes_the_next_norm_s_inputs(device, fmt, n, split, kw, dtype):
+    """residual: h = y + residual, each rounded as the unfused GEMV then `+` (bit for bit: same config), w * h for the
+    next norm bit for bit too, and h's sum of squares in a partial a program (their sum: h's, to fp32 order)."""
+    from brrr.kernels.rms_norm import PendingNorm
+
+    if dtype != torch.float32 and device == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16; the portable paths are covered in fp32")
+    run, _, x, cfg = _norm_problem(fmt, n, dtype, device, split=split, kw=kw)
+    g = torch.Generator().manual_seed(2)
+    residual = torch.randn(1, n, generator=g).to(dtype).to(device)
+    weight = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype).to(device)
+    h, pending = run(x, residual=residual, next_norm=(weight, 1e-6))
+    want = run(x) + residual
+    assert torch.equal(h, want) and pending.eps == 1e-6
+    expected = PendingNorm.of(want, weight, 1e-6)
+    assert torch.equal(pending.xw, expected.xw)
+    assert pending.sq.shape == (1, -(-n // cfg["BLOCK_N"]))  # one partial a program
+    torch.testing.assert_close(pending.sq.sum(-1, keepdim=True), expected.sq, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_gated_mma_gemv_takes_the_rms_norm_too(device, fmt):
+    """gate/up of a PendingNorm: the gated GEMV of the applied norm, to fp32 order (split K 2)."""
+    from brrr.kernels.activation import silu_and_mul_ref
+
+    run, ref, x, _ = _norm_problem(fmt, 80, torch.float32, device, split=2)
+    weight = (1 + 0.3 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(3))).to(device)
+    pending = _pending(3 * x, weight, parts=3)
+    got = run(pending, gated=True)
+    torch.testing.assert_close(got, silu_and_mul_ref(*run(pending.apply()).chunk(2, -1)), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_residual_fall_back_to_torch_around_the_gemm():
+    """Two rows (not batch-1 decode) or the CPU reference: rms_norm's stand-in applied in torch, the GEMM, then the
+    residual add and the next norm's inputs in torch, with one partial a row."""
+    from brrr.kernels.rms_norm import PendingNorm
+
+    x, q, scales, _ = _w8_problem(2, n=64, k=128, dtype=torch.float32)
+    weight = torch.rand(128) + 0.5
+    pending = PendingNorm.of(x, weight, 1e-5)
+    torch.testing.assert_close(qm.w8a16_matmul(pending, q, scales),
+                               qm.w8a16_matmul_ref(pending.apply(), q, scales), rtol=0, atol=0)
+    residual, nw = torch.randn(2, 64), torch.rand(64)
+    h, nxt = qm.w8a16_matmul(x, q, scales, residual=residual, next_norm=(nw, 1e-6))
+    assert torch.equal(h, qm.w8a16_matmul_ref(x, q, scales) + residual) and nxt.sq.shape == (2, 1)
+    assert torch.equal(nxt.xw, nw * h) and nxt.eps == 1e-6

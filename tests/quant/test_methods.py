@@ -160,3 +160,28 @@ def test_weight_only_int8_is_stored_chunk_major_and_saved_by_rows():
     for q in (w8, w8a8):
         assert torch.equal(q.state_dict()["qweight"], t["qweight"])
         torch.testing.assert_close(q.dequantize(), formats.dequantize_int8(t))
+
+
+@pytest.mark.parametrize("method,takes", [("rtn-int8", True), ("fp8", True), ("rtn-int4", False),
+                                          ("smoothquant", False)])
+@torch.no_grad()
+def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method, takes):
+    """Packed weight-only int8/FP8 (and int4 g128, not possible at hidden 64: its group is 32 here) projections let a
+    one-row forward run each RMSNorm inside the GEMV after it and each residual add inside the one before it
+    (LlamaDecoderLayer.forward_in_gemvs). Norm weights are random (not the ones a fresh model has), so the stand-in's
+    rounding (w * h once, then 1 / rms) is exercised; several rows keep the norm kernels."""
+    from brrr.quant.linear import pack_quantized_projections
+
+    model = load_model(tiny_dir, dtype=torch.float32)
+    quantize_model(model, method, group_size=32, calib=calib)
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    pack_quantized_projections(model)
+    assert model.model.norms_in_gemvs == takes
+    one = lambda: model.compute_logits(model(calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")))  # noqa
+    fused, rows = one(), _logits(model, calib)
+    model.model.norms_in_gemvs = False
+    torch.testing.assert_close(fused, one(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows, _logits(model, calib), rtol=0, atol=0)

@@ -1035,7 +1035,8 @@ if triton is not None:
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
-        rstd, (res, nw) = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ), _residual(R, NW, N, BLOCK_N, RESIDUAL)
+        rstd = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ)
+        res, nw = _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(0, x8)
         for g in range(0, per):
@@ -1196,7 +1197,8 @@ if triton is not None:
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
-        rstd, (res, nw) = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ), _residual(R, NW, N, BLOCK_N, RESIDUAL)
+        rstd = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ)
+        res, nw = _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         if AHEAD == 2:  # steps t + 1 and t + 2 in flight while t computes; x (L1 hits) loads where it is used
             for t in range(0, per):

@@ -913,12 +913,14 @@ if triton is not None:
     @triton.jit
     def _residual(R, NW, N, BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr):
         """RESIDUAL: the residual and the next norm's weight at this program's outputs, loaded right after the wait
-        for the epilogue; else None."""
-        res, nw = None, None
+        for the epilogue."""
         if RESIDUAL:
             offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             res = tl.load(R + offs_n, mask=offs_n < N, other=0.0)
             nw = tl.load(NW + offs_n, mask=offs_n < N, other=0.0)
+        else:  # unused (Triton 3.6 cannot return None)
+            res = tl.zeros((BLOCK_N,), tl.float32)
+            nw = res
         return res, nw
 
     @triton.jit

@@ -209,8 +209,8 @@ def main(argv=None) -> int:
                    "decode_tok_s_batch1": round((args.new_tokens - 1) / decode_s, 1)}
             for batch in args.batches:  # the graphs after the run: contexts of 1 + new_tokens - 1 tokens
                 rec[f"graph_step_us_batch{batch}"] = round(replay_time_us(runner.graphs[batch][0]), 1)
-            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}" + "".join(f" {f}" for f, on in zip(
-                ("gated", "norm", "residual"), k[-3:]) if on): _brief(c)
+            rec["picks_m1"] = {f"{k[0]} {k[2]}x{k[3]}{' gated' if k[9 if k[0] == 'w4' else 7] else ''}"
+                               f"{' fused' if k[-1] == 'fused' else ''}": _brief(c)
                                for k, c in qm._TUNED.items() if k[1] == 1}
             if key in args.kernels:
                 rec["kernels_batch1"] = [[k[:60], round(t, 2), round(c, 1)] for k, t, c in

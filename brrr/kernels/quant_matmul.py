@@ -1560,8 +1560,8 @@ def _fusable(x2, norm: PendingNorm | None, residual: torch.Tensor | None, next_n
                                       and next_norm[0].is_contiguous())))
 
 
-def _fused_args(x2, n: int, cfg: dict, norm: PendingNorm | None, residual: torch.Tensor | None,
-                next_norm: tuple | None):
+def _fused_args(x2, n: int, cfg: dict, norm: PendingNorm | None = None, residual: torch.Tensor | None = None,
+                next_norm: tuple | None = None):
     """(kernel arguments R, SQ, NW, XN, SQ_IN, n_sq, eps; their constexprs; the PendingNorm RESIDUAL writes or None)
     for `_fusable` calls."""
     pending = None
@@ -1609,7 +1609,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
                   IEEE=x.dtype == torch.float32 or _interpreting())
     words = _words(qweight)
 
-    def run(cfg, qweight=qweight):  # qweight: a copy of the weight when the tuner times a chain
+    def run(cfg, qweight=qweight, fused=True):  # qweight: a copy of the weight when the tuner times a chain
         words = _words(qweight)
         chunk_stride = _packed_strides(qweight)[1]
         word_chunk_stride = None if words is None else _packed_strides(words)[1]
@@ -1628,7 +1628,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
             # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
-            fused, fused_consts, pending = _fused_args(xa, n, cfg, norm, residual, next_norm)
+            fused, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
@@ -1643,12 +1643,25 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         return _launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
-        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated,
-               norm is not None, residual is not None)
-        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated or fuse  # noqa: E731
+        key = ("w4", _bucket(m), n, k, group_size, x.dtype, zeros is not None, bias is not None, fast, gated)
+        candidates = lambda: (_mma_gemv_configs(m, group_size) if gated  # noqa: E731
                               else w4_configs(m, group_size, gemv=words is not None))
-        config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
+        config = _tuned(key, candidates, run, qweight, m, x.dtype, fuse, lambda: _mma_gemv_configs(m, group_size))
     return _shaped(run(_hinted(config, release_early)), x, n // 2 if gated else n)
+
+
+def _tuned(key, candidates, run, qweight, m: int, dtype, fuse: bool, mma_gemvs) -> dict:
+    """The config for `key`: the default for fp32 (tests, CPU-made models on a GPU: no tuning cost), else the tuned
+    one. A call with the norm or the residual in the GEMV (fuse) runs the plain shape's pick, tuned without them
+    (they change a few loads and the epilogue, not the loop; tuned apart, near-equal candidates swapped ranks by
+    noise, H200: bench/results/pdl_decode_norms_h200.jsonl), when it is an MMA GEMV; else the fastest MMA GEMV."""
+    if dtype == torch.float32:
+        configs = mma_gemvs() if fuse else candidates()
+        return configs[0]
+    config = _pick(key, candidates, lambda cfg, w=qweight: run(cfg, w, fused=False), qweight, m)
+    if fuse and not config.get("MMA_GEMV"):
+        config = _pick(key + ("fused",), mma_gemvs, run, qweight, m)
+    return config
 
 
 def _shaped(out, x, n: int):
@@ -1687,7 +1700,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
     consts = dict(HAS_BIAS=bias is not None, FAST=fast, IEEE=x.dtype == torch.float32 or _interpreting(), FP8=fp8)
     words = _words(qweight)
 
-    def run(cfg, qweight=qweight):  # qweight: a copy of the weight when the tuner times a chain
+    def run(cfg, qweight=qweight, fused=True):  # qweight: a copy of the weight when the tuner times a chain
         words = _words(qweight)
         chunk_stride = _packed_strides(qweight)[1]
         args = (x2, qweight, scales, scales if bias is None else bias)
@@ -1701,7 +1714,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
-            fused, fused_consts, pending = _fused_args(xa, n, cfg, norm, residual, next_norm)
+            fused, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
@@ -1719,11 +1732,10 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                        extra=(chunk_stride,))
 
     if config is None:
-        candidates = lambda: (_mma_gemv8_configs(m, k) if gated or fuse  # noqa: E731
+        candidates = lambda: (_mma_gemv8_configs(m, k) if gated  # noqa: E731
                               else w8_configs(m, gemv=words is not None, k=k, cuda_core=not fp8))
-        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, fp8, gated, norm is not None,
-               residual is not None)
-        config = candidates()[0] if x.dtype == torch.float32 else _pick(key, candidates, run, qweight, m)
+        key = ("w8", _bucket(m), n, k, x.dtype, bias is not None, fast, gated, fp8)
+        config = _tuned(key, candidates, run, qweight, m, x.dtype, fuse, lambda: _mma_gemv8_configs(m, k))
     return _shaped(run(_hinted(config, release_early)), x, n // 2 if gated else n)
 
 

@@ -329,7 +329,7 @@ def test_chain_tuning_times_every_candidate_over_weight_copies():
     assert len({c.data_ptr() for c in copies}) == len(copies)
     del copies
     x = torch.randn(1, 4096, device="cuda", dtype=BF16)
-    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False, False, False)
+    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False)
     qm._TUNED.pop(key, None)
     got = qm.w8a16_matmul(x, q.qweight, q.scales)
     timed = qm.TIMINGS[key]

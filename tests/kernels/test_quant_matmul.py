@@ -607,14 +607,15 @@ def test_mma_gemv_adds_the_residual_and_writes_the_next_norm_s_inputs(device, fm
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_gated_mma_gemv_takes_the_rms_norm_too(device, fmt):
-    """gate/up of a PendingNorm: the gated GEMV of the applied norm, to fp32 order (split K 2)."""
+    """gate/up of a PendingNorm: the gated GEMV of the applied norm, to fp32 rounding (split K 2; 1 / rms scales the
+    sums here, the rows there)."""
     from brrr.kernels.activation import silu_and_mul_ref
 
     run, ref, x, _ = _norm_problem(fmt, 80, torch.float32, device, split=2)
     weight = (1 + 0.3 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(3))).to(device)
     pending = _pending(3 * x, weight, parts=3)
     got = run(pending, gated=True)
-    torch.testing.assert_close(got, silu_and_mul_ref(*run(pending.apply()).chunk(2, -1)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, silu_and_mul_ref(*run(pending.apply()).chunk(2, -1)), rtol=1e-4, atol=1e-4)
 
 
 def test_norm_and_residual_fall_back_to_torch_around_the_gemm():

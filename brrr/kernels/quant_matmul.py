@@ -900,12 +900,22 @@ if triton is not None:
         return ra, rb, part, words, pa, pb, x8, acc, acc
 
     @triton.jit
-    def _rstd(SQ_IN, n_sq, K, eps, NORM: tl.constexpr, BLOCK_SQ: tl.constexpr):
-        """NORM: 1 / rms of x's row (K columns) from its sum of squares in n_sq partials (`_write`'s RESIDUAL);
-        else 1."""
+    def _norm_sums(SQ_IN, n_sq, NORM: tl.constexpr, BLOCK_SQ: tl.constexpr):
+        """NORM: x's row sum of squares as the n_sq partials `_write`'s RESIDUAL left, loaded right after the wait
+        and summed after the K loop (`_rstd`): summed here, the sum's cross-warp step held the loop's first x loads
+        back by an L2 round trip."""
+        offs = tl.arange(0, BLOCK_SQ)
         if NORM:
-            offs = tl.arange(0, BLOCK_SQ)
-            rstd = tl.rsqrt(tl.sum(tl.load(SQ_IN + offs, mask=offs < n_sq, other=0.0), axis=0) / K + eps)
+            sq = tl.load(SQ_IN + offs, mask=offs < n_sq, other=0.0)
+        else:  # unused
+            sq = tl.zeros((BLOCK_SQ,), tl.float32)
+        return sq
+
+    @triton.jit
+    def _rstd(sq, K, eps, NORM: tl.constexpr):
+        """NORM: 1 / rms of x's row (K columns) from `_norm_sums`; else 1."""
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         else:
             rstd = 1.0
         return rstd
@@ -1020,7 +1030,7 @@ if triton is not None:
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
         KW > 1: the program's K range is cut into KW equal slices, one per warp (`_mma_gemv_tiles`; the launcher
-        makes them equal). NORM: X is a PendingNorm's xw, its row sums times 1 / rms from SQ_IN (`_rstd`).
+        makes them equal). NORM: X is a PendingNorm's xw, its row sums times 1 / rms from SQ_IN (`_norm_sums`).
         RESIDUAL (not GATED): plus R, with the next norm's inputs (weight NW) in XN and SQ (`_write`)."""
         g_begin, g_end = _split_range(K // 128, split_k)
         per = tl.maximum(g_end - g_begin, 0) // KW
@@ -1037,7 +1047,7 @@ if triton is not None:
         wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
         if EARLY:
             wait_previous(PDL)
-        rstd = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ)
+        sq = _norm_sums(SQ_IN, n_sq, NORM, BLOCK_SQ)
         res, nw = _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         x_lo, x_hi = _mma_gemv_x(0, x8)
@@ -1055,6 +1065,7 @@ if triton is not None:
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
+        rstd = _rstd(sq, K, eps, NORM)
         _mma_gemv_store(_slice_sums(acc_a, rstd, KW), _slice_sums(acc_b, rstd, KW), B, Y, WS, LOCKS, M, N,
                         stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN, RESIDUAL)
         _stamp(TRACE, 3, last)
@@ -1199,7 +1210,7 @@ if triton is not None:
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
             wait_previous(PDL)
-        rstd = _rstd(SQ_IN, n_sq, K, eps, NORM, BLOCK_SQ)
+        sq = _norm_sums(SQ_IN, n_sq, NORM, BLOCK_SQ)
         res, nw = _residual(R, NW, N, BLOCK_N, RESIDUAL)
         _stamp(TRACE, 1, last)
         if AHEAD == 2:  # steps t + 1 and t + 2 in flight while t computes; x (L1 hits) loads where it is used
@@ -1220,6 +1231,7 @@ if triton is not None:
                 acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST, FP8)
                 wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
+        rstd = _rstd(sq, K, eps, NORM)
         _mma_gemv_store(_slice_sums(acc_a, s_a * rstd, KW), _slice_sums(acc_b, s_b * rstd, KW), B, Y, WS, LOCKS, M,
                         N, stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN,
                         RESIDUAL)

@@ -119,9 +119,11 @@ class QuantLinear(nn.Module):
 
     @property
     def takes_norms(self) -> bool:
-        """Its batch-1 MMA GEMV can take the RMSNorm before it and the residual add after it (`forward`)."""
-        return self.activations is None and (self.fmt == "int4" and self.group_size == 128
-                                             or self.fmt in ("int8", "fp8") and self.in_features % 64 == 0)
+        """Batch-1 decode runs the RMSNorm before it and the residual add after it inside its MMA GEMV (`forward`;
+        `pack_quantized_projections` sets LlamaModel.norms_in_gemvs when every projection does): int4 g128. The
+        int8 and FP8 kernels take them too, but their step measured slower (H200, W8A16 + lm_head graph step 2355
+        against 2340 us, bench/results/pdl_decode_norms_w8_h200.jsonl; int4 1654 against 1665)."""
+        return self.activations is None and self.fmt == "int4" and self.group_size == 128
 
     def forward(self, x, residual=None, next_norm=None):
         """x @ W^T (+ bias). x may be a PendingNorm (brrr/kernels/rms_norm.py): then of the normed rows. residual

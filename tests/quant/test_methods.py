@@ -162,13 +162,21 @@ def test_weight_only_int8_is_stored_chunk_major_and_saved_by_rows():
         torch.testing.assert_close(q.dequantize(), formats.dequantize_int8(t))
 
 
-@pytest.mark.parametrize("method,takes", [("rtn-int8", True), ("fp8", True), ("rtn-int4", False),
-                                          ("smoothquant", False)])
+def test_only_int4_g128_projections_take_the_norms():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g)
+    assert QuantLinear("int4", formats.quantize_int4(w, 128), 256, 64, None).takes_norms
+    assert not QuantLinear("int4", formats.quantize_int4(w, 32), 256, 64, None).takes_norms
+    assert not QuantLinear("int8", formats.quantize_int8(w), 256, 64, None).takes_norms
+
+
+@pytest.mark.parametrize("method", ["rtn-int8", "fp8", "rtn-int4", "smoothquant"])
 @torch.no_grad()
-def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method, takes):
-    """Packed weight-only int8/FP8 (and int4 g128, not possible at hidden 64: its group is 32 here) projections let a
-    one-row forward run each RMSNorm inside the GEMV after it and each residual add inside the one before it
-    (LlamaDecoderLayer.forward_in_gemvs). Norm weights are random (not the ones a fresh model has), so the stand-in's
+def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method):
+    """With LlamaModel.norms_in_gemvs (packing sets it for int4 g128 projections only, not possible at hidden 64:
+    the others keep the norm kernels) a one-row forward runs each RMSNorm inside the GEMV after it and each residual
+    add inside the one before it (LlamaDecoderLayer.forward_in_gemvs), in the kernels or, where they cannot, in
+    torch around the GEMM: the same logits. Norm weights are random (not a fresh model's ones), so the stand-in's
     rounding (w * h once, then 1 / rms) is exercised; several rows keep the norm kernels."""
     from brrr.quant.linear import pack_quantized_projections
 
@@ -179,7 +187,8 @@ def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method, t
         if "norm" in name:
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     pack_quantized_projections(model)
-    assert model.model.norms_in_gemvs == takes
+    assert not model.model.norms_in_gemvs
+    model.model.norms_in_gemvs = True
     one = lambda: model.compute_logits(model(calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")))  # noqa
     fused, rows = one(), _logits(model, calib)
     model.model.norms_in_gemvs = False

@@ -12,7 +12,8 @@ split K (`quant_matmul.K_SLICE_WARPS`, tuned again); the RMSNorm weight read aft
 RMSNorms or attention (wrong outputs: the most fusing or shortening them could save), and the same kernels replaced
 by copy kernels (the floor of a kernel in their place); decode attention variants (the split kernel in place of
 the lean one, part sizes, warps, register caps) and the q/k/v GEMV releasing attention where tuned instead of at its
-last K step; the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone.
+last K step; the RMSNorms as kernels of their own instead of inside the int4 GEMVs (`LlamaModel.norms_in_gemvs`);
+the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone.
 Records: device time of one graph replay per batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl

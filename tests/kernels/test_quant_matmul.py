@@ -558,7 +558,8 @@ def _pending(h, weight, parts=4, eps=1e-5):
 
 @pytest.mark.parametrize("fmt,n,split,kw,dtype", [
     ("int4", 40, 1, False, torch.float32), ("int4", 100, 1, True, torch.float32), ("int8", 64, 3, False, torch.float32),
-    ("int8", 130, 1, True, torch.float32), ("int4", 64, 2, False, torch.bfloat16), ("int8", 40, 1, True, torch.bfloat16)])
+    ("int8", 130, 1, True, torch.float32), ("int4", 64, 2, False, torch.bfloat16),
+    ("int8", 40, 1, True, torch.bfloat16)])
 def test_mma_gemv_takes_the_rms_norm_before_it(device, fmt, n, split, kw, dtype):
     """x a PendingNorm (w * h and h's sum of squares in partials): the GEMV of rms_norm(h), its row sums times
     1 / rms(h) (split K, and warps splitting K). It rounds w * h once where rms_norm rounds h / rms

@@ -43,7 +43,7 @@ def unfused(layers, h):
 
 def fused(layers, h):
     x = rms_norm(h, layers[0][1][0], EPS)
-    for i, (m, (n1, n2)) in enumerate(layers):
+    for i, (m, (_, n2)) in enumerate(layers):
         a = m["qkv"](x)[:, :4096]
         h, x = m["o"](a, residual=h, next_norm=(n2, EPS))
         nxt = layers[(i + 1) % len(layers)][1][0]

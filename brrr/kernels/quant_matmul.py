@@ -1632,8 +1632,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
         word_chunk_stride = None if words is None else _packed_strides(words)[1]
         # unused pointer arguments get a real tensor (scales) so every launch has the same signature
         args = (x2, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias)
-        if gated and not cfg.get("MMA_GEMV"):
-            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
+        if (gated or fused and fuse) and not cfg.get("MMA_GEMV"):  # a config given (tests) that cannot take them
+            raise ValueError("only the MMA GEMV takes gated, a PendingNorm or a residual")
         if cfg.get("DEQUANT"):
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
@@ -1645,12 +1645,12 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             # no FMA contraction (the MMAs are inline PTX anyway): the epilogue rounds the scaled sum before the
             # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
-            fused, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
+            fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
                              EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False, **fused_consts),
-                        extra=(scales.stride(1), word_chunk_stride, TRACE, *fused))
+                        extra=(scales.stride(1), word_chunk_stride, TRACE, *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
@@ -1721,8 +1721,8 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
         words = _words(qweight)
         chunk_stride = _packed_strides(qweight)[1]
         args = (x2, qweight, scales, scales if bias is None else bias)
-        if gated and not cfg.get("MMA_GEMV"):
-            raise ValueError("gated: only the MMA GEMV has the SiLU-and-mul epilogue")
+        if (gated or fused and fuse) and not cfg.get("MMA_GEMV"):  # a config given (tests) that cannot take them
+            raise ValueError("only the MMA GEMV takes gated, a PendingNorm or a residual")
         if cfg.get("DEQUANT"):
             return F.linear(x2, _dequantize_w8(qweight, scales, x.dtype, fp8), bias)
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
@@ -1731,12 +1731,12 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             if k % 64:
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
-            fused, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
+            fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
                              FP8=fp8, enable_fp_fusion=False, **fused_consts),
-                        extra=(_packed_strides(words)[1], TRACE, *fused))
+                        extra=(_packed_strides(words)[1], TRACE, *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):
             if fp8:
@@ -1803,7 +1803,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early
     """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere. x may be
     a PendingNorm, and a residual with the next norm's (weight, eps) gives (h, its PendingNorm): as
     `w4a16_matmul_triton`."""
-    x1 = x.xw if isinstance(x, PendingNorm) else x
+    x1 = PendingNorm.rows(x)
     tensors = [x1, qweight, scales] + [t for t in (zeros, bias) if t is not None]
     if group_size in INT4_GROUPS and x1.shape[-1] % group_size == 0 and _dtype_ok(x1) and use_triton(*tensors):
         return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early,
@@ -1814,7 +1814,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early
 
 def w8a16_matmul(x, qweight, scales, bias=None, release_early: bool = False, residual: torch.Tensor | None = None,
                  next_norm: tuple | None = None):
-    x1 = x.xw if isinstance(x, PendingNorm) else x
+    x1 = PendingNorm.rows(x)
     tensors = [x1, qweight, scales] + ([bias] if bias is not None else [])
     if _dtype_ok(x1) and qweight.stride(-1) == 1 and use_triton(*tensors):
         return w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early, residual=residual,
@@ -1834,7 +1834,7 @@ def w4a16_gated_matmul(x, qweight, scales, zeros, group_size, bias=None):
     row of x (batch-1 decode): the MMA GEMV with the activation in its epilogue, one kernel; else the GEMM, then
     silu_and_mul. x may be a PendingNorm."""
     tensors = [scales] + [t for t in (zeros, bias) if t is not None]
-    x1 = x.xw if isinstance(x, PendingNorm) else x
+    x1 = PendingNorm.rows(x)
     if GATED_GEMV and group_size == 128 and x1.shape[-1] % 128 == 0 and _gated_ok(x1, qweight, *tensors):
         return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, gated=True)
     return silu_and_mul(*w4a16_matmul(x, qweight, scales, zeros, group_size, bias).chunk(2, -1))
@@ -1843,7 +1843,7 @@ def w4a16_gated_matmul(x, qweight, scales, zeros, group_size, bias=None):
 def w8a16_gated_matmul(x, qweight, scales, bias=None):
     """As `w4a16_gated_matmul`, int8 weights."""
     tensors = [scales] + ([bias] if bias is not None else [])
-    x1 = x.xw if isinstance(x, PendingNorm) else x
+    x1 = PendingNorm.rows(x)
     if GATED_GEMV and x1.shape[-1] % 64 == 0 and qweight.stride(-1) == 1 and _gated_ok(x1, qweight, *tensors):
         return w8a16_matmul_triton(x, qweight, scales, bias, gated=True)
     return silu_and_mul(*w8a16_matmul(x, qweight, scales, bias).chunk(2, -1))

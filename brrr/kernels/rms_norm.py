@@ -40,6 +40,11 @@ class PendingNorm(NamedTuple):
         """What a GEMV's RESIDUAL epilogue writes, in torch (h [rows, hidden]: the new stream)."""
         return PendingNorm((weight * h).to(h.dtype), h.float().pow(2).sum(-1, keepdim=True), eps)
 
+    @staticmethod
+    def rows(x) -> torch.Tensor:
+        """The rows a GEMM reads for x: x itself, or a PendingNorm's w * h."""
+        return x.xw if isinstance(x, PendingNorm) else x
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32, cast back, then scale: the order transformers uses, so bf16 results match bit for bit.

@@ -29,7 +29,6 @@ from brrr.quant.published import published_int4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
-NORMS_IN_GEMVS = True  # pack_quantized_projections lets batch-1 decode put the RMSNorms in the GEMVs (A/B: False)
 
 
 class QuantLinear(nn.Module):
@@ -129,8 +128,7 @@ class QuantLinear(nn.Module):
         """x @ W^T (+ bias). x may be a PendingNorm (brrr/kernels/rms_norm.py): then of the normed rows. residual
         (next_norm: the next RMSNorm's (weight, eps)): (h = y + residual, h's PendingNorm). Both inside the MMA
         GEMV where `takes_norms` and one row, else in torch around the GEMM (`with_norm_and_residual`)."""
-        dtype = (x.xw if isinstance(x, PendingNorm) else x).dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
+        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
         if self.fmt == "int4" and self.activations is None:
             return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.release_early,
                                 residual, next_norm)
@@ -149,7 +147,7 @@ class QuantLinear(nn.Module):
     def gated(self, x):
         """silu(gate) * up of a packed gate/up projection (outputs: gate, then up): weight-only int8/int4 in one
         kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then silu_and_mul."""
-        bias = None if self.bias is None else self.bias.to((x.xw if isinstance(x, PendingNorm) else x).dtype)
+        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
         if self.activations is None and self.fmt == "int4":
             return w4a16_gated_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
         if self.activations is None and self.fmt in ("int8", "fp8"):
@@ -197,7 +195,7 @@ def pack_quantized_projections(model) -> int:
                 packed += 1
     gemvs = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    model.model.norms_in_gemvs = NORMS_IN_GEMVS and all(isinstance(m, QuantLinear) and m.takes_norms for m in gemvs)
+    model.model.norms_in_gemvs = all(isinstance(m, QuantLinear) and m.takes_norms for m in gemvs)
     return packed
 
 

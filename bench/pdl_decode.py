@@ -79,6 +79,8 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "part32-w8": ("pdl, RoPE decode parts of 32 keys", {"ROPE_PART": 32}),
             "split-attn": ("pdl, the split decode kernel at short contexts (no lean kernel)", {"LEAN_DECODE": False}),
             "norm-kernels": ("pdl, RMSNorms as kernels of their own (not in the GEMVs)", {"NORMS_IN_GEMVS": False}),
+            "weights-normal": ("pdl, GEMV weights loaded with L2's normal eviction (not evict-first)",
+                               {"WEIGHT_EVICT": ""}),
             "lean-one-chunk": ("pdl, lean decode kernel computing its whole tile (no chunks skipped)",
                                {"LEAN_CHUNKS": 1}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
@@ -92,7 +94,8 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
           (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"), (qm, "CHAIN_TUNING"),
-          (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (norm, "EARLY_WEIGHT"))}
+          (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (qm, "WEIGHT_EVICT"),
+          (norm, "EARLY_WEIGHT"))}
 
 
 @triton.jit

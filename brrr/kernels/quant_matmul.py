@@ -66,6 +66,9 @@ LAST_STEP_RELEASE = True
 # its own shape, where the epilogue release won for q/k/v; in the W4A16 + lm_head step the last-step one was 14 us
 # shorter (1659.1 against 1673.0 us, bench/results/pdl_decode_floors_h200.jsonl). False: as tuned (A/B).
 EARLY_RELEASE_HINT = True
+# The MMA GEMVs' weights (words, scales, zero points) are read once a forward: loaded as L2 evict-first, so the
+# small things read every step (the KV cache, block tables, norms' weights, activations) can stay in L2.
+WEIGHT_EVICT = "evict_first"
 MAX_QUANT_ROW = 32768  # the per-token quantization kernel holds one row in registers
 CHUNK = 64  # bytes of a row per block of the chunk-major int4 layout (`chunk_major`)
 
@@ -821,18 +824,20 @@ if triton is not None:
         return acc + tl.where(words[None, :] == 0, (part * s)[:, None], 0.0)
 
     @triton.jit
-    def _mma_gemv_consts(g, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS: tl.constexpr):
+    def _mma_gemv_consts(g, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS: tl.constexpr, EVICT: tl.constexpr):
         """Group g (of each row's K slice) of both tiles' words, and the rows' scales and zero points (fp32; sa..zb
-        point at the slice's first group): constants, so a PDL kernel may load them before its wait."""
-        s_a = tl.load(sa + g * N).to(tl.float32)
-        s_b = tl.load(sb + g * N).to(tl.float32)
+        point at the slice's first group): constants, so a PDL kernel may load them before its wait. EVICT: the
+        loads' L2 eviction policy (`WEIGHT_EVICT`)."""
+        s_a = tl.load(sa + g * N, eviction_policy=EVICT).to(tl.float32)
+        s_b = tl.load(sb + g * N, eviction_policy=EVICT).to(tl.float32)
         if HAS_ZEROS:
-            z_a = tl.load(za + g * N).to(tl.float32)
-            z_b = tl.load(zb + g * N).to(tl.float32)
+            z_a = tl.load(za + g * N, eviction_policy=EVICT).to(tl.float32)
+            z_b = tl.load(zb + g * N, eviction_policy=EVICT).to(tl.float32)
         else:
             z_a = tl.full(s_a.shape, 8.0, tl.float32)
             z_b = z_a
-        return tl.load(pa + g * stride_pc), tl.load(pb + g * stride_pc), s_a, s_b, z_a, z_b
+        return (tl.load(pa + g * stride_pc, eviction_policy=EVICT), tl.load(pb + g * stride_pc, eviction_policy=EVICT),
+                s_a, s_b, z_a, z_b)
 
     @triton.jit
     def _mma_gemv_x(g, x8):
@@ -1026,7 +1031,7 @@ if triton is not None:
                                HAS_BIAS: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                                GATED: tl.constexpr, LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr,
                                NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                               BLOCK_SQ: tl.constexpr = 1):
+                               BLOCK_SQ: tl.constexpr = 1, EVICT: tl.constexpr = ""):
         """M = 1, group 128. P: the int4 kernel layout as int32 words (a group is one chunk). A program's BLOCK_N rows
         are two tiles of BLOCK_N / 2 (the MMA's rows 0-7 and 8-15); rows past N read row N - 1 and are not stored.
         KW > 1: the program's K range is cut into KW equal slices, one per warp (`_mma_gemv_tiles`; the launcher
@@ -1044,7 +1049,7 @@ if triton is not None:
         x8, xs = x8 + first_col * 32, X + first_col * 128
         sa, sb = S + first * N + ra * stride_sn, S + first * N + rb * stride_sn
         za, zb = Z + first * N + ra * stride_sn, Z + first * N + rb * stride_sn
-        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+        wa, wb, s_a, s_b, z_a, z_b = _mma_gemv_consts(0, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS, EVICT)
         if EARLY:
             wait_previous(PDL)
         sq = _norm_sums(SQ_IN, n_sq, NORM, BLOCK_SQ)
@@ -1055,12 +1060,12 @@ if triton is not None:
             _release_at_last_step(g, last, PDL, LAST_STEP_RELEASE)
             nxt = tl.minimum(g + 1, last)  # the last iteration reloads the last group, unused
             if AHEAD:  # group g + 1 loads while g computes
-                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS, EVICT)
                 x_ahead = _mma_gemv_x(nxt, x8)
             acc_a, acc_b = _mma_gemv_group_pair(acc_a, acc_b, wa, wb, x_lo, x_hi, s_a, s_b, z_a, z_b, g, xs, words,
                                                 FAST)
             if not AHEAD:
-                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS)
+                ahead = _mma_gemv_consts(nxt, pa, pb, sa, sb, za, zb, N, stride_pc, HAS_ZEROS, EVICT)
                 x_ahead = _mma_gemv_x(nxt, x8)
             wa, wb, s_a, s_b, z_a, z_b = ahead
             x_lo, x_hi = x_ahead
@@ -1176,9 +1181,10 @@ if triton is not None:
         return b.to(tl.float32)
 
     @triton.jit
-    def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
+    def _mma_gemv8_load(t, pa, pb, x8, stride_qc, EVICT: tl.constexpr):
         """Step t's words of both tiles and x at their columns."""
-        return tl.load(pa + t * stride_qc), tl.load(pb + t * stride_qc), tl.load(x8 + t * 16)
+        return (tl.load(pa + t * stride_qc, eviction_policy=EVICT), tl.load(pb + t * stride_qc, eviction_policy=EVICT),
+                tl.load(x8 + t * 16))
 
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,
@@ -1187,7 +1193,7 @@ if triton is not None:
                                FAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr,
                                LAST_STEP_RELEASE: tl.constexpr, KW: tl.constexpr, FP8: tl.constexpr = False,
                                NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                               BLOCK_SQ: tl.constexpr = 1):
+                               BLOCK_SQ: tl.constexpr = 1, EVICT: tl.constexpr = ""):
         """M = 1, K a multiple of 64. Q: int8 (FP8: E4M3) [N, K] as int32 words, word column c of row n at
         n * stride_qn + (c // 16) * stride_qc + c % 16 (by rows: stride_qc = 16). Tiles, rows past N and K slices
         (KW) as in the int4 kernel. EARLY: the first step's weights and the scales are loaded before the PDL wait
@@ -1203,9 +1209,10 @@ if triton is not None:
         first, first_col = _k_slices(part, s_begin, per, K // 64, KW)
         pa, pb = pa + first_col * stride_qc, pb + first_col * stride_qc
         x8, xs = x8 + first_col * 16, X + first_col * 64
-        wa, wb = tl.load(pa), tl.load(pb)
+        wa, wb = tl.load(pa, eviction_policy=EVICT), tl.load(pb, eviction_policy=EVICT)
         if AHEAD == 2:
-            second = (tl.load(pa + tl.minimum(1, last) * stride_qc), tl.load(pb + tl.minimum(1, last) * stride_qc))
+            second = (tl.load(pa + tl.minimum(1, last) * stride_qc, eviction_policy=EVICT),
+                      tl.load(pb + tl.minimum(1, last) * stride_qc, eviction_policy=EVICT))
         s_a = tl.load(S + ra).to(tl.float32) * 0.25  # four copies of each row's sum (exact)
         s_b = tl.load(S + rb).to(tl.float32) * 0.25
         if EARLY:
@@ -1217,7 +1224,8 @@ if triton is not None:
             for t in range(0, per):
                 _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
                 nxt = tl.minimum(t + 2, last)
-                third = (tl.load(pa + nxt * stride_qc), tl.load(pb + nxt * stride_qc))
+                third = (tl.load(pa + nxt * stride_qc, eviction_policy=EVICT),
+                         tl.load(pb + nxt * stride_qc, eviction_policy=EVICT))
                 acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, tl.load(x8 + t * 16), t, xs, words, FAST, FP8)
                 wa, wb = second
                 second = third
@@ -1227,9 +1235,9 @@ if triton is not None:
                 _release_at_last_step(t, last, PDL, LAST_STEP_RELEASE)
                 nxt = tl.minimum(t + 1, last)  # the last iteration reloads the last step, unused
                 if AHEAD:  # step t + 1 loads while t computes
-                    ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
+                    ahead = _mma_gemv8_load(nxt, pa, pb, x8, stride_qc, EVICT)
                 acc_a, acc_b = _mma_gemv8_step(acc_a, acc_b, wa, wb, x, t, xs, words, FAST, FP8)
-                wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc)
+                wa, wb, x = ahead if AHEAD else _mma_gemv8_load(nxt, pa, pb, x8, stride_qc, EVICT)
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         rstd = _rstd(sq, K, eps, NORM)
         _mma_gemv_store(_slice_sums(acc_a, s_a * rstd, KW), _slice_sums(acc_b, s_b * rstd, KW), B, Y, WS, LOCKS, M,
@@ -1649,7 +1657,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                             EARLY=pdl_mod.EARLY_LOADS, GATED=gated, enable_fp_fusion=False, **fused_consts),
+                             EARLY=pdl_mod.EARLY_LOADS, GATED=gated, EVICT=WEIGHT_EVICT, enable_fp_fusion=False,
+                             **fused_consts),
                         extra=(scales.stride(1), word_chunk_stride, TRACE, *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):
@@ -1735,7 +1744,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
-                             FP8=fp8, enable_fp_fusion=False, **fused_consts),
+                             FP8=fp8, EVICT=WEIGHT_EVICT, enable_fp_fusion=False, **fused_consts),
                         extra=(_packed_strides(words)[1], TRACE, *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):

@@ -11,7 +11,8 @@ from brrr.config import RopeConfig
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from brrr.kernels.attention import write_kv_ref
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+from brrr.kernels.rotary import (apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin,
+                                 rotary_cos_sin_ref, rotary_cos_sin_triton)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -101,6 +102,23 @@ def test_rotary_every_scaling(device, dtype, rope):
     assert got_q is q and got_k is k  # rotated in place
     check(got_q, want_q)
     check(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("dim", [64, 24])
+def test_rotary_cos_sin_kernel_every_scaling(device, dtype, rope, dim):
+    """The one-launch cos/sin tables against the torch form's ops: on a GPU bit for bit (the same fp32 product,
+    libdevice cos/sin as torch's, one rounding); under the interpreter numpy's cos/sin, within an ulp."""
+    positions = torch.tensor([0, 1, 2, 15, 16, 63, 64, 100, 127, 300, 1000, 131071], device=device)
+    inv_freq, scale = rope_inv_freq(ROPES[rope], dim, 64, seq_len=1001 if rope == "dynamic" else None)
+    want = rotary_cos_sin_ref(positions, inv_freq.to(device), scale, dtype)
+    got = rotary_cos_sin_triton(positions, inv_freq.to(device), scale, dtype)
+    for g, w in zip(got, want):
+        if device == "cuda":
+            assert torch.equal(g, w)
+        else:
+            ulp_check(dtype, device)(g, w)
 
 
 def test_rotary_packed_qkv_odd_head_dim(device):

@@ -37,7 +37,8 @@ from brrr.kernels import quant_matmul as qm
 from brrr.models import llama
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
-norm = importlib.import_module("brrr.kernels.rms_norm")  # and one of this name
+norm = importlib.import_module("brrr.kernels.rms_norm")
+rotary = importlib.import_module("brrr.kernels.rotary")  # and one of this name
 ORIGINAL = {name: getattr(llama, name) for name in ("rms_norm", "add_rms_norm", "attention")}
 
 # name -> (description, changes from the defaults: PDL on, early loads, the gated GEMV, RoPE in the decode kernel in
@@ -81,8 +82,20 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "norm-kernels": ("pdl, RMSNorms as kernels of their own (not in the GEMVs)", {"NORMS_IN_GEMVS": False}),
             "weights-normal": ("pdl, GEMV weights loaded with L2's normal eviction (not evict-first)",
                                {"WEIGHT_EVICT": ""}),
+            "cos-sin-torch": ("pdl, rotary cos/sin tables by torch ops (not one kernel)", {"COS_SIN_KERNEL": False}),
+            # the o_proj GEMV (N x K 4096 x 4096) in a config other than the tuned one: the tuner times it in a chain
+            # of its own, not beside attention's programs, which hold an SM's registers while o_proj's launch
+            "o-kw8": ("pdl, o_proj's MMA GEMV in 8 warps, K in 8 slices",
+                      {"PICK": {(4096, 4096): dict(num_warps=8, KW=8)}}),
+            "o-kw4": ("pdl, o_proj's MMA GEMV in 4 warps, K in 4 slices",
+                      {"PICK": {(4096, 4096): dict(num_warps=4, KW=4)}}),
+            "o-32-kw4": ("pdl, o_proj's MMA GEMV of 32 rows in 8 warps, K in 4 slices",
+                         {"PICK": {(4096, 4096): dict(BLOCK_N=32, num_warps=8, KW=4)}}),
             "lean-one-chunk": ("pdl, lean decode kernel computing its whole tile (no chunks skipped)",
                                {"LEAN_CHUNKS": 1}),
+            "lean-chunk-branches": ("pdl, lean decode kernel with a branch a chunk (not a context level)",
+                                    {"LEAN_LEVELS": False}),
+            "lean-two-chunks": ("pdl, lean decode kernel in chunks of 128 keys (not 64)", {"LEAN_CHUNKS": 2}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "r96": ("pdl, decode kernel capped at 96 registers", {"DECODE_MAXNREG": 96}),
@@ -93,9 +106,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
-          (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"), (qm, "CHAIN_TUNING"),
-          (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (qm, "WEIGHT_EVICT"),
-          (norm, "EARLY_WEIGHT"))}
+          (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"), (attention, "LEAN_LEVELS"),
+          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (qm, "WEIGHT_EVICT"),
+          (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"))}
 
 
 @triton.jit
@@ -194,8 +207,15 @@ def main(argv=None) -> int:
         runner = engine.runner
         for batch in args.batches:  # warm-up: prefill shapes and the kernel tuning
             run_batch(engine, batch, prompt_len, 8, cfg.vocab_size, seed=batch)
+        tuned = None
         for key in args.settings:
             name, changes = SETTINGS[key]
+            tuned = tuned or dict(qm._TUNED)  # the picks every setting starts from
+            qm._TUNED.clear()
+            qm._TUNED.update(tuned)
+            for k, pick in list(qm._TUNED.items()):
+                if k[1] == 1 and pick.get("MMA_GEMV") and (k[2], k[3]) in changes.get("PICK", {}):
+                    qm._TUNED[k] = {**pick, **changes["PICK"][(k[2], k[3])]}
             for flag, (module, default) in FLAGS.items():
                 setattr(module, flag, changes.get(flag, default))
             _ablate(changes.get("ABLATE"))

@@ -396,12 +396,21 @@ if triton is not None:
         return total, acc
 
     @triton.jit
+    def _lean_s(q, k, nm, qk_scale):
+        return tl.where(nm, tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale, float("-inf"))
+
+    @triton.jit
+    def _lean_p(s, v, m, total, acc):
+        p = tl.math.exp2(s - m)
+        return total + p, acc + p[:, None] * v.to(tl.float32)
+
+    @triton.jit
     def _lean_decode_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                             stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-                            SLIDING: tl.constexpr, PDL: tl.constexpr):
+                            SLIDING: tl.constexpr, PDL: tl.constexpr, LEVELS: tl.constexpr = True):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
         read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sum on
         CUDA cores in fp32. No split, so no partials to combine through global memory, and no MMA operand round
@@ -444,26 +453,59 @@ if triton is not None:
             k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
             v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
             _phase(TRACE, 2, tl.sum(q))
-            s0 = _lean_scores(q, k0, nm0, 0, hi, qk_scale)
-            top = s0
-            if CHUNKS > 1:
-                s1 = _lean_scores(q, k1, nm1, C, hi, qk_scale)
-                top = tl.maximum(top, s1)
-            if CHUNKS > 2:
-                s2 = _lean_scores(q, k2, nm2, 2 * C, hi, qk_scale)
-                s3 = _lean_scores(q, k3, nm3, 3 * C, hi, qk_scale)
-                top = tl.maximum(top, tl.maximum(s2, s3))
+            if LEVELS:  # one branch a context level, the chunks below it computed together (no branch between)
+                s1 = tl.full([C], float("-inf"), tl.float32)
+                s2, s3 = s1, s1
+                if CHUNKS > 2:
+                    if hi > 2 * C:
+                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
+                        s2, s3 = _lean_s(q, k2, nm2, qk_scale), _lean_s(q, k3, nm3, qk_scale)
+                    elif hi > C:
+                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
+                    else:
+                        s0 = _lean_s(q, k0, nm0, qk_scale)
+                elif CHUNKS > 1:
+                    if hi > C:
+                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
+                    else:
+                        s0 = _lean_s(q, k0, nm0, qk_scale)
+                else:
+                    s0 = _lean_s(q, k0, nm0, qk_scale)
+                top = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+            else:
+                s0 = _lean_scores(q, k0, nm0, 0, hi, qk_scale)
+                top = s0
+                if CHUNKS > 1:
+                    s1 = _lean_scores(q, k1, nm1, C, hi, qk_scale)
+                    top = tl.maximum(top, s1)
+                if CHUNKS > 2:
+                    s2 = _lean_scores(q, k2, nm2, 2 * C, hi, qk_scale)
+                    s3 = _lean_scores(q, k3, nm3, 3 * C, hi, qk_scale)
+                    top = tl.maximum(top, tl.maximum(s2, s3))
             s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
             m = tl.maximum(tl.max(top, 0), s_new)
             m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
             total = tl.zeros([C], tl.float32)
             acc = tl.zeros([C, BLOCK_D], tl.float32)
-            total, acc = _lean_fold(s0, v0, m, 0, hi, total, acc)
-            if CHUNKS > 1:
-                total, acc = _lean_fold(s1, v1, m, C, hi, total, acc)
-            if CHUNKS > 2:
-                total, acc = _lean_fold(s2, v2, m, 2 * C, hi, total, acc)
-                total, acc = _lean_fold(s3, v3, m, 3 * C, hi, total, acc)
+            if LEVELS:
+                total, acc = _lean_p(s0, v0, m, total, acc)
+                if CHUNKS > 2:
+                    if hi > 2 * C:
+                        total, acc = _lean_p(s1, v1, m, total, acc)
+                        total, acc = _lean_p(s2, v2, m, total, acc)
+                        total, acc = _lean_p(s3, v3, m, total, acc)
+                    elif hi > C:
+                        total, acc = _lean_p(s1, v1, m, total, acc)
+                elif CHUNKS > 1:
+                    if hi > C:
+                        total, acc = _lean_p(s1, v1, m, total, acc)
+            else:
+                total, acc = _lean_fold(s0, v0, m, 0, hi, total, acc)
+                if CHUNKS > 1:
+                    total, acc = _lean_fold(s1, v1, m, C, hi, total, acc)
+                if CHUNKS > 2:
+                    total, acc = _lean_fold(s2, v2, m, 2 * C, hi, total, acc)
+                    total, acc = _lean_fold(s3, v3, m, 3 * C, hi, total, acc)
             total = tl.sum(total, 0)
             _phase(TRACE, 3, total)
             acc = tl.sum(acc, 0)
@@ -693,6 +735,7 @@ LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
+LEAN_LEVELS = True  # one branch a context level (chunks below it together), not one a chunk (benchmarks' A/B)
 
 
 def _sms(device) -> int:
@@ -832,7 +875,8 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=min(LEAN_CHUNKS, max(1, block_n // 32)),
-        SLIDING=sliding_window is not None, PDL=min(pdl, 2), num_warps=LEAN_WARPS or (8 if block_n > 128 else 4),
+        SLIDING=sliding_window is not None, PDL=min(pdl, 2), LEVELS=LEAN_LEVELS,
+        num_warps=LEAN_WARPS or (8 if block_n > 128 else 4),
         num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
     return out
 

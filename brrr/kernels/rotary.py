@@ -76,9 +76,12 @@ def _yarn(base, dim, p):
     return inv_freq, float(attention_factor)
 
 
+COS_SIN_KERNEL = True  # the tables in one launch on the GPU (benchmarks turn it off for the A/B)
+
+
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
     """cos, sin of shape [tokens, head_dim], computed in fp32 and cast to the activations' dtype."""
-    if use_triton(positions, inv_freq) and positions.numel() > 0:
+    if COS_SIN_KERNEL and use_triton(positions, inv_freq) and positions.numel() > 0:
         return rotary_cos_sin_triton(positions, inv_freq, scale, dtype)
     return rotary_cos_sin_ref(positions, inv_freq, scale, dtype)
 

@@ -163,16 +163,16 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
 def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window):
     """The lean decode kernel (one program a query head, the whole context in one tile of 4 chunks, no tl.dot, so
-    bf16 runs under the interpreter too) over contexts of 1, a block + 1, 40 (one chunk), 70 (two), 200 (all
-    four) and a padded row (context 0, slot -1), q and k unrotated: the cache ends bit for bit as the rotary kernel
-    writes it, the output within rounding of the reference over the rotated q."""
+    bf16 runs under the interpreter too) over contexts of 1, 65 (64 cached keys: one chunk, full), 40 (one chunk),
+    129 (two, full), 200 (all four) and a padded row (context 0, slot -1), q and k unrotated: the cache ends bit for
+    bit as the rotary kernel writes it, the output within rounding of the reference over the rotated q."""
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
-    dim, lens = 32, [1, 9, 40, 70, 200, 1]
+    dim, lens = 32, [1, 65, 40, 129, 200, 1]
     q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 8, dtype, device, seed=heads)
     inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
-    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 8, 39, 69, 199, 0]), inv_freq, scale, dtype))
+    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 64, 39, 128, 199, 0]), inv_freq, scale, dtype))
     ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
     slots = meta.slot_mapping.clone()
     slots[5] = -1

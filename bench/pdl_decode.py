@@ -93,8 +93,6 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
                          {"PICK": {(4096, 4096): dict(BLOCK_N=32, num_warps=8, KW=4)}}),
             "lean-one-chunk": ("pdl, lean decode kernel computing its whole tile (no chunks skipped)",
                                {"LEAN_CHUNKS": 1}),
-            "lean-chunk-branches": ("pdl, lean decode kernel with a branch a chunk (not a context level)",
-                                    {"LEAN_LEVELS": False}),
             "lean-two-chunks": ("pdl, lean decode kernel in chunks of 128 keys (not 64)", {"LEAN_CHUNKS": 2}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
@@ -106,9 +104,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
 FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
-          (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"), (attention, "LEAN_LEVELS"),
-          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"), (qm, "WEIGHT_EVICT"),
-          (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"))}
+          (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"),
+          (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"),
+          (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"))}
 
 
 @triton.jit

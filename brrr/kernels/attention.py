@@ -379,28 +379,13 @@ if triton is not None:
                 tl.load(VC + rows[:, None] + d[None, :], mask=mask, other=0.0), nm)
 
     @triton.jit
-    def _lean_scores(q, k, nm, start, hi, qk_scale):
-        """Base-2 scores of one chunk of keys (-inf where masked); a chunk wholly past the context costs a branch."""
-        s = tl.full(nm.shape, float("-inf"), tl.float32)
-        if start < hi:
-            s = tl.where(nm, tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale, float("-inf"))
-        return s
-
-    @triton.jit
-    def _lean_fold(s, v, m, start, hi, total, acc):
-        """Softmax weights of one chunk at max m, added to the running per-row sums (total [C], acc [C, D])."""
-        if start < hi:
-            p = tl.math.exp2(s - m)
-            total += p
-            acc += p[:, None] * v.to(tl.float32)
-        return total, acc
-
-    @triton.jit
     def _lean_s(q, k, nm, qk_scale):
+        """Base-2 scores of one chunk of keys (-inf where masked)."""
         return tl.where(nm, tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale, float("-inf"))
 
     @triton.jit
     def _lean_p(s, v, m, total, acc):
+        """Softmax weights of one chunk at max m, added to the running per-row sums (total [C], acc [C, D])."""
         p = tl.math.exp2(s - m)
         return total + p, acc + p[:, None] * v.to(tl.float32)
 
@@ -410,16 +395,16 @@ if triton is not None:
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-                            SLIDING: tl.constexpr, PDL: tl.constexpr, LEVELS: tl.constexpr = True):
+                            SLIDING: tl.constexpr, PDL: tl.constexpr):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
         read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sum on
         CUDA cores in fp32. No split, so no partials to combine through global memory, and no MMA operand round
         trips through shared memory: after the wait only q (and the new k/v) are loaded. The work after the wait is
-        instructions, so chunks past the context are skipped; the rows of the chunks are summed elementwise, and
-        the max, the sum and the weighted sum are each one reduction across warps. q and the new k/v come
-        unrotated, as `_decode_kernel`'s ROPE; the first query head of each kv head writes the new key and value to
-        the cache. TRACE: `_phase` stamps (7 before the wait, 0-1 after it, 2 q loaded, 3 softmax weights, 4
-        weighted sum, 5-6 the end)."""
+        instructions, so chunks past the context are skipped (a branch a context level); the rows of the chunks are
+        summed elementwise, and the max, the sum and the weighted sum are each one reduction across warps. q and the
+        new k/v come unrotated, as `_decode_kernel`'s ROPE; the first query head of each kv head writes the new key
+        and value to the cache. TRACE: `_phase` stamps (7 before the wait, 0-1 after it, 2 q loaded, 3 softmax
+        weights, 4 weighted sum, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -453,59 +438,42 @@ if triton is not None:
             k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
             v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
             _phase(TRACE, 2, tl.sum(q))
-            if LEVELS:  # one branch a context level, the chunks below it computed together (no branch between)
-                s1 = tl.full([C], float("-inf"), tl.float32)
-                s2, s3 = s1, s1
-                if CHUNKS > 2:
-                    if hi > 2 * C:
-                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                        s2, s3 = _lean_s(q, k2, nm2, qk_scale), _lean_s(q, k3, nm3, qk_scale)
-                    elif hi > C:
-                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                    else:
-                        s0 = _lean_s(q, k0, nm0, qk_scale)
-                elif CHUNKS > 1:
-                    if hi > C:
-                        s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                    else:
-                        s0 = _lean_s(q, k0, nm0, qk_scale)
+            # one branch a context level, its chunks computed together: with a branch a chunk, no chunk's
+            # reductions overlapped another's (H200: the W4A16 + lm_head step 1645.0 -> 1637.6 us)
+            s1 = tl.full([C], float("-inf"), tl.float32)
+            s2, s3 = s1, s1
+            if CHUNKS > 2:
+                if hi > 2 * C:
+                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
+                    s2, s3 = _lean_s(q, k2, nm2, qk_scale), _lean_s(q, k3, nm3, qk_scale)
+                elif hi > C:
+                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
                 else:
                     s0 = _lean_s(q, k0, nm0, qk_scale)
-                top = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+            elif CHUNKS > 1:
+                if hi > C:
+                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
+                else:
+                    s0 = _lean_s(q, k0, nm0, qk_scale)
             else:
-                s0 = _lean_scores(q, k0, nm0, 0, hi, qk_scale)
-                top = s0
-                if CHUNKS > 1:
-                    s1 = _lean_scores(q, k1, nm1, C, hi, qk_scale)
-                    top = tl.maximum(top, s1)
-                if CHUNKS > 2:
-                    s2 = _lean_scores(q, k2, nm2, 2 * C, hi, qk_scale)
-                    s3 = _lean_scores(q, k3, nm3, 3 * C, hi, qk_scale)
-                    top = tl.maximum(top, tl.maximum(s2, s3))
+                s0 = _lean_s(q, k0, nm0, qk_scale)
+            top = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
             s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
             m = tl.maximum(tl.max(top, 0), s_new)
             m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
             total = tl.zeros([C], tl.float32)
             acc = tl.zeros([C, BLOCK_D], tl.float32)
-            if LEVELS:
-                total, acc = _lean_p(s0, v0, m, total, acc)
-                if CHUNKS > 2:
-                    if hi > 2 * C:
-                        total, acc = _lean_p(s1, v1, m, total, acc)
-                        total, acc = _lean_p(s2, v2, m, total, acc)
-                        total, acc = _lean_p(s3, v3, m, total, acc)
-                    elif hi > C:
-                        total, acc = _lean_p(s1, v1, m, total, acc)
-                elif CHUNKS > 1:
-                    if hi > C:
-                        total, acc = _lean_p(s1, v1, m, total, acc)
-            else:
-                total, acc = _lean_fold(s0, v0, m, 0, hi, total, acc)
-                if CHUNKS > 1:
-                    total, acc = _lean_fold(s1, v1, m, C, hi, total, acc)
-                if CHUNKS > 2:
-                    total, acc = _lean_fold(s2, v2, m, 2 * C, hi, total, acc)
-                    total, acc = _lean_fold(s3, v3, m, 3 * C, hi, total, acc)
+            total, acc = _lean_p(s0, v0, m, total, acc)
+            if CHUNKS > 2:
+                if hi > 2 * C:
+                    total, acc = _lean_p(s1, v1, m, total, acc)
+                    total, acc = _lean_p(s2, v2, m, total, acc)
+                    total, acc = _lean_p(s3, v3, m, total, acc)
+                elif hi > C:
+                    total, acc = _lean_p(s1, v1, m, total, acc)
+            elif CHUNKS > 1:
+                if hi > C:
+                    total, acc = _lean_p(s1, v1, m, total, acc)
             total = tl.sum(total, 0)
             _phase(TRACE, 3, total)
             acc = tl.sum(acc, 0)
@@ -735,7 +703,6 @@ LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
-LEAN_LEVELS = True  # one branch a context level (chunks below it together), not one a chunk (benchmarks' A/B)
 
 
 def _sms(device) -> int:
@@ -875,7 +842,7 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=min(LEAN_CHUNKS, max(1, block_n // 32)),
-        SLIDING=sliding_window is not None, PDL=min(pdl, 2), LEVELS=LEAN_LEVELS,
+        SLIDING=sliding_window is not None, PDL=min(pdl, 2),
         num_warps=LEAN_WARPS or (8 if block_n > 128 else 4),
         num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
     return out

@@ -491,6 +491,150 @@ if triton is not None:
             _phase(TRACE, 6, ctx, True)
 
     @triton.jit
+    def _warp_keys(c: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+        """Context positions of chunk c as [2, W, R]. Triton orders a tile's axes after the head's (the last) by
+        index, so a [2, W, R, 128] tile of 16-bit keys puts 16 lanes on the head, 2 on axis 0 and the W warps on
+        axis 1: a warp's keys are (0-1, w, r), its R rows in each thread's registers."""
+        j = tl.arange(0, 2)[:, None, None]
+        w = tl.arange(0, W)[None, :, None]
+        r = tl.arange(0, R)[None, None, :]
+        return c * (R * W * 2) + r * (2 * W) + w * 2 + j
+
+    @triton.jit
+    def _warp_tile(KC, VC, BT, b, n, lo, hi, d4, dm4, kvh, stride_bt, stride_cb, stride_ct, stride_ch,
+                   BLOCK_SIZE: tl.constexpr):
+        """Keys and values [2, W, R, D] at positions n [2, W, R] (masked outside [lo, hi)) of kv head kvh."""
+        nm = (n >= lo) & (n < hi)
+        rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)[:, :, :, None]
+        mask = nm[:, :, :, None] & dm4
+        return tl.load(KC + rows + d4, mask=mask, other=0.0), tl.load(VC + rows + d4, mask=mask, other=0.0), nm
+
+    @triton.jit
+    def _warp_s(q4, k, nm, qk_scale):
+        """Base-2 scores [2, W, R] of one chunk (-inf where masked); the sum over the head is inside each warp."""
+        return tl.where(nm, tl.sum(q4 * k.to(tl.float32), 3) * qk_scale, float("-inf"))
+
+    @triton.jit
+    def _warp_max(s):
+        """Each warp's max over its keys of a chunk: [W]."""
+        return tl.max(tl.max(s, 2), 0)
+
+    @triton.jit
+    def _warp_p(s, v, m, total, acc):
+        """Softmax weights of one chunk at each warp's max m [W], added to the running sums (total [2, W, R], acc
+        [2, W, R, D])."""
+        p = tl.math.exp2(s - m[None, :, None])
+        return total + p, acc + p[:, :, :, None] * v.to(tl.float32)
+
+    @triton.jit
+    def _softmax_merge(m1, l1, a1, m2, l2, a2):
+        """Two partial softmaxes (max, sum of weights, weighted sum) as one, at the larger max."""
+        m = tl.maximum(m1, m2)
+        s1 = tl.math.exp2(m1 - m)
+        s2 = tl.math.exp2(m2 - m)
+        return m, l1 * s1 + l2 * s2, a1 * s1 + a2 * s2
+
+    @triton.jit
+    def _lean_warps_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
+                           stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                           stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
+                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
+                           SLIDING: tl.constexpr, PDL: tl.constexpr):
+        """`_lean_decode_kernel` with a softmax of its own in each warp: the tile is [2, W, R, D] with the W axis on
+        the program's W warps (`_warp_keys`), so a warp's scores, max, weights and weighted sums never leave it
+        (shuffles only), and the warps' partial softmaxes (max, sum, weighted sum) meet in one reduction across
+        warps at the end (`_softmax_merge`). The kernel before had four such reductions after its wait (the max, the
+        new key's score, the sum of weights, the weighted sum), each a shared-memory round trip and two barriers.
+        q, the new key and value, and the output are [2, W, 1, D] tiles of the same layout (each lane its 8 columns;
+        as 1-D vectors they took another layout, and a conversion through shared memory each); the new key counts in
+        every warp's max and in warp 0's sums. TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        _phase(TRACE, 7, b, True)
+        kvh = h // GROUP
+        q_row = tl.load(CU_Q + b)
+        single = tl.load(CU_Q + b + 1) - q_row == 1
+        ctx = tl.load(CTX + b)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, ctx - window)
+        hi = tl.maximum(ctx - 1, 0)  # the new key (position ctx - 1) comes from registers
+        lane = _warp_keys(0, 1, W)  # [2, W, 1]: 0 is warp 0's first lane pair
+        d = (lane * 0)[:, :, :, None] + tl.arange(0, BLOCK_D)[None, None, None, :]  # [2, W, 1, D]
+        dm = d < HEAD_DIM
+        c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
+        slot = tl.load(SLOTS + q_row).to(tl.int64)
+        C: tl.constexpr = BLOCK_N // CHUNKS
+        R: tl.constexpr = C // (2 * W)
+        args = (lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        k0, v0, nm0 = _warp_tile(KC, VC, BT, b, _warp_keys(0, R, W), *args)
+        if CHUNKS > 1:
+            k1, v1, nm1 = _warp_tile(KC, VC, BT, b, _warp_keys(1, R, W), *args)
+        if CHUNKS > 2:
+            k2, v2, nm2 = _warp_tile(KC, VC, BT, b, _warp_keys(2, R, W), *args)
+            k3, v3, nm3 = _warp_tile(KC, VC, BT, b, _warp_keys(3, R, W), *args)
+        wait_previous(PDL)
+        _phase(TRACE, 0, ctx, True)
+        _phase(TRACE, 1, ctx)
+        if single:  # else a prefill chunk: the prefill kernel's
+            q = _rope(Q + q_row.to(tl.int64) * stride_qn + h * stride_qh, d, dm, c, sn, swap, sign).to(tl.float32)
+            nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
+            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
+            v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
+            _phase(TRACE, 2, tl.sum(q))
+            s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 3) * qk_scale, float("-inf"))  # [2, W, 1]
+            s1 = tl.full([2, W, R], float("-inf"), tl.float32)
+            s2, s3 = s1, s1
+            if CHUNKS > 2:
+                if hi > 2 * C:
+                    s0, s1 = _warp_s(q, k0, nm0, qk_scale), _warp_s(q, k1, nm1, qk_scale)
+                    s2, s3 = _warp_s(q, k2, nm2, qk_scale), _warp_s(q, k3, nm3, qk_scale)
+                elif hi > C:
+                    s0, s1 = _warp_s(q, k0, nm0, qk_scale), _warp_s(q, k1, nm1, qk_scale)
+                else:
+                    s0 = _warp_s(q, k0, nm0, qk_scale)
+            elif CHUNKS > 1:
+                if hi > C:
+                    s0, s1 = _warp_s(q, k0, nm0, qk_scale), _warp_s(q, k1, nm1, qk_scale)
+                else:
+                    s0 = _warp_s(q, k0, nm0, qk_scale)
+            else:
+                s0 = _warp_s(q, k0, nm0, qk_scale)
+            m = tl.maximum(_warp_max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))), _warp_max(s_new))  # [W]
+            m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
+            total = tl.zeros([2, W, R], tl.float32)
+            acc = tl.zeros([2, W, R, BLOCK_D], tl.float32)
+            total, acc = _warp_p(s0, v0, m, total, acc)
+            if CHUNKS > 2:
+                if hi > 2 * C:
+                    total, acc = _warp_p(s1, v1, m, total, acc)
+                    total, acc = _warp_p(s2, v2, m, total, acc)
+                    total, acc = _warp_p(s3, v3, m, total, acc)
+                elif hi > C:
+                    total, acc = _warp_p(s1, v1, m, total, acc)
+            elif CHUNKS > 1:
+                if hi > C:
+                    total, acc = _warp_p(s1, v1, m, total, acc)
+            first = lane == 0
+            p_new = tl.where(first, tl.math.exp2(s_new - m[None, :, None]), 0.0)  # [2, W, 1]
+            total = tl.sum(tl.sum(total, 2), 0) + tl.sum(tl.sum(p_new, 2), 0)  # [W]
+            acc = tl.sum(tl.sum(acc, 2), 0) + tl.sum(tl.sum(p_new[:, :, :, None] * v_new.to(tl.float32), 2), 0)
+            _phase(TRACE, 3, tl.sum(total))
+            m, total, acc = tl.reduce((tl.broadcast_to(m[:, None], acc.shape),
+                                       tl.broadcast_to(total[:, None], acc.shape), acc), 0, _softmax_merge)
+            _phase(TRACE, 4, tl.sum(acc))
+            one = first[:, :, :, None] & dm  # one lane's columns each: the stores below
+            if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
+                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
+                tl.store(KC + dst, k_new, mask=one)
+                tl.store(VC + dst, v_new, mask=one)
+            out = (acc / tl.where(total == 0.0, 1.0, total))[None, None, :][:, :, None, :]
+            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=one)
+            _phase(TRACE, 5, ctx)
+            _phase(TRACE, 6, ctx, True)
+
+    @triton.jit
     def _write_out(acc, l_i, o_ptrs, o_mask):
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context (padding) gives zeros
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
@@ -703,6 +847,7 @@ LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
+LEAN_WARP_SOFTMAX = True  # `_lean_warps_kernel`: a softmax a warp, merged once (False: one across the program)
 
 
 def _sms(device) -> int:
@@ -836,15 +981,17 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
     block_n = max(16, next_power_of_2(max_context_len))
     k, v, cos, sin, slots = rope
     pdl = pdl_on(q)
-    _lean_decode_kernel[(batch, n_heads)](
+    warps, chunks = LEAN_WARPS or (8 if block_n > 128 else 4), min(LEAN_CHUNKS, max(1, block_n // 32))
+    kernel, extra = _lean_decode_kernel, {}
+    if LEAN_WARP_SOFTMAX and block_n // chunks >= 2 * warps:
+        kernel, extra = _lean_warps_kernel, {"W": warps}
+    kernel[(batch, n_heads)](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
-        BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=min(LEAN_CHUNKS, max(1, block_n // 32)),
-        SLIDING=sliding_window is not None, PDL=min(pdl, 2),
-        num_warps=LEAN_WARPS or (8 if block_n > 128 else 4),
-        num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
+        BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=chunks, SLIDING=sliding_window is not None,
+        PDL=min(pdl, 2), num_warps=warps, num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0, **extra)
     return out
 
 

@@ -527,28 +527,22 @@ if triton is not None:
         return total + p, acc + p[:, :, :, None] * v.to(tl.float32)
 
     @triton.jit
-    def _softmax_merge(m1, l1, a1, m2, l2, a2):
-        """Two partial softmaxes (max, sum of weights, weighted sum) as one, at the larger max."""
-        m = tl.maximum(m1, m2)
-        s1 = tl.math.exp2(m1 - m)
-        s2 = tl.math.exp2(m2 - m)
-        return m, l1 * s1 + l2 * s2, a1 * s1 + a2 * s2
-
-    @triton.jit
-    def _lean_warps_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
+    def _lean_warps_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                            stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
                            SLIDING: tl.constexpr, PDL: tl.constexpr):
-        """`_lean_decode_kernel` with a softmax of its own in each warp: the tile is [2, W, R, D] with the W axis on
-        the program's W warps (`_warp_keys`), so a warp's scores, max, weights and weighted sums never leave it
-        (shuffles only), and the warps' partial softmaxes (max, sum, weighted sum) meet in one reduction across
-        warps at the end (`_softmax_merge`). The kernel before had four such reductions after its wait (the max, the
-        new key's score, the sum of weights, the weighted sum), each a shared-memory round trip and two barriers.
-        q, the new key and value, and the output are [2, W, 1, D] tiles of the same layout (each lane its 8 columns;
-        as 1-D vectors they took another layout, and a conversion through shared memory each); the new key counts in
-        every warp's max and in warp 0's sums. TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
+        """`_lean_decode_kernel` with a softmax of its own in each warp, merged through global memory. The tile is
+        [2, W, R, D] with the W axis on the program's W warps (`_warp_keys`), so a warp's scores, max, weights and
+        weighted sums never leave it (shuffles only). The warps' partials (weighted sums, max, sum of weights) then
+        go to this program's slice of SCR [D + 2, W], transposed, and after a barrier each thread merges its
+        columns' W partials itself. A `tl.sum` across 8 warps of the [W, D] sums took ~2400 cycles on the H200
+        (Triton's scratch for it puts one warp's columns on one shared-memory bank), the round trip through L1/L2
+        ~350 (bench/warp_reduce.py); the kernel before had that sum and three smaller ones after its wait. q, the
+        new key and value are [2, W, 1, D] tiles of the tile's layout (as 1-D vectors they took another
+        layout, a conversion through shared memory each); the new key counts in every warp's max and in warp 0's
+        sums. TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -621,16 +615,28 @@ if triton is not None:
             total = tl.sum(tl.sum(total, 2), 0) + tl.sum(tl.sum(p_new, 2), 0)  # [W]
             acc = tl.sum(tl.sum(acc, 2), 0) + tl.sum(tl.sum(p_new[:, :, :, None] * v_new.to(tl.float32), 2), 0)
             _phase(TRACE, 3, tl.sum(total))
-            m, total, acc = tl.reduce((tl.broadcast_to(m[:, None], acc.shape),
-                                       tl.broadcast_to(total[:, None], acc.shape), acc), 0, _softmax_merge)
+            base = SCR + (b * tl.num_programs(1) + h) * (BLOCK_D + 2) * W
+            wi = tl.arange(0, W)
+            tl.store(base + tl.arange(0, BLOCK_D)[None, :] * W + wi[:, None], acc)
+            tl.store(base + BLOCK_D * W + wi, m)
+            tl.store(base + (BLOCK_D + 1) * W + wi, total)
+            tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
+            cols = tl.arange(0, BLOCK_D)[:, None]
+            ws = tl.arange(0, W)[None, :]
+            m_t = tl.load(base + BLOCK_D * W + ws + cols * 0)  # [D, W], each row every warp's max
+            scale = tl.math.exp2(m_t - tl.max(m_t, 1)[:, None])
+            total = tl.sum(tl.load(base + (BLOCK_D + 1) * W + ws + cols * 0) * scale, 1)
+            acc = tl.sum(tl.load(base + cols * W + ws) * scale, 1)
             _phase(TRACE, 4, tl.sum(acc))
-            one = first[:, :, :, None] & dm  # one lane's columns each: the stores below
             if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
                 dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
+                one = first[:, :, :, None] & dm  # one lane's columns each
                 tl.store(KC + dst, k_new, mask=one)
                 tl.store(VC + dst, v_new, mask=one)
-            out = (acc / tl.where(total == 0.0, 1.0, total))[None, None, :][:, :, None, :]
-            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=one)
+            out = acc / tl.where(total == 0.0, 1.0, total)
+            dd = tl.arange(0, BLOCK_D)
+            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + dd, out.to(O.dtype.element_ty),
+                     mask=dd < HEAD_DIM)
             _phase(TRACE, 5, ctx)
             _phase(TRACE, 6, ctx, True)
 
@@ -847,7 +853,7 @@ LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
-LEAN_WARP_SOFTMAX = True  # `_lean_warps_kernel`: a softmax a warp, merged once (False: one across the program)
+LEAN_WARP_SOFTMAX = True  # `_lean_warps_kernel`, a softmax a warp (False: `_lean_decode_kernel`, the A/B's)
 
 
 def _sms(device) -> int:
@@ -976,22 +982,26 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
 
 def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                  max_context_len, out, rope):
-    """`decode_attention_triton` with rope through `_lean_decode_kernel` (grid: sequences x query heads)."""
+    """`decode_attention_triton` with rope through `_lean_warps_kernel` (or `_lean_decode_kernel`; grid: sequences x
+    query heads)."""
     batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
     block_n = max(16, next_power_of_2(max_context_len))
     k, v, cos, sin, slots = rope
     pdl = pdl_on(q)
     warps, chunks = LEAN_WARPS or (8 if block_n > 128 else 4), min(LEAN_CHUNKS, max(1, block_n // 32))
-    kernel, extra = _lean_decode_kernel, {}
-    if LEAN_WARP_SOFTMAX and block_n // chunks >= 2 * warps:
-        kernel, extra = _lean_warps_kernel, {"W": warps}
-    kernel[(batch, n_heads)](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
+    if LEAN_WARP_SOFTMAX and block_n // chunks >= 2 * warps:  # each warp a row of keys (two lanes) a chunk at least
+        scratch = torch.empty(batch * n_heads * (next_power_of_2(dim) + 2) * warps, dtype=torch.float32,
+                              device=q.device)
+        kernel = functools.partial(_lean_warps_kernel[(batch, n_heads)], q, k_cache, v_cache, out, scratch, W=warps)
+    else:
+        kernel = functools.partial(_lean_decode_kernel[(batch, n_heads)], q, k_cache, v_cache, out)
+    kernel(
+        cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=chunks, SLIDING=sliding_window is not None,
-        PDL=min(pdl, 2), num_warps=warps, num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0, **extra)
+        PDL=min(pdl, 2), num_warps=warps, num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
     return out
 
 

@@ -229,13 +229,24 @@ if triton is not None:
         return c, sn, (d + HALF) % HEAD_DIM, tl.where(d < HALF, -1.0, 1.0)
 
     @triton.jit
-    def _rope(ptrs, d, mask, c, sn, swap, sign):
+    def _mul_rn(a, b):
+        """a * b rounded on its own: PTX's mul.rn is never contracted into an FMA."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def _rope(ptrs, d, mask, c, sn, swap, sign, MUL_RN: tl.constexpr = False):
         """The rotated rows at ptrs (+ d): each product rounded to the activation dtype, then the sum, as torch's
-        `x * cos + rotate_half(x) * sin` and the rotary kernel round (the launch turns FMA contraction off)."""
+        `x * cos + rotate_half(x) * sin` and the rotary kernel round: the launch turns FMA contraction off, or
+        (MUL_RN, a GPU launch with it on) the products are `_mul_rn`'s."""
         dt = ptrs.dtype.element_ty
         x = tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32)
         xs = tl.load(ptrs + swap, mask=mask, other=0.0).to(tl.float32)
-        return ((x * c).to(dt).to(tl.float32) + (sign * xs * sn).to(dt).to(tl.float32)).to(dt)
+        if MUL_RN:
+            xc, xss = _mul_rn(x, c), _mul_rn(sign * xs, sn)
+        else:
+            xc, xss = x * c, sign * xs * sn
+        return (xc.to(dt).to(tl.float32) + xss.to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
     def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
@@ -532,7 +543,7 @@ if triton is not None:
                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
-                           SLIDING: tl.constexpr, PDL: tl.constexpr):
+                           SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr):
         """`_lean_decode_kernel` with a softmax of its own in each warp, merged through global memory. The tile is
         [2, W, R, D] with the W axis on the program's W warps (`_warp_keys`), so a warp's scores, max, weights and
         weighted sums never leave it (shuffles only). The warps' partials (weighted sums, max, sum of weights) then
@@ -542,7 +553,8 @@ if triton is not None:
         ~350 (bench/warp_reduce.py); the kernel before had that sum and three smaller ones after its wait. q, the
         new key and value are [2, W, 1, D] tiles of the tile's layout (as 1-D vectors they took another
         layout, a conversion through shared memory each); the new key counts in every warp's max and in warp 0's
-        sums. TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
+        sums. FUSED (a GPU launch): FMA contraction on, so the dot products are FFMAs (the rotation's products
+        stay rounded, `_rope`'s MUL_RN). TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -572,9 +584,10 @@ if triton is not None:
         _phase(TRACE, 0, ctx, True)
         _phase(TRACE, 1, ctx)
         if single:  # else a prefill chunk: the prefill kernel's
-            q = _rope(Q + q_row.to(tl.int64) * stride_qn + h * stride_qh, d, dm, c, sn, swap, sign).to(tl.float32)
+            q = _rope(Q + q_row.to(tl.int64) * stride_qn + h * stride_qh, d, dm, c, sn, swap, sign,
+                      FUSED).to(tl.float32)
             nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
-            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
+            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign, FUSED)
             v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
             _phase(TRACE, 2, tl.sum(q))
             s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 3) * qk_scale, float("-inf"))  # [2, W, 1]
@@ -853,6 +866,7 @@ LEAN_CONTEXT = 256
 LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
+LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
 LEAN_WARP_SOFTMAX = True  # `_lean_warps_kernel`, a softmax a warp (False: `_lean_decode_kernel`, the A/B's)
 
 
@@ -992,16 +1006,19 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
     if LEAN_WARP_SOFTMAX and block_n // chunks >= 2 * warps:  # each warp a row of keys (two lanes) a chunk at least
         scratch = torch.empty(batch * n_heads * (next_power_of_2(dim) + 2) * warps, dtype=torch.float32,
                               device=q.device)
-        kernel = functools.partial(_lean_warps_kernel[(batch, n_heads)], q, k_cache, v_cache, out, scratch, W=warps)
+        fused = q.is_cuda and LEAN_FMA
+        kernel = functools.partial(_lean_warps_kernel[(batch, n_heads)], q, k_cache, v_cache, out, scratch, W=warps,
+                                   FUSED=fused, enable_fp_fusion=fused)
     else:
-        kernel = functools.partial(_lean_decode_kernel[(batch, n_heads)], q, k_cache, v_cache, out)
+        kernel = functools.partial(_lean_decode_kernel[(batch, n_heads)], q, k_cache, v_cache, out,
+                                   enable_fp_fusion=False)
     kernel(
         cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=chunks, SLIDING=sliding_window is not None,
-        PDL=min(pdl, 2), num_warps=warps, num_stages=1, enable_fp_fusion=False, launch_pdl=pdl > 0)
+        PDL=min(pdl, 2), num_warps=warps, num_stages=1, launch_pdl=pdl > 0)
     return out
 
 

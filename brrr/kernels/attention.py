@@ -380,128 +380,6 @@ if triton is not None:
         _phase(TRACE, 6, ctx, True)
 
     @triton.jit
-    def _lean_tile(KC, VC, BT, b, n, lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch,
-                   BLOCK_SIZE: tl.constexpr):
-        """Keys and values at context positions n (masked outside [lo, hi)) of kv head kvh: (k, v, mask)."""
-        nm = (n >= lo) & (n < hi)
-        rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
-        mask = nm[:, None] & dm[None, :]
-        return (tl.load(KC + rows[:, None] + d[None, :], mask=mask, other=0.0),
-                tl.load(VC + rows[:, None] + d[None, :], mask=mask, other=0.0), nm)
-
-    @triton.jit
-    def _lean_s(q, k, nm, qk_scale):
-        """Base-2 scores of one chunk of keys (-inf where masked)."""
-        return tl.where(nm, tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale, float("-inf"))
-
-    @triton.jit
-    def _lean_p(s, v, m, total, acc):
-        """Softmax weights of one chunk at max m, added to the running per-row sums (total [C], acc [C, D])."""
-        p = tl.math.exp2(s - m)
-        return total + p, acc + p[:, None] * v.to(tl.float32)
-
-    @triton.jit
-    def _lean_decode_kernel(Q, KC, VC, O, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
-                            stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
-                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-                            SLIDING: tl.constexpr, PDL: tl.constexpr):
-        """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
-        read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sum on
-        CUDA cores in fp32. No split, so no partials to combine through global memory, and no MMA operand round
-        trips through shared memory: after the wait only q (and the new k/v) are loaded. The work after the wait is
-        instructions, so chunks past the context are skipped (a branch a context level); the rows of the chunks are
-        summed elementwise, and the max, the sum and the weighted sum are each one reduction across warps. q and the
-        new k/v come unrotated, as `_decode_kernel`'s ROPE; the first query head of each kv head writes the new key
-        and value to the cache. TRACE: `_phase` stamps (7 before the wait, 0-1 after it, 2 q loaded, 3 softmax
-        weights, 4 weighted sum, 5-6 the end)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        _phase(TRACE, 7, b, True)
-        kvh = h // GROUP
-        q_row = tl.load(CU_Q + b)
-        single = tl.load(CU_Q + b + 1) - q_row == 1
-        ctx = tl.load(CTX + b)
-        lo = 0
-        if SLIDING:
-            lo = tl.maximum(0, ctx - window)
-        hi = tl.maximum(ctx - 1, 0)  # the new key (position ctx - 1) comes from registers
-        d = tl.arange(0, BLOCK_D)
-        dm = d < HEAD_DIM
-        c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, d, dm, HEAD_DIM)
-        slot = tl.load(SLOTS + q_row).to(tl.int64)
-        C: tl.constexpr = BLOCK_N // CHUNKS
-        n = tl.arange(0, C)
-        args = (lo, hi, d, dm, kvh, stride_bt, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        k0, v0, nm0 = _lean_tile(KC, VC, BT, b, n, *args)
-        if CHUNKS > 1:
-            k1, v1, nm1 = _lean_tile(KC, VC, BT, b, n + C, *args)
-        if CHUNKS > 2:
-            k2, v2, nm2 = _lean_tile(KC, VC, BT, b, n + 2 * C, *args)
-            k3, v3, nm3 = _lean_tile(KC, VC, BT, b, n + 3 * C, *args)
-        wait_previous(PDL)
-        _phase(TRACE, 0, ctx, True)
-        _phase(TRACE, 1, ctx)
-        if single:  # else a prefill chunk: the prefill kernel's
-            q = _rope(Q + q_row.to(tl.int64) * stride_qn + h * stride_qh, d, dm, c, sn, swap, sign).to(tl.float32)
-            nkm = dm & (d < tl.where(ctx > 0, HEAD_DIM, 0))
-            k_new = _rope(K + q_row.to(tl.int64) * stride_kn + kvh * stride_kh, d, nkm, c, sn, swap, sign)
-            v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
-            _phase(TRACE, 2, tl.sum(q))
-            # one branch a context level, its chunks computed together: with a branch a chunk, no chunk's
-            # reductions overlapped another's (H200: the W4A16 + lm_head step 1645.0 -> 1637.6 us)
-            s1 = tl.full([C], float("-inf"), tl.float32)
-            s2, s3 = s1, s1
-            if CHUNKS > 2:
-                if hi > 2 * C:
-                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                    s2, s3 = _lean_s(q, k2, nm2, qk_scale), _lean_s(q, k3, nm3, qk_scale)
-                elif hi > C:
-                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                else:
-                    s0 = _lean_s(q, k0, nm0, qk_scale)
-            elif CHUNKS > 1:
-                if hi > C:
-                    s0, s1 = _lean_s(q, k0, nm0, qk_scale), _lean_s(q, k1, nm1, qk_scale)
-                else:
-                    s0 = _lean_s(q, k0, nm0, qk_scale)
-            else:
-                s0 = _lean_s(q, k0, nm0, qk_scale)
-            top = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
-            s_new = tl.where(ctx > 0, tl.sum(q * k_new.to(tl.float32), 0) * qk_scale, float("-inf"))
-            m = tl.maximum(tl.max(top, 0), s_new)
-            m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (padding): zeros out
-            total = tl.zeros([C], tl.float32)
-            acc = tl.zeros([C, BLOCK_D], tl.float32)
-            total, acc = _lean_p(s0, v0, m, total, acc)
-            if CHUNKS > 2:
-                if hi > 2 * C:
-                    total, acc = _lean_p(s1, v1, m, total, acc)
-                    total, acc = _lean_p(s2, v2, m, total, acc)
-                    total, acc = _lean_p(s3, v3, m, total, acc)
-                elif hi > C:
-                    total, acc = _lean_p(s1, v1, m, total, acc)
-            elif CHUNKS > 1:
-                if hi > C:
-                    total, acc = _lean_p(s1, v1, m, total, acc)
-            total = tl.sum(total, 0)
-            _phase(TRACE, 3, total)
-            acc = tl.sum(acc, 0)
-            _phase(TRACE, 4, tl.sum(acc))
-            p_new = tl.math.exp2(s_new - m)
-            total += p_new
-            acc += p_new * v_new.to(tl.float32)
-            if (h % GROUP == 0) & (slot >= 0) & (ctx > 0):  # a padded row has no slot
-                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch + d
-                tl.store(KC + dst, k_new, mask=dm)
-                tl.store(VC + dst, v_new, mask=dm)
-            out = acc / tl.where(total == 0.0, 1.0, total)
-            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=dm)
-            _phase(TRACE, 5, ctx)
-            _phase(TRACE, 6, ctx, True)
-
-    @triton.jit
     def _warp_keys(c: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
         """Context positions of chunk c as [2, W, R]. Triton orders a tile's axes after the head's (the last) by
         index, so a [2, W, R, 128] tile of 16-bit keys puts 16 lanes on the head, 2 on axis 0 and the W warps on
@@ -538,23 +416,29 @@ if triton is not None:
         return total + p, acc + p[:, :, :, None] * v.to(tl.float32)
 
     @triton.jit
-    def _lean_warps_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
+    def _lean_decode_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                            stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
                            SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr):
-        """`_lean_decode_kernel` with a softmax of its own in each warp, merged through global memory. The tile is
-        [2, W, R, D] with the W axis on the program's W warps (`_warp_keys`), so a warp's scores, max, weights and
-        weighted sums never leave it (shuffles only). The warps' partials (weighted sums, max, sum of weights) then
-        go to this program's slice of SCR [D + 2, W], transposed, and after a barrier each thread merges its
-        columns' W partials itself. A `tl.sum` across 8 warps of the [W, D] sums took ~2400 cycles on the H200
-        (Triton's scratch for it puts one warp's columns on one shared-memory bank), the round trip through L1/L2
-        ~350 (bench/warp_reduce.py); the kernel before had that sum and three smaller ones after its wait. q, the
-        new key and value are [2, W, 1, D] tiles of the tile's layout (as 1-D vectors they took another
-        layout, a conversion through shared memory each); the new key counts in every warp's max and in warp 0's
-        sums. FUSED (a GPU launch): FMA contraction on, so the dot products are FFMAs (the rotation's products
-        stay rounded, `_rope`'s MUL_RN). TRACE: as `_lean_decode_kernel`'s (3: each warp's sums, 4: merged)."""
+        """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
+        read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sums on
+        CUDA cores in fp32: no split, so no partials between programs, and no MMA operand round trips through shared
+        memory. After the wait only q and the new k/v are loaded (unrotated, as `_decode_kernel`'s ROPE; the first
+        query head of each kv head writes the new key and value to the cache), and chunks past the context are
+        skipped (a branch a context level, its chunks computed together).
+
+        A chunk is a [2, W, R, D] tile with the W axis on the program's W warps (`_warp_keys`), so each warp keeps a
+        softmax of its own: its scores, max, weights and weighted sums never leave it (shuffles only). The warps'
+        partials (weighted sums, max, sum of weights) then go to this program's slice of SCR [D + 2, W], transposed,
+        and after a barrier each thread merges its columns' W partials itself. A `tl.sum` across 8 warps of the
+        [W, D] sums took ~2400 cycles on the H200 (Triton's scratch for it puts a warp's columns on one shared-memory
+        bank), the round trip through L1/L2 ~350 (bench/warp_reduce.py). q, the new key and value are [2, W, 1, D]
+        tiles of the chunks' layout (as 1-D vectors they took another, a conversion through shared memory each);
+        the new key counts in every warp's max and in warp 0's sums. FUSED (a GPU launch): FMA contraction on, so
+        the dot products are FFMAs (the rotation's products stay rounded, `_rope`'s MUL_RN). TRACE: `_phase` stamps
+        (7 before the wait, 0-1 after it, 2 q loaded, 3 each warp's sums, 4 merged, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -867,7 +751,6 @@ LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
-LEAN_WARP_SOFTMAX = True  # `_lean_warps_kernel`, a softmax a warp (False: `_lean_decode_kernel`, the A/B's)
 
 
 def _sms(device) -> int:
@@ -996,29 +879,23 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
 
 def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                  max_context_len, out, rope):
-    """`decode_attention_triton` with rope through `_lean_warps_kernel` (or `_lean_decode_kernel`; grid: sequences x
-    query heads)."""
+    """`decode_attention_triton` with rope through `_lean_decode_kernel` (grid: sequences x query heads)."""
     batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
     block_n = max(16, next_power_of_2(max_context_len))
     k, v, cos, sin, slots = rope
     pdl = pdl_on(q)
     warps, chunks = LEAN_WARPS or (8 if block_n > 128 else 4), min(LEAN_CHUNKS, max(1, block_n // 32))
-    if LEAN_WARP_SOFTMAX and block_n // chunks >= 2 * warps:  # each warp a row of keys (two lanes) a chunk at least
-        scratch = torch.empty(batch * n_heads * (next_power_of_2(dim) + 2) * warps, dtype=torch.float32,
-                              device=q.device)
-        fused = q.is_cuda and LEAN_FMA
-        kernel = functools.partial(_lean_warps_kernel[(batch, n_heads)], q, k_cache, v_cache, out, scratch, W=warps,
-                                   FUSED=fused, enable_fp_fusion=fused)
-    else:
-        kernel = functools.partial(_lean_decode_kernel[(batch, n_heads)], q, k_cache, v_cache, out,
-                                   enable_fp_fusion=False)
-    kernel(
-        cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
+    assert block_n // chunks >= 2 * warps, "a lean chunk holds a row of keys a warp"
+    scratch = torch.empty(batch * n_heads * (next_power_of_2(dim) + 2) * warps, dtype=torch.float32, device=q.device)
+    fused = q.is_cuda and LEAN_FMA
+    _lean_decode_kernel[(batch, n_heads)](
+        q, k_cache, v_cache, out, scratch, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, DECODE_TRACE,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=chunks, SLIDING=sliding_window is not None,
-        PDL=min(pdl, 2), num_warps=warps, num_stages=1, launch_pdl=pdl > 0)
+        W=warps, PDL=min(pdl, 2), FUSED=fused, num_warps=warps, num_stages=1, enable_fp_fusion=fused,
+        launch_pdl=pdl > 0)
     return out
 
 

@@ -161,17 +161,16 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
-@pytest.mark.parametrize("kernel", ["warps", "warps-4", "program"])
-def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, kernel, monkeypatch):
+@pytest.mark.parametrize("warps", [None, 4])
+def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, monkeypatch):
     """The lean decode kernel (one program a query head, the whole context in one tile of 4 chunks, no tl.dot, so
     bf16 runs under the interpreter too) over contexts of 1, 65 (64 cached keys: one chunk, full), 40 (one chunk),
     129 (two, full), 200 (all four) and a padded row (context 0, slot -1), q and k unrotated: the cache ends bit for
-    bit as the rotary kernel writes it, the output within rounding of the reference over the rotated q. Kernels: a
-    softmax a warp (8 warps, and 4 with 8 rows a warp a chunk) and the one across the program (fp32 only)."""
-    if kernel != "warps" and dtype != torch.float32:
-        pytest.skip("one dtype for the other lean kernels")
-    monkeypatch.setattr(ATTN, "LEAN_WARP_SOFTMAX", kernel != "program")
-    monkeypatch.setattr(ATTN, "LEAN_WARPS", 4 if kernel == "warps-4" else None)
+    bit as the rotary kernel writes it, the output within rounding of the reference over the rotated q. In 8 warps
+    (a warp's keys two rows a chunk) and, fp32 only, in 4 (four rows)."""
+    if warps and dtype != torch.float32:
+        pytest.skip("one dtype for 4 warps")
+    monkeypatch.setattr(ATTN, "LEAN_WARPS", warps)
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 

@@ -417,11 +417,11 @@ if triton is not None:
 
     @triton.jit
     def _lean_decode_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
-                           stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                           stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
-                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
-                           SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr):
+                            stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                            stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
+                            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
+                            SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
         read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sums on
         CUDA cores in fp32: no split, so no partials between programs, and no MMA operand round trips through shared

@@ -13,7 +13,9 @@ RMSNorms or attention (wrong outputs: the most fusing or shortening them could s
 by copy kernels (the floor of a kernel in their place); decode attention variants (the split kernel in place of
 the lean one, part sizes, warps, register caps) and the q/k/v GEMV releasing attention where tuned instead of at its
 last K step; the RMSNorms as kernels of their own instead of inside the int4 GEMVs (`LlamaModel.norms_in_gemvs`);
-the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone.
+the GEMV configs tuned again, in a chain (`quant_matmul.CHAIN_TUNING`) or each candidate alone; the final RMSNorm,
+the logits' fp32 cast and the embedding's gather as kernels of their own (`llama.FINAL_NORM_IN_LM_HEAD`,
+`quant.linear.LOGITS_FROM_GEMV`, `rms_norm.EMBED_NORM`).
 Records: device time of one graph replay per batch, and the engine's decode tok/s at batch 1.
 
     PYTHONPATH=$PWD python bench/pdl_decode.py --out bench/results/pdl_decode_h200.jsonl
@@ -35,6 +37,7 @@ from brrr.kernels import pdl
 from brrr.kernels.pdl import wait_previous
 from brrr.kernels import quant_matmul as qm
 from brrr.models import llama
+from brrr.quant import linear as qlinear
 
 attention = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
 norm = importlib.import_module("brrr.kernels.rms_norm")
@@ -97,6 +100,13 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "lean-no-fma": ("pdl, lean decode kernel without FMA contraction", {"LEAN_FMA": False}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
+            "final-norm-kernel": ("pdl, the final RMSNorm a kernel of its own (not in lm_head's GEMV)",
+                                  {"FINAL_NORM_IN_LM_HEAD": False}),
+            "logits-cast": ("pdl, lm_head's logits cast to fp32 by a kernel of their own", {"LOGITS_FROM_GEMV": False}),
+            "embed-gather": ("pdl, the embedding gathered by a kernel of its own (not in the first norm)",
+                             {"EMBED_NORM": False}),
+            "three-kernels": ("pdl, the final norm, the logits' cast and the embedding's gather as kernels",
+                              {"FINAL_NORM_IN_LM_HEAD": False, "LOGITS_FROM_GEMV": False, "EMBED_NORM": False}),
             "r96": ("pdl, decode kernel capped at 96 registers", {"DECODE_MAXNREG": 96}),
             "r64": ("pdl, decode kernel capped at 64 registers", {"DECODE_MAXNREG": 64}),
             "w4-r128": ("pdl, decode kernel 4 warps capped at 128 registers",
@@ -108,7 +118,8 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
           (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"),
           (attention, "LEAN_FMA"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"),
-          (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"))}
+          (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"), (llama, "FINAL_NORM_IN_LM_HEAD"),
+          (qlinear, "LOGITS_FROM_GEMV"), (norm, "EMBED_NORM"))}
 
 
 @triton.jit

@@ -74,7 +74,7 @@ class ModelRunner:
                                 context_lens_t=self.g_ctx[:g], max_context_len=short)
 
                 def step(g=g, meta=meta):
-                    return self.model.compute_logits(self.model(self.g_ids[:g], self.g_pos[:g], meta))
+                    return self.model.logits(self.g_ids[:g], self.g_pos[:g], meta)
 
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = (capture or _cuda_capture)(step, pool)

@@ -307,7 +307,7 @@ if triton is not None:
     @triton.jit
     def _store(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, res=None, nw=None, SQ=None, XN=None,
-               RESIDUAL: tl.constexpr = False):
+               RESIDUAL: tl.constexpr = False, ROUND: tl.constexpr = None):
         """Write y = acc (+ bias). Split K (SPLIT): each of the split_k programs of a tile stores its partial sum in the
         fp32 workspace WS [split_k, M, N] and counts itself in LOCKS[tile]; the last to arrive adds the partials in
         index order (deterministic), writes y and resets the count for the next launch. One launch, no zeroed
@@ -321,10 +321,10 @@ if triton is not None:
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
                 acc = _sum_partials(ws_ptrs, mask, split_k, M * N, 16 if acc.numel <= 512 else 4)
-                _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL)
+                _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL, ROUND)
                 tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")  # ordered by the kernel's end
         else:
-            _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL)
+            _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL, ROUND)
 
     @triton.jit
     def _sum_partials(ptrs, mask, split_k, stride, UNROLL: tl.constexpr):
@@ -341,12 +341,16 @@ if triton is not None:
 
     @triton.jit
     def _write(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr, res=None, nw=None,
-               SQ=None, XN=None, RESIDUAL: tl.constexpr = False):
+               SQ=None, XN=None, RESIDUAL: tl.constexpr = False, ROUND: tl.constexpr = None):
         """RESIDUAL (M = 1): y is the new residual stream h = y + res, each rounded as the unfused `h + o_proj(a)`;
         the next RMSNorm's inputs go beside it (brrr/kernels/rms_norm.py's PendingNorm): nw * h in XN and the sum of
-        h's squares at this tile's place in SQ."""
+        h's squares at this tile's place in SQ. ROUND: y is rounded to this dtype first (x's), then stored as Y's:
+        fp32 logits hold the values `.float()` of the 16-bit output would."""
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if ROUND is not None:
+            if ROUND != Y.dtype.element_ty:
+                acc = acc.to(ROUND).to(tl.float32)
         y = acc.to(Y.dtype.element_ty)
         if RESIDUAL:
             y = (y.to(tl.float32) + res.to(tl.float32)[None, :]).to(Y.dtype.element_ty)
@@ -963,7 +967,7 @@ if triton is not None:
     @triton.jit
     def _mma_gemv_store(sum_a, sum_b, B, Y, WS, LOCKS, M, N, stride_ym, split_k, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                        GATED: tl.constexpr, res, nw, SQ, XN, RESIDUAL: tl.constexpr):
+                        GATED: tl.constexpr, res, nw, SQ, XN, RESIDUAL: tl.constexpr, ROUND: tl.constexpr = None):
         """Both tiles' row sums, in row order, through `_store` (RESIDUAL: `_write`'s); GATED: through
         `_gated_store`."""
         if GATED:
@@ -973,7 +977,7 @@ if triton is not None:
             offs_m = tl.arange(0, BLOCK_M)
             offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             _store(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-                   HAS_BIAS, SPLIT, PDL, res, nw, SQ, XN, RESIDUAL)
+                   HAS_BIAS, SPLIT, PDL, res, nw, SQ, XN, RESIDUAL, ROUND)
 
     @triton.jit
     def _gated_store(gate, up, B, Y, WS, LOCKS, N, split_k, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -1072,7 +1076,8 @@ if triton is not None:
         _stamp(TRACE, 2, tl.sum(acc_a) + tl.sum(acc_b))
         rstd = _rstd(sq, K, eps, NORM)
         _mma_gemv_store(_slice_sums(acc_a, rstd, KW), _slice_sums(acc_b, rstd, KW), B, Y, WS, LOCKS, M, N,
-                        stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN, RESIDUAL)
+                        stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN, RESIDUAL,
+                        X.dtype.element_ty)
         _stamp(TRACE, 3, last)
 
     # ---- W8A16 MMA GEMV (M = 1): the same pairing for int8 weights, one mma.sync per 32 weights of 8 rows ----------
@@ -1242,7 +1247,7 @@ if triton is not None:
         rstd = _rstd(sq, K, eps, NORM)
         _mma_gemv_store(_slice_sums(acc_a, s_a * rstd, KW), _slice_sums(acc_b, s_b * rstd, KW), B, Y, WS, LOCKS, M,
                         N, stride_ym, split_k, BLOCK_M, BLOCK_N, HAS_BIAS, SPLIT, PDL, GATED, res, nw, SQ, XN,
-                        RESIDUAL)
+                        RESIDUAL, X.dtype.element_ty)
         _stamp(TRACE, 3, last)
 
     # ---- dequantize to a 16-bit weight (large M: then the vendor GEMM) -------------------------------------------
@@ -1611,12 +1616,13 @@ def _gemv_chunks(cfg: dict, group_size: int) -> dict:
 
 def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config: dict | None = None,
                         gated: bool = False, release_early: bool = False, residual: torch.Tensor | None = None,
-                        next_norm: tuple | None = None):
+                        next_norm: tuple | None = None, out_dtype: torch.dtype | None = None):
     """x [..., K] -> [..., N]. `config` forces one (tests); else the tuned one. gated (M = 1, group 128; N = 2 x I
     rows, gate then up): silu(x @ W_gate^T) * (x @ W_up^T) [..., I] from the MMA GEMV's epilogue. release_early:
     an MMA GEMV config releases the next kernel at its last K step (`EARLY_RELEASE_HINT`). x a PendingNorm: of the
     rows it stands for. residual (next_norm: the next RMSNorm's (weight, eps)): (h = y + residual, the PendingNorm
-    of h). Those two in the MMA GEMV at M = 1 (the tuner picks among its configs), else `with_norm_and_residual`."""
+    of h). Those two in the MMA GEMV at M = 1 (the tuner picks among its configs), else `with_norm_and_residual`.
+    out_dtype (fp32 logits): the MMA GEMV stores y rounded to x's dtype, widened; the other kernels give x's dtype."""
     norm, x = (x, x.xw) if isinstance(x, PendingNorm) else (None, x)
     k, n = x.shape[-1], qweight.shape[0]
     x2 = _rows(x)
@@ -1654,7 +1660,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             # bias, gated or not, so the gated GEMV is the plain one then silu_and_mul bit for bit
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
-            y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, x.dtype,
+            y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, (fused and out_dtype) or x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
                              EARLY=pdl_mod.EARLY_LOADS, GATED=gated, EVICT=WEIGHT_EVICT, enable_fp_fusion=False,
@@ -1705,7 +1711,7 @@ def _hinted(cfg: dict, release_early: bool) -> dict:
 
 def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = None, gated: bool = False,
                         release_early: bool = False, residual: torch.Tensor | None = None,
-                        next_norm: tuple | None = None):
+                        next_norm: tuple | None = None, out_dtype: torch.dtype | None = None):
     """As `w4a16_matmul_triton`; gated, a PendingNorm x, residual: M = 1, K a multiple of 64. A float8_e4m3fn
     qweight (weight-only FP8) runs the same kernels on its bytes, converting E4M3 instead of int8 (no CUDA-core
     GEMV candidates)."""
@@ -1741,7 +1747,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
                 raise ValueError(f"the int8 MMA GEMV reads K in steps of 64 columns; K = {k}")
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
             fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
-            y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, x.dtype,
+            y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, (fused and out_dtype) or x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
                              FP8=fp8, EVICT=WEIGHT_EVICT, enable_fp_fusion=False, **fused_consts),
@@ -1808,27 +1814,32 @@ def _dtype_ok(x) -> bool:
 
 
 def w4a16_matmul(x, qweight, scales, zeros, group_size, bias=None, release_early: bool = False,
-                 residual: torch.Tensor | None = None, next_norm: tuple | None = None):
+                 residual: torch.Tensor | None = None, next_norm: tuple | None = None,
+                 out_dtype: torch.dtype | None = None):
     """x @ W^T (+ bias), W int4 group-wise in the kernel layout. Triton on CUDA, the reference elsewhere. x may be
     a PendingNorm, and a residual with the next norm's (weight, eps) gives (h, its PendingNorm): as
-    `w4a16_matmul_triton`."""
+    `w4a16_matmul_triton`. out_dtype (no residual): y in that dtype, its values those of x's dtype (fp32 logits)."""
     x1 = PendingNorm.rows(x)
     tensors = [x1, qweight, scales] + [t for t in (zeros, bias) if t is not None]
     if group_size in INT4_GROUPS and x1.shape[-1] % group_size == 0 and _dtype_ok(x1) and use_triton(*tensors):
-        return w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early,
-                                   residual=residual, next_norm=next_norm)
-    return with_norm_and_residual(lambda x: w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias), x,
-                                  residual, next_norm)
+        y = w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias, release_early=release_early,
+                                residual=residual, next_norm=next_norm, out_dtype=out_dtype)
+    else:
+        y = with_norm_and_residual(lambda x: w4a16_matmul_ref(x, qweight, scales, zeros, group_size, bias), x,
+                                   residual, next_norm)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def w8a16_matmul(x, qweight, scales, bias=None, release_early: bool = False, residual: torch.Tensor | None = None,
-                 next_norm: tuple | None = None):
+                 next_norm: tuple | None = None, out_dtype: torch.dtype | None = None):
     x1 = PendingNorm.rows(x)
     tensors = [x1, qweight, scales] + ([bias] if bias is not None else [])
     if _dtype_ok(x1) and qweight.stride(-1) == 1 and use_triton(*tensors):
-        return w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early, residual=residual,
-                                   next_norm=next_norm)
-    return with_norm_and_residual(lambda x: w8a16_matmul_ref(x, qweight, scales, bias), x, residual, next_norm)
+        y = w8a16_matmul_triton(x, qweight, scales, bias, release_early=release_early, residual=residual,
+                                next_norm=next_norm, out_dtype=out_dtype)
+    else:
+        y = with_norm_and_residual(lambda x: w8a16_matmul_ref(x, qweight, scales, bias), x, residual, next_norm)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _gated_ok(x, qweight, *tensors) -> bool:

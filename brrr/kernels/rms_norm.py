@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
 from brrr.kernels import pdl as pdl_mod
@@ -69,13 +70,13 @@ if triton is not None:
     from brrr.kernels.pdl import wait_previous
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RES_OUT, n_rows, n_cols, n_inner, stride_xo, stride_x, stride_r, stride_y,
+    def _rms_norm_kernel(X, R, W, Y, RES_OUT, IDS, n_rows, n_cols, n_inner, stride_xo, stride_x, stride_r, stride_y,
                          stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         PDL: tl.constexpr, EARLY: tl.constexpr):
+                         PDL: tl.constexpr, EARLY: tl.constexpr, GATHER: tl.constexpr = False):
         """Row r of X sits at (r // n_inner) * stride_xo + (r % n_inner) * stride_x: a [N, heads, D] view (q or k
         cut from the packed q/k/v output) is read in place, without a copy to make it 2-D. EARLY: the weight (a
         constant, by decode time out of L2) is read before the PDL wait, so the rows' L2 round trip is all that
-        follows it."""
+        follows it. GATHER: row r is X's row IDS[r] (an embedding table), copied to RES_OUT as the stream."""
         cols = tl.arange(0, BLOCK_H)
         if EARLY:
             w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
@@ -83,8 +84,13 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         rows = rows.to(tl.int64)
-        x_rows = (rows // n_inner) * stride_xo + (rows % n_inner) * stride_x
+        if GATHER:
+            x_rows = tl.load(IDS + rows, mask=rows < n_rows, other=0).to(tl.int64) * stride_xo
+        else:
+            x_rows = (rows // n_inner) * stride_xo + (rows % n_inner) * stride_x
         x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        if GATHER:
+            tl.store(RES_OUT + rows[:, None] * stride_ro + cols[None, :], x, mask=mask)
         if HAS_RESIDUAL:
             r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded, as `x + residual` is
@@ -102,6 +108,15 @@ if triton is not None:
 EARLY_WEIGHT = True
 
 
+def _launch_shape(x, hidden: int):
+    """(rows a program, its padded width, warps, PDL mode, weight read before the wait)."""
+    block_h = next_power_of_2(hidden)
+    block_r = max(1, 2048 // block_h)  # narrow rows (per-head q/k norm): several per program
+    pdl = pdl_on(x)
+    warps = min(16, max(1, block_r * block_h // 512))
+    return block_r, block_h, warps, pdl, pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT
+
+
 def _launch(x, residual, weight, eps):
     hidden = x.shape[-1]
     if residual is None and x.dim() == 3 and x.stride(1) >= hidden:  # [N, heads, D], rows of heads maybe apart
@@ -111,25 +126,33 @@ def _launch(x, residual, weight, eps):
         x2 = x.reshape(-1, hidden)
         n_inner, stride_xo, stride_x, rows = 1, x2.stride(0), 0, x2.shape[0]
     out = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    block_h = next_power_of_2(hidden)
-    block_r = max(1, 2048 // block_h)  # narrow rows (per-head q/k norm): several per program
-    warps = min(16, max(1, block_r * block_h // 512))
+    block_r, block_h, warps, pdl, early = _launch_shape(x, hidden)
     # enable_fp_fusion=False: no FMA contraction, so each step rounds where the reference's torch ops round
     grid = (triton.cdiv(rows, block_r),)
-    pdl = pdl_on(x)
-    early = pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT
     if residual is None:
-        _rms_norm_kernel[grid](x2, x2, weight, out, x2, rows, hidden, n_inner, stride_xo, stride_x, 0, out.stride(0),
-                               0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
+        _rms_norm_kernel[grid](x2, x2, weight, out, x2, x2, rows, hidden, n_inner, stride_xo, stride_x, 0,
+                               out.stride(0), 0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
                                enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
         return out.view(*x.shape[:-1], hidden), None
     r2 = residual.reshape(-1, hidden)
     new_residual = torch.empty_like(x2)
-    _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, rows, hidden, 1, x2.stride(0), 0, r2.stride(0),
+    _rms_norm_kernel[grid](x2, r2, weight, out, new_residual, x2, rows, hidden, 1, x2.stride(0), 0, r2.stride(0),
                            out.stride(0), new_residual.stride(0), eps,
                            HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
                            enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
     return out.view(*x.shape[:-1], hidden), new_residual.view(x.shape)
+
+
+def embed_rms_norm_triton(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    rows, hidden = ids.numel(), table.shape[1]
+    out = torch.empty((rows, hidden), dtype=torch.promote_types(table.dtype, weight.dtype), device=table.device)
+    h = torch.empty((rows, hidden), dtype=table.dtype, device=table.device)
+    block_r, block_h, warps, pdl, early = _launch_shape(table, hidden)
+    _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+        table, table, weight, out, h, ids, rows, hidden, 1, table.stride(0), 0, 0, out.stride(0), h.stride(0), eps,
+        HAS_RESIDUAL=False, GATHER=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False,
+        PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
+    return out, h
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,6 +174,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _triton_ok(x, weight):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+# The first layer's norm gathers its rows from the embedding table (`embed_rms_norm`); False: a gather, then the norm
+EMBED_NORM = True
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(table[ids]), table[ids]): the first layer's normed input and the stream, the gather inside the norm
+    kernel (one launch where nn.Embedding and the norm took two)."""
+    ids = ids.reshape(-1)
+    if EMBED_NORM and _triton_ok(table, weight) and use_triton(ids):
+        return embed_rms_norm_triton(ids, table, weight, eps)
+    h = F.embedding(ids, table)
+    return rms_norm(h, weight, eps), h
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -14,6 +14,11 @@ from torch import nn
 from brrr.config import ModelConfig
 from brrr.kernels import (AttnMeta, add_rms_norm, attention, rms_norm, rope_inv_freq, rotary_cos_sin,
                           silu_and_mul)
+from brrr.kernels.rms_norm import embed_rms_norm
+
+# Batch-1 decode with the norms in the GEMVs: lm_head's GEMV takes the final norm as a PendingNorm (False: a norm
+# kernel before it; bench/pdl_decode.py's A/B)
+FINAL_NORM_IN_LM_HEAD = True
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -109,12 +114,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h, cos, sin, meta, residual=None):
-        """The residual stream is h + residual (residual None: h alone, the first layer). Returns the MLP output
-        and the stream before it, so each residual add is fused into the norm that follows it; the sums are the
-        same bf16 additions as `h = h + attn(...)`, `h = h + mlp(...)`."""
+    def forward(self, h, cos, sin, meta, residual=None, normed=None):
+        """The residual stream is h + residual (residual None: h alone, the first layer, whose input norm of h may
+        come as `normed`). Returns the MLP output and the stream before it, so each residual add is fused into the
+        norm that follows it; the sums are the same bf16 additions as `h = h + attn(...)`, `h = h + mlp(...)`."""
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual, x = h, self.input_layernorm(h) if normed is None else normed
         else:
             x, residual = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
@@ -146,17 +151,20 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         return (h, *self.rotary_emb(positions, h.dtype))
 
-    def forward(self, input_ids, positions, meta):
-        h, cos, sin = self.embed(input_ids, positions)
+    def forward(self, input_ids, positions, meta, pending: bool = False):
+        """pending: on the batch-1 path with the norms in the GEMVs, the final norm is returned as the PendingNorm
+        the last GEMV wrote, for an lm_head GEMV that takes it (`LlamaForCausalLM.logits`)."""
+        first = self.layers[0].input_layernorm
+        x, h = embed_rms_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)  # one gather-and-norm
+        cos, sin = self.rotary_emb(positions, h.dtype)
         # fp16 keeps the norm kernels: weight * h before the 1 / rms could overflow where h / rms would not
         if self.norms_in_gemvs and h.shape[0] == 1 and h.dtype != torch.float16:
-            x = self.layers[0].input_layernorm(h)
             nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             for layer, norm in zip(self.layers, nexts):
                 x, h = layer.forward_in_gemvs(x, h, cos, sin, meta, (norm.weight, norm.eps))
-            return self.norm(h)
-        residual = None
-        for layer in self.layers:
+            return x if pending and FINAL_NORM_IN_LM_HEAD else self.norm(h)
+        h, residual = self.layers[0](h, cos, sin, meta, normed=x)
+        for layer in self.layers[1:]:
             h, residual = layer(h, cos, sin, meta, residual)
         return self.norm(h, residual)[0]
 
@@ -174,8 +182,17 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [N] -> final hidden states [N, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """compute_logits(forward(...)) for a step that samples every row (a decode graph): an lm_head GEMV that
+        takes the norms (`QuantLinear.takes_norms`) reads the final norm as its PendingNorm, no norm kernel before."""
+        pending = getattr(self.lm_head, "takes_norms", False)
+        return self.compute_logits(self.model(input_ids, positions, meta, pending=pending))
+
+    def compute_logits(self, hidden) -> torch.Tensor:
+        """fp32 logits of hidden (a tensor, or a PendingNorm from `logits`); a QuantLinear lm_head stores them as
+        fp32 from its GEMV (`QuantLinear.logits`)."""
+        head = getattr(self.lm_head, "logits", None)
+        return head(hidden) if head is not None else self.lm_head(hidden).float()
 
     def checkpoint_target(self, name: str) -> torch.nn.Parameter | None:
         """The parameter checkpoint tensor `name` goes into, or None for tensors to skip. Unknown: AttributeError."""

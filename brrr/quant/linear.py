@@ -31,6 +31,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
 
 
+# lm_head's logits stored as fp32 by its GEMV (`QuantLinear.logits`); False: a cast kernel after (bench/pdl_decode.py)
+LOGITS_FROM_GEMV = True
+
+
 class QuantLinear(nn.Module):
     release_early = False  # the packed q/k/v sets it: decode attention may launch at the GEMV's last K step
 
@@ -135,6 +139,19 @@ class QuantLinear(nn.Module):
         if self.fmt in ("int8", "fp8") and self.activations is None:
             return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early, residual, next_norm)
         return with_norm_and_residual(lambda x: self._matmul(x, bias), x, residual, next_norm)
+
+    def logits(self, x):
+        """forward(x) as fp32 (an lm_head's logits). Weight-only int4/int8/FP8: the MMA GEMV stores them widened
+        from x's dtype, the values `.float()` of forward's gives, without a cast kernel after it."""
+        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
+        if not LOGITS_FROM_GEMV:
+            return self.forward(x).float()
+        if self.fmt == "int4" and self.activations is None:
+            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
+                                out_dtype=torch.float32)
+        if self.fmt in ("int8", "fp8") and self.activations is None:
+            return w8a16_matmul(x, self.qweight, self.scales, bias, out_dtype=torch.float32)
+        return self.forward(x).float()
 
     def _matmul(self, x, bias):
         if self.activations is not None:

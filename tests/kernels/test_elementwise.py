@@ -10,7 +10,8 @@ import torch
 from brrr.config import RopeConfig
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from brrr.kernels.attention import write_kv_ref
-from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from brrr.kernels.rms_norm import (add_rms_norm_ref, add_rms_norm_triton, embed_rms_norm_triton, rms_norm_ref,
+                                   rms_norm_triton)
 from brrr.kernels.rotary import (apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin,
                                  rotary_cos_sin_ref, rotary_cos_sin_triton)
 
@@ -72,6 +73,21 @@ def test_add_rms_norm(device, dtype):
     check(new_res, want_res, ulps=0 if dtype != torch.bfloat16 else 1)  # one rounded add
     check(normed, want_normed, ulps=2)
     assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rms_norm(device, dtype):
+    """The first layer's norm reading its rows from the embedding table: the gathered rows exactly, the norm as
+    rms_norm's of them (one row, the decode step, and several, repeated ids and the last row included)."""
+    check = ulp_check(dtype, device)
+    g = torch.Generator().manual_seed(2)
+    table = (torch.randn(50, 96, generator=g) * 2).to(dtype).to(device)
+    w = torch.randn(96, generator=g).to(dtype).to(device)
+    for ids in ([7], [49, 3, 3, 0, 12]):
+        ids = torch.tensor(ids, device=device)
+        normed, h = embed_rms_norm_triton(ids, table, w, 1e-5)
+        assert torch.equal(h, table[ids])
+        check(normed, rms_norm_ref(table[ids], w, 1e-5), ulps=2)
 
 
 ROPES = {

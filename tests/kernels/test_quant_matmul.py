@@ -619,6 +619,18 @@ def test_gated_mma_gemv_takes_the_rms_norm_too(device, fmt):
     torch.testing.assert_close(got, silu_and_mul_ref(*run(pending.apply()).chunk(2, -1)), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt,split,dtype", [("int4", 1, torch.bfloat16), ("int8", 2, torch.float16),
+                                             ("int4", 3, torch.float16), ("int8", 1, torch.bfloat16)])
+def test_mma_gemv_stores_fp32_logits(device, fmt, split, dtype):
+    """out_dtype fp32 (lm_head's logits): the 16-bit outputs widened, bit for bit (split K too), of x and of a
+    PendingNorm; the dispatcher's other paths cast after."""
+    run, _, x, _ = _norm_problem(fmt, 72, dtype, device, split=split)
+    weight = (1 + 0.3 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(4))).to(dtype).to(device)
+    for inp in (x, _pending(4 * x, weight)):
+        got = run(inp, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, run(inp).float())
+
+
 def test_norm_and_residual_fall_back_to_torch_around_the_gemm():
     """Two rows (not batch-1 decode) or the CPU reference: rms_norm's stand-in applied in torch, the GEMM, then the
     residual add and the next norm's inputs in torch, with one partial a row."""

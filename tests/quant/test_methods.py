@@ -3,6 +3,7 @@ import torch
 
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.rms_norm import PendingNorm
 from brrr.loader import load_model
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
@@ -194,3 +195,23 @@ def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method):
     model.model.norms_in_gemvs = False
     torch.testing.assert_close(fused, one(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows, _logits(model, calib), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_quantized_lm_head_reads_the_final_norm_pending(tiny_dir, calib, monkeypatch):
+    """`LlamaForCausalLM.logits` (the decode graphs' step): an lm_head that takes the norms reads the final norm as
+    the PendingNorm the last GEMV wrote, and gives fp32 logits; the same as forward then compute_logits."""
+    from brrr.quant.linear import pack_quantized_projections
+
+    model = load_model(tiny_dir, dtype=torch.float32)
+    quantize_model(model, "rtn-int4", group_size=32, lm_head=True)
+    model.model.norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=torch.Generator().manual_seed(1)))
+    pack_quantized_projections(model)
+    model.model.norms_in_gemvs = True
+    takes_norms = QuantLinear.takes_norms.fget  # group 32 here; lm_head takes the norm as if it were 128
+    monkeypatch.setattr(QuantLinear, "takes_norms", property(lambda m: m is model.lm_head or takes_norms(m)))
+    ids, pos, meta = calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")
+    assert isinstance(model.model(ids, pos, meta, pending=True), PendingNorm)
+    got = model.logits(ids, pos, meta)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, model.compute_logits(model(ids, pos, meta)), rtol=1e-5, atol=1e-5)

@@ -235,6 +235,25 @@ if triton is not None:
                                          pack=1)
 
     @triton.jit
+    def _store_in_place(ptrs, v, mask, ASM: tl.constexpr):
+        """tl.store(ptrs, v, mask) (v fp32 or 16-bit), each element stored by the threads that hold it (ASM, a GPU
+        launch: PTX st.global). tl.store lets Triton's coalescing pick the store's layout: for the lean kernel's
+        [W] maxima and totals (each held by every lane of its warp) and its output, a conversion through shared
+        memory before each store; in place the step took ~10 us less (H200, pdl_decode_lean_stores_h200.jsonl)."""
+        if ASM:
+            if v.dtype == tl.float32:
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }", "=r,l,f,r",
+                    [ptrs.to(tl.int64), v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b16 [$1], $2; mov.u32 $0, 0; }", "=r,l,h,r",
+                    [ptrs.to(tl.int64), v.to(tl.int16, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                    pack=1)
+        else:
+            tl.store(ptrs, v, mask=mask)
+
+    @triton.jit
     def _rope(ptrs, d, mask, c, sn, swap, sign, MUL_RN: tl.constexpr = False):
         """The rotated rows at ptrs (+ d): each product rounded to the activation dtype, then the sum, as torch's
         `x * cos + rotate_half(x) * sin` and the rotary kernel round: the launch turns FMA contraction off, or
@@ -421,7 +440,8 @@ if triton is not None:
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr,
-                            SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr):
+                            SLIDING: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr,
+                            ASM_STORES: tl.constexpr = False):
         """One program: one query head of a sequence with one new token, its whole context (< BLOCK_N cached keys)
         read before the PDL wait (the cache is an input) in CHUNKS (1, 2 or 4) chunks, scores and weighted sums on
         CUDA cores in fp32: no split, so no partials between programs, and no MMA operand round trips through shared
@@ -436,8 +456,11 @@ if triton is not None:
         [W, D] sums took ~2400 cycles on the H200 (Triton's scratch for it puts a warp's columns on one shared-memory
         bank), the round trip through L1/L2 ~350 (bench/warp_reduce.py). q, the new key and value are [2, W, 1, D]
         tiles of the chunks' layout (as 1-D vectors they took another, a conversion through shared memory each);
-        the new key counts in every warp's max and in warp 0's sums. FUSED (a GPU launch): FMA contraction on, so
-        the dot products are FFMAs (the rotation's products stay rounded, `_rope`'s MUL_RN). TRACE: `_phase` stamps
+        the new key counts in every warp's max and in warp 0's sums. ASM_STORES (a GPU launch): the warps' maxima
+        and totals, and the output, are stored in the layouts they are in (`_store_in_place`), without the
+        conversions through shared memory Triton put before their stores.
+        FUSED (a GPU launch): FMA contraction on, so the dot products are FFMAs (the rotation's products stay
+        rounded, `_rope`'s MUL_RN). TRACE: `_phase` stamps
         (7 before the wait, 0-1 after it, 2 q loaded, 3 each warp's sums, 4 merged, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -514,9 +537,12 @@ if triton is not None:
             _phase(TRACE, 3, tl.sum(total))
             base = SCR + (b * tl.num_programs(1) + h) * (BLOCK_D + 2) * W
             wi = tl.arange(0, W)
+            dw = tl.arange(0, BLOCK_D)[None, :]
+            # the sums through tl.store's conversion: stored in place, as 8 scalar stores a thread, the step took ~25 us
+            # longer; by rows in 16-byte stores (then read across rows), ~45 (H200, pdl_decode_lean_stores_h200.jsonl)
             tl.store(base + tl.arange(0, BLOCK_D)[None, :] * W + wi[:, None], acc)
-            tl.store(base + BLOCK_D * W + wi, m)
-            tl.store(base + (BLOCK_D + 1) * W + wi, total)
+            _store_in_place(base + BLOCK_D * W + wi, m, wi < W, ASM_STORES)
+            _store_in_place(base + (BLOCK_D + 1) * W + wi, total, wi < W, ASM_STORES)
             tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
             cols = tl.arange(0, BLOCK_D)[:, None]
             ws = tl.arange(0, W)[None, :]
@@ -532,8 +558,8 @@ if triton is not None:
                 tl.store(VC + dst, v_new, mask=one)
             out = acc / tl.where(total == 0.0, 1.0, total)
             dd = tl.arange(0, BLOCK_D)
-            tl.store(O + q_row.to(tl.int64) * stride_on + h * stride_oh + dd, out.to(O.dtype.element_ty),
-                     mask=dd < HEAD_DIM)
+            _store_in_place(O + q_row.to(tl.int64) * stride_on + h * stride_oh + dd, out.to(O.dtype.element_ty),
+                            dd < HEAD_DIM, ASM_STORES)
             _phase(TRACE, 5, ctx)
             _phase(TRACE, 6, ctx, True)
 
@@ -751,6 +777,7 @@ LEAN_DECODE = True
 LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
+LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
 
 
 def _sms(device) -> int:
@@ -895,8 +922,8 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
         k_cache.stride(2), block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         scale * LOG2E, sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=n_heads // n_kv, HEAD_DIM=dim,
         BLOCK_D=next_power_of_2(dim), BLOCK_N=block_n, CHUNKS=chunks, SLIDING=sliding_window is not None,
-        W=warps, PDL=min(pdl, 2), FUSED=fused, num_warps=warps, num_stages=1, enable_fp_fusion=fused,
-        launch_pdl=pdl > 0)
+        W=warps, PDL=min(pdl, 2), FUSED=fused, ASM_STORES=q.is_cuda and LEAN_ASM_STORES, num_warps=warps,
+        num_stages=1, enable_fp_fusion=fused, launch_pdl=pdl > 0)
     return out
 
 

@@ -458,10 +458,9 @@ if triton is not None:
         tiles of the chunks' layout (as 1-D vectors they took another, a conversion through shared memory each);
         the new key counts in every warp's max and in warp 0's sums. ASM_STORES (a GPU launch): the warps' maxima
         and totals, and the output, are stored in the layouts they are in (`_store_in_place`), without the
-        conversions through shared memory Triton put before their stores.
-        FUSED (a GPU launch): FMA contraction on, so the dot products are FFMAs (the rotation's products stay
-        rounded, `_rope`'s MUL_RN). TRACE: `_phase` stamps
-        (7 before the wait, 0-1 after it, 2 q loaded, 3 each warp's sums, 4 merged, 5-6 the end)."""
+        conversions through shared memory Triton put before their stores. FUSED (a GPU launch): FMA contraction
+        on, so the dot products are FFMAs (the rotation's products stay rounded, `_rope`'s MUL_RN). TRACE: `_phase`
+        stamps (7 before the wait, 0-1 after it, 2 q loaded, 3 each warp's sums, 4 merged, 5-6 the end)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -537,7 +536,6 @@ if triton is not None:
             _phase(TRACE, 3, tl.sum(total))
             base = SCR + (b * tl.num_programs(1) + h) * (BLOCK_D + 2) * W
             wi = tl.arange(0, W)
-            dw = tl.arange(0, BLOCK_D)[None, :]
             # the sums through tl.store's conversion: stored in place, as 8 scalar stores a thread, the step took ~25 us
             # longer; by rows in 16-byte stores (then read across rows), ~45 (H200, pdl_decode_lean_stores_h200.jsonl)
             tl.store(base + tl.arange(0, BLOCK_D)[None, :] * W + wi[:, None], acc)

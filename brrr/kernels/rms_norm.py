@@ -131,8 +131,8 @@ def _launch(x, residual, weight, eps):
     grid = (triton.cdiv(rows, block_r),)
     if residual is None:
         _rms_norm_kernel[grid](x2, x2, weight, out, x2, x2, rows, hidden, n_inner, stride_xo, stride_x, 0,
-                               out.stride(0), 0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
-                               enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
+                               out.stride(0), 0, eps, HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h,
+                               num_warps=warps, enable_fp_fusion=False, PDL=pdl, EARLY=early, launch_pdl=pdl > 0)
         return out.view(*x.shape[:-1], hidden), None
     r2 = residual.reshape(-1, hidden)
     new_residual = torch.empty_like(x2)

@@ -20,6 +20,7 @@ from brrr.kernels.rms_norm import embed_rms_norm
 # kernel before it; bench/pdl_decode.py's A/B)
 FINAL_NORM_IN_LM_HEAD = True
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -143,15 +143,13 @@ class QuantLinear(nn.Module):
     def logits(self, x):
         """forward(x) as fp32 (an lm_head's logits). Weight-only int4/int8/FP8: the MMA GEMV stores them widened
         from x's dtype, the values `.float()` of forward's gives, without a cast kernel after it."""
-        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
-        if not LOGITS_FROM_GEMV:
+        if not LOGITS_FROM_GEMV or self.activations is not None or self.fmt not in ("int4", "int8", "fp8"):
             return self.forward(x).float()
-        if self.fmt == "int4" and self.activations is None:
+        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
+        if self.fmt == "int4":
             return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
                                 out_dtype=torch.float32)
-        if self.fmt in ("int8", "fp8") and self.activations is None:
-            return w8a16_matmul(x, self.qweight, self.scales, bias, out_dtype=torch.float32)
-        return self.forward(x).float()
+        return w8a16_matmul(x, self.qweight, self.scales, bias, out_dtype=torch.float32)
 
     def _matmul(self, x, bias):
         if self.activations is not None:

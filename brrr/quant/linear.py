@@ -128,28 +128,24 @@ class QuantLinear(nn.Module):
         against 2340 us, bench/results/pdl_decode_norms_w8_h200.jsonl; int4 1654 against 1665)."""
         return self.activations is None and self.fmt == "int4" and self.group_size == 128
 
-    def forward(self, x, residual=None, next_norm=None):
+    def forward(self, x, residual=None, next_norm=None, out_dtype=None):
         """x @ W^T (+ bias). x may be a PendingNorm (brrr/kernels/rms_norm.py): then of the normed rows. residual
         (next_norm: the next RMSNorm's (weight, eps)): (h = y + residual, h's PendingNorm). Both inside the MMA
-        GEMV where `takes_norms` and one row, else in torch around the GEMM (`with_norm_and_residual`)."""
+        GEMV where `takes_norms` and one row, else in torch around the GEMM (`with_norm_and_residual`). out_dtype
+        (no residual): y in that dtype, its values those of x's (weight-only: stored so by the MMA GEMV)."""
         bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
         if self.fmt == "int4" and self.activations is None:
             return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias, self.release_early,
-                                residual, next_norm)
+                                residual, next_norm, out_dtype)
         if self.fmt in ("int8", "fp8") and self.activations is None:
-            return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early, residual, next_norm)
-        return with_norm_and_residual(lambda x: self._matmul(x, bias), x, residual, next_norm)
+            return w8a16_matmul(x, self.qweight, self.scales, bias, self.release_early, residual, next_norm, out_dtype)
+        y = with_norm_and_residual(lambda x: self._matmul(x, bias), x, residual, next_norm)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def logits(self, x):
-        """forward(x) as fp32 (an lm_head's logits). Weight-only int4/int8/FP8: the MMA GEMV stores them widened
-        from x's dtype, the values `.float()` of forward's gives, without a cast kernel after it."""
-        if not LOGITS_FROM_GEMV or self.activations is not None or self.fmt not in ("int4", "int8", "fp8"):
-            return self.forward(x).float()
-        bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
-        if self.fmt == "int4":
-            return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias,
-                                out_dtype=torch.float32)
-        return w8a16_matmul(x, self.qweight, self.scales, bias, out_dtype=torch.float32)
+        """forward(x) as fp32 (an lm_head's logits): weight-only int4/int8/FP8's MMA GEMV stores them widened from
+        x's dtype, the values `.float()` of forward's gives, without a cast kernel after it."""
+        return self.forward(x, out_dtype=torch.float32 if LOGITS_FROM_GEMV else None).float()
 
     def _matmul(self, x, bias):
         if self.activations is not None:

@@ -100,6 +100,8 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "lean-no-fma": ("pdl, lean decode kernel without FMA contraction", {"LEAN_FMA": False}),
             "lean-tl-stores": ("pdl, lean decode kernel storing through tl.store (layout conversions)",
                                {"LEAN_ASM_STORES": False}),
+            "lean-cuda-cores": ("pdl, lean decode kernel a query head a program on CUDA cores (not attention_mma.py's)",
+                                {"LEAN_MMA": False}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "final-norm-kernel": ("pdl, the final RMSNorm a kernel of its own (not in lm_head's GEMV)",
@@ -118,7 +120,7 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
           (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"),
-          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"),
+          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"), (attention, "LEAN_MMA"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"),
           (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"), (llama, "FINAL_NORM_IN_LM_HEAD"),
           (qlinear, "LOGITS_FROM_GEMV"), (norm, "EMBED_NORM"))}

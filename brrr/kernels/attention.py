@@ -776,6 +776,9 @@ LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
 LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
+# Heads of dim 128 in 16 bits, at most 8 query heads a kv head: the lean kernel on tensor cores (attention_mma.py),
+# one program a kv head. False: `_lean_decode_kernel` (the A/B's).
+LEAN_MMA = True
 
 
 def _sms(device) -> int:
@@ -906,6 +909,10 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
                  max_context_len, out, rope):
     """`decode_attention_triton` with rope through `_lean_decode_kernel` (grid: sequences x query heads)."""
     batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
+    from brrr.kernels.attention_mma import lean_mma_decode, lean_mma_ok
+    if LEAN_MMA and lean_mma_ok(q, n_kv, rope[2]):
+        return lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+                               max_context_len, out, rope)
     block_n = max(16, next_power_of_2(max_context_len))
     k, v, cos, sin, slots = rope
     pdl = pdl_on(q)

@@ -193,6 +193,39 @@ def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, mo
     assert_close(got[:5], want.view_as(got)[:5], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(8, 2, None), (4, 4, None), (8, 1, 7), (6, 2, None)])
+@pytest.mark.parametrize("bound", [256, 64])
+def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound):
+    """The lean kernel on tensor cores (attention_mma.py: head dim 128, one program a kv head, its query heads the
+    MMA's columns; on the CPU its portable partials) over contexts of 1, 65, 40, 129 and 200 keys (bound 256: 8
+    warps of two 16-key blocks each; bound 64: contexts up to 64, two warps) and a padded row (context 0, slot -1):
+    the cache ends bit for bit as the rotary kernel writes it, the output within rounding of the reference."""
+    from brrr.config import RopeConfig
+    from brrr.kernels.attention_mma import lean_mma_ok
+    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+
+    lens = [1, 65, 40, 129, 200, 1] if bound == 256 else [1, 64, 40, 17, 33, 1]
+    dim = 128
+    q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 16, dtype, device, seed=heads + kv_heads)
+    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 512)
+    pos = torch.tensor([n - 1 for n in lens[:-1]] + [0])
+    cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, dtype))
+    ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
+    slots = meta.slot_mapping.clone()
+    slots[5] = -1
+    want_meta = clone_meta(meta)
+    qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
+    want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
+    assert lean_mma_ok(q, kv_heads, cos) and lean_decode_ok(6, heads, dim, bound, q.device)
+    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
+                                  max_context_len=bound, rope=(k, v, cos, sin, slots))
+    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+    assert_close(got[:5], want.view_as(got)[:5], dtype)
+
+
 def test_lean_decode_bounds():
     """The lean kernel takes steps whose contexts fit LEAN_CONTEXT and whose query heads fit one wave."""
     dev = torch.device("cpu")  # 132 SMs assumed off a GPU

@@ -1,0 +1,454 @@
+"""Batch-small decode attention on tensor cores: the lean decode kernel's plan (`attention._lean_decode_kernel`: a
+sequence's whole context read before the PDL wait, no split, the warps' partials merged in one program) with one
+program a kv head and mma.sync for both products.
+
+A warp holds 16-key blocks as 32-bit words: lane 4g + c has 16 bytes (d = 32s + 8c .. + 7) of key rows g and g + 8 in
+each of the head's four 32-dim segments s, which is mma.sync m16n8k16's A fragment up to a relabeling of K (the
+trick of the MMA GEMV in quant_matmul). The kv head's query heads are the 8 columns of the B operand, so the GQA
+group's heads share one read of the cache and the scores S[key, head] come out of 8 MMAs a block, the sum over the
+head dim inside the tensor core. For the weighted sum, `movmatrix` transposes each 8x8 block of 16-bit values of V
+(before the wait) and of the probabilities (after the softmax), which turns them into A = V^T and B = P^T; the
+output O^T[d, head] lands in the accumulator with its rows relabeled (`_pv_dims`). The softmax stays a warp's own
+(shuffles over the 8 rows), the warps' partials and the new key's go through SCR to one merge, as in the lean
+kernel. RoPE of q and of the new key runs on the words in PTX with the rotary kernel's roundings, so the cache gets
+the same bits. Head dim 128, 16-bit activations, at most 8 query heads a kv head. FAST False (the interpreter):
+the same program computes the warps' partials with plain tensor ops instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from brrr.kernels.dispatch import next_power_of_2
+from brrr.kernels.pdl import pdl_on
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def lean_mma_ok(q: torch.Tensor, n_kv: int, cos: torch.Tensor) -> bool:
+    """Whether `lean_mma_decode` takes these heads: dim 128, bf16/fp16 (cos and sin too), <= 8 query heads a kv
+    head."""
+    return (q.shape[2] == HEAD_DIM and q.dtype in (torch.bfloat16, torch.float16) and cos.dtype == q.dtype
+            and q.shape[1] // n_kv <= 8)
+
+
+def _mma(d: str, a: tuple, b: tuple, c: str, kind: str) -> str:
+    return (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{{d}}}, {{{', '.join(a)}}}, "
+            f"{{{', '.join(b)}}}, {{{c}}};")
+
+
+def _unpack(word: str, lo: str, hi: str, kind: str) -> list[str]:
+    """The word's two 16-bit values as fp32 (exact)."""
+    if kind == "bf16":
+        return [f"shl.b32 {lo}, {word}, 16;", f"and.b32 {hi}, {word}, -65536;"]
+    return [f"mov.b32 {{h0, h1}}, {word};", f"cvt.f32.f16 {lo}, h0;", f"cvt.f32.f16 {hi}, h1;"]
+
+
+def _rope_asm(kind: str, sign: int) -> str:
+    """One word of a rotated row: x*cos and sign*x'*sin each rounded to 16 bits, their sum rounded (`_rope`'s
+    order; the 16-bit fma is that sum's single rounding, exact past it). $1 the word, $2 its partner 64 dims away,
+    $3 / $4 the cos and sin of its two dims (16-bit pairs, as the model builds them)."""
+    body = [".reg .f32 x0, x1, y0, y1, c0, c1, s0, s1;", ".reg .b32 pa, pb, one;", ".reg .b16 h0, h1;"]
+    body += _unpack("$1", "x0", "x1", kind) + _unpack("$2", "y0", "y1", kind)
+    body += _unpack("$3", "c0", "c1", kind) + _unpack("$4", "s0", "s1", kind)
+    one = {("bf16", 1): "0x3F803F80", ("bf16", -1): "0xBF80BF80", ("f16", 1): "0x3C003C00", ("f16", -1): "0xBC00BC00"}
+    body += ["mul.rn.f32 x0, x0, c0;", "mul.rn.f32 x1, x1, c1;",
+             "mul.rn.f32 y0, y0, s0;", "mul.rn.f32 y1, y1, s1;", f"cvt.rn.{kind}x2.f32 pa, x1, x0;",
+             f"cvt.rn.{kind}x2.f32 pb, y1, y0;", f"mov.b32 one, {one[kind, sign]};", f"fma.rn.{kind}x2 $0, pb, one, pa;"]
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+def _scores_asm(kind: str) -> str:
+    """S[key, head] of one 16-key block: A = the keys' words (rows g: $4-$19, four per segment; rows g + 8:
+    $20-$35), B = q's words ($36-$51, the column's head = the lane's g); two accumulator chains."""
+    body = [".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3;"] + [f"mov.f32 {r}, 0f00000000;" for r in
+                                                           ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+    for s in range(4):
+        acc = "d0, d1, d2, d3" if s < 2 else "e0, e1, e2, e3"
+        for h in range(2):
+            ka, kb, q = 4 + 4 * s + 2 * h, 20 + 4 * s + 2 * h, 36 + 4 * s + 2 * h
+            body.append(_mma(acc, (f"${ka}", f"${kb}", f"${ka + 1}", f"${kb + 1}"), (f"${q}", f"${q + 1}"), acc, kind))
+    body += [f"add.f32 ${i}, d{i}, e{i};" for i in range(4)]
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+def _softmax_asm(n: int) -> str:
+    """A warp's softmax over its keys, per head: $0.. the weights, $n.. the max, $2n.. the sum of weights, from the
+    base-2 scores $3n.. (element e: head 2c + e % 2; the keys are e // 2 and the warp's 8 rows). An empty warp keeps
+    max -inf and weights 0."""
+    s = [f"${3 * n + e}" for e in range(n)]
+    body = [".reg .f32 m0, m1, l0, l1, u0, u1, t;", ".reg .pred z;"]
+    for a in range(2):
+        body.append(f"mov.f32 m{a}, {s[a]};")
+        body += [f"max.f32 m{a}, m{a}, {s[e]};" for e in range(a + 2, n, 2)]
+        for x in (4, 8, 16):
+            body += [f"shfl.sync.bfly.b32 t, m{a}, {x}, 0x1f, -1;", f"max.f32 m{a}, m{a}, t;"]
+        body += [f"setp.eq.f32 z, m{a}, 0fFF800000;", f"selp.f32 u{a}, 0f00000000, m{a}, z;"]
+    for e in range(n):
+        body += [f"sub.f32 t, {s[e]}, u{e % 2};", f"ex2.approx.f32 ${e}, t;"]
+    for a in range(2):
+        body.append(f"mov.f32 l{a}, ${a};")
+        body += [f"add.f32 l{a}, l{a}, ${e};" for e in range(a + 2, n, 2)]
+        for x in (4, 8, 16):
+            body += [f"shfl.sync.bfly.b32 t, l{a}, {x}, 0x1f, -1;", f"add.f32 l{a}, l{a}, t;"]
+    body += [f"mov.f32 ${n + e}, m{e % 2};" for e in range(n)] + [f"mov.f32 ${2 * n + e}, l{e % 2};" for e in range(n)]
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+def _weights_asm(kind: str) -> str:
+    """A block's weights P[key, head] ($4-$7: keys g and g + 8, heads 2c and 2c + 1) -> P^T as the B fragment of
+    the weighted sum: $0 = (keys 2c, 2c + 1 of the first 8; head g), $1 the same of the last 8 ($2, $3 copies)."""
+    return "\n".join(["{", ".reg .b32 wa, wb;", f"cvt.rn.{kind}x2.f32 wa, $5, $4;", f"cvt.rn.{kind}x2.f32 wb, $7, $6;",
+                      "movmatrix.sync.aligned.m8n8.trans.b16 $0, wa;", "movmatrix.sync.aligned.m8n8.trans.b16 $1, wb;",
+                      "mov.b32 $2, $0;", "mov.b32 $3, $1;", "}"])
+
+
+def _values_asm(kind: str) -> str:
+    """O^T[d, head] of one block for two segments: A = V^T words of keys 0-7 ($20-$23 / $28-$31) and 8-15
+    ($24-$27 / $32-$35), transposed (`_transpose`); B = `_weights_asm`'s ($16, $17). Out: $0-$15, per segment two
+    MMAs of 16 dims each."""
+    body = [".reg .f32 z;", "mov.f32 z, 0f00000000;"]
+    for si in range(2):
+        va, vb = 20 + 8 * si, 24 + 8 * si
+        for h in range(2):
+            o = 4 * (2 * si + h)
+            body.append(_mma(", ".join(f"${o + i}" for i in range(4)),
+                             (f"${va + 2 * h}", f"${va + 2 * h + 1}", f"${vb + 2 * h}", f"${vb + 2 * h + 1}"),
+                             ("$16", "$17"), "z, z, z, z", kind))
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+if triton is not None:
+    from brrr.kernels.attention import _rope, _rope_factors, _store_in_place
+    from brrr.kernels.pdl import wait_previous
+
+    D128 = tl.constexpr(HEAD_DIM)
+
+    _ROPE_BF16_SUB = tl.constexpr(_rope_asm("bf16", -1))
+    _ROPE_BF16_ADD = tl.constexpr(_rope_asm("bf16", 1))
+    _ROPE_F16_SUB = tl.constexpr(_rope_asm("f16", -1))
+    _ROPE_F16_ADD = tl.constexpr(_rope_asm("f16", 1))
+    _SCORES_BF16 = tl.constexpr(_scores_asm("bf16"))
+    _SCORES_F16 = tl.constexpr(_scores_asm("f16"))
+    _SOFTMAX_4 = tl.constexpr(_softmax_asm(4))
+    _SOFTMAX_8 = tl.constexpr(_softmax_asm(8))
+    _WEIGHTS_BF16 = tl.constexpr(_weights_asm("bf16"))
+    _WEIGHTS_F16 = tl.constexpr(_weights_asm("f16"))
+    _VALUES_BF16 = tl.constexpr(_values_asm("bf16"))
+    _VALUES_F16 = tl.constexpr(_values_asm("f16"))
+    _SCORES_IO = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 48))
+    _SOFTMAX_8_IO = tl.constexpr(",".join(["=f"] * 24 + ["f"] * 8))
+    _SOFTMAX_4_IO = tl.constexpr(",".join(["=f"] * 12 + ["f"] * 4))
+    _VALUES_IO = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 20))
+
+    @triton.jit
+    def _transpose(w):
+        """Each 8x8 block of 16-bit values (row = lane / 4, a word = two columns) transposed across the warp."""
+        return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [w],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _rope_word(x, partner, cs, sn, SUB: tl.constexpr, BF16: tl.constexpr):
+        if BF16:
+            if SUB:
+                y = tl.inline_asm_elementwise(_ROPE_BF16_SUB, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                y = tl.inline_asm_elementwise(_ROPE_BF16_ADD, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        else:
+            if SUB:
+                y = tl.inline_asm_elementwise(_ROPE_F16_SUB, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                y = tl.inline_asm_elementwise(_ROPE_F16_ADD, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        return y
+
+    @triton.jit
+    def _rope_words(w0, w1, w2, w3, c0, c1, s0, s1, BF16: tl.constexpr):
+        """A row's four segments of words rotated (rotate-half: segment s pairs with s + 2; cos and sin repeat
+        every 64 dims, so two segments' pairs serve all four)."""
+        return (_rope_word(w0, w2, c0, s0, True, BF16), _rope_word(w1, w3, c1, s1, True, BF16),
+                _rope_word(w2, w0, c0, s0, False, BF16), _rope_word(w3, w1, c1, s1, False, BF16))
+
+    @triton.jit
+    def _scores(ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3, BF16: tl.constexpr):
+        args = [ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3]
+        if BF16:
+            s = tl.inline_asm_elementwise(_SCORES_BF16, _SCORES_IO, args,
+                                          dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            s = tl.inline_asm_elementwise(_SCORES_F16, _SCORES_IO, args,
+                                          dtype=tl.float32, is_pure=True, pack=4)
+        return s
+
+    @triton.jit
+    def _softmax(s, REPS: tl.constexpr):
+        if REPS == 2:
+            p, m, l = tl.inline_asm_elementwise(_SOFTMAX_8, _SOFTMAX_8_IO, [s],
+                                                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=8)
+        else:
+            p, m, l = tl.inline_asm_elementwise(_SOFTMAX_4, _SOFTMAX_4_IO, [s],
+                                                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+        return p, m, l
+
+    @triton.jit
+    def _values(p, va0, vb0, va1, vb1, BF16: tl.constexpr):
+        """Two segments' O^T partials of each block (its own: summed over the blocks after)."""
+        if BF16:
+            pt = tl.inline_asm_elementwise(_WEIGHTS_BF16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
+                                           pack=4)
+            o = tl.inline_asm_elementwise(_VALUES_BF16, _VALUES_IO, [pt, va0, vb0, va1, vb1],
+                                          dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+        else:
+            pt = tl.inline_asm_elementwise(_WEIGHTS_F16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
+                                           pack=4)
+            o = tl.inline_asm_elementwise(_VALUES_F16, _VALUES_IO, [pt, va0, vb0, va1, vb1],
+                                          dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+        return o
+
+    @triton.jit
+    def _sa_index(head, d, w, W: tl.constexpr):
+        """Where SA holds warp w's partial sum of (head, d): in the order of `_values_asm`'s outputs, which the fast
+        path stores as they sit (tile 2s + h of [8W, 16], row 8w + g, column 4c + i). Its MMA's row g holds dim
+        32s + 8(g // 2) + 2(2h + i // 2) + g % 2 (`_transpose`; i // 2 = 1 is row g + 8) of head 2c + i % 2."""
+        r = d % 32
+        t = r % 8
+        g = 2 * (r // 8) + t % 2
+        i = 2 * ((t // 2) % 2) + head % 2
+        return ((2 * (d // 32) + t // 4) * 8 * W + 8 * w + g) * 16 + 4 * (head // 2) + i
+
+    @triton.jit
+    def _lean_mma_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
+                         wq_n, wq_h, so_n, so_h, wc_b, wc_t, wc_h, stride_bt, wk_n, wk_h, wv_n, wv_h, sv_n, sv_h,
+                         stride_cos, qk_scale, window, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                         GP: tl.constexpr, W: tl.constexpr, REPS: tl.constexpr, SLIDING: tl.constexpr,
+                         PDL: tl.constexpr, FAST: tl.constexpr):
+        """One program: one kv head of a sequence with one new token, its GROUP query heads and its whole context
+        (< 16 W REPS keys, block j of 16 keys on warp j % W). w* strides count 32-bit words. Before the PDL wait:
+        the keys' and values' words (values transposed), cos and sin; after it q, the new key and value (rotated
+        on the words, the new key into the key tiles at its position), the warps' softmax partials to SCR, a
+        barrier, the merge (with the new key's own partial), and the new key and value written to the cache."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        q_row = tl.load(CU_Q + b)
+        single = tl.load(CU_Q + b + 1) - q_row == 1
+        ctx = tl.load(CTX + b)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, ctx - window)
+        hi = tl.maximum(ctx - 1, 0)  # keys below come from the cache, the new one (ctx - 1) from this step
+        slot = tl.load(SLOTS + q_row).to(tl.int64)
+        scr = SCR + (b * tl.num_programs(1) + kvh) * (8 * D128 * W + 16 * W + 8)
+        SA, SM = scr, scr + 8 * D128 * W  # the sums (`_sa_index`); [8, W + 1] maxima (the new key's last)
+        SL = SM + 8 * (W + 1)  # [8, W] sums of weights
+        BF16: tl.constexpr = Q.dtype.element_ty == tl.bfloat16
+        row = tl.arange(0, 8 * W)[:, None, None]  # [8W, 1, 1]: warp row // 8, lane row g = row % 8
+        col = tl.arange(0, 16)[None, None, :]  # a row's words of one segment, 4 a lane
+        if FAST:
+            rep = tl.arange(0, REPS)[None, :, None]
+            key_a = 16 * (rep * W + row // 8) + row % 8  # [8W, REPS, 1]; tile B holds key_a + 8
+            ok_a = (key_a >= lo) & (key_a < hi)
+            ok_b = (key_a + 8 >= lo) & (key_a + 8 < hi)
+            kw = KC.to(tl.pointer_type(tl.int32), bitcast=True)
+            vw = VC.to(tl.pointer_type(tl.int32), bitcast=True)
+            blk_a = tl.load(BT + b * stride_bt + key_a // BLOCK_SIZE, mask=ok_a, other=0).to(tl.int64)
+            blk_b = tl.load(BT + b * stride_bt + (key_a + 8) // BLOCK_SIZE, mask=ok_b, other=0).to(tl.int64)
+            ra = tl.multiple_of(blk_a * wc_b + (key_a % BLOCK_SIZE) * wc_t + kvh * wc_h, [1, 1, 4]) + col
+            rb = tl.multiple_of(blk_b * wc_b + ((key_a + 8) % BLOCK_SIZE) * wc_t + kvh * wc_h, [1, 1, 4]) + col
+            ka0, ka1 = tl.load(kw + ra, mask=ok_a, other=0), tl.load(kw + ra + 16, mask=ok_a, other=0)
+            ka2, ka3 = tl.load(kw + ra + 32, mask=ok_a, other=0), tl.load(kw + ra + 48, mask=ok_a, other=0)
+            kb0, kb1 = tl.load(kw + rb, mask=ok_b, other=0), tl.load(kw + rb + 16, mask=ok_b, other=0)
+            kb2, kb3 = tl.load(kw + rb + 32, mask=ok_b, other=0), tl.load(kw + rb + 48, mask=ok_b, other=0)
+            va0, va1 = tl.load(vw + ra, mask=ok_a, other=0), tl.load(vw + ra + 16, mask=ok_a, other=0)
+            va2, va3 = tl.load(vw + ra + 32, mask=ok_a, other=0), tl.load(vw + ra + 48, mask=ok_a, other=0)
+            vb0, vb1 = tl.load(vw + rb, mask=ok_b, other=0), tl.load(vw + rb + 16, mask=ok_b, other=0)
+            vb2, vb3 = tl.load(vw + rb + 32, mask=ok_b, other=0), tl.load(vw + rb + 48, mask=ok_b, other=0)
+            va0, va1, va2, va3 = _transpose(va0), _transpose(va1), _transpose(va2), _transpose(va3)
+            vb0, vb1, vb2, vb3 = _transpose(vb0), _transpose(vb1), _transpose(vb2), _transpose(vb3)
+            cw = COS.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
+            sw = SIN.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
+            c0, c1, s0, s1 = tl.load(cw), tl.load(cw + 16), tl.load(sw), tl.load(sw + 16)
+        wait_previous(PDL)
+        if single:  # else a prefill chunk: the prefill kernel's
+            has_new = ctx > 0
+            if FAST:
+                g = row % 8  # the B operand's column: query head kvh * GROUP + g
+                qp = Q.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wq_n + (kvh * GROUP + g) * wq_h + col
+                qm = (g < GROUP) & (col < 16)
+                q0, q1, q2, q3 = _rope_words(tl.load(qp, mask=qm, other=0), tl.load(qp + 16, mask=qm, other=0),
+                                             tl.load(qp + 32, mask=qm, other=0), tl.load(qp + 48, mask=qm, other=0),
+                                             c0, c1, s0, s1, BF16)
+                kp = K.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wk_n + kvh * wk_h + col + row * 0
+                n0, n1, n2, n3 = _rope_words(tl.load(kp), tl.load(kp + 16), tl.load(kp + 32), tl.load(kp + 48),
+                                             c0, c1, s0, s1, BF16)
+                is_a = (key_a == hi) & has_new  # the new key's row in a tile
+                is_b = (key_a + 8 == hi) & has_new
+                ka0, ka1 = tl.where(is_a, n0, ka0), tl.where(is_a, n1, ka1)
+                ka2, ka3 = tl.where(is_a, n2, ka2), tl.where(is_a, n3, ka3)
+                kb0, kb1 = tl.where(is_b, n0, kb0), tl.where(is_b, n1, kb1)
+                kb2, kb3 = tl.where(is_b, n2, kb2), tl.where(is_b, n3, kb3)
+                s = _scores(ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3, BF16) * qk_scale
+                key = key_a + 8 * ((col % 4) // 2)  # [8W, REPS, 16]: element (c, i) is key row g (+ 8 if i >= 2)
+                head = 2 * (col // 4) + col % 2  # and head 2c + i % 2
+                _store_in_place(SM + head * (W + 1) + W + key * 0, s, (key == hi) & has_new & (head < GROUP), True)
+                p, m, l = _softmax(tl.where((key >= lo) & (key < hi), s, float("-inf")), REPS)
+                first = (row % 8 == 0) & (rep == 0) & (col % 4 < 2) & (head < GROUP)
+                _store_in_place(SM + head * (W + 1) + row // 8 + rep * 0, m, first, True)
+                _store_in_place(SL + head * W + row // 8 + rep * 0, l, first, True)
+                o00, o01, o10, o11 = _values(p, va0, vb0, va1, vb1, BF16)
+                o20, o21, o30, o31 = _values(p, va2, vb2, va3, vb3, BF16)
+                sa = SA + row * 16 + col  # [8W, 1, 16]: tile t at sa + 128 W t (`_sa_index`)
+                tl.store(sa, tl.sum(o00, 1, keep_dims=True))
+                tl.store(sa + 128 * W, tl.sum(o01, 1, keep_dims=True))
+                tl.store(sa + 256 * W, tl.sum(o10, 1, keep_dims=True))
+                tl.store(sa + 384 * W, tl.sum(o11, 1, keep_dims=True))
+                tl.store(sa + 512 * W, tl.sum(o20, 1, keep_dims=True))
+                tl.store(sa + 640 * W, tl.sum(o21, 1, keep_dims=True))
+                tl.store(sa + 768 * W, tl.sum(o30, 1, keep_dims=True))
+                tl.store(sa + 896 * W, tl.sum(o31, 1, keep_dims=True))
+                # the new key and value into the cache: 16 bytes a lane of warp 0's first row
+                dst = (slot // BLOCK_SIZE) * wc_b + (slot % BLOCK_SIZE) * wc_t + kvh * wc_h + col + row * 0
+                one = (row == 0) & (slot >= 0) & has_new & (col < 16)
+                vp = V.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wv_n + kvh * wv_h + col + row * 0
+                kw = KC.to(tl.pointer_type(tl.int32), bitcast=True)
+                vw = VC.to(tl.pointer_type(tl.int32), bitcast=True)
+                tl.store(kw + dst, n0, mask=one)
+                tl.store(kw + dst + 16, n1, mask=one)
+                tl.store(kw + dst + 32, n2, mask=one)
+                tl.store(kw + dst + 48, n3, mask=one)
+                tl.store(vw + dst, tl.load(vp, mask=one), mask=one)
+                tl.store(vw + dst + 16, tl.load(vp + 16, mask=one), mask=one)
+                tl.store(vw + dst + 32, tl.load(vp + 32, mask=one), mask=one)
+                tl.store(vw + dst + 48, tl.load(vp + 48, mask=one), mask=one)
+            else:
+                _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,
+                                   wq_n * 2, wq_h * 2, wc_b * 2, wc_t * 2, wc_h * 2, stride_bt, wk_n * 2, wk_h * 2,
+                                   sv_n, sv_h, stride_cos, qk_scale, BLOCK_SIZE, GROUP, GP, W, REPS)
+            tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
+            _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST)
+
+    @triton.jit
+    def _load_in_place(ptrs, mask, FAST: tl.constexpr):
+        """tl.load(ptrs, mask, other=0) of fp32 or 16-bit values, in the layout ptrs are in (FAST: PTX ld.global,
+        which Triton does not re-lay out for coalescing: the merge's loads then need no conversions between them)."""
+        dt = ptrs.dtype.element_ty
+        if FAST:
+            if dt == tl.float32:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }", "=r,l,r",
+                    [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+                v = v.to(tl.float32, bitcast=True)
+            else:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.b16 $0, [$1]; }", "=h,l,r",
+                    [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int16, is_pure=False, pack=1)
+                v = v.to(dt, bitcast=True)
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+        return v
+
+    @triton.jit
+    def _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP: tl.constexpr, GP: tl.constexpr,
+               W: tl.constexpr, FAST: tl.constexpr):
+        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values
+        its v) at one max. Every load is a [GP, 128, W] tile (broadcast along what it does not depend on), so the
+        sums over W and the stores keep one layout."""
+        h = tl.arange(0, GP)[:, None, None]
+        d = tl.arange(0, D128)[None, :, None]
+        w = tl.arange(0, W)[None, None, :]
+        hm = (h < GROUP) & (d < D128) & (w < W)
+        m_w = tl.where(hm, _load_in_place(SM + h * (W + 1) + w + d * 0, hm, FAST), float("-inf"))
+        l_w = _load_in_place(SL + h * W + w + d * 0, hm, FAST)
+        a_w = _load_in_place(SA + _sa_index(h, d, w, W), hm, FAST)
+        new = hm & (w * 0 + ctx > 0)  # the new key's partial (not `ctx > 0` itself: see _portable_partials)
+        m_n = tl.max(tl.where(new, _load_in_place(SM + h * (W + 1) + W + d * 0 + w * 0, new, FAST), float("-inf")), 2,
+                     keep_dims=True)
+        v_n = _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + h * 0 + w * 0, new & (w == 0), FAST)
+        top = tl.maximum(tl.max(m_w, 2, keep_dims=True), m_n)  # [GP, 128, 1], as every result below
+        top = tl.where(top == float("-inf"), 0.0, top)
+        scale = tl.math.exp2(m_w - top)
+        p_n = tl.math.exp2(m_n - top)
+        total = tl.sum(l_w * scale, 2, keep_dims=True) + p_n
+        acc = tl.sum(a_w * scale, 2, keep_dims=True) + p_n * tl.sum(v_n.to(tl.float32), 2, keep_dims=True)
+        out = acc / tl.where(total == 0.0, 1.0, total)
+        _store_in_place(O + q_row.to(tl.int64) * so_n + (kvh * GROUP + h) * so_h + d, out.to(O.dtype.element_ty),
+                        (h < GROUP) & (d < D128), FAST)
+
+    @triton.jit
+    def _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,
+                           sq_n, sq_h, sc_b, sc_t, sc_h, stride_bt, sk_n, sk_h, sv_n, sv_h, stride_cos, qk_scale,
+                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, W: tl.constexpr,
+                           REPS: tl.constexpr):
+        """The FAST path's SCR contents with plain tensor ops (the interpreter): warp w's keys are the blocks
+        j = w, w + W, ..., weights rounded to the activations' dtype before the weighted sum, as the MMAs take
+        them; the new key rotated and written to the cache."""
+        dt = Q.dtype.element_ty
+        KS: tl.constexpr = 16 * REPS
+        t = tl.arange(0, KS)[None, :]
+        key = 16 * ((t // 16) * W + tl.arange(0, W)[:, None]) + t % 16  # [W, KS]
+        ok = (key >= lo) & (key < hi)
+        blk = tl.load(BT + b * stride_bt + key // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        rows = (blk * sc_b + (key % BLOCK_SIZE) * sc_t + kvh * sc_h)[:, :, None]
+        d = tl.arange(0, D128)[None, None, :]
+        k = tl.load(KC + rows + d, mask=ok[:, :, None], other=0.0).to(tl.float32)  # [W, KS, D]
+        v = tl.load(VC + rows + d, mask=ok[:, :, None], other=0.0).to(tl.float32)
+        h = tl.arange(0, GP)[:, None]  # [GP, 1]
+        dd = tl.arange(0, D128)[None, :]
+        dm = dd < D128
+        c, sn, swap, sign = _rope_factors(COS, SIN, q_row, stride_cos, dd, dm, D128)
+        qm = (h < GROUP) & dm
+        q = _rope(Q + q_row.to(tl.int64) * sq_n + (kvh * GROUP + h) * sq_h, dd, qm, c, sn, swap, sign).to(tl.float32)
+        k_new = _rope(K + q_row.to(tl.int64) * sk_n + kvh * sk_h, dd, dm, c, sn, swap, sign)  # [1, D]
+        s = tl.sum(q[:, None, None, :] * k[None, :, :, :], 3) * qk_scale  # [GP, W, KS]
+        s = tl.where(ok[None, :, :], s, float("-inf"))
+        m = tl.max(s, 2)  # [GP, W]
+        p = tl.math.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, :, None])
+        acc = tl.sum(p.to(dt).to(tl.float32)[:, :, :, None] * v[None, :, :, :], 2)  # [GP, W, D]
+        hw = tl.arange(0, GP)[:, None, None]
+        tl.store(SA + _sa_index(hw, tl.arange(0, D128)[None, None, :], tl.arange(0, W)[None, :, None], W), acc,
+                 mask=hw < GROUP)
+        hm = h < GROUP
+        wi = tl.arange(0, W)[None, :]
+        tl.store(SM + h * (W + 1) + wi, m, mask=hm)
+        tl.store(SL + h * W + wi, tl.sum(p, 2), mask=hm)
+        h1 = tl.arange(0, GP)  # (a scalar bool in a mask trips the interpreter's store: ctx > 0 as a tensor)
+        tl.store(SM + h1 * (W + 1) + W, tl.sum(q * k_new.to(tl.float32), 1) * qk_scale, mask=(h1 < GROUP) & (h1 * 0 + ctx > 0))
+        if (slot >= 0) & (ctx > 0):
+            dst = (slot // BLOCK_SIZE) * sc_b + (slot % BLOCK_SIZE) * sc_t + kvh * sc_h + dd
+            tl.store(KC + dst, k_new)
+            tl.store(VC + dst, tl.load(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + dd))
+
+
+def lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+                    max_context_len, out, rope):
+    """`attention.decode_attention_triton` with rope through `_lean_mma_kernel` (grid: sequences x kv heads):
+    every context at most max_context_len <= 256 keys."""
+    batch, n_heads, n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k_cache.shape[2]
+    k, v, cos, sin, slots = rope
+    block_n = max(16, next_power_of_2(max_context_len))
+    assert block_n <= 256, "the lean MMA kernel holds at most 256 keys"
+    warps = max(1, block_n // 32)  # a lane holds 128 registers of keys and values at 16 W REPS keys
+    reps = block_n // (16 * warps)
+    group = n_heads // n_kv
+    scratch = torch.empty(batch * n_kv * (8 * HEAD_DIM * warps + 16 * warps + 8), dtype=torch.float32,
+                          device=q.device)
+    for t in (q, k, v, k_cache, cos):
+        assert t.stride(-1) == 1 and all(s % 2 == 0 for s in t.stride()[:-1]), "16-bit rows in whole words"
+    pdl = pdl_on(q)
+    _lean_mma_kernel[(batch, n_kv)](
+        q, k_cache, v_cache, out, scratch, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots,
+        q.stride(0) // 2, q.stride(1) // 2, out.stride(0), out.stride(1), k_cache.stride(0) // 2,
+        k_cache.stride(1) // 2, k_cache.stride(2) // 2, block_tables.stride(0), k.stride(0) // 2, k.stride(1) // 2,
+        v.stride(0) // 2, v.stride(1) // 2, v.stride(0), v.stride(1), cos.stride(0), scale * LOG2E,
+        sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=group, GP=next_power_of_2(group), W=warps, REPS=reps,
+        SLIDING=sliding_window is not None, PDL=min(pdl, 2), FAST=q.is_cuda, num_warps=warps, num_stages=1,
+        launch_pdl=pdl > 0)
+    return out

@@ -776,9 +776,11 @@ LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
 LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
-# Heads of dim 128 in 16 bits, at most 8 query heads a kv head: the lean kernel on tensor cores (attention_mma.py),
-# one program a kv head. False: `_lean_decode_kernel` (the A/B's).
-LEAN_MMA = True
+# True: heads of dim 128 in 16 bits (<= 8 query heads a kv head) take the lean kernel on tensor cores
+# (attention_mma.py, one program a kv head). Off: on the H200 it made the W4A16 + lm_head step slower, 1609.1 /
+# 1613.4 us against 1592.5 / 1595.7 at 205 keys, 620.1 / 619.4 against 634.3 / 635.6 tok/s through the engine
+# (bench/results/pdl_decode_lean_mma_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
+LEAN_MMA = False
 
 
 def _sms(device) -> int:

@@ -43,25 +43,14 @@ def _mma(d: str, a: tuple, b: tuple, c: str, kind: str) -> str:
             f"{{{', '.join(b)}}}, {{{c}}};")
 
 
-def _unpack(word: str, lo: str, hi: str, kind: str) -> list[str]:
-    """The word's two 16-bit values as fp32 (exact)."""
-    if kind == "bf16":
-        return [f"shl.b32 {lo}, {word}, 16;", f"and.b32 {hi}, {word}, -65536;"]
-    return [f"mov.b32 {{h0, h1}}, {word};", f"cvt.f32.f16 {lo}, h0;", f"cvt.f32.f16 {hi}, h1;"]
-
-
 def _rope_asm(kind: str, sign: int) -> str:
-    """One word of a rotated row: x*cos and sign*x'*sin each rounded to 16 bits, their sum rounded (`_rope`'s
-    order; the 16-bit fma is that sum's single rounding, exact past it). $1 the word, $2 its partner 64 dims away,
-    $3 / $4 the cos and sin of its two dims (16-bit pairs, as the model builds them)."""
-    body = [".reg .f32 x0, x1, y0, y1, c0, c1, s0, s1;", ".reg .b32 pa, pb, one;", ".reg .b16 h0, h1;"]
-    body += _unpack("$1", "x0", "x1", kind) + _unpack("$2", "y0", "y1", kind)
-    body += _unpack("$3", "c0", "c1", kind) + _unpack("$4", "s0", "s1", kind)
+    """One word of a rotated row, as `_rope` rounds: x*cos and sign*x'*sin each rounded to 16 bits, then their sum.
+    A product of two 16-bit values is exact in fp32, so the packed multiply's single rounding is that rounding; the
+    packed fma is the sum's (exact past it). $1 the word, $2 its partner 64 dims away, $3 / $4 the cos and sin of
+    its two dims (16-bit, as the model builds them)."""
     one = {("bf16", 1): "0x3F803F80", ("bf16", -1): "0xBF80BF80", ("f16", 1): "0x3C003C00", ("f16", -1): "0xBC00BC00"}
-    body += ["mul.rn.f32 x0, x0, c0;", "mul.rn.f32 x1, x1, c1;",
-             "mul.rn.f32 y0, y0, s0;", "mul.rn.f32 y1, y1, s1;", f"cvt.rn.{kind}x2.f32 pa, x1, x0;",
-             f"cvt.rn.{kind}x2.f32 pb, y1, y0;", f"mov.b32 one, {one[kind, sign]};", f"fma.rn.{kind}x2 $0, pb, one, pa;"]
-    return "{\n" + "\n".join(body) + "\n}"
+    return "\n".join(["{", ".reg .b32 pa, pb, one;", f"mul.rn.{kind}x2 pa, $1, $3;", f"mul.rn.{kind}x2 pb, $2, $4;",
+                      f"mov.b32 one, {one[kind, sign]};", f"fma.rn.{kind}x2 $0, pb, one, pa;", "}"])
 
 
 def _scores_asm(kind: str) -> str:
@@ -151,7 +140,14 @@ if triton is not None:
     def _transpose(w):
         """Each 8x8 block of 16-bit values (row = lane / 4, a word = two columns) transposed across the warp."""
         return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [w],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+                                         dtype=tl.int32, is_pure=False, pack=1)  # not pure: stays before the wait
+
+    @triton.jit
+    def _pinned(x):
+        """x (32 bits) computed here: an asm with side effects is not moved past the PDL wait's, so what is known
+        before the wait is computed before it, not where it is used."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                                         is_pure=False, pack=1).to(x.dtype, bitcast=True)
 
     @triton.jit
     def _rope_word(x, partner, cs, sn, SUB: tl.constexpr, BF16: tl.constexpr):
@@ -276,6 +272,12 @@ if triton is not None:
             cw = COS.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
             sw = SIN.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
             c0, c1, s0, s1 = tl.load(cw), tl.load(cw + 16), tl.load(sw), tl.load(sw + 16)
+            key = key_a + 8 * ((col % 4) // 2)  # [8W, REPS, 16]: element (c, i) is key row g (+ 8 if i >= 2)
+            head = 2 * (col // 4) + col % 2  # and head 2c + i % 2
+            bias = _pinned(tl.where((key >= lo) & (key < hi), 0.0, float("-inf")))  # the cached keys' scores
+            is_a = _pinned(tl.where((key_a == hi) & (ctx > 0), 1, 0)) != 0  # the new key's row in a tile
+            is_b = _pinned(tl.where((key_a + 8 == hi) & (ctx > 0), 1, 0)) != 0
+            is_new = _pinned(tl.where((key == hi) & (ctx > 0) & (head < GROUP), 1, 0)) != 0  # its scores
         wait_previous(PDL)
         if single:  # else a prefill chunk: the prefill kernel's
             has_new = ctx > 0
@@ -289,17 +291,13 @@ if triton is not None:
                 kp = K.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wk_n + kvh * wk_h + col + row * 0
                 n0, n1, n2, n3 = _rope_words(tl.load(kp), tl.load(kp + 16), tl.load(kp + 32), tl.load(kp + 48),
                                              c0, c1, s0, s1, BF16)
-                is_a = (key_a == hi) & has_new  # the new key's row in a tile
-                is_b = (key_a + 8 == hi) & has_new
                 ka0, ka1 = tl.where(is_a, n0, ka0), tl.where(is_a, n1, ka1)
                 ka2, ka3 = tl.where(is_a, n2, ka2), tl.where(is_a, n3, ka3)
                 kb0, kb1 = tl.where(is_b, n0, kb0), tl.where(is_b, n1, kb1)
                 kb2, kb3 = tl.where(is_b, n2, kb2), tl.where(is_b, n3, kb3)
                 s = _scores(ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3, BF16) * qk_scale
-                key = key_a + 8 * ((col % 4) // 2)  # [8W, REPS, 16]: element (c, i) is key row g (+ 8 if i >= 2)
-                head = 2 * (col // 4) + col % 2  # and head 2c + i % 2
-                _store_in_place(SM + head * (W + 1) + W + key * 0, s, (key == hi) & has_new & (head < GROUP), True)
-                p, m, l = _softmax(tl.where((key >= lo) & (key < hi), s, float("-inf")), REPS)
+                _store_in_place(SM + head * (W + 1) + W + key * 0, s, is_new, True)
+                p, m, l = _softmax(s + bias, REPS)
                 first = (row % 8 == 0) & (rep == 0) & (col % 4 < 2) & (head < GROUP)
                 _store_in_place(SM + head * (W + 1) + row // 8 + rep * 0, m, first, True)
                 _store_in_place(SL + head * W + row // 8 + rep * 0, l, first, True)
@@ -358,29 +356,27 @@ if triton is not None:
     @triton.jit
     def _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP: tl.constexpr, GP: tl.constexpr,
                W: tl.constexpr, FAST: tl.constexpr):
-        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values
-        its v) at one max. Every load is a [GP, 128, W] tile (broadcast along what it does not depend on), so the
-        sums over W and the stores keep one layout."""
-        h = tl.arange(0, GP)[:, None, None]
-        d = tl.arange(0, D128)[None, :, None]
-        w = tl.arange(0, W)[None, None, :]
-        hm = (h < GROUP) & (d < D128) & (w < W)
-        m_w = tl.where(hm, _load_in_place(SM + h * (W + 1) + w + d * 0, hm, FAST), float("-inf"))
-        l_w = _load_in_place(SL + h * W + w + d * 0, hm, FAST)
-        a_w = _load_in_place(SA + _sa_index(h, d, w, W), hm, FAST)
-        new = hm & (w * 0 + ctx > 0)  # the new key's partial (not `ctx > 0` itself: see _portable_partials)
-        m_n = tl.max(tl.where(new, _load_in_place(SM + h * (W + 1) + W + d * 0 + w * 0, new, FAST), float("-inf")), 2,
-                     keep_dims=True)
-        v_n = _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + h * 0 + w * 0, new & (w == 0), FAST)
-        top = tl.maximum(tl.max(m_w, 2, keep_dims=True), m_n)  # [GP, 128, 1], as every result below
-        top = tl.where(top == float("-inf"), 0.0, top)
-        scale = tl.math.exp2(m_w - top)
-        p_n = tl.math.exp2(m_n - top)
-        total = tl.sum(l_w * scale, 2, keep_dims=True) + p_n
-        acc = tl.sum(a_w * scale, 2, keep_dims=True) + p_n * tl.sum(v_n.to(tl.float32), 2, keep_dims=True)
+        """The output of each query head: the new key's partial (max = its score, sum 1, values its v), then each
+        warp's folded in at a running max (no sum across lanes: every [GP, 128] tile keeps one layout)."""
+        h = tl.arange(0, GP)[:, None]
+        d = tl.arange(0, D128)[None, :]
+        hm = (h < GROUP) & (d < D128)
+        new = hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
+        top = tl.where(new, _load_in_place(SM + h * (W + 1) + W + d * 0, new, FAST), float("-inf"))
+        total = tl.where(new, 1.0, 0.0)
+        acc = _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + h * 0, new, FAST).to(tl.float32)
+        top = tl.maximum(top, -1e30)  # finite, so exp2(top - new top) is 0 or a scale, never NaN
+        at = SA + _sa_index(h, d, 0, W)
+        for w in tl.static_range(W):
+            m_w = tl.where(hm, _load_in_place(SM + h * (W + 1) + w + d * 0, hm, FAST), float("-inf"))
+            up = tl.maximum(top, m_w)
+            alpha, scale = tl.math.exp2(top - up), tl.math.exp2(m_w - up)
+            total = total * alpha + scale * _load_in_place(SL + h * W + w + d * 0, hm, FAST)
+            acc = acc * alpha + scale * _load_in_place(at + 128 * w, hm, FAST)
+            top = up
         out = acc / tl.where(total == 0.0, 1.0, total)
-        _store_in_place(O + q_row.to(tl.int64) * so_n + (kvh * GROUP + h) * so_h + d, out.to(O.dtype.element_ty),
-                        (h < GROUP) & (d < D128), FAST)
+        _store_in_place(O + q_row.to(tl.int64) * so_n + (kvh * GROUP + h) * so_h + d, out.to(O.dtype.element_ty), hm,
+                        FAST)
 
     @triton.jit
     def _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,

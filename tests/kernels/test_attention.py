@@ -196,7 +196,7 @@ def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, mo
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(8, 2, None), (4, 4, None), (8, 1, 7), (6, 2, None)])
 @pytest.mark.parametrize("bound", [256, 64])
-def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound):
+def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound, monkeypatch):
     """The lean kernel on tensor cores (attention_mma.py: head dim 128, one program a kv head, its query heads the
     MMA's columns; on the CPU its portable partials) over contexts of 1, 65, 40, 129 and 200 keys (bound 256: 8
     warps of two 16-key blocks each; bound 64: contexts up to 64, two warps) and a padded row (context 0, slot -1):
@@ -205,6 +205,7 @@ def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound
     from brrr.kernels.attention_mma import lean_mma_ok
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
+    monkeypatch.setattr(ATTN, "LEAN_MMA", True)
     lens = [1, 65, 40, 129, 200, 1] if bound == 256 else [1, 64, 40, 17, 33, 1]
     dim = 128
     q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 16, dtype, device, seed=heads + kv_heads)

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[8, 40, 100, 204])
     p.add_argument("--rope-part", type=int, default=None, help="attention.ROPE_PART (keys a RoPE-path part)")
     p.add_argument("--tile-warps", type=int, default=None, help="attention.ROPE_TILE_WARPS")
-    p.add_argument("--kernel", default="split", choices=["split", "lean"], help="the decode kernel stamped")
+    p.add_argument("--kernel", default="split", choices=["split", "lean", "lean-mma"],
+                   help="the decode kernel stamped (lean-mma: attention_mma.py's)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/decode_phases.py needs a CUDA GPU", file=sys.stderr)
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
     table = runner.g_tables[0].clone()
     ATTN.ROPE_PART = args.rope_part or ATTN.ROPE_PART
     ATTN.ROPE_TILE_WARPS = args.tile_warps
-    ATTN.LEAN_DECODE = args.kernel == "lean"
+    ATTN.LEAN_DECODE = args.kernel.startswith("lean")
+    ATTN.LEAN_MMA = args.kernel == "lean-mma"
     ATTN.DECODE_TRACE = trace = torch.zeros(4096 * 8, dtype=torch.int64, device="cuda")
     [table.clear() for table in runner.graph_tables]
     runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))

@@ -777,9 +777,9 @@ LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a st
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
 LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
 # True: heads of dim 128 in 16 bits (<= 8 query heads a kv head) take the lean kernel on tensor cores
-# (attention_mma.py, one program a kv head). Off: on the H200 it made the W4A16 + lm_head step slower, 1609.1 /
-# 1613.4 us against 1592.5 / 1595.7 at 205 keys, 620.1 / 619.4 against 634.3 / 635.6 tok/s through the engine
-# (bench/results/pdl_decode_lean_mma_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
+# (attention_mma.py, one program a kv head). Off: on the H200 the W4A16 + lm_head step ties at 205 keys (1596.0 /
+# 1596.7 us against 1595.9 / 1596.0) and loses through the engine (626.8 / 626.0 against 633.6 / 633.8 tok/s,
+# bench/results/pdl_decode_lean_mma_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
 LEAN_MMA = False
 
 
@@ -914,7 +914,7 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
     from brrr.kernels.attention_mma import lean_mma_decode, lean_mma_ok
     if LEAN_MMA and lean_mma_ok(q, n_kv, rope[2]):
         return lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
-                               max_context_len, out, rope)
+                               max_context_len, out, rope, DECODE_TRACE)
     block_n = max(16, next_power_of_2(max_context_len))
     k, v, cos, sin, slots = rope
     pdl = pdl_on(q)

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     ATTN.ROPE_TILE_WARPS = args.tile_warps
     ATTN.LEAN_DECODE = args.kernel.startswith("lean")
     ATTN.LEAN_MMA = args.kernel == "lean-mma"
+    ATTN.LEAN_MMA_ABOVE = 0 if args.kernel == "lean-mma" else ATTN.LEAN_MMA_ABOVE  # every context on tensor cores
     ATTN.DECODE_TRACE = trace = torch.zeros(4096 * 8, dtype=torch.int64, device="cuda")
     [table.clear() for table in runner.graph_tables]
     runner.capture_cuda_graphs(1, -(-max_len // runner.block_size))

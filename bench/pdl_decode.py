@@ -100,8 +100,9 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "lean-no-fma": ("pdl, lean decode kernel without FMA contraction", {"LEAN_FMA": False}),
             "lean-tl-stores": ("pdl, lean decode kernel storing through tl.store (layout conversions)",
                                {"LEAN_ASM_STORES": False}),
-            "lean-mma": ("pdl, lean decode kernel on tensor cores, a kv head a program (attention_mma.py)",
-                         {"LEAN_MMA": True}),
+            "lean-cuda-cores": ("pdl, lean decode kernel on CUDA cores at every context (not attention_mma.py's above "
+                                "128 keys)", {"LEAN_MMA": False}),
+            "lean-w8": ("pdl, lean decode kernel on CUDA cores in 8 warps at every bound", {"LEAN_WARPS": 8}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "final-norm-kernel": ("pdl, the final RMSNorm a kernel of its own (not in lm_head's GEMV)",
@@ -120,7 +121,7 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
           (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"),
-          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"), (attention, "LEAN_MMA"),
+          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"), (attention, "LEAN_MMA"), (attention, "LEAN_MMA_ABOVE"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"),
           (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"), (llama, "FINAL_NORM_IN_LM_HEAD"),
           (qlinear, "LOGITS_FROM_GEMV"), (norm, "EMBED_NORM"))}

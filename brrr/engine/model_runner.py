@@ -1,6 +1,8 @@
 """ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
@@ -9,7 +11,10 @@ from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT, lean_decode_ok
+from brrr.kernels.attention_mma import lean_mma_ok
 from brrr.kernels.graph_inputs import stage_decode_inputs
+
+attention = importlib.import_module("brrr.kernels.attention")  # the module (the package exports a function so named)
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -42,6 +47,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
         self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
         self.lean_graphs: dict[int, tuple] = {}  # contexts <= LEAN_CONTEXT, small batches: the lean decode kernel
+        self.lean_short_graphs: dict[int, tuple] = {}  # <= LEAN_MMA_ABOVE, when longer ones take it on tensor cores
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
@@ -62,13 +68,17 @@ class ModelRunner:
         pool = None
         # Up to three graphs per size: one for any context, and while the bound is longer, one whose decode kernel
         # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
-        # decode kernel for contexts <= LEAN_CONTEXT. A step replays the tightest one its longest context fits. (A
-        # model whose attention takes the plain path, not RoPE in the decode kernel, gets the split kernel in both.)
+        # decode kernel for contexts <= LEAN_CONTEXT (when contexts above LEAN_MMA_ABOVE take it on tensor cores, one
+        # more below that). A step replays the tightest one its longest context fits. (A model whose attention
+        # takes the plain path, not RoPE in the decode kernel, gets the split kernel in all of them.)
         bound = max_blocks * self.block_size
         cfg = self.model.config
+        mma = attention.LEAN_MMA and lean_mma_ok(cfg.head_dim, self.dtype, cfg.num_heads // cfg.num_kv_heads,
+                                                 self.block_size)
         for g in reversed(sizes):
             lean = lean_decode_ok(g, cfg.num_heads, cfg.head_dim, LEAN_CONTEXT, dev)
-            for short in [None] + [c for c, ok in ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean)) if ok and bound > c]:
+            bounds = ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean), (attention.LEAN_MMA_ABOVE, lean and mma))
+            for short in [None] + [c for c, ok in bounds if ok and bound > c]:
                 meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
                                 block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
                                 context_lens_t=self.g_ctx[:g], max_context_len=short)
@@ -83,15 +93,16 @@ class ModelRunner:
 
     @property
     def graph_tables(self) -> tuple[dict[int, tuple], ...]:
-        return self.graphs, self.short_graphs, self.lean_graphs
+        return self.graphs, self.short_graphs, self.lean_graphs, self.lean_short_graphs
 
     def _graph_table(self, bound: int | None) -> dict[int, tuple]:
-        return {None: self.graphs, SHORT_CONTEXT: self.short_graphs, LEAN_CONTEXT: self.lean_graphs}[bound]
+        return {None: self.graphs, SHORT_CONTEXT: self.short_graphs, LEAN_CONTEXT: self.lean_graphs,
+                attention.LEAN_MMA_ABOVE: self.lean_short_graphs}[bound]
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the tightest bound its longest context
         fits."""
-        bound = next(c for c in (LEAN_CONTEXT, SHORT_CONTEXT, None)
+        bound = next(c for c in (attention.LEAN_MMA_ABOVE, LEAN_CONTEXT, SHORT_CONTEXT, None)
                      if size in self._graph_table(c) and (c is None or longest <= c))
         return self._graph_table(bound)[size]
 

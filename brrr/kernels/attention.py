@@ -776,11 +776,13 @@ LEAN_WARPS: int | None = None
 LEAN_CHUNKS = 4  # chunks of the lean kernel's tile (1, 2 or 4): those past a step's context are skipped
 LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exact); False: the A/B's
 LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
-# True: heads of dim 128 in 16 bits (<= 8 query heads a kv head) take the lean kernel on tensor cores
-# (attention_mma.py, one program a kv head). Off: on the H200 the W4A16 + lm_head step ties at 205 keys (1596.0 /
-# 1596.7 us against 1595.9 / 1596.0) and loses through the engine (626.8 / 626.0 against 633.6 / 633.8 tok/s,
-# bench/results/pdl_decode_lean_mma_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
-LEAN_MMA = False
+# Steps whose contexts exceed LEAN_MMA_ABOVE keys (up to LEAN_CONTEXT), with heads of dim 128 in 16 bits (<= 8
+# query heads a kv head), take the lean kernel on tensor cores (attention_mma.py, one program a kv head); the engine
+# then captures lean graphs at LEAN_MMA_ABOVE too, whose steps keep the CUDA-core kernel. On the H200 the tensor-core
+# kernel wins at 205 keys (W4A16 + lm_head step 1578.6 / 1582.8 us against 1597.7 / 1597.7) and loses at short
+# contexts (bench/results/pdl_decode_lean_mma_prmt_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
+LEAN_MMA = True
+LEAN_MMA_ABOVE = 128
 
 
 def _sms(device) -> int:
@@ -912,7 +914,8 @@ def _lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, 
     """`decode_attention_triton` with rope through `_lean_decode_kernel` (grid: sequences x query heads)."""
     batch, (n_heads, dim), n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1:], k_cache.shape[2]
     from brrr.kernels.attention_mma import lean_mma_decode, lean_mma_ok
-    if LEAN_MMA and lean_mma_ok(q, n_kv, rope[2]):
+    if (LEAN_MMA and max_context_len > LEAN_MMA_ABOVE and rope[2].dtype == q.dtype
+            and lean_mma_ok(dim, q.dtype, n_heads // n_kv, k_cache.shape[1])):
         return lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                                max_context_len, out, rope, DECODE_TRACE)
     block_n = max(16, next_power_of_2(max_context_len))

@@ -31,11 +31,10 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def lean_mma_ok(q: torch.Tensor, n_kv: int, cos: torch.Tensor) -> bool:
+def lean_mma_ok(head_dim: int, dtype: torch.dtype, group: int, block_size: int) -> bool:
     """Whether `lean_mma_decode` takes these heads: dim 128, bf16/fp16 (cos and sin too), <= 8 query heads a kv
-    head."""
-    return (q.shape[2] == HEAD_DIM and q.dtype in (torch.bfloat16, torch.float16) and cos.dtype == q.dtype
-            and q.shape[1] // n_kv <= 8)
+    head, cache blocks of a multiple of 16 keys."""
+    return head_dim == HEAD_DIM and dtype in (torch.bfloat16, torch.float16) and group <= 8 and block_size % 16 == 0
 
 
 def _mma(d: str, a: tuple, b: tuple, c: str, kind: str) -> str:
@@ -98,18 +97,20 @@ def _weights_asm(kind: str) -> str:
                       "mov.b32 $2, $0;", "mov.b32 $3, $1;", "}"])
 
 
-def _values_asm(kind: str) -> str:
-    """O^T[d, head] of one block for two segments: A = V^T words of keys 0-7 ($20-$23 / $28-$31) and 8-15
-    ($24-$27 / $32-$35), transposed (`_transpose`); B = `_weights_asm`'s ($16, $17). Out: $0-$15, per segment two
-    MMAs of 16 dims each."""
-    body = [".reg .f32 z;", "mov.f32 z, 0f00000000;"]
-    for si in range(2):
-        va, vb = 20 + 8 * si, 24 + 8 * si
-        for h in range(2):
-            o = 4 * (2 * si + h)
-            body.append(_mma(", ".join(f"${o + i}" for i in range(4)),
-                             (f"${va + 2 * h}", f"${va + 2 * h + 1}", f"${vb + 2 * h}", f"${vb + 2 * h + 1}"),
-                             ("$16", "$17"), "z, z, z, z", kind))
+def _values_asm(kind: str, j0: int) -> str:
+    """O^T[d, head] of one block, output tiles T = 2j + x for j = j0, j0 + 1 ($0-$15): A = V^T, each register two
+    keys' values of one dim, paired by `prmt` from the words lane (g, c) loaded ($20-$51: keys 2c / 2c + 1 of the
+    block's first 8 (A) and last 8 (B), dims 16g .. + 7 and 16g + 8 .. + 15; word j holds dims 2j, 2j + 1 of those);
+    B = `_weights_asm`'s ($16, $17). Row g of tile T is dim 16g + T, row g + 8 dim 16g + 8 + T."""
+    va0, va1, va2, va3, vb0, vb1, vb2, vb3 = (20 + 4 * n for n in range(8))  # (key 2c + e, dims half): e0h0, e0h1, ...
+    body = [".reg .f32 z;", ".reg .b32 a0, a1, a2, a3;", "mov.f32 z, 0f00000000;"]
+    for j in (j0, j0 + 1):
+        for x, sel in ((0, "0x5410"), (1, "0x7632")):  # the words' low halves (dim 2j), then the high (2j + 1)
+            o = 4 * (2 * (j - j0) + x)
+            body += [f"prmt.b32 a0, ${va0 + j}, ${va2 + j}, {sel};", f"prmt.b32 a1, ${va1 + j}, ${va3 + j}, {sel};",
+                     f"prmt.b32 a2, ${vb0 + j}, ${vb2 + j}, {sel};", f"prmt.b32 a3, ${vb1 + j}, ${vb3 + j}, {sel};",
+                     _mma(", ".join(f"${o + i}" for i in range(4)), ("a0", "a1", "a2", "a3"), ("$16", "$17"),
+                          "z, z, z, z", kind)]
     return "{\n" + "\n".join(body) + "\n}"
 
 
@@ -129,18 +130,14 @@ if triton is not None:
     _SOFTMAX_8 = tl.constexpr(_softmax_asm(8))
     _WEIGHTS_BF16 = tl.constexpr(_weights_asm("bf16"))
     _WEIGHTS_F16 = tl.constexpr(_weights_asm("f16"))
-    _VALUES_BF16 = tl.constexpr(_values_asm("bf16"))
-    _VALUES_F16 = tl.constexpr(_values_asm("f16"))
+    _VALUES_LO_BF16 = tl.constexpr(_values_asm("bf16", 0))
+    _VALUES_HI_BF16 = tl.constexpr(_values_asm("bf16", 2))
+    _VALUES_LO_F16 = tl.constexpr(_values_asm("f16", 0))
+    _VALUES_HI_F16 = tl.constexpr(_values_asm("f16", 2))
     _SCORES_IO = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 48))
     _SOFTMAX_8_IO = tl.constexpr(",".join(["=f"] * 24 + ["f"] * 8))
     _SOFTMAX_4_IO = tl.constexpr(",".join(["=f"] * 12 + ["f"] * 4))
-    _VALUES_IO = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 20))
-
-    @triton.jit
-    def _transpose(w):
-        """Each 8x8 block of 16-bit values (row = lane / 4, a word = two columns) transposed across the warp."""
-        return tl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [w],
-                                         dtype=tl.int32, is_pure=False, pack=1)  # not pure: stays before the wait
+    _VALUES_IO = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 36))
 
     @triton.jit
     def _pinned(x):
@@ -196,30 +193,32 @@ if triton is not None:
         return p, m, l
 
     @triton.jit
-    def _values(p, va0, vb0, va1, vb1, BF16: tl.constexpr):
-        """Two segments' O^T partials of each block (its own: summed over the blocks after)."""
+    def _values(p, v0, v1, v2, v3, v4, v5, v6, v7, BF16: tl.constexpr):
+        """The block's O^T partial tiles 0-7 (its own: summed over the blocks after) from `_values_asm`'s eight word
+        tiles."""
         if BF16:
             pt = tl.inline_asm_elementwise(_WEIGHTS_BF16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
                                            pack=4)
-            o = tl.inline_asm_elementwise(_VALUES_BF16, _VALUES_IO, [pt, va0, vb0, va1, vb1],
-                                          dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+            lo = tl.inline_asm_elementwise(_VALUES_LO_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
+                                           is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(_VALUES_HI_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
+                                           is_pure=True, pack=4)
         else:
             pt = tl.inline_asm_elementwise(_WEIGHTS_F16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
                                            pack=4)
-            o = tl.inline_asm_elementwise(_VALUES_F16, _VALUES_IO, [pt, va0, vb0, va1, vb1],
-                                          dtype=(tl.float32,) * 4, is_pure=True, pack=4)
-        return o
+            lo = tl.inline_asm_elementwise(_VALUES_LO_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
+                                           is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(_VALUES_HI_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
+                                           is_pure=True, pack=4)
+        return lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]
 
     @triton.jit
     def _sa_index(head, d, w, W: tl.constexpr):
         """Where SA holds warp w's partial sum of (head, d): in the order of `_values_asm`'s outputs, which the fast
-        path stores as they sit (tile 2s + h of [8W, 16], row 8w + g, column 4c + i). Its MMA's row g holds dim
-        32s + 8(g // 2) + 2(2h + i // 2) + g % 2 (`_transpose`; i // 2 = 1 is row g + 8) of head 2c + i % 2."""
-        r = d % 32
-        t = r % 8
-        g = 2 * (r // 8) + t % 2
-        i = 2 * ((t // 2) % 2) + head % 2
-        return ((2 * (d // 32) + t // 4) * 8 * W + 8 * w + g) * 16 + 4 * (head // 2) + i
+        path stores as they sit (tile T of [8W, 16], row 8w + g, column 4c + i): row g (+ 8 if i >= 2) of tile T
+        is dim 16g (+ 8) + T, column 4c + i head 2c + i % 2."""
+        r = d % 16
+        return ((r % 8) * 8 * W + 8 * w + d // 16) * 16 + 4 * (head // 2) + 2 * (r // 8) + head % 2
 
     @triton.jit
     def _lean_mma_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
@@ -257,20 +256,31 @@ if triton is not None:
             ok_b = (key_a + 8 >= lo) & (key_a + 8 < hi)
             kw = KC.to(tl.pointer_type(tl.int32), bitcast=True)
             vw = VC.to(tl.pointer_type(tl.int32), bitcast=True)
-            blk_a = tl.load(BT + b * stride_bt + key_a // BLOCK_SIZE, mask=ok_a, other=0).to(tl.int64)
-            blk_b = tl.load(BT + b * stride_bt + (key_a + 8) // BLOCK_SIZE, mask=ok_b, other=0).to(tl.int64)
-            ra = tl.multiple_of(blk_a * wc_b + (key_a % BLOCK_SIZE) * wc_t + kvh * wc_h, [1, 1, 4]) + col
-            rb = tl.multiple_of(blk_b * wc_b + ((key_a + 8) % BLOCK_SIZE) * wc_t + kvh * wc_h, [1, 1, 4]) + col
+            # a 16-key block sits in one cache block (BLOCK_SIZE a multiple of 16): one lookup for its keys and values
+            first_key = 16 * (rep * W + row // 8)  # [8W, REPS, 1]
+            blk = tl.load(BT + b * stride_bt + first_key // BLOCK_SIZE, mask=(first_key < hi) & (first_key + 16 > lo),
+                          other=0).to(tl.int64) * wc_b + kvh * wc_h
+            ra = tl.multiple_of(blk + (key_a % BLOCK_SIZE) * wc_t, [1, 1, 4]) + col
+            rb = tl.multiple_of(blk + ((key_a + 8) % BLOCK_SIZE) * wc_t, [1, 1, 4]) + col
             ka0, ka1 = tl.load(kw + ra, mask=ok_a, other=0), tl.load(kw + ra + 16, mask=ok_a, other=0)
             ka2, ka3 = tl.load(kw + ra + 32, mask=ok_a, other=0), tl.load(kw + ra + 48, mask=ok_a, other=0)
             kb0, kb1 = tl.load(kw + rb, mask=ok_b, other=0), tl.load(kw + rb + 16, mask=ok_b, other=0)
             kb2, kb3 = tl.load(kw + rb + 32, mask=ok_b, other=0), tl.load(kw + rb + 48, mask=ok_b, other=0)
-            va0, va1 = tl.load(vw + ra, mask=ok_a, other=0), tl.load(vw + ra + 16, mask=ok_a, other=0)
-            va2, va3 = tl.load(vw + ra + 32, mask=ok_a, other=0), tl.load(vw + ra + 48, mask=ok_a, other=0)
-            vb0, vb1 = tl.load(vw + rb, mask=ok_b, other=0), tl.load(vw + rb + 16, mask=ok_b, other=0)
-            vb2, vb3 = tl.load(vw + rb + 32, mask=ok_b, other=0), tl.load(vw + rb + 48, mask=ok_b, other=0)
-            va0, va1, va2, va3 = _transpose(va0), _transpose(va1), _transpose(va2), _transpose(va3)
-            vb0, vb1, vb2, vb3 = _transpose(vb0), _transpose(vb1), _transpose(vb2), _transpose(vb3)
+            # values: lane (g, c) loads dims 16g .. 16g + 15 of keys 2c and 2c + 1 (+ 8 for tile B)
+            key_v = first_key + 2 * (col // 4)  # [8W, REPS, 16]
+            base_v = blk + (key_v % BLOCK_SIZE) * wc_t + 8 * (row % 8) + col % 4
+            ok_v = (key_v >= lo) & (key_v < hi)  # keys 2c (+ 8 for tile B); 2c + 1 is below when it is
+            ok_v1 = (key_v + 1 >= lo) & (key_v + 1 < hi)
+            ok_v8 = (key_v + 8 >= lo) & (key_v + 8 < hi)
+            ok_v9 = (key_v + 9 >= lo) & (key_v + 9 < hi)
+            v0, v1, v2, v3, v4, v5, v6, v7 = (tl.load(vw + base_v, mask=ok_v, other=0),
+                                              tl.load(vw + base_v + 4, mask=ok_v, other=0),
+                                              tl.load(vw + base_v + wc_t, mask=ok_v1, other=0),
+                                              tl.load(vw + base_v + wc_t + 4, mask=ok_v1, other=0),
+                                              tl.load(vw + base_v + 8 * wc_t, mask=ok_v8, other=0),
+                                              tl.load(vw + base_v + 8 * wc_t + 4, mask=ok_v8, other=0),
+                                              tl.load(vw + base_v + 9 * wc_t, mask=ok_v9, other=0),
+                                              tl.load(vw + base_v + 9 * wc_t + 4, mask=ok_v9, other=0))
             cw = COS.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
             sw = SIN.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * (stride_cos // 2) + col + row * 0
             c0, c1, s0, s1 = tl.load(cw), tl.load(cw + 16), tl.load(sw), tl.load(sw + 16)
@@ -306,18 +316,17 @@ if triton is not None:
                 first = (row % 8 == 0) & (rep == 0) & (col % 4 < 2) & (head < GROUP)
                 _store_in_place(SM + head * (W + 1) + row // 8 + rep * 0, m, first, True)
                 _store_in_place(SL + head * W + row // 8 + rep * 0, l, first, True)
-                o00, o01, o10, o11 = _values(p, va0, vb0, va1, vb1, BF16)
-                o20, o21, o30, o31 = _values(p, va2, vb2, va3, vb3, BF16)
+                o0, o1, o2, o3, o4, o5, o6, o7 = _values(p, v0, v1, v2, v3, v4, v5, v6, v7, BF16)
                 sa = SA + row * 16 + col  # [8W, 1, 16]: tile t at sa + 128 W t (`_sa_index`)
                 real = 2 * (col // 4) < GROUP  # the lanes holding heads < GROUP
-                tl.store(sa, tl.sum(o00, 1, keep_dims=True), mask=real)
-                tl.store(sa + 128 * W, tl.sum(o01, 1, keep_dims=True), mask=real)
-                tl.store(sa + 256 * W, tl.sum(o10, 1, keep_dims=True), mask=real)
-                tl.store(sa + 384 * W, tl.sum(o11, 1, keep_dims=True), mask=real)
-                tl.store(sa + 512 * W, tl.sum(o20, 1, keep_dims=True), mask=real)
-                tl.store(sa + 640 * W, tl.sum(o21, 1, keep_dims=True), mask=real)
-                tl.store(sa + 768 * W, tl.sum(o30, 1, keep_dims=True), mask=real)
-                tl.store(sa + 896 * W, tl.sum(o31, 1, keep_dims=True), mask=real)
+                tl.store(sa, tl.sum(o0, 1, keep_dims=True), mask=real)
+                tl.store(sa + 128 * W, tl.sum(o1, 1, keep_dims=True), mask=real)
+                tl.store(sa + 256 * W, tl.sum(o2, 1, keep_dims=True), mask=real)
+                tl.store(sa + 384 * W, tl.sum(o3, 1, keep_dims=True), mask=real)
+                tl.store(sa + 512 * W, tl.sum(o4, 1, keep_dims=True), mask=real)
+                tl.store(sa + 640 * W, tl.sum(o5, 1, keep_dims=True), mask=real)
+                tl.store(sa + 768 * W, tl.sum(o6, 1, keep_dims=True), mask=real)
+                tl.store(sa + 896 * W, tl.sum(o7, 1, keep_dims=True), mask=real)
                 _phase(TRACE, 3, tl.sum(l))
                 # the new key and value into the cache: 16 bytes a lane of warp 0's first row
                 dst = (slot // BLOCK_SIZE) * wc_b + (slot % BLOCK_SIZE) * wc_t + kvh * wc_h + col + row * 0
@@ -372,11 +381,11 @@ if triton is not None:
         ~3700 cycles from the partials to the output, against ~850 for the CUDA-core kernel's merge."""
         NC: tl.constexpr = 4 if GP < 2 else 2 * GP  # columns 4c + i of heads 2c + i % 2 < GP
         w = tl.arange(0, W)[:, None, None, None]
-        t = tl.arange(0, 8)[None, :, None, None]  # tile 2s + h: segment s, its h-th MMA
+        t = tl.arange(0, 8)[None, :, None, None]  # tile T of `_values_asm`
         g = tl.arange(0, 8)[None, None, :, None]
         col = tl.arange(0, NC)[None, None, None, :]
         head = 2 * (col // 4) + col % 2
-        d = 32 * (t // 2) + 8 * (g // 2) + 2 * (2 * (t % 2) + (col % 4) // 2) + g % 2  # [1, 8, 8, NC]
+        d = 16 * g + 8 * ((col % 4) // 2) + t  # [1, 8, 8, NC]
         hm = (head < GROUP) & (d < D128)
         ok = hm & (w < W)
         new = hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)

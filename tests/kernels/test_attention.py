@@ -206,6 +206,7 @@ def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
     monkeypatch.setattr(ATTN, "LEAN_MMA", True)
+    monkeypatch.setattr(ATTN, "LEAN_MMA_ABOVE", 0)  # every bound takes it
     lens = [1, 65, 40, 129, 200, 1] if bound == 256 else [1, 64, 40, 17, 33, 1]
     dim = 128
     q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 16, dtype, device, seed=heads + kv_heads)
@@ -218,7 +219,7 @@ def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound
     want_meta = clone_meta(meta)
     qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
     want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
-    assert lean_mma_ok(q, kv_heads, cos) and lean_decode_ok(6, heads, dim, bound, q.device)
+    assert lean_mma_ok(dim, dtype, heads // kv_heads, 16) and lean_decode_ok(6, heads, dim, bound, q.device)
     got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
                                   max_context_len=bound, rope=(k, v, cos, sin, slots))
     assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])

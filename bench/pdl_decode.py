@@ -103,6 +103,10 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
             "lean-cuda-cores": ("pdl, lean decode kernel on CUDA cores at every context (not attention_mma.py's above "
                                 "128 keys)", {"LEAN_MMA": False}),
             "lean-w8": ("pdl, lean decode kernel on CUDA cores in 8 warps at every bound", {"LEAN_WARPS": 8}),
+            "mma-above-64": ("pdl, lean decode kernel on tensor cores above 64 keys (not 128)", {"LEAN_MMA_ABOVE": 64}),
+            "mma-above-96": ("pdl, lean decode kernel on tensor cores above 96 keys (not 128)", {"LEAN_MMA_ABOVE": 96}),
+            "mma-above-160": ("pdl, lean decode kernel on tensor cores above 160 keys (not 128)",
+                              {"LEAN_MMA_ABOVE": 160}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),
             "final-norm-kernel": ("pdl, the final RMSNorm a kernel of its own (not in lm_head's GEMV)",

@@ -1,18 +1,19 @@
 """Batch-small decode attention on tensor cores: the lean decode kernel's plan (`attention._lean_decode_kernel`: a
 sequence's whole context read before the PDL wait, no split, the warps' partials merged in one program) with one
-program a kv head and mma.sync for both products.
+program a kv head and mma.sync m16n8k16 for both products. The engine takes it for contexts above 128 keys
+(`attention.LEAN_MMA_ABOVE`); shorter ones keep the CUDA-core kernel, which skips the chunks past the context.
 
-A warp holds 16-key blocks as 32-bit words: lane 4g + c has 16 bytes (d = 32s + 8c .. + 7) of key rows g and g + 8 in
-each of the head's four 32-dim segments s, which is mma.sync m16n8k16's A fragment up to a relabeling of K (the
-trick of the MMA GEMV in quant_matmul). The kv head's query heads are the 8 columns of the B operand, so the GQA
-group's heads share one read of the cache and the scores S[key, head] come out of 8 MMAs a block, the sum over the
-head dim inside the tensor core. For the weighted sum, `movmatrix` transposes each 8x8 block of 16-bit values of V
-(before the wait) and of the probabilities (after the softmax), which turns them into A = V^T and B = P^T; the
-output O^T[d, head] lands in the accumulator with its rows relabeled (`_pv_dims`). The softmax stays a warp's own
-(shuffles over the 8 rows), the warps' partials and the new key's go through SCR to one merge, as in the lean
-kernel. RoPE of q and of the new key runs on the words in PTX with the rotary kernel's roundings, so the cache gets
-the same bits. Head dim 128, 16-bit activations, at most 8 query heads a kv head. FAST False (the interpreter):
-the same program computes the warps' partials with plain tensor ops instead.
+A warp holds 16-key blocks as 32-bit words. For the scores, lane 4g + c has 16 bytes (dims 32s + 8c .. + 7) of key
+rows g and g + 8 in each of the head's four 32-dim segments s: the MMA's A fragment up to a relabeling of K (the
+MMA GEMV's trick, quant_matmul.py). The kv head's query heads are the 8 columns of B, so the GQA group shares one
+read of the cache and S[key, head] comes out of 8 MMAs a block. For the weighted sum the lane loads dims 16g .. 16g
++ 15 of keys 2c and 2c + 1 (and of 2c + 8, 2c + 9), and `prmt` pairs them by key into A = V^T; the weights' C
+fragment goes to B = P^T through `movmatrix`. The output O^T[d, head] lands with its rows relabeled (`_sa_index`).
+A warp's softmax is its own (shuffles over the 8 rows); the warps' partials and the new key's go through SCR to one
+merge, as in the lean kernel. RoPE of q and of the new key runs on the words in packed 16-bit PTX with the rotary
+kernel's roundings, so the cache gets the same bits. Head dim 128, 16-bit activations, at most 8 query heads a kv
+head, cache blocks of a multiple of 16 keys. FAST False (the interpreter): the same program computes the warps'
+partials with plain tensor ops instead.
 """
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ if triton is not None:
                          PDL: tl.constexpr, FAST: tl.constexpr):
         """One program: one kv head of a sequence with one new token, its GROUP query heads and its whole context
         (< 16 W REPS keys, block j of 16 keys on warp j % W). w* strides count 32-bit words. Before the PDL wait:
-        the keys' and values' words (values transposed), cos and sin; after it q, the new key and value (rotated
+        the keys' and values' words, cos and sin; after it q, the new key and value (rotated
         on the words, the new key into the key tiles at its position), the warps' softmax partials to SCR, a
         barrier, the merge (with the new key's own partial), and the new key and value written to the cache. TRACE:
         `_phase` stamps as the lean kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""

@@ -125,7 +125,8 @@ FLAGS = {flag: (module, getattr(module, flag)) for module, flag in
          ((pdl, "MODE"), (pdl, "EARLY_LOADS"), (qm, "GATED_GEMV"), (attention, "DECODE_ROPE"), (attention, "ROPE_PART"),
           (attention, "SPLIT_ROPE_WARPS"), (attention, "DECODE_MAXNREG"), (attention, "ROPE_TILE_WARPS"),
           (attention, "LEAN_DECODE"), (attention, "LEAN_WARPS"), (attention, "LEAN_CHUNKS"),
-          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"), (attention, "LEAN_MMA"), (attention, "LEAN_MMA_ABOVE"),
+          (attention, "LEAN_FMA"), (attention, "LEAN_ASM_STORES"), (attention, "LEAN_MMA"),
+          (attention, "LEAN_MMA_ABOVE"),
           (qm, "CHAIN_TUNING"), (qm, "LAST_STEP_RELEASE"), (qm, "K_SLICE_WARPS"), (qm, "EARLY_RELEASE_HINT"),
           (qm, "WEIGHT_EVICT"), (norm, "EARLY_WEIGHT"), (rotary, "COS_SIN_KERNEL"), (llama, "FINAL_NORM_IN_LM_HEAD"),
           (qlinear, "LOGITS_FROM_GEMV"), (norm, "EMBED_NORM"))}

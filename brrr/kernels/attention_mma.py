@@ -200,17 +200,17 @@ if triton is not None:
         if BF16:
             pt = tl.inline_asm_elementwise(_WEIGHTS_BF16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
                                            pack=4)
-            lo = tl.inline_asm_elementwise(_VALUES_LO_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
-                                           is_pure=True, pack=4)
-            hi = tl.inline_asm_elementwise(_VALUES_HI_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
-                                           is_pure=True, pack=4)
+            lo = tl.inline_asm_elementwise(_VALUES_LO_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(_VALUES_HI_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
         else:
             pt = tl.inline_asm_elementwise(_WEIGHTS_F16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
                                            pack=4)
-            lo = tl.inline_asm_elementwise(_VALUES_LO_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
-                                           is_pure=True, pack=4)
-            hi = tl.inline_asm_elementwise(_VALUES_HI_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7], dtype=(tl.float32,) * 4,
-                                           is_pure=True, pack=4)
+            lo = tl.inline_asm_elementwise(_VALUES_LO_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(_VALUES_HI_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
         return lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]
 
     @triton.jit
@@ -446,7 +446,8 @@ if triton is not None:
         tl.store(SM + h * (W + 1) + wi, m, mask=hm)
         tl.store(SL + h * W + wi, tl.sum(p, 2), mask=hm)
         h1 = tl.arange(0, GP)  # (a scalar bool in a mask trips the interpreter's store: ctx > 0 as a tensor)
-        tl.store(SM + h1 * (W + 1) + W, tl.sum(q * k_new.to(tl.float32), 1) * qk_scale, mask=(h1 < GROUP) & (h1 * 0 + ctx > 0))
+        s_new = tl.sum(q * k_new.to(tl.float32), 1) * qk_scale
+        tl.store(SM + h1 * (W + 1) + W, s_new, mask=(h1 < GROUP) & (h1 * 0 + ctx > 0))
         if (slot >= 0) & (ctx > 0):
             dst = (slot // BLOCK_SIZE) * sc_b + (slot % BLOCK_SIZE) * sc_t + kvh * sc_h + dd
             tl.store(KC + dst, k_new)

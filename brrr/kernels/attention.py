@@ -435,6 +435,18 @@ if triton is not None:
         return total + p, acc + p[:, :, :, None] * v.to(tl.float32)
 
     @triton.jit
+    def _decode_row(CU_Q, CTX, b, window, SLIDING: tl.constexpr):
+        """Sequence b of a decode step: its query row, whether it has one new token, its context, and the cached
+        keys [lo, hi) it attends to besides the new one (position hi = ctx - 1, from registers)."""
+        q_row = tl.load(CU_Q + b)
+        single = tl.load(CU_Q + b + 1) - q_row == 1
+        ctx = tl.load(CTX + b)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, ctx - window)
+        return q_row, single, ctx, lo, tl.maximum(ctx - 1, 0)
+
+    @triton.jit
     def _lean_decode_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
                             stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_cos, qk_scale, window,
@@ -465,13 +477,7 @@ if triton is not None:
         h = tl.program_id(1)
         _phase(TRACE, 7, b, True)
         kvh = h // GROUP
-        q_row = tl.load(CU_Q + b)
-        single = tl.load(CU_Q + b + 1) - q_row == 1
-        ctx = tl.load(CTX + b)
-        lo = 0
-        if SLIDING:
-            lo = tl.maximum(0, ctx - window)
-        hi = tl.maximum(ctx - 1, 0)  # the new key (position ctx - 1) comes from registers
+        q_row, single, ctx, lo, hi = _decode_row(CU_Q, CTX, b, window, SLIDING)
         lane = _warp_keys(0, 1, W)  # [2, W, 1]: 0 is warp 0's first lane pair
         d = (lane * 0)[:, :, :, None] + tl.arange(0, BLOCK_D)[None, None, None, :]  # [2, W, 1, D]
         dm = d < HEAD_DIM

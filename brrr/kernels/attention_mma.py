@@ -116,7 +116,7 @@ def _values_asm(kind: str, j0: int) -> str:
 
 
 if triton is not None:
-    from brrr.kernels.attention import _phase, _rope, _rope_factors, _store_in_place
+    from brrr.kernels.attention import _decode_row, _phase, _rope, _rope_factors, _store_in_place
     from brrr.kernels.pdl import wait_previous
 
     D128 = tl.constexpr(HEAD_DIM)
@@ -236,13 +236,7 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         _phase(TRACE, 7, b, True)
-        q_row = tl.load(CU_Q + b)
-        single = tl.load(CU_Q + b + 1) - q_row == 1
-        ctx = tl.load(CTX + b)
-        lo = 0
-        if SLIDING:
-            lo = tl.maximum(0, ctx - window)
-        hi = tl.maximum(ctx - 1, 0)  # keys below come from the cache, the new one (ctx - 1) from this step
+        q_row, single, ctx, lo, hi = _decode_row(CU_Q, CTX, b, window, SLIDING)
         slot = tl.load(SLOTS + q_row).to(tl.int64)
         scr = SCR + (b * tl.num_programs(1) + kvh) * (8 * D128 * W + 16 * W + 8)
         SA, SM = scr, scr + 8 * D128 * W  # the sums (`_sa_index`); [8, W + 1] maxima (the new key's last)

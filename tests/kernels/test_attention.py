@@ -159,38 +159,44 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
     assert_close(got, want, dtype)
 
 
+def check_rope_decode(lens, heads, kv_heads, dim, block_size, dtype, device, window, bound, seed):
+    """One decode step of the given contexts (the last row padded: context 0, slot -1) with q and k unrotated,
+    through decode_attention_triton's rope path: the cache ends bit for bit as the rotary kernel writes it, the
+    padded row is zeros, the others within rounding of the reference over the rotated q."""
+    from brrr.config import RopeConfig
+    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
+
+    q, k, v, meta = make_step([1] * len(lens), lens, heads, kv_heads, dim, block_size, dtype, device, seed=seed)
+    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 512)
+    pos = torch.tensor([n - 1 for n in lens[:-1]] + [0])
+    cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, dtype))
+    ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
+    slots = meta.slot_mapping.clone()
+    slots[-1] = -1
+    want_meta = clone_meta(meta)
+    qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
+    want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
+    assert lean_decode_ok(len(lens), heads, dim, bound, q.device)
+    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
+                                  max_context_len=bound, rope=(k, v, cos, sin, slots))
+    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
+    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    assert_close(got[:-1], want.view_as(got)[:-1], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
 @pytest.mark.parametrize("warps", [None, 4])
 def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, monkeypatch):
     """The lean decode kernel (one program a query head, the whole context in one tile of 4 chunks, no tl.dot, so
     bf16 runs under the interpreter too) over contexts of 1, 65 (64 cached keys: one chunk, full), 40 (one chunk),
-    129 (two, full), 200 (all four) and a padded row (context 0, slot -1), q and k unrotated: the cache ends bit for
-    bit as the rotary kernel writes it, the output within rounding of the reference over the rotated q. In 8 warps
-    (a warp's keys two rows a chunk) and, fp32 only, in 4 (four rows)."""
+    129 (two, full), 200 (all four) and a padded row. In 8 warps (a warp's keys two rows a chunk) and, fp32 only, in
+    4 (four rows)."""
     if warps and dtype != torch.float32:
         pytest.skip("one dtype for 4 warps")
     monkeypatch.setattr(ATTN, "LEAN_WARPS", warps)
-    from brrr.config import RopeConfig
-    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
-
-    dim, lens = 32, [1, 65, 40, 129, 200, 1]
-    q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 8, dtype, device, seed=heads)
-    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 128)
-    cos, sin = (t.to(device) for t in rotary_cos_sin(torch.tensor([0, 64, 39, 128, 199, 0]), inv_freq, scale, dtype))
-    ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
-    slots = meta.slot_mapping.clone()
-    slots[5] = -1
-    want_meta = clone_meta(meta)
-    qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
-    want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
-    assert lean_decode_ok(6, heads, dim, 256, q.device)
-    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
-                                  max_context_len=256, rope=(k, v, cos, sin, slots))
-    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
-    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
-    assert torch.equal(got[5], torch.zeros_like(got[5]))
-    assert_close(got[:5], want.view_as(got)[:5], dtype)  # (SDPA's fused GPU kernels give NaN for the empty row)
+    check_rope_decode([1, 65, 40, 129, 200, 1], heads, kv_heads, 32, 8, dtype, device, window, 256, seed=heads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -199,33 +205,14 @@ def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, mo
 def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound, monkeypatch):
     """The lean kernel on tensor cores (attention_mma.py: head dim 128, one program a kv head, its query heads the
     MMA's columns; on the CPU its portable partials) over contexts of 1, 65, 40, 129 and 200 keys (bound 256: 8
-    warps of two 16-key blocks each; bound 64: contexts up to 64, two warps) and a padded row (context 0, slot -1):
-    the cache ends bit for bit as the rotary kernel writes it, the output within rounding of the reference."""
-    from brrr.config import RopeConfig
+    warps of two 16-key blocks each; bound 64: contexts up to 64, two warps) and a padded row."""
     from brrr.kernels.attention_mma import lean_mma_ok
-    from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
     monkeypatch.setattr(ATTN, "LEAN_MMA", True)
     monkeypatch.setattr(ATTN, "LEAN_MMA_ABOVE", 0)  # every bound takes it
+    assert lean_mma_ok(128, dtype, heads // kv_heads, 16)
     lens = [1, 65, 40, 129, 200, 1] if bound == 256 else [1, 64, 40, 17, 33, 1]
-    dim = 128
-    q, k, v, meta = make_step([1] * 6, lens, heads, kv_heads, dim, 16, dtype, device, seed=heads + kv_heads)
-    inv_freq, scale = rope_inv_freq(RopeConfig(), dim, 512)
-    pos = torch.tensor([n - 1 for n in lens[:-1]] + [0])
-    cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, dtype))
-    ctx = torch.tensor(lens[:-1] + [0], dtype=torch.int32, device=device)
-    slots = meta.slot_mapping.clone()
-    slots[5] = -1
-    want_meta = clone_meta(meta)
-    qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
-    want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
-    assert lean_mma_ok(dim, dtype, heads // kv_heads, 16) and lean_decode_ok(6, heads, dim, bound, q.device)
-    got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
-                                  max_context_len=bound, rope=(k, v, cos, sin, slots))
-    assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
-    assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
-    assert torch.equal(got[5], torch.zeros_like(got[5]))
-    assert_close(got[:5], want.view_as(got)[:5], dtype)
+    check_rope_decode(lens, heads, kv_heads, 128, 16, dtype, device, window, bound, seed=heads + kv_heads)
 
 
 def test_lean_decode_bounds():

@@ -229,10 +229,10 @@ if triton is not None:
                          PDL: tl.constexpr, FAST: tl.constexpr):
         """One program: one kv head of a sequence with one new token, its GROUP query heads and its whole context
         (< 16 W REPS keys, block j of 16 keys on warp j % W). w* strides count 32-bit words. Before the PDL wait:
-        the keys' and values' words, cos and sin; after it q, the new key and value (rotated
-        on the words, the new key into the key tiles at its position), the warps' softmax partials to SCR, a
-        barrier, the merge (with the new key's own partial), and the new key and value written to the cache. TRACE:
-        `_phase` stamps as the lean kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""
+        the keys' and values' words, cos and sin; after it q, the new key and value (rotated on the words, the new
+        key into the key tiles at its position), the warps' softmax partials to SCR, a barrier, the merge (with the
+        new key's own partial), and the new key and value written to the cache. TRACE: `_phase` stamps as the lean
+        kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -264,7 +264,7 @@ if triton is not None:
             # values: lane (g, c) loads dims 16g .. 16g + 15 of keys 2c and 2c + 1 (+ 8 for tile B)
             key_v = first_key + 2 * (col // 4)  # [8W, REPS, 16]
             base_v = blk + (key_v % BLOCK_SIZE) * wc_t + 8 * (row % 8) + col % 4
-            ok_v = (key_v >= lo) & (key_v < hi)  # keys 2c (+ 8 for tile B); 2c + 1 is below when it is
+            ok_v = (key_v >= lo) & (key_v < hi)  # each of the lane's four key rows has its own mask
             ok_v1 = (key_v + 1 >= lo) & (key_v + 1 < hi)
             ok_v8 = (key_v + 8 >= lo) & (key_v + 8 < hi)
             ok_v9 = (key_v + 9 >= lo) & (key_v + 9 < hi)
@@ -327,8 +327,6 @@ if triton is not None:
                 dst = (slot // BLOCK_SIZE) * wc_b + (slot % BLOCK_SIZE) * wc_t + kvh * wc_h + col + row * 0
                 one = (row == 0) & (slot >= 0) & has_new & (col < 16)
                 vp = V.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wv_n + kvh * wv_h + col + row * 0
-                kw = KC.to(tl.pointer_type(tl.int32), bitcast=True)
-                vw = VC.to(tl.pointer_type(tl.int32), bitcast=True)
                 tl.store(kw + dst, n0, mask=one)
                 tl.store(kw + dst + 16, n1, mask=one)
                 tl.store(kw + dst + 32, n2, mask=one)

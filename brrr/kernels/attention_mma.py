@@ -29,6 +29,8 @@ except Exception:
     triton = None
 
 HEAD_DIM = 128
+MAX_WARPS = 8
+SCRATCH_BYTES = 4 * (8 * HEAD_DIM * MAX_WARPS + 16 * MAX_WARPS + 8)  # a program's partials: SCR's block at 8 warps
 LOG2E = 1.4426950408889634
 
 
@@ -135,6 +137,8 @@ if triton is not None:
     _VALUES_HI_BF16 = tl.constexpr(_values_asm("bf16", 2))
     _VALUES_LO_F16 = tl.constexpr(_values_asm("f16", 0))
     _VALUES_HI_F16 = tl.constexpr(_values_asm("f16", 2))
+    _SCRATCH_DECL = tl.constexpr(f".shared .align 16 .b8 brrr_mma_scratch[{SCRATCH_BYTES}]; "
+                                 "mov.u32 $0, brrr_mma_scratch; // $1")
     _SCORES_IO = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 48))
     _SOFTMAX_8_IO = tl.constexpr(",".join(["=f"] * 24 + ["f"] * 8))
     _SOFTMAX_4_IO = tl.constexpr(",".join(["=f"] * 12 + ["f"] * 4))
@@ -306,22 +310,26 @@ if triton is not None:
                 kb0, kb1 = tl.where(is_b, n0, kb0), tl.where(is_b, n1, kb1)
                 kb2, kb3 = tl.where(is_b, n2, kb2), tl.where(is_b, n3, kb3)
                 s = _scores(ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3, BF16) * qk_scale
-                _store_in_place(SM + head * (W + 1) + W + key * 0, s, is_new, True)
+                # the partials go to shared memory (byte addresses; SCR's layout)
+                ssa = _shared_scratch(kvh)
+                ssm = ssa + 4 * 8 * D128 * W
+                ssl = ssm + 4 * 8 * (W + 1)
+                _st_shared(ssm + 4 * (head * (W + 1) + W + key * 0), s, is_new)
                 p, m, l = _softmax(s + bias, REPS)
                 first = (row % 8 == 0) & (rep == 0) & (col % 4 < 2) & (head < GROUP)
-                _store_in_place(SM + head * (W + 1) + row // 8 + rep * 0, m, first, True)
-                _store_in_place(SL + head * W + row // 8 + rep * 0, l, first, True)
+                _st_shared(ssm + 4 * (head * (W + 1) + row // 8 + rep * 0), m, first)
+                _st_shared(ssl + 4 * (head * W + row // 8 + rep * 0), l, first)
                 o0, o1, o2, o3, o4, o5, o6, o7 = _values(p, v0, v1, v2, v3, v4, v5, v6, v7, BF16)
-                sa = SA + row * 16 + col  # [8W, 1, 16]: tile t at sa + 128 W t (`_sa_index`)
+                sa = ssa + 4 * (row * 16 + col)  # [8W, 1, 16]: tile t at sa + 4 * 128 W t (`_sa_index`)
                 real = 2 * (col // 4) < GROUP  # the lanes holding heads < GROUP
-                tl.store(sa, tl.sum(o0, 1, keep_dims=True), mask=real)
-                tl.store(sa + 128 * W, tl.sum(o1, 1, keep_dims=True), mask=real)
-                tl.store(sa + 256 * W, tl.sum(o2, 1, keep_dims=True), mask=real)
-                tl.store(sa + 384 * W, tl.sum(o3, 1, keep_dims=True), mask=real)
-                tl.store(sa + 512 * W, tl.sum(o4, 1, keep_dims=True), mask=real)
-                tl.store(sa + 640 * W, tl.sum(o5, 1, keep_dims=True), mask=real)
-                tl.store(sa + 768 * W, tl.sum(o6, 1, keep_dims=True), mask=real)
-                tl.store(sa + 896 * W, tl.sum(o7, 1, keep_dims=True), mask=real)
+                _st_shared4(sa, tl.sum(o0, 1, keep_dims=True), real)
+                _st_shared4(sa + 512 * W, tl.sum(o1, 1, keep_dims=True), real)
+                _st_shared4(sa + 1024 * W, tl.sum(o2, 1, keep_dims=True), real)
+                _st_shared4(sa + 1536 * W, tl.sum(o3, 1, keep_dims=True), real)
+                _st_shared4(sa + 2048 * W, tl.sum(o4, 1, keep_dims=True), real)
+                _st_shared4(sa + 2560 * W, tl.sum(o5, 1, keep_dims=True), real)
+                _st_shared4(sa + 3072 * W, tl.sum(o6, 1, keep_dims=True), real)
+                _st_shared4(sa + 3584 * W, tl.sum(o7, 1, keep_dims=True), real)
                 _phase(TRACE, 3, tl.sum(l))
                 # the new key and value into the cache: 16 bytes a lane of warp 0's first row
                 dst = (slot // BLOCK_SIZE) * wc_b + (slot % BLOCK_SIZE) * wc_t + kvh * wc_h + col + row * 0
@@ -335,31 +343,58 @@ if triton is not None:
                 tl.store(vw + dst + 16, tl.load(vp + 16, mask=one), mask=one)
                 tl.store(vw + dst + 32, tl.load(vp + 32, mask=one), mask=one)
                 tl.store(vw + dst + 48, tl.load(vp + 48, mask=one), mask=one)
+                tl.debug_barrier()  # the partials in shared memory visible to every thread
+                _merge(O, V, ssa, ssm, ssl, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST, TRACE)
             else:
                 _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,
                                    wq_n * 2, wq_h * 2, wc_b * 2, wc_t * 2, wc_h * 2, stride_bt, wk_n * 2, wk_h * 2,
                                    sv_n, sv_h, stride_cos, qk_scale, BLOCK_SIZE, GROUP, GP, W, REPS)
-            tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
-            _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST, TRACE)
+                tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
+                _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST, TRACE)
             _phase(TRACE, 5, ctx)
             _phase(TRACE, 6, ctx, True)
 
     @triton.jit
-    def _load_in_place(ptrs, mask, FAST: tl.constexpr):
-        """tl.load(ptrs, mask, other=0) of fp32 or 16-bit values, in the layout ptrs are in (FAST: PTX ld.global,
-        which Triton does not re-lay out for coalescing: the merge's loads then need no conversions between them)."""
-        dt = ptrs.dtype.element_ty
+    def _shared_scratch(x):
+        """The byte address of the program's shared-memory scratch (SCR's layout at 8 warps). A static array of the
+        PTX: Triton's own reductions through shared memory lay the reduced (warp) dim fastest, so a warp's 32 lanes
+        hit one bank (~12 us a launch more). Called once a kernel (x: a scalar), since the asm declares it."""
+        return tl.inline_asm_elementwise(_SCRATCH_DECL, "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _st_shared(addr, v, mask):
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.shared.f32 [$1], $2; mov.u32 $0, 0; }",
+                                  "=r,r,f,r", [addr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _st_shared4(addr, v, mask):
+        """A lane's four consecutive fp32 (its columns 4c .. 4c + 3) as one 16-byte store at the first's address."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $12, 0; @p st.shared.v4.f32 [$4], {$8, $9, $10, $11}; mov.u32 $0, 0; "
+            "mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }", "=r,=r,=r,=r,r,r,r,r,f,f,f,f,r,r,r,r",
+            [addr, v, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=4)
+
+    @triton.jit
+    def _scratch_load(base, off, mask, FAST: tl.constexpr):
+        """Element off of a scratch array, 0 where masked: FAST, base is a shared-memory byte address (PTX ld.shared,
+        in the layout off is in: the merge's loads need no conversions); else an fp32 pointer (SCR)."""
         if FAST:
-            if dt == tl.float32:
-                v = tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }", "=r,l,r",
-                    [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-                v = v.to(tl.float32, bitcast=True)
-            else:
-                v = tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.b16 $0, [$1]; }", "=h,l,r",
-                    [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int16, is_pure=False, pack=1)
-                v = v.to(dt, bitcast=True)
+            v = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }", "=r,r,r",
+                [base + 4 * off, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1).to(tl.float32, bitcast=True)
+        else:
+            v = tl.load(base + off, mask=mask, other=0.0)
+        return v
+
+    @triton.jit
+    def _load_in_place(ptrs, mask, FAST: tl.constexpr):
+        """tl.load(ptrs, mask, other=0) of 16-bit values, in the layout ptrs are in (FAST: PTX ld.global, which
+        Triton does not re-lay out for coalescing)."""
+        if FAST:
+            v = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.b16 $0, [$1]; }", "=h,l,r",
+                [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int16, is_pure=False, pack=1)
+            v = v.to(ptrs.dtype.element_ty, bitcast=True)
         else:
             v = tl.load(ptrs, mask=mask, other=0.0)
         return v
@@ -382,10 +417,10 @@ if triton is not None:
         hm = (head < GROUP) & (d < D128)
         ok = hm & (w < W)
         new = hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
-        a_w = _load_in_place(SA + (t * 8 * W + 8 * w + g) * 16 + col, ok, FAST)
-        m_w = _load_in_place(SM + head * (W + 1) + w + d * 0, ok, FAST)
-        l_w = _load_in_place(SL + head * W + w + d * 0, ok, FAST)
-        m_n = _load_in_place(SM + head * (W + 1) + W + d * 0, new, FAST)
+        a_w = _scratch_load(SA, (t * 8 * W + 8 * w + g) * 16 + col, ok, FAST)
+        m_w = _scratch_load(SM, head * (W + 1) + w + d * 0, ok, FAST)
+        l_w = _scratch_load(SL, head * W + w + d * 0, ok, FAST)
+        m_n = _scratch_load(SM, head * (W + 1) + W + d * 0, new, FAST)
         v_n = _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + head * 0, new, FAST).to(tl.float32)
         m_w = tl.where(ok, m_w, float("-inf"))
         m_n = tl.where(new, m_n, float("-inf"))

@@ -77,7 +77,7 @@ class ModelRunner:
                                                  self.block_size)
         for g in reversed(sizes):
             lean = lean_decode_ok(g, cfg.num_heads, cfg.head_dim, LEAN_CONTEXT, dev)
-            bounds = ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean), (attention.LEAN_MMA_ABOVE, lean and mma))
+            bounds = ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean), (attention.LEAN_MMA_GRAPH, lean and mma))
             for short in [None] + [c for c, ok in bounds if ok and bound > c]:
                 meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
                                 block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
@@ -97,12 +97,12 @@ class ModelRunner:
 
     def _graph_table(self, bound: int | None) -> dict[int, tuple]:
         return {None: self.graphs, SHORT_CONTEXT: self.short_graphs, LEAN_CONTEXT: self.lean_graphs,
-                attention.LEAN_MMA_ABOVE: self.lean_short_graphs}[bound]
+                attention.LEAN_MMA_GRAPH: self.lean_short_graphs}[bound]
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the tightest bound its longest context
         fits."""
-        bound = next(c for c in (attention.LEAN_MMA_ABOVE, LEAN_CONTEXT, SHORT_CONTEXT, None)
+        bound = next(c for c in (attention.LEAN_MMA_GRAPH, LEAN_CONTEXT, SHORT_CONTEXT, None)
                      if size in self._graph_table(c) and (c is None or longest <= c))
         return self._graph_table(bound)[size]
 

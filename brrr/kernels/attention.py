@@ -789,6 +789,7 @@ LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`
 # contexts (bench/results/pdl_decode_lean_mma_prmt_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
 LEAN_MMA = True
 LEAN_MMA_ABOVE = 128
+LEAN_MMA_GRAPH = 128  # with LEAN_MMA, the engine's extra lean graphs are bounded here (the kernel computes its bound)
 
 
 def _sms(device) -> int:

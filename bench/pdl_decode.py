@@ -109,7 +109,8 @@ SETTINGS = {"off": ("off", {"MODE": 0}), "pdl": ("pdl", {}), "wait": ("pdl, wait
                               {"LEAN_MMA_ABOVE": 160}),
             "mma-everywhere": ("pdl, lean decode kernel on tensor cores at every context (the 128-key graph's too)",
                                {"LEAN_MMA_ABOVE": 0}),
-            "mma-graph-64": ("pdl, lean decode kernel on tensor cores at every context, the extra lean graph at 64 keys",
+            "mma-graph-64": ("pdl, lean decode kernel on tensor cores at every context, the extra lean graph at 64 "
+                             "keys",
                              {"LEAN_MMA_ABOVE": 0, "LEAN_MMA_GRAPH": 64}),
             "lean-w4": ("pdl, lean decode kernel in 4 warps", {"LEAN_WARPS": 4}),
             "lean-w16": ("pdl, lean decode kernel in 16 warps", {"LEAN_WARPS": 16}),

@@ -74,12 +74,10 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _argmax_kernel(L, T, KEYS, VALS, IDX, DONE, OUT, vocab, stride, chunk, parts, NOISE: tl.constexpr,
-                       BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _argmax_part_kernel(L, T, KEYS, VALS, IDX, vocab, stride, chunk, NOISE: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
         """Columns [part * chunk, (part + 1) * chunk) of one row: the best value (NOISE: logits / T + the row's
-        Gumbel noise, else the logits) and its first column, into VALS / IDX [rows, parts]. The row's last part to
-        finish (DONE[row] counts them) takes the best of its parts into OUT and sets DONE[row] back to 0: one
-        kernel, not a second one for the rows (a launch fewer between two decode graphs)."""
+        Gumbel noise, else the logits) and its first column, into VALS / IDX [rows, parts]."""
         wait_previous(PDL)
         row, part = tl.program_id(0), tl.program_id(1)
         if NOISE:
@@ -101,17 +99,20 @@ if triton is not None:
             best = tl.where(take, v, best)
             best_i = tl.where(take, cols, best_i)
         top = tl.max(best, 0)
-        tl.store(VALS + row * parts + part, top)
-        tl.store(IDX + row * parts + part, tl.min(tl.where(best == top, best_i, vocab), 0))
-        tl.debug_barrier()  # the part's stores before its count (acq_rel: they are visible to whoever counts last)
-        if tl.atomic_add(DONE + row, 1) == parts - 1:
-            # parts are in column order, so the smallest index among equal bests is the first column
-            p = tl.arange(0, PARTS_BLOCK)
-            vals = tl.load(VALS + row * parts + p, mask=p < parts, other=float("-inf"), cache_modifier=".cg")
-            idx = tl.load(IDX + row * parts + p, mask=p < parts, other=vocab, cache_modifier=".cg")
-            best_of_row = tl.max(vals, 0)
-            tl.store(OUT + row, tl.min(tl.where(vals == best_of_row, idx, vocab), 0).to(tl.int64))
-            tl.store(DONE + row, 0)
+        tl.store(VALS + row * tl.num_programs(1) + part, top)
+        tl.store(IDX + row * tl.num_programs(1) + part, tl.min(tl.where(best == top, best_i, vocab), 0))
+
+    @triton.jit
+    def _argmax_reduce_kernel(VALS, IDX, OUT, parts, vocab, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One row: the best of its parts; parts are in column order, so the smallest index among equal bests is
+        the first column, as in one pass."""
+        wait_previous(PDL)
+        row = tl.program_id(0)
+        p = tl.arange(0, BLOCK)
+        vals = tl.load(VALS + row * parts + p, mask=p < parts, other=float("-inf"))
+        idx = tl.load(IDX + row * parts + p, mask=p < parts, other=vocab)
+        top = tl.max(vals, 0)
+        tl.store(OUT + row, tl.min(tl.where(vals == top, idx, vocab), 0).to(tl.int64))
 
 
 # Columns per program: a 128k vocabulary row is 126 programs, each one load (BLOCK) deep. With 8192 (16 programs,
@@ -127,24 +128,11 @@ def _argmax_triton(logits, temperature, keys, noise: bool) -> torch.Tensor:
     idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     pdl = pdl_on(logits)
-    _argmax_kernel[(rows, parts)](logits, temperature, keys, vals, idx, _done_counts(rows, logits.device), out, vocab,
-                                  logits.stride(0), ARGMAX_CHUNK, parts, NOISE=noise, BLOCK=1024,
-                                  PARTS_BLOCK=max(16, triton.next_power_of_2(parts)), num_warps=4, PDL=pdl,
-                                  launch_pdl=pdl > 0)
+    _argmax_part_kernel[(rows, parts)](logits, temperature, keys, vals, idx, vocab, logits.stride(0), ARGMAX_CHUNK,
+                                       NOISE=noise, BLOCK=1024, num_warps=4, PDL=pdl, launch_pdl=pdl > 0)
+    _argmax_reduce_kernel[(rows,)](vals, idx, out, parts, vocab, BLOCK=max(16, triton.next_power_of_2(parts)),
+                                   num_warps=1, PDL=pdl, launch_pdl=pdl > 0)
     return out
-
-
-_DONE: dict[torch.device, torch.Tensor] = {}
-
-
-def _done_counts(rows: int, device: torch.device) -> torch.Tensor:
-    """The argmax kernel's per-row part counters: zeros, and zeros again after each launch (its last part resets
-    them), so one buffer a device serves every launch in stream order (launches on two streams at once would share
-    it: the engine samples on one)."""
-    done = _DONE.get(device)
-    if done is None or done.numel() < rows:
-        done = _DONE[device] = torch.zeros(max(rows, 512), dtype=torch.int32, device=device)
-    return done
 
 
 def gumbel_argmax_triton(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -295,6 +295,7 @@ if triton is not None:
         if single:  # else a prefill chunk: the prefill kernel's
             has_new = ctx > 0
             if FAST:
+                v_n = _new_value(V, q_row, kvh, ctx, sv_n, sv_h, GROUP, GP, FAST)
                 g = row % 8  # the B operand's column: query head kvh * GROUP + g
                 qp = Q.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wq_n + (kvh * GROUP + g) * wq_h + col
                 qm = (g < GROUP) & (col < 16)
@@ -344,13 +345,14 @@ if triton is not None:
                 tl.store(vw + dst + 32, tl.load(vp + 32, mask=one), mask=one)
                 tl.store(vw + dst + 48, tl.load(vp + 48, mask=one), mask=one)
                 tl.debug_barrier()  # the partials in shared memory visible to every thread
-                _merge(O, V, ssa, ssm, ssl, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST, TRACE)
+                _merge(O, v_n, ssa, ssm, ssl, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST, TRACE)
             else:
                 _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,
                                    wq_n * 2, wq_h * 2, wc_b * 2, wc_t * 2, wc_h * 2, stride_bt, wk_n * 2, wk_h * 2,
                                    sv_n, sv_h, stride_cos, qk_scale, BLOCK_SIZE, GROUP, GP, W, REPS)
                 tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
-                _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP, GP, W, FAST, TRACE)
+                v_n = _new_value(V, q_row, kvh, ctx, sv_n, sv_h, GROUP, GP, FAST)
+                _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST, TRACE)
             _phase(TRACE, 5, ctx)
             _phase(TRACE, 6, ctx, True)
 
@@ -400,28 +402,43 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _merge(O, V, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, sv_n, sv_h, GROUP: tl.constexpr, GP: tl.constexpr,
-               W: tl.constexpr, FAST: tl.constexpr, TRACE):
-        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values
-        its v) at one max. The tile is SA's own order (`_sa_index`: [W, 8 tiles, 8 rows, the columns of real
-        heads]), so its loads are contiguous runs, all issued before any is used, and W stays in each thread's
-        registers (sums without shuffles). Read by head and dim instead, each warp's load spanned up to 32 sectors:
-        ~3700 cycles from the partials to the output, against ~850 for the CUDA-core kernel's merge."""
+    def _merge_index(ctx, GROUP: tl.constexpr, GP: tl.constexpr):
+        """The merge's [1, 8 tiles, 8 rows, NC columns] output index: (dim, head, its mask, the new key's mask)."""
         NC: tl.constexpr = 4 if GP < 2 else 2 * GP  # columns 4c + i of heads 2c + i % 2 < GP
-        w = tl.arange(0, W)[:, None, None, None]
         t = tl.arange(0, 8)[None, :, None, None]  # tile T of `_values_asm`
         g = tl.arange(0, 8)[None, None, :, None]
         col = tl.arange(0, NC)[None, None, None, :]
         head = 2 * (col // 4) + col % 2
         d = 16 * g + 8 * ((col % 4) // 2) + t  # [1, 8, 8, NC]
         hm = (head < GROUP) & (d < D128)
+        return d, head, hm, hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
+
+    @triton.jit
+    def _new_value(V, q_row, kvh, ctx, sv_n, sv_h, GROUP: tl.constexpr, GP: tl.constexpr, FAST: tl.constexpr):
+        """The new token's value in the merge's index, fp32 (loaded right after the PDL wait: its latency then
+        overlaps the scores, not the merge)."""
+        d, head, hm, new = _merge_index(ctx, GROUP, GP)
+        return _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + head * 0, new, FAST).to(tl.float32)
+
+    @triton.jit
+    def _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP: tl.constexpr, GP: tl.constexpr,
+               W: tl.constexpr, FAST: tl.constexpr, TRACE):
+        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values
+        its v) at one max. The tile is SA's own order (`_sa_index`: [W, 8 tiles, 8 rows, the columns of real
+        heads]), so its loads are contiguous runs, all issued before any is used, and W stays in each thread's
+        registers (sums without shuffles). Read by head and dim instead, each warp's load spanned up to 32 sectors:
+        ~3700 cycles from the partials to the output, against ~850 for the CUDA-core kernel's merge."""
+        NC: tl.constexpr = 4 if GP < 2 else 2 * GP
+        w = tl.arange(0, W)[:, None, None, None]
+        t = tl.arange(0, 8)[None, :, None, None]
+        g = tl.arange(0, 8)[None, None, :, None]
+        col = tl.arange(0, NC)[None, None, None, :]
+        d, head, hm, new = _merge_index(ctx, GROUP, GP)
         ok = hm & (w < W)
-        new = hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
         a_w = _scratch_load(SA, (t * 8 * W + 8 * w + g) * 16 + col, ok, FAST)
         m_w = _scratch_load(SM, head * (W + 1) + w + d * 0, ok, FAST)
         l_w = _scratch_load(SL, head * W + w + d * 0, ok, FAST)
         m_n = _scratch_load(SM, head * (W + 1) + W + d * 0, new, FAST)
-        v_n = _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + head * 0, new, FAST).to(tl.float32)
         m_w = tl.where(ok, m_w, float("-inf"))
         m_n = tl.where(new, m_n, float("-inf"))
         top = tl.maximum(tl.max(m_w, 0, keep_dims=True), m_n)  # [1, 8, 8, NC], as every result below

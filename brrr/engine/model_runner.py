@@ -47,7 +47,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
         self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
         self.lean_graphs: dict[int, tuple] = {}  # contexts <= LEAN_CONTEXT, small batches: the lean decode kernel
-        self.lean_short_graphs: dict[int, tuple] = {}  # <= LEAN_MMA_ABOVE, when longer ones take it on tensor cores
+        self.lean_short_graphs: dict[int, tuple] = {}  # <= LEAN_MMA_GRAPH, when longer ones take tensor cores
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
@@ -68,8 +68,8 @@ class ModelRunner:
         pool = None
         # Up to three graphs per size: one for any context, and while the bound is longer, one whose decode kernel
         # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
-        # decode kernel for contexts <= LEAN_CONTEXT (when contexts above LEAN_MMA_ABOVE take it on tensor cores, one
-        # more below that). A step replays the tightest one its longest context fits. (A model whose attention
+        # decode kernel for contexts <= LEAN_CONTEXT (when longer ones take it on tensor cores, one more at
+        # LEAN_MMA_GRAPH). A step replays the tightest one its longest context fits. (A model whose attention
         # takes the plain path, not RoPE in the decode kernel, gets the split kernel in all of them.)
         bound = max_blocks * self.block_size
         cfg = self.model.config

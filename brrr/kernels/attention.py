@@ -784,9 +784,10 @@ LEAN_FMA = True  # the warps kernel with FMA contraction (its rotation stays exa
 LEAN_ASM_STORES = True  # its maxima, totals and output stored where they sit (`_store_in_place`); False: tl.store's
 # Steps whose contexts exceed LEAN_MMA_ABOVE keys (up to LEAN_CONTEXT), with heads of dim 128 in 16 bits (<= 8
 # query heads a kv head), take the lean kernel on tensor cores (attention_mma.py, one program a kv head); the engine
-# then captures lean graphs at LEAN_MMA_ABOVE too, whose steps keep the CUDA-core kernel. On the H200 the tensor-core
-# kernel wins at 205 keys (W4A16 + lm_head step 1578.6 / 1582.8 us against 1597.7 / 1597.7) and loses at short
-# contexts (bench/results/pdl_decode_lean_mma_prmt_h200.jsonl; docs/kernels.md, "The lean kernel on tensor cores").
+# then captures lean graphs at LEAN_MMA_GRAPH too, whose steps keep the CUDA-core kernel. On the H200 the tensor-core
+# kernel wins at 205 keys (W4A16 + lm_head step 1563.3 / 1563.7 us against 1590.6 / 1590.5) and loses at short
+# contexts (bench/results/pdl_decode_shared_merge_h200.jsonl, pdl_decode_mma_graphs_h200.jsonl; docs/kernels.md,
+# "The lean kernel on tensor cores").
 LEAN_MMA = True
 LEAN_MMA_ABOVE = 128
 LEAN_MMA_GRAPH = 128  # with LEAN_MMA, the engine's extra lean graphs are bounded here (the kernel computes its bound)

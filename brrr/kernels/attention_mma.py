@@ -9,11 +9,11 @@ MMA GEMV's trick, quant_matmul.py). The kv head's query heads are the 8 columns 
 read of the cache and S[key, head] comes out of 8 MMAs a block. For the weighted sum the lane loads dims 16g .. 16g
 + 15 of keys 2c and 2c + 1 (and of 2c + 8, 2c + 9), and `prmt` pairs them by key into A = V^T; the weights' C
 fragment goes to B = P^T through `movmatrix`. The output O^T[d, head] lands with its rows relabeled (`_sa_index`).
-A warp's softmax is its own (shuffles over the 8 rows); the warps' partials and the new key's go through SCR to one
-merge, as in the lean kernel. RoPE of q and of the new key runs on the words in packed 16-bit PTX with the rotary
-kernel's roundings, so the cache gets the same bits. Head dim 128, 16-bit activations, at most 8 query heads a kv
-head, cache blocks of a multiple of 16 keys. FAST False (the interpreter): the same program computes the warps'
-partials with plain tensor ops instead.
+A warp's softmax is its own (shuffles over the 8 rows); the warps' partials and the new key's go through a static
+shared-memory array to one merge, as in the lean kernel. RoPE of q and of the new key runs on the words in packed
+16-bit PTX with the rotary kernel's roundings, so the cache gets the same bits. Head dim 128, 16-bit activations, at
+most 8 query heads a kv head, cache blocks of a multiple of 16 keys. FAST False (the interpreter): the same program
+computes the warps' partials with plain tensor ops instead, into a global scratch (SCR).
 """
 from __future__ import annotations
 
@@ -234,9 +234,9 @@ if triton is not None:
         """One program: one kv head of a sequence with one new token, its GROUP query heads and its whole context
         (< 16 W REPS keys, block j of 16 keys on warp j % W). w* strides count 32-bit words. Before the PDL wait:
         the keys' and values' words, cos and sin; after it q, the new key and value (rotated on the words, the new
-        key into the key tiles at its position), the warps' softmax partials to SCR, a barrier, the merge (with the
-        new key's own partial), and the new key and value written to the cache. TRACE: `_phase` stamps as the lean
-        kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""
+        key into the key tiles at its position), the warps' softmax partials to shared memory (FAST; else to SCR),
+        the new key and value written to the cache, a barrier, and the merge (with the new key's own partial).
+        TRACE: `_phase` stamps as the lean kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         _phase(TRACE, 7, b, True)
@@ -403,7 +403,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_index(ctx, GROUP: tl.constexpr, GP: tl.constexpr):
-        """The merge's [1, 8 tiles, 8 rows, NC columns] output index: (dim, head, its mask, the new key's mask)."""
+        """The merge's [1, 8 tiles, 8 rows, NC columns] output index: (tile, row, column, dim, head, the head's
+        mask, the new key's mask)."""
         NC: tl.constexpr = 4 if GP < 2 else 2 * GP  # columns 4c + i of heads 2c + i % 2 < GP
         t = tl.arange(0, 8)[None, :, None, None]  # tile T of `_values_asm`
         g = tl.arange(0, 8)[None, None, :, None]
@@ -411,29 +412,26 @@ if triton is not None:
         head = 2 * (col // 4) + col % 2
         d = 16 * g + 8 * ((col % 4) // 2) + t  # [1, 8, 8, NC]
         hm = (head < GROUP) & (d < D128)
-        return d, head, hm, hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
+        return t, g, col, d, head, hm, hm & (d * 0 + ctx > 0)  # (not `ctx > 0` itself: see _portable_partials)
 
     @triton.jit
     def _new_value(V, q_row, kvh, ctx, sv_n, sv_h, GROUP: tl.constexpr, GP: tl.constexpr, FAST: tl.constexpr):
         """The new token's value in the merge's index, fp32 (loaded right after the PDL wait: its latency then
         overlaps the scores, not the merge)."""
-        d, head, hm, new = _merge_index(ctx, GROUP, GP)
+        _, _, _, d, head, hm, new = _merge_index(ctx, GROUP, GP)
         return _load_in_place(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + d + head * 0, new, FAST).to(tl.float32)
 
     @triton.jit
     def _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP: tl.constexpr, GP: tl.constexpr,
                W: tl.constexpr, FAST: tl.constexpr, TRACE):
-        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values
-        its v) at one max. The tile is SA's own order (`_sa_index`: [W, 8 tiles, 8 rows, the columns of real
-        heads]), so its loads are contiguous runs, all issued before any is used, and W stays in each thread's
-        registers (sums without shuffles). Read by head and dim instead, each warp's load spanned up to 32 sectors:
-        ~3700 cycles from the partials to the output, against ~850 for the CUDA-core kernel's merge."""
-        NC: tl.constexpr = 4 if GP < 2 else 2 * GP
+        """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values its
+        v) at one max. SA, SM, SL: shared-memory byte addresses (FAST) or SCR pointers. The tile is SA's own
+        order (`_sa_index`: [W, 8 tiles, 8 rows, the columns of real heads]), so its loads are contiguous
+        runs, all issued before any is used, and W stays in each thread's registers (sums without shuffles).
+        Read by head and dim instead, each warp's load spanned up to 32 sectors: ~3700 cycles from the
+        partials to the output, against ~850 for the CUDA-core kernel's merge."""
         w = tl.arange(0, W)[:, None, None, None]
-        t = tl.arange(0, 8)[None, :, None, None]
-        g = tl.arange(0, 8)[None, None, :, None]
-        col = tl.arange(0, NC)[None, None, None, :]
-        d, head, hm, new = _merge_index(ctx, GROUP, GP)
+        t, g, col, d, head, hm, new = _merge_index(ctx, GROUP, GP)
         ok = hm & (w < W)
         a_w = _scratch_load(SA, (t * 8 * W + 8 * w + g) * 16 + col, ok, FAST)
         m_w = _scratch_load(SM, head * (W + 1) + w + d * 0, ok, FAST)
@@ -509,8 +507,8 @@ def lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
     warps = max(1, block_n // 32)  # a lane holds 128 registers of keys and values at 16 W REPS keys
     reps = block_n // (16 * warps)
     group = n_heads // n_kv
-    scratch = torch.empty(batch * n_kv * (8 * HEAD_DIM * warps + 16 * warps + 8), dtype=torch.float32,
-                          device=q.device)
+    scratch = torch.empty(1 if q.is_cuda else batch * n_kv * (8 * HEAD_DIM * warps + 16 * warps + 8),
+                          dtype=torch.float32, device=q.device)  # the portable path's (CUDA: shared memory)
     for t in (q, k, v, k_cache, cos):
         assert t.stride(-1) == 1 and all(s % 2 == 0 for s in t.stride()[:-1]), "16-bit rows in whole words"
     pdl = pdl_on(q)

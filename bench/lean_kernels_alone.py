@@ -1,7 +1,8 @@
 """The batch-1 lean decode kernels alone: attention_mma.py's (tensor cores, bound 256) and the CUDA-core lean kernel
 (bound 256, chunks past the context skipped) on the 8B's heads (32 query, 8 kv, dim 128, bf16, RoPE in the kernel),
-each launched 200 times in one CUDA graph without PDL, so a launch's time includes its cache reads (in the engine
-they run before the PDL wait). Writes JSON lines: us a launch at each context.
+each launched 200 times in one CUDA graph without PDL (`graph_time_us`), so a launch's time includes its cache reads
+(in the engine they run before the PDL wait). Writes JSON lines: us a launch at each context. (The committed results
+up to a46a3cf timed the median of 5 replays with a loop of its own.)
 
     python bench/lean_kernels_alone.py --contexts 8 100 205 --out bench/results/lean_kernels_alone_h200.jsonl
 """
@@ -18,23 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
 
-def per_launch_us(fn, launches: int = 200, repeats: int = 5) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[repeats // 2]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", nargs="+", type=int, default=[8, 100, 205])
@@ -45,6 +29,7 @@ def main(argv=None) -> int:
         return 2
     from test_attention import make_step
 
+    from brrr.bench.timing import graph_time_us
     from brrr.config import RopeConfig
     from brrr.kernels import pdl
     from brrr.kernels.rotary import rope_inv_freq, rotary_cos_sin
@@ -70,7 +55,7 @@ def main(argv=None) -> int:
             outs[kernel] = step().float()
             machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
             rec = {"bench": "lean_kernels_alone", "machine": machine, "context": context, "kernel": kernel,
-                   "us_per_launch": round(per_launch_us(step), 2)}
+                   "us_per_launch": round(graph_time_us([step] * 200), 2)}
             records.append(rec)
             print(json.dumps(rec))
         attention.LEAN_MMA, attention.LEAN_MMA_ABOVE = True, 128

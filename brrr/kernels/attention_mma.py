@@ -45,14 +45,13 @@ def _mma(d: str, a: tuple, b: tuple, c: str, kind: str) -> str:
             f"{{{', '.join(b)}}}, {{{c}}};")
 
 
-def _rope_asm(kind: str, sign: int) -> str:
+def _rope_asm(kind: str) -> str:
     """One word of a rotated row, as `_rope` rounds: x*cos and sign*x'*sin each rounded to 16 bits, then their sum.
     A product of two 16-bit values is exact in fp32, so the packed multiply's single rounding is that rounding; the
     packed fma is the sum's (exact past it). $1 the word, $2 its partner 64 dims away, $3 / $4 the cos and sin of
-    its two dims (16-bit, as the model builds them)."""
-    one = {("bf16", 1): "0x3F803F80", ("bf16", -1): "0xBF80BF80", ("f16", 1): "0x3C003C00", ("f16", -1): "0xBC00BC00"}
-    return "\n".join(["{", ".reg .b32 pa, pb, one;", f"mul.rn.{kind}x2 pa, $1, $3;", f"mul.rn.{kind}x2 pb, $2, $4;",
-                      f"mov.b32 one, {one[kind, sign]};", f"fma.rn.{kind}x2 $0, pb, one, pa;", "}"])
+    its two dims (16-bit, as the model builds them), $5 the sign as two 16-bit values (+-1.0)."""
+    return "\n".join(["{", ".reg .b32 pa, pb;", f"mul.rn.{kind}x2 pa, $1, $3;", f"mul.rn.{kind}x2 pb, $2, $4;",
+                      f"fma.rn.{kind}x2 $0, pb, $5, pa;", "}"])
 
 
 def _scores_asm(kind: str) -> str:
@@ -123,10 +122,11 @@ if triton is not None:
 
     D128 = tl.constexpr(HEAD_DIM)
 
-    _ROPE_BF16_SUB = tl.constexpr(_rope_asm("bf16", -1))
-    _ROPE_BF16_ADD = tl.constexpr(_rope_asm("bf16", 1))
-    _ROPE_F16_SUB = tl.constexpr(_rope_asm("f16", -1))
-    _ROPE_F16_ADD = tl.constexpr(_rope_asm("f16", 1))
+    _ROPE_BF16 = tl.constexpr(_rope_asm("bf16"))
+    # +-1.0 in both 16-bit halves of a word, as int32 (`_rope_asm`'s sign operand)
+    _BF16_ONES, _BF16_MINUS_ONES = tl.constexpr(0x3F803F80), tl.constexpr(0xBF80BF80 - 2**32)
+    _F16_ONES, _F16_MINUS_ONES = tl.constexpr(0x3C003C00), tl.constexpr(0xBC00BC00 - 2**32)
+    _ROPE_F16 = tl.constexpr(_rope_asm("f16"))
     _SCORES_BF16 = tl.constexpr(_scores_asm("bf16"))
     _SCORES_F16 = tl.constexpr(_scores_asm("f16"))
     _SOFTMAX_4 = tl.constexpr(_softmax_asm(4))
@@ -153,20 +153,12 @@ if triton is not None:
 
     @triton.jit
     def _rope_word(x, partner, cs, sn, SUB: tl.constexpr, BF16: tl.constexpr):
-        if BF16:
-            if SUB:
-                y = tl.inline_asm_elementwise(_ROPE_BF16_SUB, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
-                                              is_pure=True, pack=1)
-            else:
-                y = tl.inline_asm_elementwise(_ROPE_BF16_ADD, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
-                                              is_pure=True, pack=1)
-        else:
-            if SUB:
-                y = tl.inline_asm_elementwise(_ROPE_F16_SUB, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
-                                              is_pure=True, pack=1)
-            else:
-                y = tl.inline_asm_elementwise(_ROPE_F16_ADD, "=r,r,r,r,r", [x, partner, cs, sn], dtype=tl.int32,
-                                              is_pure=True, pack=1)
+        ONE: tl.constexpr = ((_BF16_MINUS_ONES if SUB else _BF16_ONES) if BF16 else
+                             (_F16_MINUS_ONES if SUB else _F16_ONES))
+        one = tl.full(x.shape, ONE, tl.int32)
+        ROPE: tl.constexpr = _ROPE_BF16 if BF16 else _ROPE_F16
+        y = tl.inline_asm_elementwise(ROPE, "=r,r,r,r,r,r", [x, partner, cs, sn, one], dtype=tl.int32, is_pure=True,
+                                      pack=1)
         return y
 
     @triton.jit
@@ -179,42 +171,30 @@ if triton is not None:
     @triton.jit
     def _scores(ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3, BF16: tl.constexpr):
         args = [ka0, ka1, ka2, ka3, kb0, kb1, kb2, kb3, q0, q1, q2, q3]
-        if BF16:
-            s = tl.inline_asm_elementwise(_SCORES_BF16, _SCORES_IO, args,
-                                          dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            s = tl.inline_asm_elementwise(_SCORES_F16, _SCORES_IO, args,
-                                          dtype=tl.float32, is_pure=True, pack=4)
+        SCORES: tl.constexpr = _SCORES_BF16 if BF16 else _SCORES_F16
+        s = tl.inline_asm_elementwise(SCORES, _SCORES_IO, args, dtype=tl.float32, is_pure=True, pack=4)
         return s
 
     @triton.jit
     def _softmax(s, REPS: tl.constexpr):
-        if REPS == 2:
-            p, m, l = tl.inline_asm_elementwise(_SOFTMAX_8, _SOFTMAX_8_IO, [s],
-                                                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=8)
-        else:
-            p, m, l = tl.inline_asm_elementwise(_SOFTMAX_4, _SOFTMAX_4_IO, [s],
-                                                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+        SOFTMAX: tl.constexpr = _SOFTMAX_8 if REPS == 2 else _SOFTMAX_4
+        IO: tl.constexpr = _SOFTMAX_8_IO if REPS == 2 else _SOFTMAX_4_IO
+        p, m, l = tl.inline_asm_elementwise(SOFTMAX, IO, [s], dtype=(tl.float32, tl.float32, tl.float32),
+                                            is_pure=True, pack=4 * REPS)
         return p, m, l
 
     @triton.jit
     def _values(p, v0, v1, v2, v3, v4, v5, v6, v7, BF16: tl.constexpr):
         """The block's O^T partial tiles 0-7 (its own: summed over the blocks after) from `_values_asm`'s eight word
         tiles."""
-        if BF16:
-            pt = tl.inline_asm_elementwise(_WEIGHTS_BF16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
-                                           pack=4)
-            lo = tl.inline_asm_elementwise(_VALUES_LO_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
-                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
-            hi = tl.inline_asm_elementwise(_VALUES_HI_BF16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
-                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
-        else:
-            pt = tl.inline_asm_elementwise(_WEIGHTS_F16, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True,
-                                           pack=4)
-            lo = tl.inline_asm_elementwise(_VALUES_LO_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
-                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
-            hi = tl.inline_asm_elementwise(_VALUES_HI_F16, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
-                                           dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+        WEIGHTS: tl.constexpr = _WEIGHTS_BF16 if BF16 else _WEIGHTS_F16
+        VALUES_LO: tl.constexpr = _VALUES_LO_BF16 if BF16 else _VALUES_LO_F16
+        VALUES_HI: tl.constexpr = _VALUES_HI_BF16 if BF16 else _VALUES_HI_F16
+        pt = tl.inline_asm_elementwise(WEIGHTS, "=r,=r,=r,=r,f,f,f,f", [p], dtype=tl.int32, is_pure=True, pack=4)
+        lo = tl.inline_asm_elementwise(VALUES_LO, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                       dtype=(tl.float32,) * 4, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(VALUES_HI, _VALUES_IO, [pt, v0, v1, v2, v3, v4, v5, v6, v7],
+                                       dtype=(tl.float32,) * 4, is_pure=True, pack=4)
         return lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]
 
     @triton.jit

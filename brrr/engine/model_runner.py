@@ -66,7 +66,7 @@ class ModelRunner:
         # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
         self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         pool = None
-        # Up to three graphs per size: one for any context, and while the bound is longer, one whose decode kernel
+        # Up to four graphs per size: one for any context, and while the bound is longer, one whose decode kernel
         # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
         # decode kernel for contexts <= LEAN_CONTEXT (when longer ones take it on tensor cores, one more at
         # LEAN_MMA_GRAPH). A step replays the tightest one its longest context fits. (A model whose attention

@@ -12,8 +12,8 @@ quantize handlers swap nn.Linear for their own modules:
 - `GemvNormLlamaForCausalLM`: where every projection's GEMV takes the norms (int4 g128), batch-1 decode runs each
   RMSNorm and residual add inside the GEMVs, the final norm inside lm_head's where it can.
 bf16 sums of a packed GEMM can round differently from the separate ones (docs/models.md), so the tests compare the
-two forms with a tolerance. The serving form is not saved by name (`brrr.loader.hf_state_dict` splits packed
-projections back).
+two forms with a tolerance. Checkpoints are written from the reference form (`brrr.loader.hf_state_dict` splits
+packed projections back into Hugging Face's names).
 """
 from __future__ import annotations
 

@@ -242,3 +242,16 @@ def test_int4_g128_models_serve_with_the_norms_in_the_gemvs(tmp_path, calib, lm_
     for final in (False, True):
         torch.testing.assert_close(_one_row(served, calib, final), _one_row(ref, calib, final), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_logits(served, calib), _logits(ref, calib), rtol=1e-4, atol=1e-4)
+    # the engine prepares the model itself: one-row decode steps through the GEMVs, the reference's greedy tokens
+    from brrr.engine import LLMEngine, SamplingParams
+
+    tokens = []
+    for m, pack in ((ref, False), (model, True)):
+        engine = LLMEngine(m, config=EngineConfig(num_blocks=16, pack_projections=pack))
+        assert isinstance(engine.model, GemvNormLlamaForCausalLM) == pack
+        engine.add_request("r", calib[0, :7].tolist(), SamplingParams(max_tokens=6, temperature=0))
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        tokens.append(done[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]

@@ -11,7 +11,7 @@ Three sections, one JSON record per result (stdout, and appended to --out):
            `torch._int_mm` and the tuned W4A16 / W8A16 paths beside them.
   decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench
            latency`) for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine
-           packs the bf16 model, pack_quantized_projections the quantized ones; -lmhead: lm_head quantized too),
+           packs every model (brrr.models.serving.prepare_for_serving); -lmhead: lm_head quantized too),
            the median of --rounds rounds that take the variants in turn, plus the device time of one captured
            decode step (graph replay alone), which separates kernel speed from the engine's host work per step;
            with --kernels, each kernel's device time in that step.
@@ -152,7 +152,6 @@ def section_decode(args, machine, bandwidth):
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
-    from brrr.quant.linear import pack_quantized_projections
     from brrr.quant.methods import quantize_model
 
     cfg = model_config("llama-3.1-8b")
@@ -165,8 +164,6 @@ def section_decode(args, machine, bandwidth):
             method = next(m for prefix, m in (("fp8-w8a8", "fp8-w8a8"), ("fp8", "fp8"), ("w8a16", "rtn-int8"),
                                                ("w4a16", "rtn-int4")) if variant.startswith(prefix))
             quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
-            if not variant.endswith("-unpacked"):
-                pack_quantized_projections(model)
         seqs = max(args.batches)
         engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
                                                      num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))

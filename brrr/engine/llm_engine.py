@@ -15,9 +15,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
 from brrr.errors import BrrrError
-from brrr.kernels.dispatch import fast_path
-from brrr.models.llama import LlamaForCausalLM, pack_projections
-from brrr.quant.linear import pack_quantized_projections
+from brrr.models.serving import prepare_for_serving
 from brrr.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("brrr.engine")
@@ -59,12 +57,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         cfg, ec = model.config, self.config
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
-        pack = ec.pack_projections
-        if pack is None:
-            pack = fast_path(next(model.parameters()).device)
-        if pack and isinstance(model, LlamaForCausalLM):
-            pack_projections(model)  # before sizing the KV cache: the packed copy is made layer by layer
-            pack_quantized_projections(model)  # the same for QuantLinear projections (W4A16 decode 1.09x -> 1.25x)
+        self.model = model = prepare_for_serving(model, ec)  # before sizing the KV cache: packs layer by layer
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)

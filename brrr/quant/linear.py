@@ -31,12 +31,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
 
 
-# lm_head's logits stored as fp32 by its GEMV (`QuantLinear.logits`); False: a cast kernel after (bench/pdl_decode.py)
-LOGITS_FROM_GEMV = True
-
-
 class QuantLinear(nn.Module):
-    release_early = False  # the packed q/k/v sets it: decode attention may launch at the GEMV's last K step
+    release_early = False  # set on packed q/k/v (models/serving.py): decode attention may start at the last K step
 
     def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, activations: str | None = None):
@@ -123,9 +119,8 @@ class QuantLinear(nn.Module):
     @property
     def takes_norms(self) -> bool:
         """Batch-1 decode runs the RMSNorm before it and the residual add after it inside its MMA GEMV (`forward`;
-        `pack_quantized_projections` sets LlamaModel.norms_in_gemvs when every projection does): int4 g128. The
-        int8 and FP8 kernels take them too, but their step measured slower (H200, W8A16 + lm_head graph step 2355
-        against 2340 us, bench/results/pdl_decode_norms_w8_h200.jsonl; int4 1654 against 1665)."""
+        brrr/models/serving.py's GemvNormLlamaForCausalLM where every projection does): int4 g128. The int8 and FP8
+        kernels take them too, but their decode step was slower that way (docs/quantization.md)."""
         return self.activations is None and self.fmt == "int4" and self.group_size == 128
 
     def forward(self, x, residual=None, next_norm=None, out_dtype=None):
@@ -142,11 +137,6 @@ class QuantLinear(nn.Module):
         y = with_norm_and_residual(lambda x: self._matmul(x, bias), x, residual, next_norm)
         return y if out_dtype is None else y.to(out_dtype)
 
-    def logits(self, x):
-        """forward(x) as fp32 (an lm_head's logits): weight-only int4/int8/FP8's MMA GEMV stores them widened from
-        x's dtype, the values `.float()` of forward's gives, without a cast kernel after it."""
-        return self.forward(x, out_dtype=torch.float32 if LOGITS_FROM_GEMV else None).float()
-
     def _matmul(self, x, bias):
         if self.activations is not None:
             from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
@@ -156,8 +146,9 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def gated(self, x):
-        """silu(gate) * up of a packed gate/up projection (outputs: gate, then up): weight-only int8/int4 in one
-        kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then silu_and_mul."""
+        """silu(gate) * up of a packed gate/up projection (outputs: gate, then up; brrr/models/serving.GatedGemvMLP):
+        weight-only int8/int4 in one kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then
+        silu_and_mul."""
         bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)
         if self.activations is None and self.fmt == "int4":
             return w4a16_gated_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
@@ -184,30 +175,6 @@ def _int4_codes(fmt: str, tensors: dict):
     if fmt in ("gptq", "gptq_v2", "awq"):
         return published_int4(fmt, tensors)  # None for act-order GPTQ (groups not contiguous)
     return None
-
-
-@torch.no_grad()
-def pack_quantized_projections(model) -> int:
-    """The serving fast path for quantized models: q/k/v as one QuantLinear and gate/up as another, layer by layer
-    (what models/llama.pack_projections does for nn.Linear, whose `_packed` leaves QuantLinear alone). One GEMM
-    reads the three weights in one launch; W8A8 also quantizes the shared input once. Returns how many it packed.
-    Like the float packing, the packed model cannot be saved by name."""
-    packed = 0
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "qkv_proj", "absent") is None and isinstance(attn.q_proj, QuantLinear):
-            if (qkv := QuantLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])) is not None:
-                attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = qkv, None, None, None
-                qkv.release_early = True
-                packed += 1
-        if getattr(mlp, "gate_up_proj", "absent") is None and isinstance(mlp.gate_proj, QuantLinear):
-            if (gu := QuantLinear.concat([mlp.gate_proj, mlp.up_proj])) is not None:
-                mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gu, None, None
-                packed += 1
-    gemvs = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    model.model.norms_in_gemvs = all(isinstance(m, QuantLinear) and m.takes_norms for m in gemvs)
-    return packed
 
 
 def projections(model, lm_head: bool = False) -> list[tuple[str, nn.Module]]:

@@ -21,7 +21,8 @@ from brrr.kernels import dispatch
 from brrr.kernels.dispatch import use_reference
 from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
-from brrr.quant.linear import QuantLinear, pack_quantized_projections
+from brrr.models.serving import prepare_for_serving
+from brrr.quant.linear import QuantLinear
 from brrr.quant.methods import quantize_model
 from brrr.kernels.int8_rescale import int8_rescale_ref
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
@@ -246,7 +247,7 @@ def test_every_w8_mma_gemv_candidate_at_8b_shapes(fmt, index, n, k, monkeypatch)
 @pytest.mark.parametrize("fmt,index", [("int4", i) for i in range(len(qm.MMA_GEMV_CONFIGS))]
                          + [("int8", i) for i in range(len(qm.MMA_GEMV8_CONFIGS))])
 def test_every_gated_mma_gemv_candidate_at_the_8b_gate_up(fmt, index):
-    """gate/up with SiLU-and-mul in the epilogue (28672 x 4096, as pack_quantized_projections joins them), bf16 with
+    """gate/up with SiLU-and-mul in the epilogue (28672 x 4096, as prepare_for_serving joins them), bf16 with
     a bias and fp16 with split K forced: bit for bit the unfused kernel's output through silu_and_mul."""
     from brrr.kernels.activation import silu_and_mul_triton
 
@@ -443,7 +444,7 @@ def test_quantized_model_triton_kernels_match_reference_logits(quantized_default
     tol = 3e-2 if dtype == BF16 else {"smoothquant": 1e-2, "fp8-w8a8": 5e-2}.get(method, 2e-3)
     for rows in (1, 120):
         assert _rel(logits(rows), want[rows]) < tol, (method, rows)
-    pack_quantized_projections(model)
+    model = prepare_for_serving(model, EngineConfig(pack_projections=True))  # logits() reads it at call time
     for rows in (1, 120):
         assert _rel(logits(rows), want[rows]) < tol, (method, rows, "packed")
 
@@ -460,7 +461,7 @@ def test_cuda_graph_decode_through_the_quant_kernels_agrees_with_eager_decode(qu
     runs = []
     for graphs in (True, False):
         model = load_model(quantized_default[method], dtype=torch.float32, device="cuda")
-        pack_quantized_projections(model)
+        model = prepare_for_serving(model, EngineConfig(pack_projections=True))
         runs.append(_engine_tokens(model, prompts, cuda_graphs=graphs))
     assert [r[:2] for r in runs[0]] == [r[:2] for r in runs[1]]
     same = sum(a == b for x, y in zip(*runs) for a, b in zip(x, y))
@@ -478,7 +479,7 @@ def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_defaul
     for mode in (0, 2):
         monkeypatch.setattr(pdl, "MODE", mode)
         model = load_model(quantized_default[method], dtype=BF16, device="cuda")
-        pack_quantized_projections(model)
+        model = prepare_for_serving(model, EngineConfig(pack_projections=True))
         runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
                      _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
     assert runs[0] == runs[1]

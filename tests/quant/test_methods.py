@@ -4,12 +4,17 @@ import torch
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.rms_norm import PendingNorm
+from brrr.config import EngineConfig
 from brrr.loader import load_model
+from brrr.models.serving import (GatedGemvMLP, GemvNormLlamaForCausalLM, PackedAttention, QuantLogitsHead,
+                                 prepare_for_serving)
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
 from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.methods import SEQUENTIAL, awq_inputs, fold_awq_scales, quant_linear, quantize_model
+
+PACK = EngineConfig(pack_projections=True)
 
 
 def _layer_problem(seed=0, out=64, n=256, tokens=1024):
@@ -112,16 +117,17 @@ def test_bad_method_input_is_a_clear_error(tiny_dir, calib):
 @pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "smoothquant", "fp8-w8a8"])
 @torch.no_grad()
 def test_packed_quantized_projections_compute_what_the_separate_ones_do(tiny_dir, calib, method):
-    from brrr.quant.linear import pack_quantized_projections
-
     model = load_model(tiny_dir, dtype=torch.float32)
     quantize_model(model, method, group_size=32, calib=calib)
     before = _logits(model, calib)
-    assert pack_quantized_projections(model) == 4  # q/k/v and gate/up in each of 2 layers
-    attn = model.model.layers[0].self_attn
-    assert attn.q_proj is None and isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 192
-    # q/k/v lets decode attention launch at its last K step; gate/up releases where tuned
-    assert attn.qkv_proj.release_early and not model.model.layers[0].mlp.gate_up_proj.release_early
+    assert prepare_for_serving(model, PACK) is model  # group 32: the norms stay kernels, no GemvNorm model
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert type(attn) is PackedAttention and type(mlp) is GatedGemvMLP
+        assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.out_features == 192
+        # RoPE in the decode kernel after the Triton GEMV; q/k/v lets decode attention launch at its last K step,
+        # gate/up releases where tuned
+        assert attn.decode_rope and attn.qkv_proj.release_early and not mlp.gate_up_proj.release_early
     torch.testing.assert_close(_logits(model, calib), before, rtol=1e-5, atol=1e-5)
 
 
@@ -171,47 +177,81 @@ def test_only_int4_g128_projections_take_the_norms():
     assert not QuantLinear("int8", formats.quantize_int8(w), 256, 64, None).takes_norms
 
 
-@pytest.mark.parametrize("method", ["rtn-int8", "fp8", "rtn-int4", "smoothquant"])
-@torch.no_grad()
-def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method):
-    """With LlamaModel.norms_in_gemvs (packing sets it for int4 g128 projections only, not possible at hidden 64:
-    the others keep the norm kernels) a one-row forward runs each RMSNorm inside the GEMV after it and each residual
-    add inside the one before it (LlamaDecoderLayer.forward_in_gemvs), in the kernels or, where they cannot, in
-    torch around the GEMM: the same logits. Norm weights are random (not a fresh model's ones), so the stand-in's
-    rounding (w * h once, then 1 / rms) is exercised; several rows keep the norm kernels."""
-    from brrr.quant.linear import pack_quantized_projections
+def _one_row(model, calib, final=False):
+    ids, pos, meta = calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")
+    return model.logits(ids, pos, meta) if final else model.compute_logits(model(ids, pos, meta))
 
-    model = load_model(tiny_dir, dtype=torch.float32)
-    quantize_model(model, method, group_size=32, calib=calib)
+
+def _random_norms(model):
+    """Norm weights unlike a fresh model's ones, so the PendingNorm's rounding (w * h once, then 1 / rms) counts."""
     g = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    pack_quantized_projections(model)
-    assert not model.model.norms_in_gemvs
-    model.model.norms_in_gemvs = True
-    one = lambda: model.compute_logits(model(calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")))  # noqa
-    fused, rows = one(), _logits(model, calib)
-    model.model.norms_in_gemvs = False
-    torch.testing.assert_close(fused, one(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rows, _logits(model, calib), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["rtn-int8", "fp8", "rtn-int4", "smoothquant"])
+@torch.no_grad()
+def test_batch_one_decode_puts_the_norms_in_the_gemvs(tiny_dir, calib, method):
+    """GemvNormLlamaForCausalLM (prepare_for_serving installs it for int4 g128 projections only, not possible at
+    hidden 64, so built here by hand): a one-row forward runs each RMSNorm inside the GEMV after it and each residual
+    add inside the one before it, in the kernels or, where they cannot, in torch around the GEMM: the logits of the
+    serving form without it. Several rows run the layers as they are."""
+    model = load_model(tiny_dir, dtype=torch.float32)
+    quantize_model(model, method, group_size=32, calib=calib)
+    _random_norms(model)
+    served = prepare_for_serving(model, PACK)
+    assert not isinstance(served, GemvNormLlamaForCausalLM)
+    fused = GemvNormLlamaForCausalLM(served, final_norm_in_head=False)
+    torch.testing.assert_close(_one_row(fused, calib), _one_row(served, calib), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(fused, calib), _logits(served, calib), rtol=0, atol=0)
 
 
 @torch.no_grad()
-def test_a_quantized_lm_head_reads_the_final_norm_pending(tiny_dir, calib, monkeypatch):
-    """`LlamaForCausalLM.logits` (the decode graphs' step): an lm_head that takes the norms reads the final norm as
-    the PendingNorm the last GEMV wrote, and gives fp32 logits; the same as forward then compute_logits."""
-    from brrr.quant.linear import pack_quantized_projections
-
+def test_a_quantized_lm_head_reads_the_final_norm_pending(tiny_dir, calib):
+    """`logits` (the decode graphs' step) with final_norm_in_head: lm_head's GEMV reads the final norm as the
+    PendingNorm the last GEMV wrote, and gives fp32 logits; the same as forward then compute_logits."""
     model = load_model(tiny_dir, dtype=torch.float32)
     quantize_model(model, "rtn-int4", group_size=32, lm_head=True)
     model.model.norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=torch.Generator().manual_seed(1)))
-    pack_quantized_projections(model)
-    model.model.norms_in_gemvs = True
-    takes_norms = QuantLinear.takes_norms.fget  # group 32 here; lm_head takes the norm as if it were 128
-    monkeypatch.setattr(QuantLinear, "takes_norms", property(lambda m: m is model.lm_head or takes_norms(m)))
+    served = prepare_for_serving(model, PACK)
+    assert isinstance(served.lm_head, QuantLogitsHead)
+    fused = GemvNormLlamaForCausalLM(served, final_norm_in_head=True)  # group 32: as if it took the norms
     ids, pos, meta = calib[0, 5:6], torch.tensor([5]), AttnMeta.causal([1], "cpu")
-    assert isinstance(model.model(ids, pos, meta, pending=True), PendingNorm)
-    got = model.logits(ids, pos, meta)
+    assert isinstance(fused.decode_one_row(ids, pos, meta)[1], PendingNorm)
+    got = fused.logits(ids, pos, meta)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, model.compute_logits(model(ids, pos, meta)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, fused.compute_logits(fused(ids, pos, meta)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+@torch.no_grad()
+def test_int4_g128_models_serve_with_the_norms_in_the_gemvs(tmp_path, calib, lm_head):
+    """Every projection int4 g128 (hidden 128): prepare_for_serving gives the GemvNorm model (the final norm in
+    lm_head's GEMV where lm_head is int4 g128 too), whose logits are the reference form's at one row and at many."""
+    from tests import hf_models
+
+    hf_models.save(hf_models.build("llama-attn-bias", hidden_size=128, intermediate_size=256), tmp_path)
+    ref, model = load_model(tmp_path, dtype=torch.float32), load_model(tmp_path, dtype=torch.float32)
+    for m in (ref, model):
+        quantize_model(m, "rtn-int4", group_size=128, lm_head=lm_head)
+        _random_norms(m)
+    served = prepare_for_serving(model, PACK)
+    assert isinstance(served, GemvNormLlamaForCausalLM) and served.final_norm_in_head == lm_head
+    assert prepare_for_serving(served, PACK) is served
+    for final in (False, True):
+        torch.testing.assert_close(_one_row(served, calib, final), _one_row(ref, calib, final), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(served, calib), _logits(ref, calib), rtol=1e-4, atol=1e-4)
+    # the engine prepares the model itself: one-row decode steps through the GEMVs, the reference's greedy tokens
+    from brrr.engine import LLMEngine, SamplingParams
+
+    tokens = []
+    for m, pack in ((ref, False), (model, True)):
+        engine = LLMEngine(m, config=EngineConfig(num_blocks=16, pack_projections=pack))
+        assert isinstance(engine.model, GemvNormLlamaForCausalLM) == pack
+        engine.add_request("r", calib[0, :7].tolist(), SamplingParams(max_tokens=6, temperature=0))
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        tokens.append(done[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]

@@ -76,12 +76,9 @@ def _yarn(base, dim, p):
     return inv_freq, float(attention_factor)
 
 
-COS_SIN_KERNEL = True  # the tables in one launch on the GPU (benchmarks turn it off for the A/B)
-
-
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
     """cos, sin of shape [tokens, head_dim], computed in fp32 and cast to the activations' dtype."""
-    if COS_SIN_KERNEL and use_triton(positions, inv_freq) and positions.numel() > 0:
+    if use_triton(positions, inv_freq) and positions.numel() > 0:
         return rotary_cos_sin_triton(positions, inv_freq, scale, dtype)
     return rotary_cos_sin_ref(positions, inv_freq, scale, dtype)
 
@@ -177,7 +174,7 @@ if triton is not None:
 
 
 def rotary_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
-    """`rotary_cos_sin` in one launch (the torch form is ~9 elementwise kernels, each ~2 us of a decode step)."""
+    """`rotary_cos_sin` in one launch (the torch form is ~9 small elementwise kernels a decode step)."""
     half = inv_freq.shape[0]
     cos = torch.empty(positions.shape[0], 2 * half, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)

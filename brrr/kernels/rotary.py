@@ -195,7 +195,7 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     warps = min(8, max(1, block_h * block_half // 512))
     pdl = pdl_on(q)
     # enable_fp_fusion=False: LLVM would otherwise narrow the products to bf16 and fuse one into an FMA with the
-    # sum, skipping a rounding torch does (seen on the H200: 1-ulp differences); without it the bits match
+    # sum, skipping a rounding torch does (1-ulp differences); without it the bits match
     v, kc, vc, slots = cache if cache is not None else (k, k, k, k)
     _rotary_kernel[(n,)](q, k, cos, sin, v, kc, vc, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          cos.stride(0), sin.stride(0), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),

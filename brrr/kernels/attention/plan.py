@@ -54,20 +54,23 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @dataclass(frozen=True)
 class DecodePlan:
     """One decode launch: the kernel and every launch parameter that is not a tensor's shape. Hashable: CUDA graphs
-    are keyed by (batch size, plan)."""
+    are keyed by (batch size, plan). The split kernel's: grid parts a sequence (splits), the parts that fill one
+    wave, the keys a part holds at least (min_part), the parts' worth of keys one program reads whole, and whether
+    inputs and the first tile are read before the PDL wait; the lean kernels': the tile's chunks, a warp's 16-key
+    blocks (reps)."""
     kernel: str  # "split", "lean" or "lean_mma"
     max_context: int  # the context bound it serves (every context of the step is at most this)
     block_n: int  # keys a tile (lean kernels: the whole context's tile)
     num_warps: int
     num_stages: int = 1
     rope: bool = True  # the kernel rotates q and the new key and writes the new K/V to the cache
-    splits: int = 1  # split: grid parts a sequence, parts that fill one wave, keys a part at least, parts' worth of
-    wave: int = 1  # keys one program reads whole, whether the first tile is read before the PDL wait
+    splits: int = 1
+    wave: int = 1
     min_part: int = DECODE_MIN_PART
     whole: int = 2
     early_loads: bool = True
-    chunks: int = 1  # lean: chunks of the tile
-    reps: int = 1  # lean_mma: 16-key blocks a warp
+    chunks: int = 1
+    reps: int = 1
 
 
 def _sms(device) -> int:

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.models import model_class
+from brrr.state_dict import hf_state_dict
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -61,7 +62,7 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     filled: set[str] = set()
-    from brrr.quant.checkpoint import quantization_config, swap_quantized  # quant imports this module
+    from brrr.quant.checkpoint import quantization_config, swap_quantized
 
     qc = quantization_config(path)
     skip = swap_quantized(model, qc, files, device) if qc else set()  # projections -> QuantLinear, filled here
@@ -99,26 +100,6 @@ def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
                                 f"the config implies {tuple(target.shape)}")
             target.data.copy_(tensor)
             filled.add(name)
-
-
-def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names (a tied lm_head is stored once, as transformers does; packed
-    q/k/v and gate/up projections of the serving form, brrr.models.serving, are split back as views)."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out = {}
-    for k, v in model.state_dict().items():
-        if cfg.tie_word_embeddings and k == "lm_head.weight":
-            continue
-        if ".qkv_proj." in k:
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), v.split([q, kv, kv])):
-                out[k.replace("qkv_proj", name)] = part
-        elif ".gate_up_proj." in k:
-            for name, part in zip(("gate_proj", "up_proj"), v.chunk(2)):
-                out[k.replace("gate_up_proj", name)] = part
-        else:
-            out[k] = v
-    return out
 
 
 def save_model(model, out_dir: str | Path, dtype: torch.dtype | None = None):

@@ -275,7 +275,8 @@ class KernelBench:
 
     def decode(self):
         from brrr.analysis.kernels import decode_attention_op
-        from brrr.kernels.attention import decode_attention_triton, decode_splits
+        from brrr.kernels.attention import decode_attention_triton
+        from brrr.kernels.attention.plan import decode_splits
 
         torch = self.torch
         for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
@@ -330,7 +331,7 @@ class KernelBench:
 
     def prefill(self):
         from brrr.analysis.kernels import prefill_attention_op
-        from brrr.kernels.attention import _prefill_kernel_tuned, prefill_attention_triton
+        from brrr.kernels.attention.prefill import _prefill_kernel_tuned, prefill_attention_triton
 
         torch = self.torch
         for batch, tokens in PREFILL_SHAPES[1:2] if self.args.quick else PREFILL_SHAPES:

@@ -1,12 +1,12 @@
 """Warm-up: a few requests through the engine before the server says it is ready, so that first-call costs are paid
 here and not by the first users. On a GPU the large one is Triton compiling (and, for long prefill chunks,
-autotuning) kernels the first time they meet a new specialization: the H200 run without warm-up had p99 TTFT of
-1-1.7 s at 4 req/s, in the first run after start-up only.
+autotuning) kernels the first time they meet a new specialization: a run without warm-up pays it in the first
+requests' time to first token.
 
-What varies between compilations: the prefill kernel's length bucket (next power of two of the longest new chunk:
-under 16, up to 1023 and >= 1024 are different kernels, and 16-bit chunks of >= 1024 tokens are autotuned per
-bucket); whether the split-KV decode kernel splits (contexts over 512 keys at small batch) or not (wide batches);
-decodes inside mixed prefill steps, which run eagerly, outside the CUDA graphs. The plan below meets each once.
+The CUDA graphs compile the decode steps they capture. What runs eagerly is planned by the attention kernels'
+plan functions (brrr/kernels/attention/plan.py), which the shapes below are derived from: decodes inside mixed
+prefill steps, short and long enough for the split kernel to split them; prefill chunks in the fixed-tile and the
+autotuned length buckets; a decode batch too wide for the lean kernel.
 """
 from __future__ import annotations
 
@@ -14,20 +14,32 @@ import logging
 
 from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.sampling_params import SamplingParams
+from brrr.kernels.attention.plan import AUTOTUNE_MIN_TOKENS, decode_plan
 
 log = logging.getLogger("brrr.engine")
 BUDGET = -1  # a prompt as long as the step's token budget
-# (step it arrives at, prompt length, tokens to generate, how many such requests, sampled rather than greedy)
-PLAN = (
-    (0, 7, 24, 1, False),  # a short context decoding through every step below (mixed steps)
-    (0, 600, 24, 1, False),  # a context over 512 keys: the split-KV decode path
-    (2, 100, 4, 1, True),  # a mid-length prefill beside the decodes; top-k/top-p sampling
-    (4, 1100, 4, 1, False),  # >= 1024 new tokens: the autotuned prefill bucket
-    (6, BUDGET, 2, 1, False),  # a full-budget chunk (and its second chunk, with cached context)
-    (8, 3, 4, 24, False),  # a wide decode batch
-)
 
 
+def warm_up_plan(engine: LLMEngine) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """(step it arrives at, prompt length, tokens to generate, how many such requests, sampled rather than greedy)."""
+    cfg, runner = engine.model.config, engine.runner
+
+    def plan(batch, context, rope):
+        return decode_plan(batch, context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.dtype,
+                           runner.block_size, runner.device, rope)
+
+    # a mixed step's decode (rotated before attention) that the split kernel cuts into parts
+    split = next((c for c in range(64, 1 << 16, 64) if plan(1, c, False).splits > 1), 512)
+    # a step of short decodes too many for the lean kernel's wave
+    wide = next((b for b in range(1, 65) if plan(b, 16, True).kernel == "split"), 64)
+    return (
+        (0, 7, 24, 1, False),  # a short context decoding through every step below (mixed steps)
+        (0, split, 24, 1, False),  # the split decode path
+        (2, 100, 4, 1, True),  # a mid-length prefill beside the decodes; top-k/top-p sampling
+        (4, AUTOTUNE_MIN_TOKENS, 4, 1, False),  # the autotuned prefill bucket
+        (6, BUDGET, 2, 1, False),  # a full-budget chunk (and its second chunk, with cached context)
+        (8, 3, 4, wide, False),  # a wide decode batch
+    )
 
 
 def warm_up(engine: LLMEngine, full: bool | None = None) -> int:
@@ -39,7 +51,7 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> int:
     capacity = bm.num_blocks * bm.block_size
     vocab = engine.model.config.vocab_size
     arrivals, serial = [], 0
-    for step, length, new_tokens, count, sampled in PLAN:
+    for step, length, new_tokens, count, sampled in warm_up_plan(engine):
         length = cfg.max_num_batched_tokens if length == BUDGET else length
         if not full:
             length, new_tokens, count = min(length, 8), min(new_tokens, 2), min(count, 2)

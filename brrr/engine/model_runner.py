@@ -1,8 +1,6 @@
 """ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass."""
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import torch
 
@@ -10,11 +8,8 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.kernels import AttnMeta
-from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT, lean_decode_ok
-from brrr.kernels.attention_mma import lean_mma_ok
+from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
 from brrr.kernels.graph_inputs import stage_decode_inputs
-
-attention = importlib.import_module("brrr.kernels.attention")  # the module (the package exports a function so named)
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -44,10 +39,9 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
-        self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
-        self.lean_graphs: dict[int, tuple] = {}  # contexts <= LEAN_CONTEXT, small batches: the lean decode kernel
-        self.lean_short_graphs: dict[int, tuple] = {}  # <= LEAN_MMA_GRAPH, when longer ones take tensor cores
+        # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
+        # kernels are planned for (`decode_graph_plans`)
+        self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
@@ -66,22 +60,16 @@ class ModelRunner:
         # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
         self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         pool = None
-        # Up to four graphs per size: one for any context, and while the bound is longer, one whose decode kernel
-        # is tiled for contexts <= SHORT_CONTEXT and (batches whose query heads fit a wave) one taking the lean
-        # decode kernel for contexts <= LEAN_CONTEXT (when longer ones take it on tensor cores, one more at
-        # LEAN_MMA_GRAPH). A step replays the tightest one its longest context fits. (A model whose attention
-        # takes the plain path, not RoPE in the decode kernel, gets the split kernel in all of them.)
-        bound = max_blocks * self.block_size
+        # Per size, a graph for each context bound the attention plan distinguishes (the tightest one a step's longest
+        # context fits is replayed); the loosest first.
         cfg = self.model.config
-        mma = attention.LEAN_MMA and lean_mma_ok(cfg.head_dim, self.dtype, cfg.num_heads // cfg.num_kv_heads,
-                                                 self.block_size)
         for g in reversed(sizes):
-            lean = lean_decode_ok(g, cfg.num_heads, cfg.head_dim, LEAN_CONTEXT, dev)
-            bounds = ((SHORT_CONTEXT, True), (LEAN_CONTEXT, lean), (attention.LEAN_MMA_GRAPH, lean and mma))
-            for short in [None] + [c for c, ok in bounds if ok and bound > c]:
+            plans = decode_graph_plans(g, max_blocks * self.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       self.dtype, self.block_size, dev)
+            for plan in plans:
                 meta = AttnMeta(cu_seqlens_q=self.g_cu[: g + 1], seqlens_q=[1] * g, slot_mapping=self.g_slots[:g],
                                 block_tables=self.g_tables[:g], kv_caches=self.kv_caches,
-                                context_lens_t=self.g_ctx[:g], max_context_len=short)
+                                context_lens_t=self.g_ctx[:g], max_context_len=plan.max_context)
 
                 def step(g=g, meta=meta):
                     return self.model.logits(self.g_ids[:g], self.g_pos[:g], meta)
@@ -89,22 +77,12 @@ class ModelRunner:
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = (capture or _cuda_capture)(step, pool)
                 pool = graph.pool()
-                self._graph_table(short)[g] = (graph, logits, meta)
-
-    @property
-    def graph_tables(self) -> tuple[dict[int, tuple], ...]:
-        return self.graphs, self.short_graphs, self.lean_graphs, self.lean_short_graphs
-
-    def _graph_table(self, bound: int | None) -> dict[int, tuple]:
-        return {None: self.graphs, SHORT_CONTEXT: self.short_graphs, LEAN_CONTEXT: self.lean_graphs,
-                attention.LEAN_MMA_GRAPH: self.lean_short_graphs}[bound]
+                self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
 
     def graph_for(self, size: int, longest: int) -> tuple:
-        """(graph, logits, meta) a step of `size` (a captured size) replays: the tightest bound its longest context
-        fits."""
-        bound = next(c for c in (attention.LEAN_MMA_GRAPH, LEAN_CONTEXT, SHORT_CONTEXT, None)
-                     if size in self._graph_table(c) and (c is None or longest <= c))
-        return self._graph_table(bound)[size]
+        """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest
+        context bound its longest context fits."""
+        return self.graphs[size][graph_plan_for(tuple(self.graphs[size]), longest)]
 
     def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:

@@ -2,8 +2,8 @@
 
 Triton runs when every tensor is on CUDA, triton imports, no tensor needs a gradient (the kernels have no
 backward; training takes the reference, which autograd differentiates) and torch.compile is not tracing (inductor
-fuses the reference itself). `BRRR_KERNELS=ref` forces the reference everywhere (debugging, A/B runs);
-`use_reference()` does the same for a block of code.
+fuses the reference itself). `BRRR_KERNELS=ref` in the environment at start-up forces the reference everywhere
+(debugging); `use_reference()` does the same for a block of code.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import os
 
 import torch
 
-_forced_reference = 0
+# depth of `use_reference()` blocks, plus one for BRRR_KERNELS=ref (read once: not on every op's dispatch)
+_forced_reference = int(os.environ.get("BRRR_KERNELS", "").lower() == "ref")
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,7 +28,7 @@ def triton_available() -> bool:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    if _forced_reference or os.environ.get("BRRR_KERNELS", "").lower() == "ref":
+    if _forced_reference:
         return False
     if not all(t.is_cuda for t in tensors):
         return False
@@ -63,13 +64,17 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+ARRIVAL_SLOTS = 1 << 14  # counters a device has: more than any launch asks for (fewer programs than a few waves)
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 def arrival_counts(device, n: int) -> torch.Tensor:
     """int32 counters for kernels whose last-arriving program finishes a job (split-K GEMMs, split-KV decode):
-    zeroed once and left at zero by every launch that uses them, so kernels in one stream share them."""
+    zeroed once and left at zero by every launch that uses them, so kernels in one stream share them. One buffer a
+    device, allocated at its full size on first use and never replaced: captured CUDA graphs hold its address."""
+    if n > ARRIVAL_SLOTS:
+        raise ValueError(f"{n} arrival counters asked for, at most {ARRIVAL_SLOTS} exist")
     counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _ARRIVALS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if counts is None:
+        counts = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
     return counts

@@ -12,8 +12,6 @@ import torch
 
 from brrr.kernels.dispatch import use_triton
 
-STAGING_KERNEL = True  # False: the torch copies on the GPU too (bench/engine_step_gap.py --staging-ab)
-
 
 def stage_decode_inputs_ref(stage, g, b, width, ids, pos, slots, ctx, tables, ids_from=None):
     if ids_from is None:
@@ -65,7 +63,7 @@ def stage_decode_inputs_triton(stage, g, b, width, ids, pos, slots, ctx, tables,
 def stage_decode_inputs(stage: torch.Tensor, g: int, b: int, width: int, ids, pos, slots, ctx, tables,
                         ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write the first g rows of the static buffers from `stage` (layout above)."""
-    if STAGING_KERNEL and triton is not None and use_triton(stage, ids, tables):
+    if triton is not None and use_triton(stage, ids, tables):
         stage_decode_inputs_triton(stage, g, b, width, ids, pos, slots, ctx, tables, ids_from)
     else:
         stage_decode_inputs_ref(stage, g, b, width, ids, pos, slots, ctx, tables, ids_from)

@@ -10,13 +10,15 @@ program can finish before its wait returns, a kernel never completes before the 
 
 The `PDL` constexpr says where a kernel lets the next one launch: 0 plain launch; 1 wait, no early launch; 2
 right after the wait (the short kernels); 3 from the epilogue (`release_dependents`: the quantized GEMMs at batch
-<= 4). On the H200 (bench/results/pdl_decode_h200_trigger.jsonl) the GEMMs releasing right after their wait made
-the W4A16 step slower, from their epilogue faster. `BRRR_PDL=0` turns it all off, `BRRR_PDL=1` waits only.
+<= 4, where releasing right after the wait made the step slower). Kernels that read constants (weights, scales,
+block tables, a decode's cached keys) load their first ones before the wait, so under PDL that latency overlaps the
+previous kernel. Safe by the rule above: a kernel starts only once the one before the previous has completed, so
+before its wait it may read anything the previous kernel does not write.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 
 import torch
 
@@ -32,11 +34,19 @@ except Exception:  # no triton, or one without grid dependency control: PDL stay
     HAVE_GDC = False
 
 
-MODE = int(os.environ.get("BRRR_PDL", "2"))  # read once; benchmarks and tests set MODE itself
-# Kernels that read constants (weights, scales, block tables) load their first ones before the wait, so under PDL
-# that latency overlaps the previous kernel. Safe by the rule above: a kernel starts only once the one before the
-# previous has completed, so before its wait it may read anything the previous kernel does not write.
-EARLY_LOADS = os.environ.get("BRRR_PDL_EARLY_LOADS", "1") != "0"
+_plain = 0  # depth of `plain_launches()` blocks
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Launch every kernel without PDL inside this block (a test's peer: PDL must change when kernels start, never
+    what they compute). Kernels are launched, and graphs captured, with the mode of the moment."""
+    global _plain
+    _plain += 1
+    try:
+        yield
+    finally:
+        _plain -= 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,9 +55,9 @@ def _device_supports(index: int) -> bool:
 
 
 def pdl_on(t: torch.Tensor) -> int:
-    """The `PDL` mode for kernels on t's device (launched with `launch_pdl=PDL > 0`): MODE (2 unless `BRRR_PDL`
-    says 0 or 1) on sm_90+, 0 on older GPUs, the CPU and without grid dependency control."""
-    return MODE if HAVE_GDC and t.is_cuda and _device_supports(t.device.index or 0) else 0
+    """The `PDL` mode for kernels on t's device (launched with `launch_pdl=PDL > 0`): 2 on sm_90+, 0 on older
+    GPUs, the CPU, without grid dependency control and inside `plain_launches()`."""
+    return 2 if not _plain and HAVE_GDC and t.is_cuda and _device_supports(t.device.index or 0) else 0
 
 
 if triton is not None:

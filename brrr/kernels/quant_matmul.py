@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from brrr.bench.timing import graph_time_us
 from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.dispatch import arrival_counts, next_power_of_2, num_sms, use_triton
-from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
 from brrr.kernels.rms_norm import PendingNorm
 
@@ -1663,7 +1662,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             y = _launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, (fused and out_dtype) or x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
                         dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                             EARLY=pdl_mod.EARLY_LOADS, GATED=gated, EVICT=WEIGHT_EVICT, enable_fp_fusion=False,
+                             EARLY=True, GATED=gated, EVICT=WEIGHT_EVICT, enable_fp_fusion=False,
                              **fused_consts),
                         extra=(scales.stride(1), word_chunk_stride, TRACE, *fused_args))
             return y if pending is None else (y, pending)
@@ -1749,7 +1748,7 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = _launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, (fused and out_dtype) or x.dtype,
                         {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                        dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=pdl_mod.EARLY_LOADS, GATED=gated,
+                        dict(HAS_BIAS=bias is not None, FAST=fast, EARLY=True, GATED=gated,
                              FP8=fp8, EVICT=WEIGHT_EVICT, enable_fp_fusion=False, **fused_consts),
                         extra=(_packed_strides(words)[1], TRACE, *fused_args))
             return y if pending is None else (y, pending)

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
-from brrr.kernels import pdl as pdl_mod
 from brrr.kernels.pdl import pdl_on
 
 MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the reference
@@ -104,17 +103,13 @@ if triton is not None:
                  mask=mask)
 
 
-# Under PDL the weight is read before the wait (`_rms_norm_kernel`'s EARLY); benchmarks turn it off for the A/B
-EARLY_WEIGHT = True
-
-
 def _launch_shape(x, hidden: int):
-    """(rows a program, its padded width, warps, PDL mode, weight read before the wait)."""
+    """(rows a program, its padded width, warps, PDL mode, weight read before the wait: under PDL)."""
     block_h = next_power_of_2(hidden)
     block_r = max(1, 2048 // block_h)  # narrow rows (per-head q/k norm): several per program
     pdl = pdl_on(x)
     warps = min(16, max(1, block_r * block_h // 512))
-    return block_r, block_h, warps, pdl, pdl > 0 and pdl_mod.EARLY_LOADS and EARLY_WEIGHT
+    return block_r, block_h, warps, pdl, pdl > 0
 
 
 def _launch(x, residual, weight, eps):
@@ -176,15 +171,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
-# The first layer's norm gathers its rows from the embedding table (`embed_rms_norm`); False: a gather, then the norm
-EMBED_NORM = True
-
-
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(table[ids]), table[ids]): the first layer's normed input and the stream, the gather inside the norm
     kernel (one launch where nn.Embedding and the norm took two)."""
     ids = ids.reshape(-1)
-    if EMBED_NORM and _triton_ok(table, weight) and use_triton(ids):
+    if _triton_ok(table, weight) and use_triton(ids):
         return embed_rms_norm_triton(ids, table, weight, eps)
     h = F.embedding(ids, table)
     return rms_norm(h, weight, eps), h

@@ -76,12 +76,9 @@ def _yarn(base, dim, p):
     return inv_freq, float(attention_factor)
 
 
-COS_SIN_KERNEL = True  # the tables in one launch on the GPU (benchmarks turn it off for the A/B)
-
-
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
     """cos, sin of shape [tokens, head_dim], computed in fp32 and cast to the activations' dtype."""
-    if COS_SIN_KERNEL and use_triton(positions, inv_freq) and positions.numel() > 0:
+    if use_triton(positions, inv_freq) and positions.numel() > 0:
         return rotary_cos_sin_triton(positions, inv_freq, scale, dtype)
     return rotary_cos_sin_ref(positions, inv_freq, scale, dtype)
 
@@ -177,7 +174,7 @@ if triton is not None:
 
 
 def rotary_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
-    """`rotary_cos_sin` in one launch (the torch form is ~9 elementwise kernels, each ~2 us of a decode step)."""
+    """`rotary_cos_sin` in one launch (the torch form is ~9 small elementwise kernels a decode step)."""
     half = inv_freq.shape[0]
     cos = torch.empty(positions.shape[0], 2 * half, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
@@ -198,7 +195,7 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     warps = min(8, max(1, block_h * block_half // 512))
     pdl = pdl_on(q)
     # enable_fp_fusion=False: LLVM would otherwise narrow the products to bf16 and fuse one into an FMA with the
-    # sum, skipping a rounding torch does (seen on the H200: 1-ulp differences); without it the bits match
+    # sum, skipping a rounding torch does (1-ulp differences); without it the bits match
     v, kc, vc, slots = cache if cache is not None else (k, k, k, k)
     _rotary_kernel[(n,)](q, k, cos, sin, v, kc, vc, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          cos.stride(0), sin.stride(0), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),

@@ -115,9 +115,8 @@ if triton is not None:
         tl.store(OUT + row, tl.min(tl.where(vals == top, idx, vocab), 0).to(tl.int64))
 
 
-# Columns per program: a 128k vocabulary row is 126 programs, each one load (BLOCK) deep. With 8192 (16 programs,
-# eight dependent loads each) the part kernel took 5.0 us of the ~31 us between two decode graphs on the H200
-# (bench/results/engine_step_gap_trace_h200.jsonl).
+# Columns per program: a 128k vocabulary row is 126 programs, each one load (BLOCK) deep. Wider chunks (8192: 16
+# programs, eight dependent loads each) made the part kernel a large share of the gap between two decode graphs.
 ARGMAX_CHUNK = 1024
 
 
@@ -153,8 +152,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy rows' tokens: logits.argmax(-1). torch reduces a row in one thread block (27 us for the 8B's
-    128k vocabulary on the H200); the Triton kernels split it."""
+    """The greedy rows' tokens: logits.argmax(-1). torch reduces a row in one thread block (slow for a 128k
+    vocabulary); the Triton kernels split it."""
     if logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[0] > 0 and use_triton(logits):
         return argmax_triton(logits)
     return logits.argmax(-1)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from brrr.errors import BrrrError
-from brrr.loader import hf_state_dict
+from brrr.state_dict import hf_state_dict
 from brrr.quant.formats import DEQUANTIZE
 from brrr.quant.linear import ACTIVATIONS, QuantLinear, projections
 from brrr.quant.published import published_format

@@ -73,10 +73,10 @@ def test_pipelined_decode_equals_step_by_step(models):  # noqa: F811
 
 @pytest.mark.parametrize("bound", ["lean", "short"])
 def test_context_bounded_graphs(tmp_path, bound):
-    """A sequence growing past LEAN_CONTEXT (SHORT_CONTEXT) switches from the graphs taking the lean decode kernel
-    (tiled for short contexts) to the next looser ones, with the same tokens as without graphs."""
+    """A sequence growing past LEAN_CONTEXT (SHORT_CONTEXT) switches from the graph planned for the lean decode kernel
+    (the split kernel tiled for short contexts) to the next looser one, with the same tokens as without graphs."""
     from brrr import load_model
-    from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT
+    from brrr.kernels.attention.plan import LEAN_CONTEXT, SHORT_CONTEXT
     from tests import hf_models
     model = load_model(hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=4096), tmp_path),
                        dtype=torch.float32)
@@ -90,15 +90,32 @@ def test_context_bounded_graphs(tmp_path, bound):
         if graphs:
             runner = engine.runner
             runner.capture_cuda_graphs(2, 4096 // 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
-            tables = {"lean": runner.lean_graphs, "short": runner.short_graphs, "any": runner.graphs}
-            assert sorted(runner.lean_graphs) == sorted(runner.short_graphs) == sorted(runner.graphs) == [1, 2]
-            for name, table in tables.items():
-                for size, (g, logits, meta) in table.items():
+            assert sorted(runner.graphs) == [1, 2]
+            names = {LEAN_CONTEXT: "lean", SHORT_CONTEXT: "short", 4096: "any"}
+            for size, plans in runner.graphs.items():
+                assert [plan.max_context for plan in plans] == [4096, SHORT_CONTEXT, LEAN_CONTEXT]  # fp32: no MMA
+                for plan, (g, logits, meta) in plans.items():
+                    assert meta.max_context_len == plan.max_context
+                    name = names[plan.max_context]
                     g.replay = (lambda g=g, name=name: (used.append(name), type(g).replay(g)))
         outs.append(run_all(engine, req)["long"].outputs[0].token_ids)
     assert outs[0] == outs[1]
     looser = {"lean": "short", "short": "any"}[bound]
     assert set(used) == {bound, looser} and used.index(looser) > len(used) - 1 - used[::-1].index(bound)
+
+
+def test_graph_for_asks_the_plan():
+    """The runner replays, of a size's graphs, the one whose plan has the tightest bound the step's longest context
+    fits (`graph_plan_for`), the loosest past every bound; it reads no threshold itself."""
+    from types import SimpleNamespace
+
+    from brrr.engine.model_runner import ModelRunner
+    from brrr.kernels.attention import decode_graph_plans
+
+    plans = decode_graph_plans(1, 4096, 32, 8, 128, torch.bfloat16, 16, torch.device("cpu"))
+    fake = SimpleNamespace(graphs={1: {plan: (f"graph {plan.max_context}", None, None) for plan in plans}})
+    picked = [ModelRunner.graph_for(fake, 1, n)[0] for n in (7, 128, 129, 300, 2048, 3000, 5000)]
+    assert picked == ["graph 128", "graph 128", "graph 256", "graph 2048", "graph 2048", "graph 4096", "graph 4096"]
 
 
 def test_pipelining_with_a_queue_that_cannot_be_admitted(models):  # noqa: F811

@@ -4,6 +4,7 @@ dequantization), per-token activation
 quantization, the `torch._int_mm` (SmoothQuant) and `torch._scaled_mm` (FP8) W8A8 paths, and quantized default
 models through the engine: reference ops vs contiguous-cache generation, Triton kernels vs reference logits, and
 CUDA-graph decode vs eager decode."""
+import contextlib
 import random
 
 import pytest
@@ -469,19 +470,19 @@ def test_cuda_graph_decode_through_the_quant_kernels_agrees_with_eager_decode(qu
 
 
 @pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8"])
-def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_default, method, monkeypatch):
+def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_default, method):
     """Programmatic dependent launch (brrr/kernels/pdl.py) changes when kernels start, never what they compute:
     captured decode graphs with PDL (GEMMs releasing from their epilogue at batch 1, right after the wait elsewhere)
     and without give the same greedy tokens at batch 1 and 8, in bf16. A kernel reading its input before the
     previous one finished would garble them."""
     prompts = _prompts()
     runs = []
-    for mode in (0, 2):
-        monkeypatch.setattr(pdl, "MODE", mode)
-        model = load_model(quantized_default[method], dtype=BF16, device="cuda")
-        model = prepare_for_serving(model, EngineConfig(pack_projections=True))
-        runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
-                     _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
+    for plain in (True, False):
+        with pdl.plain_launches() if plain else contextlib.nullcontext():
+            model = load_model(quantized_default[method], dtype=BF16, device="cuda")
+            model = prepare_for_serving(model, EngineConfig(pack_projections=True))
+            runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
+                         _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
     assert runs[0] == runs[1]
 
 

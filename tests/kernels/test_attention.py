@@ -4,19 +4,16 @@ Small shapes for Triton's CPU interpreter: odd lengths, GQA ratios 1/2/4 and MQA
 block boundaries, an empty prefix, a prefix ending mid-block, a full prefix hit (one new token over a cached
 prompt), sliding windows, head dims 64/128/256, and mixed decode + prefill steps through the `attention` path.
 """
+import dataclasses
 import math
-
-import importlib
 
 import pytest
 import torch
 
 from brrr.kernels import dispatch
-from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton,
-                                    _part_tiles, decode_splits, lean_decode_ok, paged_decode_ref,
-                                    prefill_attention_triton, write_kv_ref, write_kv_triton)
-
-ATTN = importlib.import_module("brrr.kernels.attention")  # the package exports a function of that name
+from brrr.kernels.attention import (AttnMeta, attention_ref, attention_triton, decode_attention_triton, decode_plan,
+                                    paged_decode_ref, prefill_attention_triton, write_kv_ref, write_kv_triton)
+from brrr.kernels.attention.plan import _part_tiles, decode_splits, lean_mma_plan
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -159,10 +156,12 @@ def test_decode_with_rope_is_the_rotary_kernel_then_decode(device, dtype, splits
     assert_close(got, want, dtype)
 
 
-def check_rope_decode(lens, heads, kv_heads, dim, block_size, dtype, device, window, bound, seed):
+def check_rope_decode(lens, heads, kv_heads, dim, block_size, dtype, device, window, bound, seed, kernel,
+                      plan=None):
     """One decode step of the given contexts (the last row padded: context 0, slot -1) with q and k unrotated,
-    through decode_attention_triton's rope path: the cache ends bit for bit as the rotary kernel writes it, the
-    padded row is zeros, the others within rounding of the reference over the rotated q."""
+    through decode_attention_triton's rope path (`kernel`, the plan's at this bound, or `plan`): the cache ends bit
+    for bit as the rotary kernel writes it, the padded row is zeros, the others within rounding of the reference
+    over the rotated q."""
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
@@ -176,9 +175,10 @@ def check_rope_decode(lens, heads, kv_heads, dim, block_size, dtype, device, win
     want_meta = clone_meta(meta)
     qr, _ = apply_rotary_triton(q.clone(), k.clone(), cos, sin, cache=(v, *want_meta.kv_caches[0], slots))
     want = paged_decode_ref(qr, *want_meta.kv_caches[0], meta.block_tables, ctx, 0.2, window)
-    assert lean_decode_ok(len(lens), heads, dim, bound, q.device)
+    plan = plan or decode_plan(len(lens), bound, heads, kv_heads, dim, dtype, block_size, q.device)
+    assert plan.kernel == kernel
     got = decode_attention_triton(q, *meta.kv_caches[0], meta.cu_seqlens_q, ctx, meta.block_tables, 0.2, window,
-                                  max_context_len=bound, rope=(k, v, cos, sin, slots))
+                                  max_context_len=bound, rope=(k, v, cos, sin, slots), plan=plan)
     assert torch.equal(meta.kv_caches[0][0], want_meta.kv_caches[0][0])
     assert torch.equal(meta.kv_caches[0][1], want_meta.kv_caches[0][1])
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
@@ -188,55 +188,46 @@ def check_rope_decode(lens, heads, kv_heads, dim, block_size, dtype, device, win
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 1, 7)])
 @pytest.mark.parametrize("warps", [None, 4])
-def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps, monkeypatch):
+def test_lean_decode_with_rope(device, dtype, heads, kv_heads, window, warps):
     """The lean decode kernel (one program a query head, the whole context in one tile of 4 chunks, no tl.dot, so
     bf16 runs under the interpreter too) over contexts of 1, 65 (64 cached keys: one chunk, full), 40 (one chunk),
     129 (two, full), 200 (all four) and a padded row. In 8 warps (a warp's keys two rows a chunk) and, fp32 only, in
     4 (four rows)."""
     if warps and dtype != torch.float32:
         pytest.skip("one dtype for 4 warps")
-    monkeypatch.setattr(ATTN, "LEAN_WARPS", warps)
-    check_rope_decode([1, 65, 40, 129, 200, 1], heads, kv_heads, 32, 8, dtype, device, window, 256, seed=heads)
+    plan = decode_plan(6, 256, heads, kv_heads, 32, dtype, 8, torch.device(device))
+    if warps:
+        plan = dataclasses.replace(plan, num_warps=warps)
+    check_rope_decode([1, 65, 40, 129, 200, 1], heads, kv_heads, 32, 8, dtype, device, window, 256, seed=heads,
+                      kernel="lean", plan=plan)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(8, 2, None), (4, 4, None), (8, 1, 7), (6, 2, None)])
 @pytest.mark.parametrize("bound", [256, 64])
-def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound, monkeypatch):
-    """The lean kernel on tensor cores (attention_mma.py: head dim 128, one program a kv head, its query heads the
-    MMA's columns; on the CPU its portable partials) over contexts of 1, 65, 40, 129 and 200 keys (bound 256: 8
-    warps of two 16-key blocks each; bound 64: contexts up to 64, two warps) and a padded row."""
-    from brrr.kernels.attention_mma import lean_mma_ok
-
-    monkeypatch.setattr(ATTN, "LEAN_MMA", True)
-    monkeypatch.setattr(ATTN, "LEAN_MMA_ABOVE", 0)  # every bound takes it
-    assert lean_mma_ok(128, dtype, heads // kv_heads, 16)
+def test_lean_mma_decode_with_rope(device, dtype, heads, kv_heads, window, bound):
+    """The lean kernel on tensor cores (lean_mma.py: head dim 128, one program a kv head, its query heads the MMA's
+    columns; on the CPU its portable partials) over contexts of 1, 65, 40, 129 and 200 keys (bound 256, the plan's
+    own: 8 warps of two 16-key blocks each; bound 64, below the plan's threshold, given the plan: contexts up to 64,
+    two warps) and a padded row."""
     lens = [1, 65, 40, 129, 200, 1] if bound == 256 else [1, 64, 40, 17, 33, 1]
-    check_rope_decode(lens, heads, kv_heads, 128, 16, dtype, device, window, bound, seed=heads + kv_heads)
+    check_rope_decode(lens, heads, kv_heads, 128, 16, dtype, device, window, bound, seed=heads + kv_heads,
+                      kernel="lean_mma", plan=None if bound == 256 else lean_mma_plan(bound))
 
 
-def test_lean_decode_bounds():
-    """The lean kernel takes steps whose contexts fit LEAN_CONTEXT and whose query heads fit one wave."""
-    dev = torch.device("cpu")  # 132 SMs assumed off a GPU
-    assert lean_decode_ok(1, 32, 128, 256, dev) and lean_decode_ok(4, 32, 128, 208, dev)
-    assert not lean_decode_ok(5, 32, 128, 256, dev)  # 160 programs: more than a wave
-    assert not lean_decode_ok(1, 32, 128, 257, dev)
-    assert not lean_decode_ok(1, 32, 256, 256, dev)
-
-
-@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("bound", [None, 512])
 @pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [5, 17, 33]), ([1, 4, 1], [5, 17, 33]),
                                         ([1, 1, 1, 1], [1, 64, 65, 200])])
-def test_attention_with_rope_decodes_only_or_mixed(device, q_lens, ctx, lean, monkeypatch):
-    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation (the lean kernel, or
-    the split one for contexts of 1 to 200: one-tile parts of 64 keys, each part's first tile read before the PDL
-    wait), a mixed step the rotary kernel; all give the reference's output over rotated q/k and leave the same
-    cache."""
-    monkeypatch.setattr(ATTN, "LEAN_DECODE", lean)
+def test_attention_with_rope_decodes_only_or_mixed(device, q_lens, ctx, bound):
+    """attention_triton given (cos, sin): a step of decodes takes the decode kernel's rotation (the lean kernel at
+    the step's own bound, or at a bound of 512 the split one: one-tile parts of 64 keys, each part's first tile read
+    before the PDL wait), a mixed step the rotary kernel; all give the reference's output over rotated q/k and leave
+    the same cache."""
     from brrr.config import RopeConfig
     from brrr.kernels.rotary import apply_rotary_ref, rope_inv_freq, rotary_cos_sin
 
     q, k, v, meta = make_step(q_lens, ctx, 4, 2, 32, 8, torch.float32, device)
+    meta.max_context_len = bound
     inv_freq, scale = rope_inv_freq(RopeConfig(), 32, 128)
     pos = torch.cat([torch.arange(c - n, c) for n, c in zip(q_lens, ctx)])
     cos, sin = (t.to(device) for t in rotary_cos_sin(pos, inv_freq, scale, torch.float32))

@@ -1,7 +1,7 @@
-"""Batch-small decode attention on tensor cores: the lean decode kernel's plan (`attention._lean_decode_kernel`: a
-sequence's whole context read before the PDL wait, no split, the warps' partials merged in one program) with one
-program a kv head and mma.sync m16n8k16 for both products. The engine takes it for contexts above 128 keys
-(`attention.LEAN_MMA_ABOVE`); shorter ones keep the CUDA-core kernel, which skips the chunks past the context.
+"""Batch-small decode attention on tensor cores: the lean decode kernel's plan (`lean._lean_decode_kernel`: a sequence's
+whole context read before the PDL wait, no split, the warps' partials merged in one program) with one program a kv
+head and mma.sync m16n8k16 for both products. `plan.decode_plan` takes it for bounds above `plan.LEAN_MMA_ABOVE`
+keys; shorter ones keep the CUDA-core kernel, which skips the chunks past the context.
 
 A warp holds 16-key blocks as 32-bit words. For the scores, lane 4g + c has 16 bytes (dims 32s + 8c .. + 7) of key
 rows g and g + 8 in each of the head's four 32-dim segments s: the MMA's A fragment up to a relabeling of K (the
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from brrr.kernels.attention.helpers import LOG2E
+from brrr.kernels.attention.plan import LEAN_MMA_HEAD_DIM as HEAD_DIM, DecodePlan
 from brrr.kernels.dispatch import next_power_of_2
 from brrr.kernels.pdl import pdl_on
 
@@ -28,16 +30,8 @@ try:
 except Exception:
     triton = None
 
-HEAD_DIM = 128
 MAX_WARPS = 8
 SCRATCH_BYTES = 4 * (8 * HEAD_DIM * MAX_WARPS + 16 * MAX_WARPS + 8)  # a program's partials: SCR's block at 8 warps
-LOG2E = 1.4426950408889634
-
-
-def lean_mma_ok(head_dim: int, dtype: torch.dtype, group: int, block_size: int) -> bool:
-    """Whether `lean_mma_decode` takes these heads: dim 128, bf16/fp16 (cos and sin too), <= 8 query heads a kv
-    head, cache blocks of a multiple of 16 keys."""
-    return head_dim == HEAD_DIM and dtype in (torch.bfloat16, torch.float16) and group <= 8 and block_size % 16 == 0
 
 
 def _mma(d: str, a: tuple, b: tuple, c: str, kind: str) -> str:
@@ -117,7 +111,7 @@ def _values_asm(kind: str, j0: int) -> str:
 
 
 if triton is not None:
-    from brrr.kernels.attention import _decode_row, _phase, _rope, _rope_factors, _store_in_place
+    from brrr.kernels.attention.helpers import _decode_row, _rope, _rope_factors, _store_in_place
     from brrr.kernels.pdl import wait_previous
 
     D128 = tl.constexpr(HEAD_DIM)
@@ -206,7 +200,7 @@ if triton is not None:
         return ((r % 8) * 8 * W + 8 * w + d // 16) * 16 + 4 * (head // 2) + 2 * (r // 8) + head % 2
 
     @triton.jit
-    def _lean_mma_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS, TRACE,
+    def _lean_mma_kernel(Q, KC, VC, O, SCR, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
                          wq_n, wq_h, so_n, so_h, wc_b, wc_t, wc_h, stride_bt, wk_n, wk_h, wv_n, wv_h, sv_n, sv_h,
                          stride_cos, qk_scale, window, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
                          GP: tl.constexpr, W: tl.constexpr, REPS: tl.constexpr, SLIDING: tl.constexpr,
@@ -215,11 +209,9 @@ if triton is not None:
         (< 16 W REPS keys, block j of 16 keys on warp j % W). w* strides count 32-bit words. Before the PDL wait:
         the keys' and values' words, cos and sin; after it q, the new key and value (rotated on the words, the new
         key into the key tiles at its position), the warps' softmax partials to shared memory (FAST; else to SCR),
-        the new key and value written to the cache, a barrier, and the merge (with the new key's own partial).
-        TRACE: `_phase` stamps as the lean kernel's (2 q and the new key rotated, 3 the warps' partials, 4 merged)."""
+        the new key and value written to the cache, a barrier, and the merge (with the new key's own partial)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        _phase(TRACE, 7, b, True)
         q_row, single, ctx, lo, hi = _decode_row(CU_Q, CTX, b, window, SLIDING)
         slot = tl.load(SLOTS + q_row).to(tl.int64)
         scr = SCR + (b * tl.num_programs(1) + kvh) * (8 * D128 * W + 16 * W + 8)
@@ -270,8 +262,6 @@ if triton is not None:
             is_b = _pinned(tl.where((key_a + 8 == hi) & (ctx > 0), 1, 0)) != 0
             is_new = _pinned(tl.where((key == hi) & (ctx > 0) & (head < GROUP), 1, 0)) != 0  # its scores
         wait_previous(PDL)
-        _phase(TRACE, 0, ctx, True)
-        _phase(TRACE, 1, ctx)
         if single:  # else a prefill chunk: the prefill kernel's
             has_new = ctx > 0
             if FAST:
@@ -285,7 +275,6 @@ if triton is not None:
                 kp = K.to(tl.pointer_type(tl.int32), bitcast=True) + q_row * wk_n + kvh * wk_h + col + row * 0
                 n0, n1, n2, n3 = _rope_words(tl.load(kp), tl.load(kp + 16), tl.load(kp + 32), tl.load(kp + 48),
                                              c0, c1, s0, s1, BF16)
-                _phase(TRACE, 2, tl.sum(q0 + n0))
                 ka0, ka1 = tl.where(is_a, n0, ka0), tl.where(is_a, n1, ka1)
                 ka2, ka3 = tl.where(is_a, n2, ka2), tl.where(is_a, n3, ka3)
                 kb0, kb1 = tl.where(is_b, n0, kb0), tl.where(is_b, n1, kb1)
@@ -311,7 +300,6 @@ if triton is not None:
                 _st_shared4(sa + 2560 * W, tl.sum(o5, 1, keep_dims=True), real)
                 _st_shared4(sa + 3072 * W, tl.sum(o6, 1, keep_dims=True), real)
                 _st_shared4(sa + 3584 * W, tl.sum(o7, 1, keep_dims=True), real)
-                _phase(TRACE, 3, tl.sum(l))
                 # the new key and value into the cache: 16 bytes a lane of warp 0's first row
                 dst = (slot // BLOCK_SIZE) * wc_b + (slot % BLOCK_SIZE) * wc_t + kvh * wc_h + col + row * 0
                 one = (row == 0) & (slot >= 0) & has_new & (col < 16)
@@ -325,22 +313,20 @@ if triton is not None:
                 tl.store(vw + dst + 32, tl.load(vp + 32, mask=one), mask=one)
                 tl.store(vw + dst + 48, tl.load(vp + 48, mask=one), mask=one)
                 tl.debug_barrier()  # the partials in shared memory visible to every thread
-                _merge(O, v_n, ssa, ssm, ssl, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST, TRACE)
+                _merge(O, v_n, ssa, ssm, ssl, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST)
             else:
                 _portable_partials(Q, KC, VC, K, V, COS, SIN, BT, SA, SM, SL, b, kvh, q_row, lo, hi, ctx, slot,
                                    wq_n * 2, wq_h * 2, wc_b * 2, wc_t * 2, wc_h * 2, stride_bt, wk_n * 2, wk_h * 2,
                                    sv_n, sv_h, stride_cos, qk_scale, BLOCK_SIZE, GROUP, GP, W, REPS)
                 tl.debug_barrier()  # the CTA's global writes are visible to its threads after it
                 v_n = _new_value(V, q_row, kvh, ctx, sv_n, sv_h, GROUP, GP, FAST)
-                _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST, TRACE)
-            _phase(TRACE, 5, ctx)
-            _phase(TRACE, 6, ctx, True)
+                _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP, GP, W, FAST)
 
     @triton.jit
     def _shared_scratch(x):
         """The byte address of the program's shared-memory scratch (SCR's layout at 8 warps). A static array of the
         PTX: Triton's own reductions through shared memory lay the reduced (warp) dim fastest, so a warp's 32 lanes
-        hit one bank (~12 us a launch more). Called once a kernel (x: a scalar), since the asm declares it."""
+        hit one bank. Called once a kernel (x: a scalar), since the asm declares it."""
         return tl.inline_asm_elementwise(_SCRATCH_DECL, "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
@@ -403,13 +389,12 @@ if triton is not None:
 
     @triton.jit
     def _merge(O, v_n, SA, SM, SL, q_row, kvh, ctx, so_n, so_h, GROUP: tl.constexpr, GP: tl.constexpr,
-               W: tl.constexpr, FAST: tl.constexpr, TRACE):
+               W: tl.constexpr, FAST: tl.constexpr):
         """The output of each query head: the W warps' partials and the new key's (max = its score, sum 1, values its
         v) at one max. SA, SM, SL: shared-memory byte addresses (FAST) or SCR pointers. The tile is SA's own
         order (`_sa_index`: [W, 8 tiles, 8 rows, the columns of real heads]), so its loads are contiguous
         runs, all issued before any is used, and W stays in each thread's registers (sums without shuffles).
-        Read by head and dim instead, each warp's load spanned up to 32 sectors: ~3700 cycles from the
-        partials to the output, against ~850 for the CUDA-core kernel's merge."""
+        (Read by head and dim instead, each warp's load spans up to 32 sectors.)"""
         w = tl.arange(0, W)[:, None, None, None]
         t, g, col, d, head, hm, new = _merge_index(ctx, GROUP, GP)
         ok = hm & (w < W)
@@ -426,7 +411,6 @@ if triton is not None:
         total = tl.sum(l_w * scale, 0, keep_dims=True) + p_n
         acc = tl.sum(a_w * scale, 0, keep_dims=True) + p_n * v_n
         out = acc / tl.where(total == 0.0, 1.0, total)
-        _phase(TRACE, 4, tl.sum(out))
         _store_in_place(O + q_row.to(tl.int64) * so_n + (kvh * GROUP + head) * so_h + d, out.to(O.dtype.element_ty),
                         hm, FAST)
 
@@ -476,16 +460,13 @@ if triton is not None:
             tl.store(VC + dst, tl.load(V + q_row.to(tl.int64) * sv_n + kvh * sv_h + dd))
 
 
-def lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
-                    max_context_len, out, rope, trace=None):
-    """`attention.decode_attention_triton` with rope through `_lean_mma_kernel` (grid: sequences x kv heads):
-    every context at most max_context_len <= 256 keys."""
+def lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window, out, rope,
+                    plan: DecodePlan):
+    """`decode.decode_attention_triton` with rope through `_lean_mma_kernel` (grid: sequences x kv heads): every
+    context at most plan.max_context <= 256 keys."""
     batch, n_heads, n_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k_cache.shape[2]
     k, v, cos, sin, slots = rope
-    block_n = max(16, next_power_of_2(max_context_len))
-    assert block_n <= 256, "the lean MMA kernel holds at most 256 keys"
-    warps = max(1, block_n // 32)  # a lane holds 128 registers of keys and values at 16 W REPS keys
-    reps = block_n // (16 * warps)
+    warps, reps = plan.num_warps, plan.reps
     group = n_heads // n_kv
     scratch = torch.empty(1 if q.is_cuda else batch * n_kv * (8 * HEAD_DIM * warps + 16 * warps + 8),
                           dtype=torch.float32, device=q.device)  # the portable path's (CUDA: shared memory)
@@ -493,11 +474,11 @@ def lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
         assert t.stride(-1) == 1 and all(s % 2 == 0 for s in t.stride()[:-1]), "16-bit rows in whole words"
     pdl = pdl_on(q)
     _lean_mma_kernel[(batch, n_kv)](
-        q, k_cache, v_cache, out, scratch, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots, trace,
+        q, k_cache, v_cache, out, scratch, cu_seqlens_q, context_lens, block_tables, k, v, cos, sin, slots,
         q.stride(0) // 2, q.stride(1) // 2, out.stride(0), out.stride(1), k_cache.stride(0) // 2,
         k_cache.stride(1) // 2, k_cache.stride(2) // 2, block_tables.stride(0), k.stride(0) // 2, k.stride(1) // 2,
         v.stride(0) // 2, v.stride(1) // 2, v.stride(0), v.stride(1), cos.stride(0), scale * LOG2E,
         sliding_window or 0, BLOCK_SIZE=k_cache.shape[1], GROUP=group, GP=next_power_of_2(group), W=warps, REPS=reps,
-        SLIDING=sliding_window is not None, PDL=min(pdl, 2), FAST=q.is_cuda, num_warps=warps, num_stages=1,
+        SLIDING=sliding_window is not None, PDL=pdl, FAST=q.is_cuda, num_warps=warps, num_stages=1,
         launch_pdl=pdl > 0)
     return out

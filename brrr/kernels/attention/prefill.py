@@ -1,0 +1,147 @@
+"""Varlen causal attention for prefill chunks: the new tokens of each sequence against its cached prefix (through
+the block table) and themselves. Tiles are `plan.prefill_plan`'s, or autotuned over `plan.PREFILL_TILES`."""
+from __future__ import annotations
+
+import torch
+
+from brrr.kernels.attention.helpers import LOG2E, precision
+from brrr.kernels.attention.plan import PREFILL_TILES, prefill_plan, prefill_tile_bucket
+from brrr.kernels.dispatch import next_power_of_2
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+if triton is not None:
+    from brrr.kernels.attention.helpers import _online_softmax_step, _paged_rows
+
+    @triton.jit
+    def _prefill_kernel(Q, K, V, KC, VC, O, CU_Q, CTX, BT,
+                        stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                        stride_cb, stride_ct, stride_ch, stride_bt, block_size, qk_scale, window, max_q_bucket,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CACHE: tl.constexpr,
+                        SKIP_SINGLE: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+        """One program: BLOCK_M new tokens of one sequence, one query head. Keys come in two parts: the cached
+        prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
+        (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked)."""
+        m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        if m_blk * BLOCK_M >= q_len:
+            return
+        if SKIP_SINGLE and q_len == 1:  # decodes: the decode kernel's
+            return
+        prefix = 0
+        if HAS_CACHE:
+            prefix = tl.load(CTX + b) - q_len
+        kvh = h // GROUP
+        offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qn + h * stride_qh + d[None, :],
+                    mask=(offs_m < q_len)[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        first_q = m_blk * BLOCK_M  # index (within the new tokens) of this block's first query
+        if HAS_CACHE:
+            lo = 0
+            if SLIDING:
+                lo = tl.maximum(0, (prefix + first_q - window + 1) // BLOCK_N * BLOCK_N)
+            for start in range(lo, prefix, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                nm = n < prefix
+                rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
+                kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+                s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+                visible = nm[None, :]
+                if SLIDING:
+                    visible = visible & (n[None, :] > (prefix + offs_m)[:, None] - window)
+                s = tl.where(visible, s, float("-inf"))
+                v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(0, (first_q - window + 1) // BLOCK_N * BLOCK_N)
+        k_base = K + kvh * stride_kh
+        v_base = V + kvh * stride_vh
+        for start in range(lo, first_q, BLOCK_N):  # fully visible tiles (BLOCK_N divides BLOCK_M)
+            n = start + tl.arange(0, BLOCK_N)
+            k_rows = (q_start + n).to(tl.int64)
+            kt = tl.load(k_base + k_rows[None, :] * stride_kn + d[:, None], mask=dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            if SLIDING:
+                s = tl.where(n[None, :] > offs_m[:, None] - window, s, float("-inf"))
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + d[None, :], mask=dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        hi = tl.minimum(q_len, first_q + BLOCK_M)
+        for start in range(first_q, hi, BLOCK_N):  # the diagonal: causal mask
+            n = start + tl.arange(0, BLOCK_N)
+            nm = n < q_len
+            k_rows = (q_start + n).to(tl.int64)
+            kt = tl.load(k_base + k_rows[None, :] * stride_kn + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            visible = nm[None, :] & (n[None, :] <= offs_m[:, None])
+            if SLIDING:
+                visible = visible & (n[None, :] > offs_m[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (rows past q_len under a sliding window)
+        tl.store(O + q_rows[:, None] * stride_on + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=(offs_m < q_len)[:, None] & dm[None, :])
+    def _prune_prefill(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        allowed = set(PREFILL_TILES[prefill_tile_bucket(block_d)])
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+
+    _prefill_kernel_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                 for tiles in PREFILL_TILES.values() for bm, bn, w, st in dict.fromkeys(tiles)],
+        key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "max_q_bucket"],
+        prune_configs_by={"early_config_prune": _prune_prefill})(_prefill_kernel)
+
+
+def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache=None, v_cache=None,
+                             context_lens=None, block_tables=None, sliding_window=None, skip_single=False,
+                             out=None, config=None):
+    """Varlen causal attention for the new tokens q/k/v [N, H|KVH, D] of B sequences (cu_seqlens_q [B+1]).
+    With a cache (k_cache, context_lens [B] on the device, block_tables), sequence b's first
+    context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
+    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of `plan.prefill_plan`'s tile (tests)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    n_heads, dim = q.shape[1], q.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    has_cache = k_cache is not None
+    if not has_cache:
+        k_cache = v_cache = k
+        context_lens = block_tables = cu_seqlens_q
+        cache_strides, bt_stride, block_size = (0, 0, 0), 0, 1
+    else:
+        cache_strides, bt_stride, block_size = k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1]
+    block_d = next_power_of_2(dim)
+    args = (q, k, v, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), *cache_strides, bt_stride, block_size, scale * LOG2E, sliding_window or 0,
+            min(next_power_of_2(max_seqlen_q), 8192))
+    meta = dict(GROUP=n_heads // k.shape[1], HEAD_DIM=dim, BLOCK_D=block_d, HAS_CACHE=has_cache,
+                SKIP_SINGLE=skip_single, SLIDING=sliding_window is not None, PREC=precision(q))
+    if config is None:
+        config = prefill_plan(dim, q.dtype, max_seqlen_q)
+    if config is None:
+        def grid(c):
+            return (triton.cdiv(max_seqlen_q, c["BLOCK_M"]), batch, n_heads)
+        _prefill_kernel_tuned[grid](*args, **meta)
+    else:
+        assert config["BLOCK_M"] % config["BLOCK_N"] == 0, "BLOCK_N must divide BLOCK_M"
+        grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), batch, n_heads)
+        _prefill_kernel[grid](*args, **meta, **config)
+    return out

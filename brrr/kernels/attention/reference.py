@@ -1,0 +1,89 @@
+"""Plain-torch attention: the oracle for the Triton kernels, and the path on CPU, under autograd and torch.compile."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brrr.kernels.attention.meta import AttnMeta
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    # index_copy_/index_select rather than advanced indexing, which is far slower on CPU
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def attention_ref(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None = None):
+    """q [N, H, D], k/v [N, KVH, D] for the new tokens -> [N, H * D]."""
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    if meta.kv_caches is None and len(set(meta.seqlens_q)) == 1 and len(meta.seqlens_q) > 1:
+        return _causal_uniform(q, k, v, len(meta.seqlens_q), scale, n_heads // n_kv, sliding_window)
+    if meta.kv_caches is not None:
+        k_cache, v_cache = meta.kv_caches[layer]
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        block_size = k_cache.shape[1]
+    out = torch.empty(q.shape[0], n_heads * q.shape[2], dtype=q.dtype, device=q.device)
+    start = 0
+    for b, q_len in enumerate(meta.seqlens_q):
+        end = start + q_len
+        if meta.kv_caches is None:
+            kb, vb = k[start:end], v[start:end]
+        else:
+            ctx = meta.context_lens[b]
+            blocks = meta.block_tables[b, : -(-ctx // block_size)].long()
+            kb = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+            vb = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+        out[start:end] = _sdpa_one(q[start:end], kb, vb, scale, n_heads // n_kv, sliding_window)
+        start = end
+    return out
+
+
+def _causal_uniform(q, k, v, batch, scale, groups, sliding_window):
+    """No cache, equal lengths (training batches): one batched SDPA call instead of a loop over sequences."""
+    t = q.shape[0] // batch
+    q, k, v = (x.view(batch, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    mask = None
+    if sliding_window is not None and t > sliding_window:
+        pos = torch.arange(t, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return o.transpose(1, 2).reshape(batch * t, -1)
+
+
+def _sdpa_one(q, k, v, scale, groups, sliding_window):
+    """One sequence: q [Tq, H, D] are the last Tq of the Tk positions in k/v [Tk, KVH, D]."""
+    tq, tk = q.shape[0], k.shape[0]
+    if groups > 1:  # GQA: kv head j serves query heads j*groups .. (j+1)*groups-1
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    mask, causal = None, False
+    if sliding_window is not None and tk > sliding_window or (tq > 1 and tq != tk):
+        q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        k_pos = torch.arange(tk, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    elif tq > 1:
+        causal = True
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return o.squeeze(0).transpose(0, 1).reshape(tq, -1)
+
+
+def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+    """One query token per sequence, vectorised over the batch: q [B, H, D] attends to the first
+    context_lens[b] cached tokens of its block table. Reads block_tables.shape[1] whole blocks per sequence."""
+    batch, n_heads, _ = q.shape
+    n_kv = k_cache.shape[2]
+    flat = block_tables.long().flatten()
+    k = k_cache.index_select(0, flat).view(batch, -1, *k_cache.shape[2:])  # [B, max_blocks * block_size, KVH, D]
+    v = v_cache.index_select(0, flat).view(batch, -1, *v_cache.shape[2:])
+    pos = torch.arange(k.shape[1], device=q.device)
+    mask = pos[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= context_lens[:, None] - sliding_window
+    groups = n_heads // n_kv
+    k, v = (t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (k, v))
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(batch, -1)

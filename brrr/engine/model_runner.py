@@ -22,6 +22,12 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return block_size * kv_elements_per_token(cfg) * dtype.itemsize
 
 
+def kv_cache_bytes(free: int, total: int, activations: int, gpu_memory_utilization: float) -> int:
+    """What the KV cache may take: total * utilization less what is in use now (total - free: this process's
+    weights and CUDA context, and other processes) and the activations of a full-budget step."""
+    return int(total * gpu_memory_utilization - (total - free) - activations)
+
+
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -144,18 +150,21 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
         """CUDA: run one forward at the full token budget, then give the KV cache what is left of
-        total * utilization after the weights and that peak."""
+        total * utilization after everything the device holds now (weights, the CUDA context, other processes, as
+        the driver reports them) and that forward's activations."""
         device = next(model.parameters()).device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         n = max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=device)
         model.compute_logits(model(ids, torch.arange(n, device=device), AttnMeta.causal([n], device))[-256:])
         torch.cuda.synchronize(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        free_for_kv = total * gpu_memory_utilization - torch.cuda.max_memory_allocated(device)
+        activations = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
         per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
-        return int(free_for_kv // per_block)
+        return int(kv_cache_bytes(free, total, activations, gpu_memory_utilization) // per_block)
 
     def _copy_blocks(self, copies):
         if not copies:

@@ -170,3 +170,46 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(models, 
     assert failed[0].outputs[0].finish_reason == "abort"
     done = run_all(engine, [("b", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0))])
     assert len(done["b"].outputs[0].token_ids) == 4
+
+
+def test_forks_never_exceed_max_num_seqs(models, workload, expected):
+    """Two n=4 requests on max_num_seqs=2: forks beyond the free places wait their turn (like preempted sequences)
+    instead of joining the batch, and every sample still gets transformers' tokens."""
+    _, model = models
+    prompts, lengths = workload
+    picked = [i for i in range(len(prompts)) if lengths[i] >= 4][:2]
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, block_size=16, max_num_seqs=2))
+    for i in picked:
+        engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0, n=4))
+    done, most = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2
+    for i in picked:
+        assert [c.token_ids for c in done[str(i)].outputs] == [expected[i]] * 4, f"request {i}"
+    engine.block_manager.check_invariants([])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_kv_cache_sizing_counts_what_the_device_has_in_use(models, monkeypatch):
+    """The KV cache gets total * utilization less what the driver reports in use (weights, CUDA context, other
+    processes) and the profiled step's activations, not less this process's allocator peak alone."""
+    from types import SimpleNamespace
+
+    from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
+
+    _, model = models
+    gib = 1 << 30
+    fakes = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device=None: None,
+             "synchronize": lambda device=None: None, "memory_allocated": lambda device=None: 2 * gib,
+             "max_memory_allocated": lambda device=None: 3 * gib,  # the profiled step: 1 GiB of activations
+             "mem_get_info": lambda device=None: (48 * gib, 80 * gib),  # 32 GiB in use, 30 of it another process's
+             "get_device_properties": lambda device=None: SimpleNamespace(total_memory=80 * gib)}
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    blocks = ModelRunner.profile_num_blocks(model, 16, 64, 0.9)
+    per_block = kv_bytes_per_block(model.config, 16, torch.float32)
+    assert blocks == int(80 * gib * 0.9 - 32 * gib - 1 * gib) // per_block

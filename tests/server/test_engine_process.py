@@ -156,3 +156,52 @@ def test_the_engine_process_exits_when_its_server_is_killed(model_dir):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop():
+    """A command larger than the pipe holds (a 100k-token prompt is ~0.5 MB pickled) must not block the event loop
+    until the engine, busy with a step, gets round to reading it: other coroutines keep running, and the command
+    arrives whole."""
+    import multiprocessing
+
+    from brrr.engine.engine_process_client import EngineClient
+
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+    outputs_in, outputs_out = multiprocessing.Pipe(duplex=False)
+    engine = threading.Thread(target=lambda: None)  # stands in for the engine process: nothing to run here
+    engine.start()
+    client = EngineClient(commands_out, outputs_in, engine)
+    huge = ("add", list(range(100_000, 1_100_000)))  # ~5 MB pickled: more than any pipe buffer
+    received = []
+
+    def busy_engine():  # reads its commands only after a while
+        time.sleep(1.0)
+        received.append(commands_in.recv())
+
+    reader = threading.Thread(target=busy_engine)
+    reader.start()
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        client.send(huge)
+        sent_in, before = time.monotonic() - start, ticks
+        await asyncio.sleep(0.5)
+        task.cancel()
+        return sent_in, ticks - before
+
+    sent_in, ticks = asyncio.run(run())
+    reader.join(timeout=30)
+    client.shutdown(timeout=5)
+    assert sent_in < 0.2, f"send blocked the event loop for {sent_in:.2f} s"
+    assert ticks >= 10  # other coroutines ran meanwhile
+    assert received == [huge]

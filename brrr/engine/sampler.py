@@ -70,9 +70,8 @@ _COPY_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 
 def copy_stream(kind: str, device: torch.device) -> torch.cuda.Stream | None:
     """A side stream for the engine's small host <-> device copies ("up" or "down"), or None while a CUDA graph is
-    being captured. On the compute stream each copy waited for the kernels queued before it and held back the ones
-    after: between two decode graphs on the H200, the inputs' uploads and the tokens' download took ~16 us of the
-    ~31 us from one replay's end to the next one's start (bench/results/engine_step_gap_trace_h200.jsonl)."""
+    being captured. On the compute stream each copy would wait for the kernels queued before it and hold back the
+    ones after, widening the gap between two decode steps."""
     if torch.cuda.is_current_stream_capturing():
         return None
     key = (kind, device.index if device.index is not None else torch.cuda.current_device())

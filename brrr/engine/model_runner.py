@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
+from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.staging import InputStaging
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import LEAN_CONTEXT, SHORT_CONTEXT, lean_decode_ok
 from brrr.kernels.attention_mma import lean_mma_ok
@@ -50,6 +51,7 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.staging = InputStaging(self.device)  # every step's inputs go to the device through it
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, meta), for any context length
         self.short_graphs: dict[int, tuple] = {}  # the same for contexts <= SHORT_CONTEXT (decode tiles differ)
         self.lean_graphs: dict[int, tuple] = {}  # contexts <= LEAN_CONTEXT, small batches: the lean decode kernel
@@ -123,12 +125,11 @@ class ModelRunner:
         # padded rows b..g: token 0 at position 0, writing to the spare block, reading 1 token
         spare = self.num_blocks * self.block_size
         width = tables.shape[1]
-        # One pinned host buffer, one asynchronous copy; a pageable copy would make the host wait for the GPU.
         host = np.zeros((4, g), dtype=np.int64)
         host[0, :b] = ids if ids_from is None else 0
         host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = spare, 1
-        rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
+        (rows,) = self.staging.stage(np.concatenate([host.ravel(), tables.ravel()]))
         stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
                             ids_from)
         graph, logits, _ = self.graph_for(g, max(context_lens))
@@ -169,8 +170,7 @@ class ModelRunner:
     def _copy_blocks(self, copies):
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = self.staging.stage(np.array(copies, dtype=np.int64).T.copy())[0]
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
@@ -205,20 +205,21 @@ class ModelRunner:
         if not logit_rows and self.can_launch(batch):
             logits = self._replay(batch)
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
-                logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+                logits = logits.index_select(0, self.staging.stage(np.array(rows, dtype=np.int64))[0])
             return sample(logits, [row for _, row in sample_rows]), None
-        dev = self.device
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
         # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
-        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(seqlens).cumsum(0)
-        meta = AttnMeta(cu_seqlens_q=cu.to(dev), seqlens_q=seqlens, context_lens=context_lens,
-                        slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(tables).to(dev),
-                        kv_caches=self.kv_caches)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(positions).to(dev), meta)
-        logits = self.model.compute_logits(hidden[rows + list(logit_rows)])
+        cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = self.staging.stage(
+            np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32), tables,
+            np.array(rows + list(logit_rows), dtype=np.int64))
+        meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
+                        block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
+        hidden = self.model(ids_t, positions_t, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
         return result, extra

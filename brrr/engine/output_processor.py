@@ -15,13 +15,16 @@ from brrr.tokenizer import IncrementalDecoder
 
 
 class _Sample:
-    __slots__ = ("token_ids", "logprobs", "text", "emitted", "decoder", "finish_reason", "delta_ids", "delta_lp")
+    __slots__ = ("token_ids", "logprobs", "text", "emitted", "decoder", "finish_reason", "delta_ids", "delta_lp",
+                 "plain")
 
-    def __init__(self, decoder, want_logprobs: bool):
+    def __init__(self, decoder, want_logprobs: bool, stream: bool):
         self.token_ids: list[int] = []
         self.logprobs = [] if want_logprobs else None
         self.text, self.emitted, self.decoder, self.finish_reason = "", 0, decoder, None
         self.delta_ids, self.delta_lp = [], None  # new since the last output (streamed requests only)
+        # only token ids to keep (no text, logprobs or deltas): `process` takes a short path
+        self.plain = decoder is None and not want_logprobs and not stream
 
 
 class _RequestState:
@@ -60,10 +63,18 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(self, records: list[EngineOutput]) -> Processed:
-        result, touched = Processed(), {}
+        result, touched, states = Processed(), {}, self.states
         for rec in records:
-            state = self.states.get(rec.request_id)
+            state = states.get(rec.request_id)
             if state is None:  # aborted meanwhile
+                continue
+            sample = state.samples.get(rec.index)
+            if sample is not None and sample.plain and rec.error is None:  # the offline batch's common case
+                sample.token_ids += rec.new_token_ids
+                if rec.finish_reason is not None:
+                    sample.finish_reason = rec.finish_reason
+                    state.num_finished += 1
+                    touched[rec.request_id] = state
                 continue
             if rec.error is not None:
                 state.error = rec.error
@@ -99,7 +110,7 @@ class OutputProcessor:
             decoder = None
             if self.tokenizer is not None:
                 decoder = IncrementalDecoder(self.tokenizer, params.skip_special_tokens)
-            sample = state.samples[rec.index] = _Sample(decoder, params.logprobs is not None)
+            sample = state.samples[rec.index] = _Sample(decoder, params.logprobs is not None, state.stream)
         if sample.finish_reason is not None:  # a stop string ended it; the engine had a step in flight
             return
         new = rec.new_token_ids

@@ -213,3 +213,23 @@ def test_kv_cache_sizing_counts_what_the_device_has_in_use(models, monkeypatch):
     blocks = ModelRunner.profile_num_blocks(model, 16, 64, 0.9)
     per_block = kv_bytes_per_block(model.config, 16, torch.float32)
     assert blocks == int(80 * gib * 0.9 - 32 * gib - 1 * gib) // per_block
+
+
+def test_prompt_logprobs_read_back_once_per_step(models, monkeypatch):
+    """Prompt logprobs for a 40-token prompt in one step: one read-back for all of them (and one for the sampled
+    token), not a few per prompt token."""
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    engine.add_request("a", list(range(7, 47)), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, real=real, **kwargs):
+            reads["n"] += 1
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    (out,) = engine.step()
+    monkeypatch.undo()
+    assert out.finished and len(out.prompt_logprobs) == 40 and all(len(e) <= 3 for e in out.prompt_logprobs[1:])
+    assert reads["n"] <= 2, f"{reads['n']} host reads of device values in one step"

@@ -84,7 +84,7 @@ class OutputProcessor:
         for request_id, state in touched.items():
             finished = state.error is not None or state.num_finished == state.request.params.n
             if finished:
-                del self.states[request_id]
+                states.pop(request_id, None)  # pop: a server's event loop may abort it meanwhile
                 state.metrics.finish_time = now
             if finished or state.stream:
                 result.outputs.append(self._output(state, finished))

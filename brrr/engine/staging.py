@@ -47,7 +47,7 @@ class InputStaging:
     def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return host.clone()  # the host buffer is reused next step
-        event = torch.cuda.Event()
+        event = self._copied[turn] or torch.cuda.Event()  # re-recorded each time its buffer is used
         up = copy_stream("up", self.device)
         if up is None:  # inside a graph capture: on the capturing stream
             out = host.to(self.device, non_blocking=True)

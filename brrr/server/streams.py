@@ -150,7 +150,9 @@ async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts:
                 for c in out.outputs:
                     index = i * n + c.index
                     reason = c.finish_reason if c.finish_reason and index not in finished else None
-                    echo = echo_texts[i] if index not in started and body.echo else None
+                    # the echo goes with the first tokens: by then the prompt's logprobs are all in
+                    first = index not in started and (c.delta_token_ids or reason)
+                    echo = echo_texts[i] if first and body.echo else None
                     if not (c.delta_token_ids or c.delta_text or reason or echo is not None):
                         continue
                     logprobs = None

@@ -13,7 +13,7 @@ from brrr.engine.block_manager import BlockManager
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
-from brrr.engine.sampler import PendingTokens, SampleRow, h2d
+from brrr.engine.sampler import PendingTokens, SampleRow, h2d, logprob_entries
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
@@ -271,26 +271,14 @@ class EngineCore:
         targets, ks = [], []
         for seq, _, count, pos in prompt_rows:
             targets += seq.request.prompt_token_ids[pos:pos + count]
-            ks.append(seq.request.params.prompt_logprobs)
-        k = max(ks)
-        target_lp = logprobs.gather(1, h2d(targets, logprobs.device, torch.long)[:, None])
-        packed = target_lp.double()
-        if k:
-            top = logprobs.topk(k)
-            packed = torch.cat([packed, top.values.double(), top.indices.double()], 1)
-        values = packed.tolist()  # the step's one wait for the device
+            ks += [seq.request.params.prompt_logprobs] * count
+        read = logprob_entries(logprobs, targets, ks)
         entries, offset = {}, 0
         for seq, _, count, pos in prompt_rows:
-            req, want = seq.request, seq.request.params.prompt_logprobs
+            req = seq.request
             new = [None] if req.num_prompt_logprobs == 0 else []  # the first prompt token has no predecessor
-            for i in range(count):
-                row = values[offset + i]
-                entry = {targets[offset + i]: row[0]}
-                if want:
-                    entry.update(zip(map(int, row[1 + k:1 + k + want]), row[1:1 + want]))
-                new.append(entry)
+            entries[req.request_id] = new + read[offset:offset + count]
             req.num_prompt_logprobs = pos + count
-            entries[req.request_id] = new
             offset += count
         return entries
 

@@ -215,12 +215,8 @@ def test_kv_cache_sizing_counts_what_the_device_has_in_use(models, monkeypatch):
     assert blocks == int(80 * gib * 0.9 - 32 * gib - 1 * gib) // per_block
 
 
-def test_prompt_logprobs_read_back_once_per_step(models, monkeypatch):
-    """Prompt logprobs for a 40-token prompt in one step: one read-back for all of them (and one for the sampled
-    token), not a few per prompt token."""
-    _, model = models
-    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_batched_tokens=64))
-    engine.add_request("a", list(range(7, 47)), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+def count_reads(monkeypatch) -> dict:
+    """Counts reads of device values to the host (each one a wait for the device on a GPU)."""
     reads = {"n": 0}
     for name in ("tolist", "item", "__float__", "__int__"):
         real = getattr(torch.Tensor, name)
@@ -229,7 +225,30 @@ def test_prompt_logprobs_read_back_once_per_step(models, monkeypatch):
             reads["n"] += 1
             return real(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+def test_prompt_logprobs_read_back_once_per_step(models, monkeypatch):
+    """Prompt logprobs for a 40-token prompt in one step: one read-back for all of them (and one for the sampled
+    token), not a few per prompt token."""
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    engine.add_request("a", list(range(7, 47)), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    reads = count_reads(monkeypatch)
     (out,) = engine.step()
     monkeypatch.undo()
     assert out.finished and len(out.prompt_logprobs) == 40 and all(len(e) <= 3 for e in out.prompt_logprobs[1:])
+    assert reads["n"] <= 2, f"{reads['n']} host reads of device values in one step"
+
+
+def test_sampled_logprobs_read_back_once_per_step(models, monkeypatch):
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64))
+    for i in range(6):
+        engine.add_request(str(i), [3 + i, 4, 5], SamplingParams(max_tokens=2, temperature=0, logprobs=2))
+    engine.step()  # the prompts
+    reads = count_reads(monkeypatch)
+    outs = engine.step()
+    monkeypatch.undo()
+    assert len(outs) == 6 and all(len(o.outputs[0].logprobs) == 2 for o in outs)
     assert reads["n"] <= 2, f"{reads['n']} host reads of device values in one step"

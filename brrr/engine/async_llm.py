@@ -80,7 +80,7 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, engine: EngineCore):
         """The engine loop in a thread of this process, on this engine object (which `engine` keeps pointing to)."""
-        self.engine: LLMEngine | None = engine
+        self.engine: EngineCore | None = engine
         self._start(EngineClient.in_thread(engine), engine.tokenizer)
 
     @classmethod
@@ -125,7 +125,7 @@ class AsyncLLM:
         return self.client.alive and not self._stopped
 
     def stats(self) -> dict:
-        """`LLMEngine.stats()` as of the engine's latest step, plus num_free_blocks, num_unfinished_requests and
+        """`EngineCore.stats()` as of the engine's latest step, plus num_free_blocks, num_unfinished_requests and
         num_unfinished_seqs."""
         return self.client.stats
 

@@ -1,4 +1,4 @@
-"""The engine side of `brrr serve`: an LLMEngine stepping in a process of its own, so that its per-step Python never
+"""The engine side of `brrr serve`: an EngineCore stepping in a process of its own, so that its per-step Python never
 waits on the HTTP process's GIL (event loop, JSON and SSE for every stream) and the other way round.
 
 `run_engine_process` is the spawned process: it loads the model from the same arguments the server got (`EngineSpec`;

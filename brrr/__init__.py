@@ -9,5 +9,14 @@ from brrr.pretrained import Pretrained, load  # noqa: E402
 from brrr.engine.sampling_params import SamplingParams  # noqa: E402
 from brrr.tokenizer import Tokenizer  # noqa: E402
 
-__all__ = ["BrrrError", "ModelConfig", "Pretrained", "SamplingParams", "Tokenizer", "forward_logits",
+__all__ = ["LLM", "BrrrError", "ModelConfig", "Pretrained", "SamplingParams", "Tokenizer", "forward_logits",
            "generate_tokens", "load", "load_model", "save_model", "__version__"]
+
+
+def __getattr__(name: str):
+    """`from brrr import LLM` (vLLM's spelling), without importing the engine for every `import brrr`."""
+    if name == "LLM":
+        from brrr.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'brrr' has no attribute {name!r}")

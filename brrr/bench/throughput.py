@@ -58,7 +58,6 @@ def cmd_throughput(args) -> int:
                                                  max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 8,
                                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                                  cuda_graphs=args.cuda_graphs == "on"))
-    engine.stream_outputs = False  # offline: outputs only when requests finish, as LLM.generate does
     # A rehearsal of the workload's shapes (long prompts, chunked prefill, sampled decodes) with its own random
     # stream: Triton compiles and autotunes a kernel the first time it meets a shape, seconds that would otherwise
     # land in the timed run.
@@ -66,7 +65,7 @@ def cmd_throughput(args) -> int:
     for i in range(16):
         length = args.max_len if i < 4 else warm.randint(args.min_len, args.max_len)
         engine.add_request(f"warm-{i}", [warm.randrange(cfg.vocab_size) for _ in range(length)],
-                           SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, seed=i))
+                           SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, seed=i), stream=False)
     while engine.has_unfinished_requests():
         engine.step()
     rng = random.Random(0)
@@ -74,7 +73,7 @@ def cmd_throughput(args) -> int:
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]
         params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
                                 seed=i)
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, params, stream=False)  # offline: only final outputs, as LLM.generate
     engine.schedule_log = schedule = []  # each step's (computed, new) per sequence; costed after the clock stops
     generated0 = engine.generation_tokens_total
     torch.cuda.synchronize()

@@ -1,10 +1,11 @@
 """AsyncLLM: the engine streaming outputs to asyncio callers (the server).
 
 `AsyncLLM.spawn(spec)` runs the engine in a process of its own (`brrr serve`): this process validates and
-tokenizes, the engine process schedules, runs the model and detokenizes, and the two talk over pipes
-(engine_process.py). `AsyncLLM(engine)` runs the same engine loop on an engine object in a thread of this process
-(tests that build an engine). Either way, requests are validated here by the engine's own checks before anything is
-queued, and each engine step arrives as one message whose deltas are turned back into `RequestOutput`s.
+tokenizes, the engine process schedules and runs the model, and the two talk over pipes (engine_process.py).
+`AsyncLLM(engine)` runs the same engine loop on an engine object in a thread of this process (tests that build an
+engine). Either way, requests are validated here by the engine's own checks before anything is queued, and each
+engine step arrives as one message of `EngineOutput` records, which this process's output processor detokenizes,
+checks for stop strings and assembles into `RequestOutput`s, on the thread that reads the pipe.
 """
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ from collections.abc import AsyncIterator
 
 from brrr.engine.engine_process import EngineInfo, EngineSpec
 from brrr.engine.engine_process_client import EngineClient
-from brrr.engine.engine_process_outputs import RequestAssembly, merge_outputs
-from brrr.engine.llm_engine import LLMEngine, check_request
-from brrr.engine.outputs import RequestOutput
+from brrr.engine.llm_engine import EngineCore, check_request
+from brrr.engine.output_processor import OutputProcessor
+from brrr.engine.outputs import EngineOutput, RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 
 
 class EngineLimits:
-    """The engine's request checks without the engine (`check_request`, what `LLMEngine.make_request` runs) on the
+    """The engine's request checks without the engine (`check_request`, what `EngineCore.make_request` runs) on the
     limits the engine reported (context, vocabulary, KV blocks): a request that passes here is one the engine takes."""
 
     def __init__(self, info: EngineInfo, tokenizer):
@@ -55,17 +56,31 @@ class _LatestOutput:
         return out
 
 
-class _Stream:
-    __slots__ = ("loop", "assembly", "outputs")
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer`, carrying the deltas of both: what a consumer that never took `older` must see. The cumulative fields
+    (text, token_ids, logprobs) are newer's already."""
+    previous = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = previous.get(c.index)
+        if prev is not None and (prev.delta_text or prev.delta_token_ids):
+            c.delta_text = prev.delta_text + c.delta_text
+            c.delta_token_ids = prev.delta_token_ids + c.delta_token_ids
+            if prev.delta_logprobs is not None:
+                c.delta_logprobs = prev.delta_logprobs + (c.delta_logprobs or [])
+    return newer
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, assembly: RequestAssembly):
-        self.loop, self.assembly, self.outputs = loop, assembly, _LatestOutput()
+
+class _Stream:
+    __slots__ = ("loop", "outputs")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.outputs = loop, _LatestOutput()
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineCore):
         """The engine loop in a thread of this process, on this engine object (which `engine` keeps pointing to)."""
-        self.engine: LLMEngine | None = engine
+        self.engine: EngineCore | None = engine
         self._start(EngineClient.in_thread(engine), engine.tokenizer)
 
     @classmethod
@@ -90,9 +105,10 @@ class AsyncLLM:
         self.info: EngineInfo = client.wait_ready()
         self.limits = EngineLimits(self.info, tokenizer)
         self._streams: dict[str, _Stream] = {}
+        self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
         self._stopped = False
-        client.start_reading(self._on_deltas, self._on_failure)
+        client.start_reading(self._on_records, self._on_failure)
 
     # ---- what the server reads --------------------------------------------------------------------------------
     @property
@@ -109,7 +125,7 @@ class AsyncLLM:
         return self.client.alive and not self._stopped
 
     def stats(self) -> dict:
-        """`LLMEngine.stats()` as of the engine's latest step, plus num_free_blocks, num_unfinished_requests and
+        """`EngineCore.stats()` as of the engine's latest step, plus num_free_blocks, num_unfinished_requests and
         num_unfinished_seqs."""
         return self.client.stats
 
@@ -139,8 +155,8 @@ class AsyncLLM:
         request_id = request.request_id
         if request_id in self._streams:
             raise BrrrError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), RequestAssembly(
-            request_id, request.prompt, request.prompt_token_ids, request.params, request.arrival_time))
+        stream = _Stream(asyncio.get_running_loop())
+        self.processor.add_request(request)  # before the engine can answer
         self._streams[request_id] = stream  # before the failure check: _on_failure then sees it, or we see failure
         outputs = RequestStream(self, request_id, stream)
         try:
@@ -152,12 +168,15 @@ class AsyncLLM:
             raise
         return outputs
 
-    def abort(self, request_id: str) -> None:
-        """Stop the request in the engine and free its KV blocks (on the engine's next turn)."""
-        self._streams.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop the request (or its sample `index`) in the engine and free its KV blocks (on the engine's next
+        turn)."""
+        if index is None:
+            self._streams.pop(request_id, None)
+            self.processor.abort(request_id)
         if self.client.alive:
             try:
-                self.client.send(("abort", request_id))
+                self.client.send(("abort", request_id, index))
             except BrrrError:
                 pass  # the engine is gone, and its requests with it
 
@@ -166,19 +185,25 @@ class AsyncLLM:
         self.client.shutdown()
 
     # ---- the reader thread's callbacks ------------------------------------------------------------------------
-    def _on_deltas(self, deltas: list) -> None:
-        """One engine step: hand each delta to its stream's event loop, one call per loop (not per request)."""
+    def _on_records(self, records: list[EngineOutput]) -> None:
+        """One engine step: assemble its outputs and hand each to its stream's event loop, one call per loop (not
+        per request). Samples a stop string ended are dropped in the engine."""
+        processed = self.processor.process(records)
+        for request_id, index in processed.stopped:
+            self.abort(request_id, index)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for delta in deltas:
-            stream = self._streams.get(delta[0])
+        for out in processed.outputs:
+            stream = self._streams.get(out.request_id)
             if stream is not None:  # else its consumer has left, and the abort is on its way
-                by_loop.setdefault(stream.loop, []).append((stream, delta))
+                by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)
 
     def _on_failure(self, why: str) -> None:
-        for stream in list(self._streams.values()):
-            _call_soon(stream.loop, _fail, stream, why)
+        for request_id, stream in list(self._streams.items()):
+            out = self.processor.fail(request_id, f"{why}; the request was lost")
+            if out is not None:
+                _call_soon(stream.loop, _deliver, [(stream, out)])
 
 
 class RequestStream:
@@ -207,12 +232,8 @@ class RequestStream:
 
 
 def _deliver(items) -> None:
-    for stream, delta in items:
-        stream.outputs.put(stream.assembly.apply(delta))
-
-
-def _fail(stream: _Stream, why: str) -> None:
-    stream.outputs.put(stream.assembly.fail(f"{why}; the request was lost"))
+    for stream, out in items:
+        stream.outputs.put(out)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

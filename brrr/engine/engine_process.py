@@ -1,17 +1,18 @@
-"""The engine side of `brrr serve`: an LLMEngine stepping in a process of its own, so that its per-step Python never
+"""The engine side of `brrr serve`: an EngineCore stepping in a process of its own, so that its per-step Python never
 waits on the HTTP process's GIL (event loop, JSON and SSE for every stream) and the other way round.
 
 `run_engine_process` is the spawned process: it loads the model from the same arguments the server got (`EngineSpec`;
 nothing heavy is pickled), warms the engine up, says "ready" with what the server needs to know (`EngineInfo`), then
-runs `EngineLoop`. The loop also runs in a thread of the server process (`AsyncLLM(engine)`, for tests that hand
-over an engine object): same messages, same code.
+runs `EngineLoop` on an `EngineCore`. The loop also runs in a thread of the server process (`AsyncLLM(engine)`, for
+tests that hand over an engine object): same messages, same code. Detokenization and stop strings happen on the
+server's side (output_processor.py).
 
 Over two one-way pipes:
-  server -> engine:  ("add", Request) | ("abort", request_id) | ("shutdown",)
+  server -> engine:  ("add", Request) | ("abort", request_id, sample index or None) | ("shutdown",)
   engine -> server:  ("ready", EngineInfo, stats) or ("failed", message) once at start; then, for each step that
-                     made progress or applied commands, ("step", [delta per request], stats) (see
-                     engine_process_outputs.Delta). stats are `LLMEngine.stats()` plus free blocks and unfinished
-                     requests, so /metrics and tests read the engine's state without asking it.
+                     made progress or applied commands, ("step", [EngineOutput], stats). stats are
+                     `EngineCore.stats()` plus free blocks and unfinished requests, so /metrics and tests read the
+                     engine's state without asking it.
 The engine process ignores SIGINT and SIGTERM: the server process decides when it stops (after draining). It exits
 on "shutdown", or when the server's end of the pipe closes, which is what happens when the server dies.
 """
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from brrr.config import EngineConfig
-from brrr.engine.engine_process_outputs import DeltaEncoder, failure_delta
-from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.llm_engine import EngineCore
+from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 
@@ -66,13 +67,13 @@ class EngineInfo:
     warm_up_seconds: float = 0.0
 
     @classmethod
-    def of(cls, engine: LLMEngine, warm_up_seconds: float = 0.0) -> "EngineInfo":
+    def of(cls, engine: EngineCore, warm_up_seconds: float = 0.0) -> "EngineInfo":
         bm = engine.block_manager
         return cls(engine.max_model_len, engine.model.config.vocab_size, bm.num_blocks, bm.block_size,
                    engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds)
 
 
-def engine_stats(engine: LLMEngine, baseline: dict | None = None) -> dict:
+def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:
     stats = engine.stats()
     for key in COUNTERS if baseline else ():
         stats[key] -= baseline[key]
@@ -86,13 +87,15 @@ class EngineLoop:
     """Applies commands between steps, steps while there is work, and sends one message per step. Blocks on the
     command pipe while idle."""
 
-    def __init__(self, engine: LLMEngine, commands: Connection, outputs: Connection, baseline: dict | None = None,
+    def __init__(self, engine: EngineCore, commands: Connection, outputs: Connection, baseline: dict | None = None,
                  parent_pid: int | None = None):
         self.engine, self.commands, self.outputs = engine, commands, outputs
         self.baseline, self.parent_pid = baseline, parent_pid
-        self.encoder = DeltaEncoder()
-        engine.delta_outputs = True  # the engine builds the wire deltas itself: no output objects per request per step
-        self.failed: list = []  # deltas for requests the engine refused, sent with the next message
+        # the core's records, also from an LLMEngine (whose own step() would assemble outputs in this process)
+        self.step = EngineCore.step.__get__(engine)
+        self.abort = EngineCore.abort.__get__(engine)
+        self.enqueue = EngineCore.enqueue.__get__(engine)
+        self.failed: list[EngineOutput] = []  # requests the engine refused, sent with the next message
         # BRRR_ENGINE_TRACE=FILE (benchmarks): one line per step, written at shutdown: when it started, when the
         # step returned, when its message was sent, and the engine's counters after it
         self.trace_path = os.environ.get("BRRR_ENGINE_TRACE")
@@ -107,14 +110,13 @@ class EngineLoop:
                 if applied is None:
                     return
                 start = time.perf_counter()
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                records = self.step() if self.engine.has_unfinished_requests() else []
                 stepped = time.perf_counter()
-                if outputs or applied or self.failed:
-                    deltas = self.encoder.encode(outputs)
+                if records or applied or self.failed:
                     if self.failed:
-                        deltas, self.failed = self.failed + deltas, []
+                        records, self.failed = self.failed + records, []
                     stats = engine_stats(self.engine, self.baseline)
-                    self.outputs.send(("step", deltas, stats))
+                    self.outputs.send(("step", records, stats))
                     if self.trace is not None:
                         self.trace.append((start, stepped, time.perf_counter(), stats))
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -142,12 +144,11 @@ class EngineLoop:
             if kind == "add":
                 request: Request = command[1]
                 try:
-                    self.engine.enqueue(request)
+                    self.enqueue(request)
                 except BrrrError as e:
-                    self.failed.append(failure_delta(request.request_id, str(e), request.arrival_time))
+                    self.failed.append(EngineOutput(request.request_id, finish_reason="abort", error=str(e)))
             elif kind == "abort":
-                self.engine.abort(command[1])
-                self.encoder.forget(command[1])
+                self.abort(command[1], command[2])
             elif kind == "shutdown":
                 if self.trace:
                     write_trace(self.trace_path, self.trace)
@@ -166,7 +167,8 @@ def write_trace(path: str, trace: list) -> None:
             f.write(json.dumps({"start": start, "stepped": stepped, "sent": sent, **stats}) + "\n")
 
 
-def build_engine(spec: EngineSpec) -> LLMEngine:
+def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
+    """The engine `spec` describes: an EngineCore for the engine process (core), else an LLMEngine."""
     import torch
 
     from brrr.pretrained import load
@@ -175,7 +177,10 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
-    return LLMEngine(pretrained.model, pretrained.tokenizer, spec.config, pretrained.eos_token_ids)
+    from brrr.engine.llm_engine import LLMEngine
+
+    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, spec.config,
+                                               pretrained.eos_token_ids)
 
 
 def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connection, parent_pid: int) -> None:
@@ -184,7 +189,7 @@ def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connecti
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
     try:
-        engine = build_engine(spec)
+        engine = build_engine(spec, core=True)
         baseline, seconds = None, 0.0
         if spec.warm_up:
             from brrr.engine.engine_process_warmup import warm_up

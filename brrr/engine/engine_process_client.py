@@ -1,23 +1,25 @@
 """The server's end of the engine (engine_process.py): starts it, in a spawned process or in a thread, sends it
-commands, and reads its per-step messages on a reader thread, which keeps the latest stats and hands each step's
-deltas to a callback. Knows when the engine is gone and why."""
+commands through a writer thread (a large prompt fills the pipe; the event loop must not wait for the engine to
+drain it), and reads its per-step messages on a reader thread, which keeps the latest stats and hands each step's
+records to a callback. Knows when the engine is gone and why."""
 from __future__ import annotations
 
 import atexit
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from brrr.engine.engine_process import EngineInfo, EngineLoop, EngineSpec, engine_stats, run_engine_process
-from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.llm_engine import EngineCore
 from brrr.errors import BrrrError
 
 log = logging.getLogger("brrr.engine")
-PIPE_BYTES = 1 << 20  # pipe capacity: a burst of adds must not block the event loop while the engine is mid-step
+PIPE_BYTES = 1 << 20  # pipe capacity: a burst of adds fits while the engine is mid-step
 STOP_SECONDS = 30  # how long shutdown waits for the engine to finish its step and exit before killing it
 
 
@@ -38,9 +40,11 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.stats: dict = {}  # the engine's stats as of its latest message
         self.failure: str | None = None  # why the engine is gone; None while it runs
-        self._send_lock = threading.Lock()
         self._stopping = False
         self._reader: threading.Thread | None = None
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer thread, in order
+        self._writer = threading.Thread(target=self._write, name="brrr-engine-writer", daemon=True)
+        self._writer.start()
         atexit.register(self.shutdown)  # before multiprocessing joins its children at exit, which would wait forever
 
     @classmethod
@@ -57,7 +61,7 @@ class EngineClient:
         return cls(command_writer, output_reader, process)
 
     @classmethod
-    def in_thread(cls, engine: LLMEngine) -> "EngineClient":
+    def in_thread(cls, engine: EngineCore) -> "EngineClient":
         """Run the same loop on an engine object in a thread of this process (tests; no warm-up)."""
         command_reader, command_writer = multiprocessing.Pipe(duplex=False)
         output_reader, output_writer = multiprocessing.Pipe(duplex=False)
@@ -103,13 +107,22 @@ class EngineClient:
 
     # ---- running ----------------------------------------------------------------------------------------------
     def send(self, command: tuple) -> None:
+        """Queue a command for the engine and return at once (the writer thread sends it, in order)."""
         if self.failure is not None:
             raise BrrrError(f"the engine is not running: {self.failure}")
-        try:
-            with self._send_lock:  # the event loop and shutdown may both send; messages must not interleave
+        if self._stopping:
+            raise BrrrError("the engine is shutting down")
+        self._pending.put(command)
+
+    def _write(self) -> None:
+        while True:
+            command = self._pending.get()
+            try:
                 self.commands.send(command)
-        except OSError:  # BrokenPipeError: the reader thread will tell why
-            raise BrrrError(f"the engine is not running: {self.failure or self._exit_description()}") from None
+            except (OSError, ValueError):  # the engine is gone (the reader thread tells why) or the pipe closed
+                return
+            if command[0] == "shutdown":
+                return
 
     @property
     def alive(self) -> bool:
@@ -158,11 +171,8 @@ class EngineClient:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            with self._send_lock:
-                self.commands.send(("shutdown",))
-        except OSError:
-            pass
+        self._pending.put(("shutdown",))  # after every command queued before it
+        self._writer.join(timeout=timeout)
         self.worker.join(timeout=timeout)
         if isinstance(self.worker, multiprocessing.process.BaseProcess) and self.worker.is_alive():
             log.warning("the engine process did not stop within %.0f s; killing it", timeout)

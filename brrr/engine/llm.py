@@ -23,27 +23,26 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
-        Returns one finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts, as vLLM takes them: a string, a list of token ids, {"prompt": text}, {"prompt_token_ids": ids},
+        or a list of those. Returns one finished RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise BrrrError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those, got "
+                            f"{type(prompts).__name__}")
+        prompts = [_prompt(p, i) for i, p in enumerate(prompts)]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise BrrrError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         requests = [self.engine.make_request(self._request_id(), p, sp) for p, sp in zip(prompts, params)]
         for request in requests:  # all validated first: a bad prompt leaves nothing half-queued
-            self.engine.enqueue(request)
+            self.engine.enqueue(request, stream=False)
         finished: dict[str, RequestOutput] = {}
-        streaming, self.engine.stream_outputs = self.engine.stream_outputs, False
-        try:
-            with _progress(len(requests), use_tqdm) as advance:
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if out.finished:
-                            finished[out.request_id] = out
-                            advance()
-        finally:
-            self.engine.stream_outputs = streaming
+        with _progress(len(requests), use_tqdm) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():  # only finished requests' outputs (stream=False)
+                    finished[out.request_id] = out
+                    advance()
         return [finished[r.request_id] for r in requests]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
@@ -52,6 +51,28 @@ class LLM:
     def _request_id(self) -> str:
         self._counter += 1
         return f"llm-{self._counter}"
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt(prompt, i: int) -> str | list[int]:
+    """One prompt as the engine takes it: text or token ids, from vLLM's dict spellings too."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [key for key in PROMPT_KEYS if key in prompt]
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown or len(given) != 1:
+        what = f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else f"{len(given)} of them"
+        raise BrrrError(f"prompts[{i}]: a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' "
+                        f"(a list of token ids); got {what}")
+    key = given[0]
+    value = prompt[key]
+    if key == "prompt" and not isinstance(value, str):
+        raise BrrrError(f"prompts[{i}]['prompt'] must be a string, got {type(value).__name__}")
+    if key == "prompt_token_ids" and not (isinstance(value, list) and all(type(t) is int for t in value)):
+        raise BrrrError(f"prompts[{i}]['prompt_token_ids'] must be a list of token ids (ints)")
+    return value
 
 
 class _progress:

@@ -5,8 +5,9 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
+from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.staging import InputStaging
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
 from brrr.kernels.graph_inputs import stage_decode_inputs
@@ -15,6 +16,12 @@ from brrr.kernels.graph_inputs import stage_decode_inputs
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for one block of tokens (the count lives in brrr.analysis, with every other)."""
     return block_size * kv_elements_per_token(cfg) * dtype.itemsize
+
+
+def kv_cache_bytes(free: int, total: int, activations: int, gpu_memory_utilization: float) -> int:
+    """What the KV cache may take: total * utilization less what is in use now (total - free: this process's
+    weights and CUDA context, and other processes) and the activations of a full-budget step."""
+    return int(total * gpu_memory_utilization - (total - free) - activations)
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -39,6 +46,7 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.staging = InputStaging(self.device)  # every step's inputs go to the device through it
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
@@ -95,12 +103,11 @@ class ModelRunner:
         # padded rows b..g: token 0 at position 0, writing to the spare block, reading 1 token
         spare = self.num_blocks * self.block_size
         width = tables.shape[1]
-        # One pinned host buffer, one asynchronous copy; a pageable copy would make the host wait for the GPU.
         host = np.zeros((4, g), dtype=np.int64)
         host[0, :b] = ids if ids_from is None else 0
         host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = spare, 1
-        rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
+        (rows,) = self.staging.stage(np.concatenate([host.ravel(), tables.ravel()]))
         stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
                             ids_from)
         graph, logits, _ = self.graph_for(g, max(context_lens))
@@ -122,24 +129,26 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
         """CUDA: run one forward at the full token budget, then give the KV cache what is left of
-        total * utilization after the weights and that peak."""
+        total * utilization after everything the device holds now (weights, the CUDA context, other processes, as
+        the driver reports them) and that forward's activations."""
         device = next(model.parameters()).device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         n = max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=device)
         model.compute_logits(model(ids, torch.arange(n, device=device), AttnMeta.causal([n], device))[-256:])
         torch.cuda.synchronize(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        free_for_kv = total * gpu_memory_utilization - torch.cuda.max_memory_allocated(device)
+        activations = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
         per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
-        return int(free_for_kv // per_block)
+        return int(kv_cache_bytes(free, total, activations, gpu_memory_utilization) // per_block)
 
     def _copy_blocks(self, copies):
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = self.staging.stage(np.array(copies, dtype=np.int64).T.copy())[0]
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
@@ -174,20 +183,21 @@ class ModelRunner:
         if not logit_rows and self.can_launch(batch):
             logits = self._replay(batch)
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
-                logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+                logits = logits.index_select(0, self.staging.stage(np.array(rows, dtype=np.int64))[0])
             return sample(logits, [row for _, row in sample_rows]), None
-        dev = self.device
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
         # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
-        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(seqlens).cumsum(0)
-        meta = AttnMeta(cu_seqlens_q=cu.to(dev), seqlens_q=seqlens, context_lens=context_lens,
-                        slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(tables).to(dev),
-                        kv_caches=self.kv_caches)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.from_numpy(positions).to(dev), meta)
-        logits = self.model.compute_logits(hidden[rows + list(logit_rows)])
+        cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = self.staging.stage(
+            np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32), tables,
+            np.array(rows + list(logit_rows), dtype=np.int64))
+        meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
+                        block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
+        hidden = self.model(ids_t, positions_t, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
         return result, extra

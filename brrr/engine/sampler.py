@@ -70,9 +70,8 @@ _COPY_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 
 def copy_stream(kind: str, device: torch.device) -> torch.cuda.Stream | None:
     """A side stream for the engine's small host <-> device copies ("up" or "down"), or None while a CUDA graph is
-    being captured. On the compute stream each copy waited for the kernels queued before it and held back the ones
-    after: between two decode graphs on the H200, the inputs' uploads and the tokens' download took ~16 us of the
-    ~31 us from one replay's end to the next one's start (bench/results/engine_step_gap_trace_h200.jsonl)."""
+    being captured. On the compute stream each copy would wait for the kernels queued before it and hold back the
+    ones after, widening the gap between two decode steps."""
     if torch.cuda.is_current_stream_capturing():
         return None
     key = (kind, device.index if device.index is not None else torch.cuda.current_device())
@@ -131,18 +130,31 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """logits [B, V] fp32 (one row per SampleRow) -> one token per row."""
     tokens, raw_logprobs = draw(logits, rows)
     token_list = tokens.tolist()
-    out_logprobs = []
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
-        if k is None:
-            out_logprobs.append(None)
-            continue
-        entry = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
-        if k:
-            top = raw_logprobs[i].topk(k)
-            entry.update(zip(top.indices.tolist(), top.values.tolist()))
-        out_logprobs.append(entry)
+    out_logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if want:
+        sub = raw_logprobs if len(want) == len(rows) else raw_logprobs.index_select(0, h2d(want, logits.device))
+        entries = logprob_entries(sub, [token_list[i] for i in want], [rows[i].params.logprobs for i in want])
+        for i, entry in zip(want, entries):
+            out_logprobs[i] = entry
     return SampleResult(token_list, out_logprobs)
+
+
+def logprob_entries(logprobs: torch.Tensor, targets: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """Per row of log-probs [R, V]: {target: its logprob} and the row's top-k {token: logprob}, all rows read back
+    in one transfer (a read per row, or per entry, would make the host wait for the device each time)."""
+    k = max(ks)
+    packed = logprobs.gather(1, h2d(targets, logprobs.device, torch.long)[:, None]).double()
+    if k:
+        top = logprobs.topk(k)
+        packed = torch.cat([packed, top.values.double(), top.indices.double()], 1)
+    entries = []
+    for values, target, want in zip(packed.tolist(), targets, ks):
+        entry = {target: values[0]}
+        if want:
+            entry.update(zip(map(int, values[1 + k:1 + k + want]), values[1:1 + want]))
+        entries.append(entry)
+    return entries
 
 
 def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:

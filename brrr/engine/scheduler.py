@@ -4,6 +4,10 @@ Each step, under a token budget and a sequence cap: running decodes first (one t
 of every running prefill, then new sequences in arrival order. Decodes and prefill chunks share one batch. When
 a decode cannot get a KV slot, the most recently admitted sequence is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue.
+
+The scheduler owns every sequence's place: it creates sequences (a request's first one, and its n - 1 forks when the
+prompt is done), admits them under max_num_seqs, and reserves blocks, also for a decode step planned before the
+previous step's tokens are known (`schedule_next_decode`). The engine only runs what it is handed.
 """
 from __future__ import annotations
 
@@ -12,13 +16,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from brrr.engine.block_manager import BlockManager
-from brrr.engine.sequence import Sequence, Status
+from brrr.engine.sequence import Request, Sequence, Status
 
 
 @dataclass
 class ScheduledBatch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens it contributes this step)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst) to do first
+    # a step planned ahead: for each item, its row in the previous step, whose sampled token is its input
+    previous_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -26,15 +32,74 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int | None = None):
         self.block_manager = block_manager
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._next_seq_id = 0
 
-    def add(self, seq: Sequence) -> None:
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seed = request.params.seed
+        seq = Sequence(self._next_seq_id, request, index, token_ids, None if seed is None else seed + index)
+        self._next_seq_id += 1
+        request.seqs.append(seq)
+        return seq
+
+    def add_request(self, request: Request) -> Sequence:
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
         self.waiting.append(seq)
+        return seq
+
+    def make_forks(self, parent: Sequence) -> list[Sequence]:
+        """The request's other n - 1 samples, sampled from the parent's last prompt row in the step that completes
+        the prompt; `admit_forks` places them once that step has run."""
+        request = parent.request
+        return [self._new_sequence(request, i, list(parent.token_ids)) for i in range(1, request.params.n)]
+
+    def admit_forks(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Forks take free places under max_num_seqs, sharing the parent's computed blocks; the rest wait at the
+        head of the queue without blocks, like preempted sequences (prefix caching finds the shared prompt)."""
+        free = max(0, self.max_num_seqs - len(self.running))
+        for child in children[:free]:
+            self.block_manager.fork(parent, child)
+            child.status = Status.RUNNING
+            self.running.append(child)
+        for child in reversed(children[free:]):
+            self.waiting.appendleft(child)
+
+    def at_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether seq has reached max_tokens or the context, counting `pending` tokens not yet appended."""
+        return (seq.num_output_tokens + pending >= seq.request.params.max_tokens
+                or (self.max_model_len is not None and len(seq.token_ids) + pending >= self.max_model_len))
+
+    def schedule_next_decode(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Step t+1 of the same sequences, planned before step t's tokens reach the host, when nothing else could
+        take a place in it: every running sequence decodes in `batch`, and no waiting one could be admitted now (a
+        full batch, or too few free blocks for the queue's head, keeps it waiting either way; one admitted after a
+        finish joins a step later). Sequences that step t ends for sure (length) are left out; ones a stop token
+        ends are computed and their token dropped. Reserves the blocks step t+1 writes to; None when it can't."""
+        bm = self.block_manager
+        if len(self.running) != len(batch.items):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs and bm.can_allocate(self.waiting[0]):
+            return None
+        rows, items = [], []
+        for row, (seq, _) in enumerate(batch.items):
+            if seq.finished or self.at_length(seq, pending=1):  # step t's token ends it
+                continue
+            rows.append(row)
+            items.append((seq, 1))
+        # step t+1 writes position len(token_ids): its block must exist
+        grow = [seq for seq, _ in items if len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1)]
+        if not items or len(grow) > bm.num_free_blocks:
+            return None
+        for seq in grow:
+            seq.block_table.append(bm.allocate_block())
+        return ScheduledBatch(items, previous_rows=rows)
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.max_num_batched_tokens

@@ -26,11 +26,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full, computed blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort
-    text: str = ""
-    emitted_chars: int = 0  # how much of text has been streamed
-    emitted_tokens: int = 0  # how many output ids have been streamed
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    decoder: object = None  # IncrementalDecoder
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,8 +56,8 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    prompt_logprobs_sent: int = 0  # how many of them a delta output has carried
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs the engine has emitted
+    reported: bool = False  # whether a record has carried the request's scheduling facts yet
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -85,9 +85,20 @@ async def until_disconnected(request: Request, work_coro):
     raise ClientDisconnected()
 
 
+SHUTDOWN_ERROR = APIError(503, "the server shut down before this response was complete", code="unavailable")
+
+
+def _only_cancellation(e: BaseException) -> bool:
+    if isinstance(e, BaseExceptionGroup):
+        return all(_only_cancellation(inner) for inner in e.exceptions)
+    return isinstance(e, asyncio.CancelledError)
+
+
 class EventStream(StreamingResponse):
     """Server-sent events. Whatever ends the response (done, client gone, shutdown) closes the event generator
-    and the engine requests (aborting unfinished ones), and gives back unused admission places."""
+    and the engine requests (aborting unfinished ones), and gives back unused admission places. A stream that the
+    server's shutdown cancels (--shutdown-timeout exceeded) still ends as a stream does: an error event, then
+    [DONE]."""
 
     def __init__(self, events, ticket: Ticket, streams):
         super().__init__(events, media_type="text/event-stream",
@@ -95,37 +106,62 @@ class EventStream(StreamingResponse):
         self.ticket, self.streams = ticket, streams
 
     async def __call__(self, scope, receive, send):
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, tracked)
+        except BaseException as e:
+            if not _only_cancellation(e):
+                raise
+            # Cancelled by the server's shutdown. Ending the body properly (rather than re-raising, which makes the
+            # server log a traceback per stream and cut the body short) lets the client see why.
+            await self._end_cut_stream(send, started)
         finally:
             await self.body_iterator.aclose()
             close_all(self.streams)  # the events may never have started (a client gone before the first byte)
             self.ticket.release_all()
 
 
+    async def _end_cut_stream(self, send, started: bool) -> None:
+        try:
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = (sse(SHUTDOWN_ERROR.body()) + sse("[DONE]")).encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except (OSError, RuntimeError, asyncio.CancelledError):
+            pass  # the connection is gone already: nobody to tell
+
+
 # ---- the endpoints' streaming bodies ----------------------------------------------------------------------------
 async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts: list[str | None], streams):
     """One chunk per engine step that gave a choice new tokens (its text may be empty while the detokenizer holds
-    back an incomplete character or a possible stop string): clients see tokens arrive as they are made."""
-    n, sent, finished, finals = body.n, {}, set(), {}
+    back an incomplete character or a possible stop string): clients see tokens arrive as they are made. Each
+    output carries its own deltas; all this keeps is which choices have started and which have finished."""
+    n, started, finished, finals = body.n, set(), set(), {}
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
                 choices = []
                 for c in out.outputs:
                     index = i * n + c.index
-                    start = sent.get(index, 0)
                     reason = c.finish_reason if c.finish_reason and index not in finished else None
-                    echo = echo_texts[i] if index not in sent and body.echo else None
-                    if not (len(c.token_ids) > start or c.delta_text or reason or echo is not None):
+                    # the echo goes with the first tokens: by then the prompt's logprobs are all in
+                    first = index not in started and (c.delta_token_ids or reason)
+                    echo = echo_texts[i] if first and body.echo else None
+                    if not (c.delta_token_ids or c.delta_text or reason or echo is not None):
                         continue
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = fmt.completion_logprobs(c.token_ids[start:], c.logprobs[start:])
+                        logprobs = fmt.completion_logprobs(c.delta_token_ids, c.delta_logprobs or [])
                         if echo is not None:
                             prompt_lp = fmt.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs)
                             logprobs = join_logprobs(prompt_lp, logprobs, len(echo))
-                    sent[index] = len(c.token_ids)
+                    started.add(index)
                     if reason:
                         finished.add(index)
                     choices.append({"index": index, "text": (echo or "") + c.delta_text, "logprobs": logprobs,
@@ -152,24 +188,24 @@ def join_logprobs(prompt_lp: dict, output_lp: dict, offset: int) -> dict:
 async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs: int | None, stream):
     """Like completion_events; each choice's first chunk carries the assistant role, sent with the first token
     (not before it), so the first chunk's arrival is the time to first token."""
-    sent, finished, final = {}, set(), None
+    started, finished, final = set(), set(), None
     try:
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
-                    start = sent.get(c.index)
+                    first = c.index not in started
                     reason = c.finish_reason if c.finish_reason and c.index not in finished else None
-                    new_tokens = len(c.token_ids) > (start or 0)
-                    if not (start is None or new_tokens or c.delta_text or reason):
+                    new = bool(c.delta_token_ids or c.delta_text)
+                    if not (first or new or reason):
                         continue
-                    delta = {"role": "assistant"} if start is None else {}
-                    if start is None or new_tokens or c.delta_text:
+                    delta = {"role": "assistant"} if first else {}
+                    if first or new:
                         delta["content"] = c.delta_text
                     logprobs = None
                     if top_logprobs is not None:
-                        logprobs = fmt.chat_logprobs(c.token_ids[start or 0:], c.logprobs[start or 0:], top_logprobs)
-                    sent[c.index] = len(c.token_ids)
+                        logprobs = fmt.chat_logprobs(c.delta_token_ids, c.delta_logprobs or [], top_logprobs)
+                    started.add(c.index)
                     if reason:
                         finished.add(c.index)
                     choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})

@@ -170,3 +170,85 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(models, 
     assert failed[0].outputs[0].finish_reason == "abort"
     done = run_all(engine, [("b", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0))])
     assert len(done["b"].outputs[0].token_ids) == 4
+
+
+def test_forks_never_exceed_max_num_seqs(models, workload, expected):
+    """Two n=4 requests on max_num_seqs=2: forks beyond the free places wait their turn (like preempted sequences)
+    instead of joining the batch, and every sample still gets transformers' tokens."""
+    _, model = models
+    prompts, lengths = workload
+    picked = [i for i in range(len(prompts)) if lengths[i] >= 4][:2]
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, block_size=16, max_num_seqs=2))
+    for i in picked:
+        engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0, n=4))
+    done, most = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2
+    for i in picked:
+        assert [c.token_ids for c in done[str(i)].outputs] == [expected[i]] * 4, f"request {i}"
+    engine.block_manager.check_invariants([])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_kv_cache_sizing_counts_what_the_device_has_in_use(models, monkeypatch):
+    """The KV cache gets total * utilization less what the driver reports in use (weights, CUDA context, other
+    processes) and the profiled step's activations, not less this process's allocator peak alone."""
+    from types import SimpleNamespace
+
+    from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
+
+    _, model = models
+    gib = 1 << 30
+    fakes = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device=None: None,
+             "synchronize": lambda device=None: None, "memory_allocated": lambda device=None: 2 * gib,
+             "max_memory_allocated": lambda device=None: 3 * gib,  # the profiled step: 1 GiB of activations
+             "mem_get_info": lambda device=None: (48 * gib, 80 * gib),  # 32 GiB in use, 30 of it another process's
+             "get_device_properties": lambda device=None: SimpleNamespace(total_memory=80 * gib)}
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    blocks = ModelRunner.profile_num_blocks(model, 16, 64, 0.9)
+    per_block = kv_bytes_per_block(model.config, 16, torch.float32)
+    assert blocks == int(80 * gib * 0.9 - 32 * gib - 1 * gib) // per_block
+
+
+def count_reads(monkeypatch) -> dict:
+    """Counts reads of device values to the host (each one a wait for the device on a GPU)."""
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, real=real, **kwargs):
+            reads["n"] += 1
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+def test_prompt_logprobs_read_back_once_per_step(models, monkeypatch):
+    """Prompt logprobs for a 40-token prompt in one step: one read-back for all of them (and one for the sampled
+    token), not a few per prompt token."""
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    engine.add_request("a", list(range(7, 47)), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    reads = count_reads(monkeypatch)
+    (out,) = engine.step()
+    monkeypatch.undo()
+    assert out.finished and len(out.prompt_logprobs) == 40 and all(len(e) <= 3 for e in out.prompt_logprobs[1:])
+    assert reads["n"] <= 2, f"{reads['n']} host reads of device values in one step"
+
+
+def test_sampled_logprobs_read_back_once_per_step(models, monkeypatch):
+    _, model = models
+    engine = LLMEngine(model, config=EngineConfig(num_blocks=64))
+    for i in range(6):
+        engine.add_request(str(i), [3 + i, 4, 5], SamplingParams(max_tokens=2, temperature=0, logprobs=2))
+    engine.step()  # the prompts
+    reads = count_reads(monkeypatch)
+    outs = engine.step()
+    monkeypatch.undo()
+    assert len(outs) == 6 and all(len(o.outputs[0].logprobs) == 2 for o in outs)
+    assert reads["n"] <= 2, f"{reads['n']} host reads of device values in one step"

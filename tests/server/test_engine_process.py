@@ -1,9 +1,10 @@
-"""The engine in a process of its own: what crosses the pipe rebuilds the engine's own outputs, a consumer that falls
+"""The engine in a process of its own: the records crossing the pipe rebuild the in-process outputs, a consumer that falls
 behind gets merged outputs, the warm-up leaves nothing behind, and when the engine process dies, requests in flight
 fail with a clear error and /health says so."""
 import asyncio
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,10 +15,9 @@ import httpx
 import pytest
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import EngineCore, EngineOutput, LLMEngine, OutputProcessor, SamplingParams
 from brrr.engine.async_llm import _LatestOutput
 from brrr.engine.engine_process import engine_stats
-from brrr.engine.engine_process_outputs import DeltaEncoder, RequestAssembly
 from brrr.engine.engine_process_warmup import warm_up
 from tests.server.conftest import CONTEXT, LINUX, MODEL_NAME, running, serve, start_engine
 
@@ -27,56 +27,51 @@ def engine(pretrained, **config):
                      pretrained.eos_token_ids)
 
 
-def test_deltas_rebuild_the_engines_outputs(pretrained):
-    """Every field of every step's output, through DeltaEncoder and RequestAssembly, for n=2 samples with logprobs,
-    prompt logprobs over a chunked prompt, and a stop string (held-back text)."""
-    eng = engine(pretrained, max_num_batched_tokens=8)  # the 20-token prompt takes 3 steps: partial prompt logprobs
+def test_records_across_the_pipe_rebuild_the_in_process_outputs(pretrained):
+    """An EngineCore's records, pickled as the pipe does and run through an OutputProcessor, give every field of
+    every step's output that LLMEngine gives in-process: n=2 samples with logprobs, prompt logprobs over a chunked
+    prompt, and a stop string (held-back text, and the sample dropped in the engine)."""
     prompt = list(range(3, 23))
     params = SamplingParams(max_tokens=12, n=2, seed=7, logprobs=2, prompt_logprobs=1, stop=["e"])
-    request = eng.add_request("r", prompt, params)
-    encoder, assembly = DeltaEncoder(), RequestAssembly("r", None, prompt, params, request.arrival_time)
+    local = engine(pretrained, max_num_batched_tokens=8)  # the 20-token prompt takes 3 steps: partial prompt logprobs
+    core = EngineCore(pretrained.model, pretrained.tokenizer, EngineConfig(num_blocks=512, max_num_batched_tokens=8),
+                      pretrained.eos_token_ids)
+    processor = OutputProcessor(pretrained.tokenizer)
+    request = local.add_request("r", prompt, params)
+    processor.add_request(core.add_request("r", prompt, params))
     steps = 0
-    while eng.has_unfinished_requests():
-        for want in eng.step():
-            got = assembly.apply(encoder.encode([want])[0])
-            assert got == want
-            steps += 1
-    assert steps >= 4 and got.finished and len(got.outputs) == 2
-    assert len(got.prompt_logprobs) == len(prompt)
-    assert not encoder._prompt_logprobs_sent  # nothing kept for a finished request
-
-    # the engine process's mode: the engine hands out the wire deltas itself; they rebuild the same outputs
-    cumulative, direct = engine(pretrained, max_num_batched_tokens=8), engine(pretrained, max_num_batched_tokens=8)
-    direct.delta_outputs = True
-    request = cumulative.add_request("r", prompt, params)
-    direct.add_request("r", prompt, params)
-    assembly = RequestAssembly("r", None, prompt, params, request.arrival_time)
-    while cumulative.has_unfinished_requests():
-        wants, deltas = cumulative.step(), direct.step()
-        assert len(wants) == len(deltas) and all(isinstance(d, tuple) for d in deltas)
-        for want, delta in zip(wants, deltas):
-            got = assembly.apply(delta)
-            assert (got.outputs, got.prompt_logprobs, got.finished) == (want.outputs, want.prompt_logprobs,
-                                                                        want.finished)
-    assert not direct.has_unfinished_requests() and got.finished
+    while local.has_unfinished_requests() or core.has_unfinished_requests():
+        wants = local.step()
+        records = pickle.loads(pickle.dumps(core.step()))
+        assert all(isinstance(r, EngineOutput) for r in records)
+        processed = processor.process(records)
+        for request_id, index in processed.stopped:
+            core.abort(request_id, index)
+        assert [(o.outputs, o.prompt_logprobs, o.finished) for o in processed.outputs] == \
+            [(o.outputs, o.prompt_logprobs, o.finished) for o in wants]
+        steps += bool(wants)
+    got = processed.outputs[-1] if processed.outputs else wants[-1]
+    assert steps >= 4 and len(got.outputs) == 2 and len(got.prompt_logprobs) == len(prompt)
+    assert request.arrival_time <= got.metrics.first_scheduled_time
+    assert not processor.has_unfinished_requests()
 
 
 def test_a_consumer_that_falls_behind_gets_one_merged_output(pretrained):
     eng = engine(pretrained)
-    params = SamplingParams(max_tokens=6, n=2, seed=1, ignore_eos=True)
-    request = eng.add_request("r", [5, 6, 7], params)
-    encoder, assembly = DeltaEncoder(), RequestAssembly("r", None, [5, 6, 7], params, request.arrival_time)
+    params = SamplingParams(max_tokens=6, n=2, seed=1, ignore_eos=True, logprobs=1)
+    eng.add_request("r", [5, 6, 7], params)
     slot, outputs = _LatestOutput(), []
     while eng.has_unfinished_requests():
         for out in eng.step():
             outputs.append(out)
-            slot.put(assembly.apply(encoder.encode([out])[0]))
+            slot.put(out)
     merged = asyncio.run(slot.get())
     last = outputs[-1]
     assert merged.finished and [c.token_ids for c in merged.outputs] == [c.token_ids for c in last.outputs]
     for c in merged.outputs:  # the deltas of every step, in order
         assert c.delta_token_ids == c.token_ids
         assert c.delta_text == c.text
+        assert c.delta_logprobs == c.logprobs and len(c.logprobs) == 6
 
 
 def test_warm_up_runs_the_full_plan_and_frees_everything(pretrained):
@@ -161,3 +156,52 @@ def test_the_engine_process_exits_when_its_server_is_killed(model_dir):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop():
+    """A command larger than the pipe holds (a 100k-token prompt is ~0.5 MB pickled) must not block the event loop
+    until the engine, busy with a step, gets round to reading it: other coroutines keep running, and the command
+    arrives whole."""
+    import multiprocessing
+
+    from brrr.engine.engine_process_client import EngineClient
+
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+    outputs_in, outputs_out = multiprocessing.Pipe(duplex=False)
+    engine = threading.Thread(target=lambda: None)  # stands in for the engine process: nothing to run here
+    engine.start()
+    client = EngineClient(commands_out, outputs_in, engine)
+    huge = ("add", list(range(100_000, 1_100_000)))  # ~5 MB pickled: more than any pipe buffer
+    received = []
+
+    def busy_engine():  # reads its commands only after a while
+        time.sleep(1.0)
+        received.append(commands_in.recv())
+
+    reader = threading.Thread(target=busy_engine)
+    reader.start()
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        client.send(huge)
+        sent_in, before = time.monotonic() - start, ticks
+        await asyncio.sleep(0.5)
+        task.cancel()
+        return sent_in, ticks - before
+
+    sent_in, ticks = asyncio.run(run())
+    reader.join(timeout=30)
+    client.shutdown(timeout=5)
+    assert sent_in < 0.2, f"send blocked the event loop for {sent_in:.2f} s"
+    assert ticks >= 10  # other coroutines ran meanwhile
+    assert received == [huge]

@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import pytest
@@ -67,6 +68,26 @@ def _rewrite(src, dst, config_edit=None, tensor_edit=None):
         tensor_edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+def test_long_work_shows_progress_on_stderr(tiny_dir, tmp_path, capsys):
+    """GPTQ and AWQ advance per projection (AWQ's scale search per layer first), eval per window, each bar on
+    stderr, so stdout stays the result."""
+    text = tmp_path / "calib.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 200)
+    model = load_model(tiny_dir)
+    n_proj, n_layers = len(projections(model)), model.config.num_layers
+    for method, done in (("gptq", n_proj), ("awq", n_layers + n_proj)):
+        assert main(["quantize", "--model", str(tiny_dir), "--method", method, "--group-size", "32", "--calib",
+                     str(text), "--calib-seq-len", "32", "--calib-samples", "4", "--out", str(tmp_path / method)]) == 0
+        out, err = capsys.readouterr()
+        assert re.search(rf"^{method} .* {done}/{done} .* left ", err, re.M), err
+        assert json.loads(out)["method"] == method
+    assert main(["eval", "compare", "--models", str(tiny_dir), str(tmp_path / "gptq"), "--data", str(text),
+                 "--window", "64", "--stride", "32"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(rf"^ppl 1/2 {tiny_dir.name} .* left ", err, re.M) and re.search(r"^ppl 2/2 gptq ", err, re.M)
+    assert "ppl" in out and "left" not in out
 
 
 def test_a_checkpoint_whose_quantization_config_disagrees_with_its_tensors_is_a_clear_error(quantized_dirs, tmp_path):

@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"brrr: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("brrr: interrupted", file=sys.stderr)
         return 130
 
 

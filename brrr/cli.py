@@ -52,10 +52,16 @@ def _load_llm(args):
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     if next(llm.pretrained.model.parameters()).device.type == "cpu":
-        # All cores but one (as brrr serve): on small CPU machines intra-op threads cost more than they give,
-        # e.g. 9x slower decode of the default model on 2 cores with 2 threads than with 1.
-        torch.set_num_threads(args.cpu_threads or max(1, torch.get_num_threads() - 1))
+        torch.set_num_threads(cpu_threads(args.cpu_threads))
     return llm, time.perf_counter() - t0
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Torch threads for decoding on CPU: all cores but one unless asked (as brrr serve). Decode steps are small,
+    and on a small machine a thread more than the free cores makes every step wait on a descheduled one."""
+    import torch
+
+    return requested or max(1, torch.get_num_threads() - 1)
 
 
 def _stream(llm, prompt, params, lead: str = ""):

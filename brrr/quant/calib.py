@@ -35,11 +35,12 @@ def load_tokens(source: str | Path | None, tokenizer, split: str = "train") -> t
 
         data = TokenData(path)
         if tokenizer is not None and Tokenizer.from_dir(path).vocab() != tokenizer.vocab():
+            example = Path(sysconfig.get_paths()["stdlib"]) / "json"
             raise BrrrError(f"{path} holds token ids of its own tokenizer ({data.vocab_size} tokens, "
                             f"{path / 'tokenizer.json'}), not this model's ({tokenizer.vocab_size} tokens): the model "
                             "would read them as other tokens. Pass a text file instead (brrr tokenizes it with the "
-                            "model's tokenizer, e.g. `cat {stdlib}/json/*.py > calib.txt`), or the data directory the model was "
-                            "trained on".format(stdlib=sysconfig.get_paths()["stdlib"]))
+                            f"model's tokenizer; e.g. `cat {example}/*.py > calib.txt`), or the data directory the "
+                            "model was trained on")
         if split not in data.splits:
             raise BrrrError(f"{path}: no {split!r} split (has {', '.join(data.splits)})")
         return torch.from_numpy(data.splits[split].astype("int64"))

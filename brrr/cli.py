@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -13,6 +14,8 @@ DESCRIPTION = """serve, shrink, train and measure LLMs.
 Without --model, commands use brrr's shipped default model: a small (7.2M-parameter, 14 MB) Llama-architecture
 model that brrr trained on Python source; it completes Python code, plausibly but not reliably, and it
 is not chat-tuned. Point --model at a Hugging Face model directory (or hub id, when online) for anything else."""
+
+DEFAULT_MODEL_NOTE = "brrr's small default model completes Python and is not chat-tuned"
 
 
 def add_model_args(p: argparse.ArgumentParser):
@@ -34,8 +37,11 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
 def sampling_params(args):
     from brrr.engine import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    except BrrrError as e:  # "top_p must be ..." -> "--top-p must be ...": the flag the user typed
+        raise BrrrError(re.sub(r"^[a-z_]+", lambda m: "--" + m.group(0).replace("_", "-"), str(e))) from None
 
 
 def _load_llm(args):
@@ -46,16 +52,24 @@ def _load_llm(args):
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     if next(llm.pretrained.model.parameters()).device.type == "cpu":
-        # All cores but one (as brrr serve): on small CPU machines intra-op threads cost more than they give,
-        # e.g. 9x slower decode of the default model on 2 cores with 2 threads than with 1.
-        torch.set_num_threads(args.cpu_threads or max(1, torch.get_num_threads() - 1))
+        torch.set_num_threads(cpu_threads(args.cpu_threads))
     return llm, time.perf_counter() - t0
 
 
-def _stream(llm, prompt, params):
-    """Run one request through the engine, writing text to stdout as it is produced. Returns the final output."""
+def cpu_threads(requested: int | None) -> int:
+    """Torch threads for decoding on CPU: all cores but one unless asked (as brrr serve). Decode steps are small,
+    and on a small machine a thread more than the free cores makes every step wait on a descheduled one."""
+    import torch
+
+    return requested or max(1, torch.get_num_threads() - 1)
+
+
+def _stream(llm, prompt, params, lead: str = ""):
+    """Run one request through the engine, writing `lead` (once the request is accepted: a refusal is the only
+    output) and then the text to stdout as it is produced. Returns the final output."""
     engine, request_id = llm.engine, f"cli-{time.monotonic_ns()}"
     engine.add_request(request_id, prompt, params)
+    sys.stdout.write(lead)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -78,9 +92,16 @@ def cmd_generate(args) -> int:
     device = next(llm.pretrained.model.parameters()).device
     start = time.perf_counter()
     if prompt_file.is_file():  # a file of prompts, one per line: the whole batch through the engine
-        prompts = [line for line in prompt_file.read_text().splitlines() if line.strip()]
-        if not prompts:
+        lines = [(number, line) for number, line in enumerate(prompt_file.read_text().splitlines(), 1)
+                 if line.strip()]
+        if not lines:
             raise BrrrError(f"{prompt_file} has no prompts (one per line)")
+        for number, line in lines:  # fail before generating anything, naming the line to fix
+            try:
+                llm.engine.make_request(f"line-{number}", line, params)
+            except BrrrError as e:
+                raise BrrrError(f"{prompt_file} line {number}: {e}") from None
+        prompts = [line for _, line in lines]
         outputs = llm.generate(prompts, params)
         for out in outputs:
             c = out.outputs[0]
@@ -88,8 +109,7 @@ def cmd_generate(args) -> int:
                               "output_tokens": len(c.token_ids)}))
         n, requests = sum(len(o.outputs[0].token_ids) for o in outputs), len(outputs)
     else:
-        sys.stdout.write(args.prompt)
-        n, requests = len(_stream(llm, args.prompt, params).outputs[0].token_ids), 1
+        n, requests = len(_stream(llm, args.prompt, params, lead=args.prompt).outputs[0].token_ids), 1
         sys.stdout.write("\n")
     seconds = time.perf_counter() - start
     stats = llm.engine.stats()
@@ -107,6 +127,9 @@ def cmd_chat(args) -> int:
     llm, _ = _load_llm(args)
     tokenizer = llm.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.model is None:
+        console.print(f"[yellow]warning: {DEFAULT_MODEL_NOTE}; its replies are not answers. Pass --model with a "
+                      "chat (instruct) model to chat.[/yellow]")
     console.print(f"[dim]chatting with {llm.pretrained.path} - /reset clears the history, /exit or Ctrl-D quits[/dim]")
     while True:
         try:
@@ -119,8 +142,12 @@ def cmd_chat(args) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line})
-        sys.stdout.write("assistant> ")
-        reply = _stream(llm, tokenizer.encode_chat(messages), params).outputs[0].text
+        try:
+            reply = _stream(llm, tokenizer.encode_chat(messages), params, lead="assistant> ").outputs[0].text
+        except BrrrError as e:  # e.g. the history outgrew the context: this turn is dropped, the chat goes on
+            messages.pop()
+            console.print(f"[red]error: {e}[/red] (/reset clears the history)")
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
     return 0
@@ -173,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"brrr: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("brrr: interrupted", file=sys.stderr)
         return 130
 
 

@@ -20,6 +20,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | torch.device | None) -> torch.device:
+    """The device to load onto (None: cuda if available, else cpu), refused with a BrrrError when this machine's
+    torch cannot use it, before anything is loaded."""
+    if device is None:
+        return torch.device(default_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise BrrrError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise BrrrError(f"--device {device}: {why}; use --device cpu (or install a CUDA build of torch)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BrrrError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise BrrrError(f"--device {device}: brrr runs on cpu or cuda")
+    return dev
+
+
 @dataclass
 class Pretrained:
     path: Path
@@ -55,8 +76,9 @@ class Pretrained:
 
 
 def load(model: str | Path | None = None, dtype=None, device: str | None = None) -> Pretrained:
+    device = check_device(device)
     path = resolve_model(model)
-    net = load_model(path, dtype=dtype, device=device or default_device())
+    net = load_model(path, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(path)
     eos = set(net.config.eos_token_ids)
     gen_file = path / "generation_config.json"

@@ -58,6 +58,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's string and id, added tokens included: two tokenizers read ids alike when these are equal."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -104,6 +104,10 @@ def test_generation_stops_at_context_limit(model_dir):
     ("max_tokens", 0, "max_tokens must be >= 1"), ("temperature", -1.0, "temperature must be in \\[0, 100\\]"),
     ("top_p", 0.0, "top_p must be in \\(0, 1\\]"), ("top_k", -2, "top_k must be >= 0"),
     ("max_tokens", "10", "max_tokens must be an integer"),
+    ("temperature", float("nan"), "temperature must be in"), ("top_p", float("nan"), "top_p must be in"),
+    ("min_p", float("nan"), "min_p must be in"), ("repetition_penalty", float("nan"), "repetition_penalty must be"),
+    ("presence_penalty", float("nan"), "presence_penalty must be"),
+    ("frequency_penalty", float("inf"), "frequency_penalty must be"), ("temperature", float("inf"), "temperature"),
 ])
 def test_sampling_params_validation(field, value, message):
     with pytest.raises(BrrrError, match=message):
@@ -116,13 +120,54 @@ def _cli(*args, stdin=None):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "hi", "--model", "/does/not/exist"], "model directory not found"),
-    (["generate", "hi", "--temperature", "-3"], "temperature must be in"),
+    (["generate", "hi", "--temperature", "-3"], "--temperature must be in"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature must be in [0, 100], got nan"),
+    (["generate", "hi", "--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["generate", "hi", "--device", "tpu"], "--device 'tpu' is not a device"),
+    (["chat", "--device", "tpu"], "--device 'tpu' is not a device"),
+    (["generate", "hi", "--device", "cuda:99"], "--device cuda:99:"),
+    (["serve", "--device", "tpu"], "--device 'tpu' is not a device"),
     (["generate", "hi", "--dtype", "int3"], "dtype must be one of"),
 ])
 def test_cli_errors_exit_2_without_traceback(args, message):
     result = _cli(*args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
+def test_cuda_on_a_cpu_only_torch_is_one_line(command):
+    result = _cli(*command, "--device", "cuda")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "brrr: error: --device cuda: this torch is built without CUDA; use --device cpu (or install a CUDA build of "
+        "torch)"]
+
+
+def test_a_refused_prompt_is_not_echoed(model_dir):
+    """The error goes to stderr alone: stdout does not start the echo of a prompt that is then refused."""
+    result = _cli("generate", "hello", "--model", str(model_dir), "--max-tokens", "2000")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("brrr: error: prompt (") and "the model's context" in result.stderr
+
+
+def test_prompts_file_names_the_line_that_does_not_fit(model_dir, tmp_path):
+    """Every line is checked before any is generated; the first that does not fit fails the run, named."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f():\n\nimport os\n" + "x " * 100 + "\nclass A:\n")
+    result = _cli("generate", str(prompts), "--model", str(model_dir), "--max-tokens", "2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"{prompts} line 4: prompt (" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_chat_warns_that_the_default_model_is_not_chat_tuned(model_dir):
+    default = _cli("chat", "--max-tokens", "2", stdin="/exit\n")
+    assert default.returncode == 0 and "warning: brrr's small default model" in default.stderr
+    assert "not chat-tuned" in default.stderr
+    named = _cli("chat", "--model", str(model_dir), "--max-tokens", "2", stdin="/exit\n")
+    assert named.returncode == 0 and "not chat-tuned" not in named.stderr
 
 
 def test_cli_truncated_checkpoint_and_long_prompt(model_dir, tmp_path):

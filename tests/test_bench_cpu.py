@@ -1,6 +1,9 @@
 """`brrr bench latency` runs end to end on CPU (the GPU figures come from the H200; this checks the plumbing)."""
 import json
 
+import pytest
+import torch
+
 from brrr.cli import main
 from tests import hf_models
 
@@ -13,3 +16,20 @@ def test_bench_latency_on_a_model_dir(tmp_path, capsys):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["batch"] for r in records] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["ttft_s"] > 0 for r in records)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bench latency takes the GPU when there is one")
+def test_bench_latency_on_cpu_reports_what_ran(tmp_path, capsys):
+    """No CUDA graphs on CPU, whatever --cuda-graphs says; the thread count is chosen, set and reported."""
+    hf_models.save(hf_models.build("qwen3-qknorm"), tmp_path)
+    before = torch.get_num_threads()
+    try:
+        for flags, threads in (([], max(1, before - 1)), (["--cpu-threads", "1"], 1)):
+            torch.set_num_threads(before)
+            assert main(["bench", "latency", "--model", str(tmp_path), "--prompt-len", "4", "--new-tokens", "4",
+                         "--dtype", "float32", "--cuda-graphs", "on", *flags]) == 0
+            (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+            assert record["cuda_graphs"] == "off" and record["cpu_threads"] == threads == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+

@@ -15,7 +15,7 @@ from brrr.analysis.formats import KV_BYTES, WEIGHT_FORMATS, weight_format
 from brrr.analysis.hardware import GPU, GPUS, get_gpu, measure
 from brrr.analysis.roofline import plot, roofline, transformer_ops
 from brrr.analysis.serve import serve_plan
-from brrr.analysis.train import SCHEDULES, train_plan
+from brrr.analysis.train import SCHEDULES, TYPICAL_EFFICIENCY, train_plan
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.presets import PRESETS, preset_config
@@ -212,6 +212,7 @@ def cmd_train(args) -> int:
                [[f"pipeline bubble ({r['schedule']})",
                  f"{b['fraction']:.1%} of the step ({b['overhead']:.1%} overhead)"],
                 ["FLOPs per token (6N + attention)", _num(r["flops"]["per_token"])],
+                ["assumed matmul efficiency (--efficiency)", f"{r['efficiency']:.0%} of the bf16 peak"],
                 ["compute", _ms(t["compute_s"])], ["with bubble", _ms(t["pipeline_s"])],
                 ["tensor-parallel collectives", _ms(t["tensor_parallel_s"])],
                 ["data-parallel traffic (exposed)",
@@ -286,7 +287,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     p.add_argument("--chunks", type=int, default=1, help="model chunks per GPU for --schedule interleaved")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--efficiency", type=float, default=1.0, help="fraction of bf16 peak the matmuls reach")
+    p.add_argument("--efficiency", type=float, default=TYPICAL_EFFICIENCY,
+                   help="fraction of the bf16 peak the matmuls reach (default: typical of large bf16 runs; 1 = the "
+                        "roofline, what the layout alone costs)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("roofline", help="the GPU's roofline with named ops placed on it (--plot PNG)")

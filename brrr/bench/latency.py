@@ -14,7 +14,9 @@ def register(bench_sub) -> None:
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--peer", choices=["none", "transformers"], default="none")
-    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="on CUDA (the record says what ran)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on CPU (default: all cores but one, as brrr generate)")
     p.add_argument("--out", default=None, help="append the JSON records to this file")
     p.set_defaults(func=cmd_latency)
 
@@ -53,6 +55,7 @@ def cmd_latency(args) -> int:
     from brrr.analysis.hardware import measure
     from brrr.analysis.model import decode_bytes_per_step
     from brrr.bench.random_model import model_config, random_model
+    from brrr.cli import cpu_threads
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
     from brrr.loader import resolve_dtype
@@ -62,19 +65,27 @@ def cmd_latency(args) -> int:
     dtype = resolve_dtype(args.dtype, cfg, device)
     batches = [int(b) for b in args.batch.split(",")]
     gpu = measure() if device.type == "cuda" else None
+    threads = None
+    if device.type == "cpu":
+        threads = cpu_threads(args.cpu_threads)
+        torch.set_num_threads(threads)
+    # what runs, not what was asked: the runner captures graphs on CUDA only, and never for dynamic NTK RoPE
+    graphs = args.cuda_graphs == "on" and device.type == "cuda" and cfg.rope.type != "dynamic"
     model = random_model(cfg, dtype, device)
     max_len = args.prompt_len + args.new_tokens
     engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
                                                  num_blocks=max(batches) * -(-max_len // 16) + 8,
-                                                 cuda_graphs=args.cuda_graphs == "on"))
+                                                 cuda_graphs=graphs))
     run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99)  # warm-up
     for batch in batches:
         ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
         tok_s = batch * (args.new_tokens - 1) / decode_s
         record = {"bench": "latency", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                  "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": args.cuda_graphs,
+                  "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": "on" if graphs else "off",
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                   "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1)}
+        if threads is not None:
+            record["cpu_threads"] = threads
         if gpu:
             # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
             step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,

@@ -1,6 +1,7 @@
 """SamplingParams: everything a request says about how to pick its tokens, validated field by field."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from brrr.errors import BrrrError
@@ -78,5 +79,5 @@ def _check(name, value, typ, ok, limit):
 def _range(name, value, low, high, limit, low_open=False):
     if not _is(value, (int, float)):
         raise BrrrError(f"{name} must be a number, got {value!r}")
-    if value > high or value < low or (low_open and value == low):
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):  # NaN compares False
         raise BrrrError(f"{name} must be {limit}, got {value!r}")

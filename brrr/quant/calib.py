@@ -2,6 +2,7 @@
 pass that records what each projection sees, over the whole model or one decoder layer at a time."""
 from __future__ import annotations
 
+import sysconfig
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,13 +24,23 @@ def calibration_tokens(source: str | Path, tokenizer, n_samples: int = 128, seq_
 
 
 def load_tokens(source: str | Path | None, tokenizer, split: str = "train") -> torch.Tensor:
+    """A text file is tokenized with `tokenizer` (the model's); a data directory's token ids are used as they are,
+    so its tokenizer must be the model's (checked unless tokenizer is None)."""
     if source is None:
         raise BrrrError("calibration data is required for this method: pass --calib DIR|FILE")
     path = Path(source)
     if path.is_dir():
+        from brrr.tokenizer import Tokenizer
         from brrr.train.data import TokenData
 
         data = TokenData(path)
+        if tokenizer is not None and Tokenizer.from_dir(path).vocab() != tokenizer.vocab():
+            example = Path(sysconfig.get_paths()["stdlib"]) / "json"
+            raise BrrrError(f"{path} holds token ids of its own tokenizer ({data.vocab_size} tokens, "
+                            f"{path / 'tokenizer.json'}), not this model's ({tokenizer.vocab_size} tokens): the model "
+                            "would read them as other tokens. Pass a text file instead (brrr tokenizes it with the "
+                            f"model's tokenizer; e.g. `cat {example}/*.py > calib.txt`), or the data directory the "
+                            "model was trained on")
         if split not in data.splits:
             raise BrrrError(f"{path}: no {split!r} split (has {', '.join(data.splits)})")
         return torch.from_numpy(data.splits[split].astype("int64"))

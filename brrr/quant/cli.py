@@ -71,7 +71,7 @@ def cmd_quantize(args) -> int:
         calib = calibration_tokens(args.calib, pre.tokenizer, args.calib_samples, args.calib_seq_len)
     t0 = time.perf_counter()
     config = quantize_model(pre.model, args.method, args.group_size, args.symmetric, calib,
-                            act_order=not args.no_act_order, lm_head=args.lm_head)
+                            act_order=not args.no_act_order, lm_head=args.lm_head, show_progress=True)
     save_quantized(pre.model, config, args.out, pre.path, dtype=torch.bfloat16)
     print(json.dumps({"method": args.method, "out": args.out, "seconds": round(time.perf_counter() - t0, 2),
                       **config}))
@@ -90,7 +90,8 @@ def cmd_ppl(args) -> int:
     from brrr.quant.evaluate import perplexity
 
     pre = brrr.load(args.model, dtype=args.dtype, device=args.device)
-    result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride)
+    result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride,
+                        progress_label=f"ppl {pre.path.name}")
     print(json.dumps({"model": str(pre.path), **result}))
     return 0
 
@@ -124,7 +125,8 @@ def cmd_compare(args) -> int:
         if tokens is None:
             tokens = _eval_tokens(args, pre.tokenizer)
         row = {"model": spec, **model_summary(pre.path, pre.model),
-               **perplexity(pre.model, tokens, args.window, args.stride)}
+               **perplexity(pre.model, tokens, args.window, args.stride,
+                            progress_label=f"ppl {len(rows) + 1}/{len(args.models)} {pre.path.name}")}
         base = base or row["ppl"]
         row["delta_pct"] = 100 * (row["ppl"] / base - 1)
         rows.append(row)

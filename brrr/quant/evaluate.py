@@ -10,6 +10,7 @@ import torch
 
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.progress import progress
 
 
 def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -29,26 +30,36 @@ def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int
 
 
 @torch.no_grad()
-def perplexity(model, tokens: torch.Tensor, window: int = 512, stride: int = 256, batch: int = 8) -> dict:
-    """{'ppl', 'nll', 'tokens'} of `tokens` (1-D) under `model`."""
+def perplexity(model, tokens: torch.Tensor, window: int = 512, stride: int = 256, batch: int = 8,
+               progress_label: str | None = None) -> dict:
+    """{'ppl', 'nll', 'tokens'} of `tokens` (1-D) under `model`. progress_label: a bar on stderr with this label."""
     max_pos = model.config.max_position_embeddings
     if window > max_pos:
         raise BrrrError(f"--window {window} exceeds the model's max_position_embeddings {max_pos}")
     device = next(model.parameters()).device
     spans = windows(len(tokens), window, stride)
     total, count = 0.0, 0
-    for i in range(0, len(spans), batch):
-        group = spans[i:i + batch]
-        ids = torch.cat([tokens[b:e] for b, e, _ in group]).to(device)
-        positions = torch.cat([torch.arange(e - b) for b, e, _ in group]).to(device)
-        hidden = model(ids, positions, AttnMeta.causal([e - b for b, e, _ in group], device))
-        offset = 0
-        for b, e, first in group:
-            # hidden row r predicts token b + r + 1; score targets first..e-1
-            rows = hidden[offset + first - b - 1: offset + e - b - 1]
-            logits = model.compute_logits(rows)
-            target = tokens[first:e].to(device)
-            total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-            count += e - first
-            offset += e - b
+    with progress(progress_label or "", len(spans), progress_label is not None) as advance:
+        for i in range(0, len(spans), batch):
+            group = spans[i:i + batch]
+            total_i, count_i = _score(model, tokens, group, device)
+            total, count = total + total_i, count + count_i
+            advance(len(group))
     return {"ppl": math.exp(total / count), "nll": total / count, "tokens": count}
+
+
+def _score(model, tokens, group, device) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) of one batch of windows."""
+    ids = torch.cat([tokens[b:e] for b, e, _ in group]).to(device)
+    positions = torch.cat([torch.arange(e - b) for b, e, _ in group]).to(device)
+    hidden = model(ids, positions, AttnMeta.causal([e - b for b, e, _ in group], device))
+    total, count, offset = 0.0, 0, 0
+    for b, e, first in group:
+        # hidden row r predicts token b + r + 1; score targets first..e-1
+        rows = hidden[offset + first - b - 1: offset + e - b - 1]
+        logits = model.compute_logits(rows)
+        target = tokens[first:e].to(device)
+        total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        count += e - first
+        offset += e - b
+    return total, count

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from brrr.errors import BrrrError
+from brrr.progress import progress
 from brrr.quant import formats
 from brrr.quant.awq import fold, fold_groups, search_clip, search_scale
 from brrr.quant.calib import layer_by_layer, record_inputs, recording
@@ -43,9 +44,11 @@ def rtn_tensors(fmt: str, w: torch.Tensor, group_size: int, symmetric: bool) -> 
 
 
 def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = False,
-                   calib: torch.Tensor | None = None, act_order: bool = True, lm_head: bool = False) -> dict:
+                   calib: torch.Tensor | None = None, act_order: bool = True, lm_head: bool = False,
+                   show_progress: bool = False) -> dict:
     """lm_head: also quantize the output projection, round-to-nearest in the method's format (as gpt-fast's int8 and
-    int4 handlers do; GPTQ/AWQ checkpoints usually leave it in floating point)."""
+    int4 handlers do; GPTQ/AWQ checkpoints usually leave it in floating point). show_progress: a bar on stderr
+    for GPTQ and AWQ (minutes on a large model)."""
     if method not in METHOD_FORMAT:
         raise BrrrError(f"--method must be one of {', '.join(METHOD_FORMAT)}; got {method!r}")
     fmt = METHOD_FORMAT[method]
@@ -60,10 +63,10 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
     if method in NEEDS_CALIBRATION and (calib is None or calib.numel() == 0):
         raise BrrrError(f"--method {method} needs calibration data: pass --calib DIR|FILE")
     if method == "gptq":
-        _gptq(model, calib, group_size, symmetric, act_order)  # swaps each layer in as it goes
+        _gptq(model, calib, group_size, symmetric, act_order, show_progress)  # swaps each layer in as it goes
     else:
         if method == "awq":
-            tensors = _awq(model, calib, group_size, symmetric)
+            tensors = _awq(model, calib, group_size, symmetric, show_progress)
         else:
             if method == "smoothquant":
                 smooth_model(model, calib)  # then plain per-channel int8 of the smoothed weights
@@ -87,22 +90,24 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
     return config
 
 
-def _gptq(model, calib, group_size, symmetric, act_order):
+def _gptq(model, calib, group_size, symmetric, act_order, show_progress=False):
     """Layer by layer, as the reference: each layer's Hessians come from the calibration stream as the layers
     before it, already quantized, pass it on, so GPTQ also corrects the error they add. Within a layer, true
     sequential (AutoGPTQ's default): q/k/v, then o, gate/up, down, each group's inputs recorded with the groups
     before it already quantized; projections that read one input share one Hessian."""
-    for _, layer, replay in layer_by_layer(model, calib):
-        names = [n for n, _ in projections(layer)]
-        groups = [[n for n in g if n in names] for g in SEQUENTIAL]
-        groups += [[n] for n in names if not any(n in g for g in groups)]
-        device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
-        for group in filter(None, groups):
-            hessian = Hessian(layer.get_submodule(group[0]).in_features, device)
-            with recording(layer, lambda name, x: hessian.add(x), only={group[0]}, stop=True):
-                replay()
-            swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_quantize(
-                linear.weight.detach(), hessian.H, group_size, symmetric, act_order)), only=set(group))
+    with progress("gptq", len(projections(model)), show_progress) as advance:
+        for _, layer, replay in layer_by_layer(model, calib):
+            names = [n for n, _ in projections(layer)]
+            groups = [[n for n in g if n in names] for g in SEQUENTIAL]
+            groups += [[n] for n in names if not any(n in g for g in groups)]
+            device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
+            for group in filter(None, groups):
+                hessian = Hessian(layer.get_submodule(group[0]).in_features, device)
+                with recording(layer, lambda name, x: hessian.add(x), only={group[0]}, stop=True):
+                    replay()
+                swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_quantize(
+                    linear.weight.detach(), hessian.H, group_size, symmetric, act_order)), only=set(group))
+                advance(len(group))
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
@@ -117,7 +122,7 @@ def awq_inputs(model, calib) -> dict[str, torch.Tensor]:
             for name, chunks in inputs.items()}
 
 
-def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool):
+def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool, advance=lambda n=1: None):
     """Search each fold group's scales and fold them in (the float model's function is unchanged); `xs` is
     updated to the inputs the scaled projections now see."""
     for i, layer in enumerate(model.model.layers):
@@ -128,14 +133,18 @@ def fold_awq_scales(model, xs: dict, group_size: int, symmetric: bool):
             fold(s, producer, mods)
             for c in consumers:
                 xs[prefix + c] = xs[prefix + c] / s
+        advance()
 
 
-def _awq(model, calib, group_size, symmetric) -> dict:
+def _awq(model, calib, group_size, symmetric, show_progress=False) -> dict:
     xs = awq_inputs(model, calib)
-    fold_awq_scales(model, xs, group_size, symmetric)
+    names = projections(model)
     tensors = {}
-    for name, linear in projections(model):
-        w = linear.weight.detach().float()
-        clip = search_clip(w, xs[name], group_size, symmetric)
-        tensors[name] = formats.quantize_int4(w, group_size, symmetric, clip)
+    with progress("awq", len(model.model.layers) + len(names), show_progress) as advance:  # scales, then clips
+        fold_awq_scales(model, xs, group_size, symmetric, advance)
+        for name, linear in names:
+            w = linear.weight.detach().float()
+            clip = search_clip(w, xs[name], group_size, symmetric)
+            tensors[name] = formats.quantize_int4(w, group_size, symmetric, clip)
+            advance()
     return tensors

@@ -8,13 +8,15 @@ those engine requests), then the engine process stops and the server exits 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 
-from brrr.cli import add_model_args
+from brrr.cli import DEFAULT_MODEL_NOTE, add_model_args
 from brrr.errors import BrrrError
 
 
@@ -62,12 +64,15 @@ def cmd_serve(args) -> int:
     from brrr.config import EngineConfig
     from brrr.engine.engine_process import EngineSpec
     from brrr.hub import resolve_model
+    from brrr.pretrained import check_device
 
     for name, low in (("port", 0), ("max_waiting", 0), ("max_body_bytes", 1), ("shutdown_timeout", 0),
                       ("cpu_threads", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise BrrrError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    check_device(args.device)
+    check_port(args.host, args.port)  # before minutes of loading: a busy port fails now
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
@@ -85,7 +90,7 @@ def cmd_serve(args) -> int:
                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
-        note = "" if args.model else " (brrr's small default model: it completes Python and is not chat-tuned)"
+        note = "" if args.model else f" ({DEFAULT_MODEL_NOTE})"
         print(f"brrr serve: {name!r} from {spec.model} on {info.device} ({where}){note}; {info.num_blocks} KV "
               f"blocks of {info.block_size} tokens, context {info.max_model_len}; warm-up "
               f"{info.warm_up_seconds:.1f} s; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -101,9 +106,25 @@ def cmd_serve(args) -> int:
             server.run()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            # frozen objects are never collected, not even at exit, where Triton's bindings then report each
+            # of theirs as leaked
+            gc.unfreeze()
     finally:
         llm.shutdown()
     return 0 if server.started else 1
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now if host:port cannot be bound (in use, or not an address of this machine). uvicorn binds again
+    later; SO_REUSEADDR, as uvicorn sets it, so a port in TIME_WAIT is not reported busy."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise BrrrError(f"cannot listen on {host}:{port}: {why}; pick another --port (or --host)") from None
 
 
 def _start_engine(spec, in_thread: bool):

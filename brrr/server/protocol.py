@@ -8,9 +8,9 @@ Extra sampling fields use vLLM's names (top_k, min_p, repetition_penalty, min_to
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from brrr.engine import SamplingParams
 from brrr.errors import BrrrError
@@ -32,6 +32,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def _characters(text: str) -> str:
+    """A lone surrogate ("\\ud800" is valid JSON) is not a character: no tokenizer encodes it, no reply can echo it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"contains a lone UTF-16 surrogate at character {e.start}, which is not a character; "
+                             "send text as UTF-8, or surrogates only in pairs") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_characters)]  # every string that is tokenized or echoed back
+ROLES = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool = False
@@ -46,7 +61,7 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -71,21 +86,33 @@ class _Request(BaseModel):
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
         return bad
 
+    def request_field(self, sampling_field: str) -> str:
+        """The request field a SamplingParams field came from (what an error must name)."""
+        return sampling_field
+
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises BrrrError (-> 400) naming the field when a value is out of range."""
+        """Raises APIError (400) naming the request field when a value is out of range."""
         def pick(value, default):
             return default if value is None else value
 
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=pick(self.temperature, 1.0),
-            top_k=pick(self.top_k, 0), top_p=pick(self.top_p, 1.0), min_p=pick(self.min_p, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0),
-            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
-            seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=pick(self.temperature, 1.0),
+                top_k=pick(self.top_k, 0), top_p=pick(self.top_p, 1.0), min_p=pick(self.min_p, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos, n=self.n,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+        except BrrrError as e:
+            error = as_api_error(e, "prompt")
+            name = self.request_field(error.param) if error.param else None
+            if name != error.param:  # "logprobs must be ..." -> "top_logprobs must be ..."
+                error.message, error.param = re.sub(rf"\b{error.param}\b", name, error.message, count=1), name
+            raise error from None
 
     @property
     def include_usage(self) -> bool:
@@ -93,7 +120,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default; an explicit null means "up to the context"
     echo: bool = False
     logprobs: int | None = None  # top-k per token, 0 = only the chosen token's
@@ -112,14 +139,14 @@ class CompletionRequest(_Request):
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: ROLES
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -178,6 +205,13 @@ class ChatCompletionRequest(_Request):
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
 
+    def request_field(self, sampling_field: str) -> str:
+        if sampling_field == "logprobs":
+            return "top_logprobs"
+        if sampling_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return sampling_field
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -186,7 +220,7 @@ class ChatCompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -213,7 +247,7 @@ def as_api_error(e: BrrrError, prompt_field: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
 
 
 def _field_path(error) -> str:
@@ -239,11 +273,18 @@ def validation_error(errors) -> APIError:
         return APIError(400, f"request body must be a JSON object: {first['msg']}", code="invalid_request")
     if first["type"] == "missing":
         return APIError(400, f"{param}: Field required", param=param, code="missing_field")
+    # a value of the right type that a validator refused (a lone surrogate): its reason, not the union's types
+    refused = next((e for e in errors if e["type"] == "value_error" and _field_path(e).startswith(param)), None)
+    if refused is not None:
+        where = _field_path(refused)  # prompt.2 when the third prompt of a list is the one
+        return APIError(400, f"{where}: {refused['msg'].removeprefix('Value error, ')}", param=where,
+                        code="invalid_value")
     # a union field (prompt, stop, content) fails once per accepted type: say what each wanted
     wanted = list(dict.fromkeys(e["msg"] for e in errors if _field_path(e).startswith(param)
                                 and len(e["loc"]) - len(first["loc"]) <= 1))
     got = repr(first.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
     wants = " or ".join(wanted).replace(" or Input should be ", " or ")
-    return APIError(400, f"{param}: {wants}, got {got}", param=param, code="invalid_type")
+    code = "invalid_value" if first["type"] == "literal_error" else "invalid_type"
+    return APIError(400, f"{param}: {wants}, got {got}", param=param, code=code)
 

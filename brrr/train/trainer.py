@@ -15,6 +15,9 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -29,6 +32,7 @@ from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.loader import save_model
 from brrr.models import model_class
+from brrr.pretrained import check_device
 from brrr.train import checkpoint
 from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
@@ -214,7 +218,7 @@ class Trainer:
         self.data = TokenData(cfg.data)
         self.model_cfg = resolve_config(cfg.model, self.data.vocab_size, self.data.special_tokens, cfg.seq_len)
         if cfg.device:
-            self.device = torch.device(cfg.device)
+            self.device = check_device(cfg.device)
             if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's GPU
                 self.device = torch.device("cuda", self.dist.local_rank)
         elif torch.cuda.is_available():
@@ -311,6 +315,19 @@ class Trainer:
             print(f"training {cfg.model}: {n / 1e6:.2f}M parameters on {self.device} ({self.gpu_name}); "
                   f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
                   f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}", flush=True)
+            if st["max_steps"] < cfg.warmup_steps:
+                peak = lr_at(st["max_steps"] - 1, cfg, st["max_steps"])
+                print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "
+                      f"the learning rate peaks at {peak:.2e}, not --lr {cfg.lr:.2e}, and never decays",
+                      file=sys.stderr, flush=True)
+        with _stop_on_ctrl_c() as interrupted:
+            halted = self._loop(interrupted)
+        return self.finish(halted)
+
+    def _loop(self, interrupted: list) -> bool:
+        """Steps until max_steps, --stop-at or the time budget (then True: halted), or Ctrl-C (KeyboardInterrupt
+        once the checkpoint is written)."""
+        cfg, st = self.cfg, self.state
         loss_sum = torch.zeros((), device=self.device)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         window_start, window_steps, last_good = time.perf_counter(), 0, st["step"]
@@ -332,7 +349,8 @@ class Trainer:
             self._maybe_fix_budget(step)
             last = step == st["max_steps"]
             halted = (cfg.stop_at is not None and step >= cfg.stop_at) or self._out_of_time()
-            if step % cfg.log_every == 0 or last or halted:
+            stopping = bool(interrupted)  # Ctrl-C: checkpoint this step and stop, no evaluation or export
+            if step % cfg.log_every == 0 or last or halted or stopping:
                 if bad.item():
                     self._diverged(step, last_good)
                 now = time.perf_counter()
@@ -345,9 +363,17 @@ class Trainer:
                           "epoch": self.windows.epoch(st["position"]), "elapsed_s": self.elapsed()}
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
                                  f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
-                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "") + f" | {self.elapsed():.0f}s")
+                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "") + f" | {self.elapsed():.0f}s"
+                                 + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
+                                    if not last else ""))
                 loss_sum.zero_()
                 window_steps = 0
+                if stopping:
+                    self.save_checkpoint()
+                    if self.dist.main:
+                        print(f"interrupted: checkpoint of step {step} written to {self.ckpt_path}; continue with "
+                              "the same command and --resume", file=sys.stderr, flush=True)
+                    raise KeyboardInterrupt
                 if step % cfg.eval_every == 0 or last or halted:
                     self._eval_and_log(step, cfg.eval_windows)
                 if step % cfg.checkpoint_every == 0 or last or halted:
@@ -356,7 +382,7 @@ class Trainer:
                 window_start = time.perf_counter()
             if halted:
                 break
-        return self.finish(halted)
+        return halted
 
     def _eval_and_log(self, step: int, windows: int | None, final: bool = False) -> dict:
         val = self.evaluate(windows)
@@ -444,6 +470,36 @@ class Trainer:
         gen = {"bos_token_id": self.model_cfg.bos_token_id, "eos_token_id": list(self.model_cfg.eos_token_ids),
                "do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_length": context}
         (self.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+@contextlib.contextmanager
+def _stop_on_ctrl_c():
+    """While training, the first Ctrl-C asks the loop to stop after the step it is in (which then writes a
+    checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
+    interrupted: list = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield interrupted
+        return
+
+    def handler(signum, frame):
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        print("\nCtrl-C: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def config_fields() -> list[str]:

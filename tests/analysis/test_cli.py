@@ -1,6 +1,7 @@
 """`brrr calc` through its own argparse registration (brrr/cli.py wires the same `register`), and bad input."""
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -70,6 +71,17 @@ def test_train_json_and_table(capsys):
                       "--schedule", "interleaved", "--chunks", "2", "--microbatches", "16"], capsys)
     # interleaved, v = 2: (4 - 1) / (2 x 16 + 4 - 1) = 3/35 = 8.6% of the step; overhead 3/32 = 9.4%
     assert code == 0 and "8.6% of the step (9.4% overhead)" in out
+
+
+def test_train_assumes_a_typical_efficiency_and_says_so(capsys):
+    """Not the roofline's 100%: 40% of the bf16 peak unless --efficiency says otherwise, printed with the result."""
+    code, out = calc(["train", "llama-3.1-8b", "--gpu", "h100", "--zero", "3", "--json"], capsys)
+    assert code == 0 and out["efficiency"] == 0.4 and out["mfu"] == pytest.approx(0.4)
+    code, out = calc(["train", "llama-3.1-8b", "--gpu", "h100", "--zero", "3"], capsys)
+    assert "assumed matmul efficiency (--efficiency)" in out and "40% of the bf16 peak" in out
+    assert re.search(r"MFU\s+\S*\s*40\.0%", out), out
+    code, out = calc(["train", "llama-3.1-8b", "--gpu", "h100", "--zero", "3", "--efficiency", "1", "--json"], capsys)
+    assert out["mfu"] == pytest.approx(1.0)
 
 
 def test_roofline_json_and_plot(tmp_path, capsys):

@@ -194,15 +194,15 @@ def test_training_activations_and_communication():
     assert activation_bytes_per_token_per_layer(cfg) == 168_072
     # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes,
     # plus bf16 + fp32 logits 6 x 128,256 x 4,096 = 3,152,019,456
-    plan = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3)
+    plan = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, efficiency=1.0)  # the roofline
     assert plan["memory"]["activations"] == 22_029_533_184 + 3_152_019_456
     # With checkpointing only layer inputs stay (2 x 4,096 x 4,096 x 32 = 1,073,741,824) + one layer rebuilt
-    ckpt = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, checkpointing=True)
+    ckpt = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, checkpointing=True, efficiency=1.0)
     assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096 + 3_152_019_456
     # Bytes each GPU sends per step: DDP ring all-reduce of bf16 grads 2 x (7/8) x 2 x P;
     # ZeRO-3 all-gathers weights twice and reduce-scatters grads once: 3 x (7/8) x 2 x P (1.5x DDP)
     p = 8_030_261_248
-    ddp = train_plan(cfg, get_gpu("h100"), gpus=8, zero=0)
+    ddp = train_plan(cfg, get_gpu("h100"), gpus=8, zero=0, efficiency=1.0)
     assert ddp["communication_bytes"]["data_parallel"] == pytest.approx(3.5 * p)
     assert plan["communication_bytes"]["data_parallel"] == pytest.approx(5.25 * p)
     # Model FLOPs per token = 3 x forward at 4,096: 3 x (15,009,316,864 + 524,288 x 4,097 / 2) = 48,249,962,496
@@ -212,7 +212,7 @@ def test_training_activations_and_communication():
     assert plan["time"]["step_s"] == pytest.approx(8 * 4096 * 48_249_962_496 / (8 * 989.4e12))
     assert plan["mfu"] == pytest.approx(1.0) and ckpt["mfu"] == pytest.approx(0.75)
     # a 4-stage pipeline with 16 microbatches: the step stretches by 19/16
-    pp = train_plan(cfg, get_gpu("h100"), gpus=8, tp=2, pp=4, microbatches=16)
+    pp = train_plan(cfg, get_gpu("h100"), gpus=8, tp=2, pp=4, microbatches=16, efficiency=1.0)
     assert pp["time"]["pipeline_s"] == pytest.approx(pp["time"]["compute_s"] * 19 / 16)
 
 

@@ -1,4 +1,6 @@
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -68,6 +70,26 @@ def _rewrite(src, dst, config_edit=None, tensor_edit=None):
     return dst
 
 
+def test_long_work_shows_progress_on_stderr(tiny_dir, tmp_path, capsys):
+    """GPTQ and AWQ advance per projection (AWQ's scale search per layer first), eval per window, each bar on
+    stderr, so stdout stays the result."""
+    text = tmp_path / "calib.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 200)
+    model = load_model(tiny_dir)
+    n_proj, n_layers = len(projections(model)), model.config.num_layers
+    for method, done in (("gptq", n_proj), ("awq", n_layers + n_proj)):
+        assert main(["quantize", "--model", str(tiny_dir), "--method", method, "--group-size", "32", "--calib",
+                     str(text), "--calib-seq-len", "32", "--calib-samples", "4", "--out", str(tmp_path / method)]) == 0
+        out, err = capsys.readouterr()
+        assert re.search(rf"^{method} .* {done}/{done} .* left ", err, re.M), err
+        assert json.loads(out)["method"] == method
+    assert main(["eval", "compare", "--models", str(tiny_dir), str(tmp_path / "gptq"), "--data", str(text),
+                 "--window", "64", "--stride", "32"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(rf"^ppl 1/2 {tiny_dir.name} .* left ", err, re.M) and re.search(r"^ppl 2/2 gptq ", err, re.M)
+    assert "ppl" in out and "left" not in out
+
+
 def test_a_checkpoint_whose_quantization_config_disagrees_with_its_tensors_is_a_clear_error(quantized_dirs, tmp_path):
     gptq, int8 = quantized_dirs["gptq"][0], quantized_dirs["rtn-int8"][0]
     bad = _rewrite(gptq, tmp_path / "group", lambda qc: qc.update(group_size=64))
@@ -101,25 +123,54 @@ def test_cli_quantize_and_eval(tiny_dir, tmp_path, capsys):
     assert "awq" in table and f"{ppl:.4f}" in table
 
 
-def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(tiny_dir, tmp_path, capsys):
-    from brrr.quant.calib import calibration_tokens
-    from brrr.train.data import TokenData, build
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from brrr.train.data import build
     from tests.train.conftest import write_sources
 
-    write_sources(tmp_path / "src", files=12)
-    build(tmp_path / "data", [str(tmp_path / "src")], vocab=300, val_fraction=0.2, show_progress=False)
-    train = TokenData(tmp_path / "data").splits["train"]
-    seqs = calibration_tokens(tmp_path / "data", tokenizer=None, n_samples=4, seq_len=32)
+    root = tmp_path_factory.mktemp("calib-data")
+    write_sources(root / "src", files=12)
+    build(root / "data", [str(root / "src")], vocab=300, val_fraction=0.2, show_progress=False)
+    return root / "data"
+
+
+def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(tiny_dir, data_dir, tmp_path,
+                                                                                capsys):
+    from brrr.quant.calib import calibration_tokens
+    from brrr.train.data import TokenData
+
+    model = tmp_path / "model"  # the tiny model with the data's tokenizer, as `brrr train --data` would export it
+    model.mkdir()
+    for f in tiny_dir.iterdir():
+        shutil.copy(data_dir / f.name if f.name.startswith("tokenizer") else f, model / f.name)
+    train = TokenData(data_dir).splits["train"]
+    seqs = calibration_tokens(data_dir, tokenizer=None, n_samples=4, seq_len=32)
     assert seqs.shape == (4, 32) and seqs.flatten().tolist() == train[:128].tolist()
-    assert main(["quantize", "--model", str(tiny_dir), "--method", "gptq", "--group-size", "32",
-                 "--calib", str(tmp_path / "data"), "--calib-seq-len", "32", "--calib-samples", "4",
+    assert main(["quantize", "--model", str(model), "--method", "gptq", "--group-size", "32",
+                 "--calib", str(data_dir), "--calib-seq-len", "32", "--calib-samples", "4",
                  "--out", str(tmp_path / "q")]) == 0
-    assert main(["eval", "ppl", "--model", str(tmp_path / "q"), "--data", str(tmp_path / "data"),
+    assert main(["eval", "ppl", "--model", str(tmp_path / "q"), "--data", str(data_dir),
                  "--window", "64", "--stride", "32"]) == 0  # the val split
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == len(TokenData(tmp_path / "data")
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == len(TokenData(data_dir)
                                                                                    .splits["val"]) - 1
     with pytest.raises(BrrrError, match="fewer than one calibration sequence"):
-        calibration_tokens(tmp_path / "data", None, seq_len=10 ** 7)
+        calibration_tokens(data_dir, None, seq_len=10 ** 7)
+
+
+@pytest.mark.parametrize("command", [
+    ["quantize", "--method", "gptq", "--calib", "{data}", "--out", "{tmp}/q"],
+    ["eval", "ppl", "--data", "{data}"],
+    ["eval", "compare", "--models", "{default}", "--data", "{data}"]])
+def test_token_files_of_another_tokenizer_are_refused(data_dir, tmp_path, capsys, command):
+    """README's flow: a fresh `brrr data build` trains its own BPE, which is not the shipped default model's; its
+    ids would be read as other tokens (perplexity in the thousands, GPTQ calibrated on noise)."""
+    from brrr.default_model import default_model_dir
+
+    args = [a.format(data=data_dir, tmp=tmp_path, default=default_model_dir()) for a in command]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{data_dir} holds token ids of its own tokenizer" in err and "Pass a text file instead" in err
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8", "nf4", "gptq"])

@@ -128,3 +128,25 @@ def test_sigterm_drains_cancels_what_outlives_the_timeout_and_exits(served):
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log
     assert time.monotonic() - start < 10  # the timeout (1 s) cut it, not the request's own end
     assert not [pid for pid in engines if running(pid)]  # the engine process stopped with it
+
+
+def test_a_busy_port_fails_before_the_model_loads(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port",
+                                 str(port), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"brrr: error: cannot listen on 127.0.0.1:{port}: already in use; pick another --port (or --host)"]
+
+
+def test_serve_exits_without_nanobind_leak_reports(model_dir):
+    """gc.freeze() keeps start-up's objects from every collection, the one at exit too: Triton's nanobind
+    bindings then print a 'leaked' line for each of theirs."""
+    proc, _ = start_server(model_dir, shutdown_timeout=1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    output = proc.stdout.read()
+    assert "leaked" not in output, output

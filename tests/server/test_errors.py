@@ -64,7 +64,7 @@ def test_malformed_json_and_wrong_types(http):
 def test_out_of_range_and_unsupported_fields(http):
     for body, param in (({**CHAT, "top_p": 0}, "top_p"), ({**CHAT, "temperature": 500}, "temperature"),
                         ({**CHAT, "n": 0}, "n"), ({**CHAT, "max_tokens": 0}, "max_tokens"),
-                        ({**CHAT, "top_logprobs": 30, "logprobs": True}, "logprobs"),
+                        ({**CHAT, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
                         ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
                         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
@@ -77,6 +77,60 @@ def test_out_of_range_and_unsupported_fields(http):
         assert error["param"] == param, (body, error)
     image = {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert error_of(http.post("/v1/chat/completions", json=image), 400)["param"] == "messages.0.content.0.type"
+
+
+def test_error_param_names_the_field_the_request_used(http):
+    """Chat's top_logprobs and max_completion_tokens become SamplingParams' logprobs and max_tokens: an error names
+    what the caller sent, in the message too."""
+    for body, param in (({**CHAT, "logprobs": True, "top_logprobs": 1000}, "top_logprobs"),
+                        ({**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+                        ({**CHAT, "max_tokens": -5}, "max_tokens"),
+                        ({**COMPLETION, "logprobs": 1000}, "logprobs")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        error = error_of(http.post(path, json=body), 400)
+        assert error["param"] == param and error["message"].startswith(param + " "), (body, error)
+
+
+def test_unknown_role_is_refused(http):
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]}
+    error = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "messages.1.role" and "'wizard'" in error["message"] and "'assistant'" in error["message"]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(http, value):
+    """Python's JSON reader takes NaN and Infinity, and NaN compares False with every limit."""
+    for path, base, field in (("/v1/chat/completions", CHAT, "temperature"), ("/v1/chat/completions", CHAT, "top_p"),
+                              ("/v1/completions", COMPLETION, "presence_penalty"),
+                              ("/v1/completions", COMPLETION, "frequency_penalty"),
+                              ("/v1/completions", COMPLETION, "repetition_penalty"),
+                              ("/v1/completions", COMPLETION, "min_p")):
+        body = json.dumps(base)[:-1] + f', "{field}": {value}}}'
+        error = error_of(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+        assert error["param"] == field, (field, value, error)
+
+
+def test_lone_surrogates_are_a_400_and_the_connection_stays_open(http):
+    """"\\ud800" is valid JSON but not a character: no tokenizer encodes it. Each is a 400 naming where it was, on
+    the same keep-alive connection."""
+    connections = []
+    hooks = {"response": [lambda r: connections.append(id(r.extensions.get("network_stream")))]}
+    with httpx.Client(base_url=str(http.base_url), headers=HEADERS, timeout=30, event_hooks=hooks) as client:
+        for path, body, param in (
+                ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
+                ("/v1/completions", {**COMPLETION, "prompt": ["ok", "a\udc00"]}, "prompt.1"),
+                ("/v1/completions", {**COMPLETION, "stop": "\ud800"}, "stop"),
+                ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]},
+                 "messages.0.content"),
+                ("/v1/chat/completions",
+                 {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+                 "messages.0.content.0.text"),
+                ("/tokenize", {"prompt": "a\ud800"}, "prompt")):
+            sent = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            error = error_of(sent, 400)  # json.dumps escapes the surrogate as the client would send it
+            assert error["param"] == param and "surrogate" in error["message"], (body, error)
+        assert client.post("/v1/completions", json={**COMPLETION, "prompt": "a\U0001f600b"}).status_code == 200
+    assert len(set(connections)) == 1  # no error closed the connection
 
 
 def test_context_overflow_names_the_numbers(http, server):

@@ -1,6 +1,9 @@
 """The trainer on CPU: the loss falls, a stopped run resumes bit for bit, the output loads in transformers and
 brrr with matching logits, and a diverging run stops with its last good checkpoint kept."""
 import json
+import os
+import re
+import signal
 
 import pytest
 import torch
@@ -97,3 +100,42 @@ def test_schedule_warms_up_then_follows_the_cosine():
     cfg = TrainConfig("m", "d", "o", lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, cfg, 110) == pytest.approx(0.1) and lr_at(9, cfg, 110) == pytest.approx(1.0)
     assert lr_at(60, cfg, 110) == pytest.approx(0.55) and lr_at(110, cfg, 110) == pytest.approx(0.1)
+
+
+def test_ctrl_c_writes_a_checkpoint_says_where_and_resumes(tiny_config, data_dir, tmp_path, capsys):
+    """The first SIGINT lets the step in flight finish, then the run writes its checkpoint, names it, and stops;
+    --resume continues from that step."""
+    cfg = _config(tiny_config, data_dir, tmp_path, max_steps=20, log_every=100, checkpoint_every=100)
+    trainer = Trainer(cfg)
+    real, calls = trainer.loss_fn, []
+
+    def loss_fn(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * 3:  # during step 3 (two micro-batches a step)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    trainer.loss_fn = loss_fn
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    checkpoint = tmp_path / "checkpoint" / "state.pt"
+    assert torch.load(checkpoint, weights_only=False)["trainer"]["step"] == 3
+    err = capsys.readouterr().err
+    assert f"interrupted: checkpoint of step 3 written to {checkpoint}; continue with the same command and --resume" \
+        in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the trainer's handler is gone
+    assert Trainer(_config(tiny_config, data_dir, tmp_path, max_steps=5, resume=True)).run()["steps"] == 5
+
+
+def test_warns_when_max_steps_ends_inside_the_warmup(tiny_config, data_dir, tmp_path, capsys):
+    Trainer(_config(tiny_config, data_dir, tmp_path, max_steps=4, warmup_steps=10, final_eval_windows=1)).run()
+    out, err = capsys.readouterr()
+    assert "warning: --max-steps 4 ends inside the 10 --warmup-steps: the learning rate peaks at 1.20e-03" in err
+    assert "step      4/4" in out
+
+
+def test_printed_log_lines_carry_an_eta(tiny_config, data_dir, tmp_path, capsys):
+    Trainer(_config(tiny_config, data_dir, tmp_path, max_steps=10, final_eval_windows=1)).run()
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert re.search(r"^step +5/10 \| .* \| ETA \d+s$", steps[0]), steps
+    assert "ETA" not in steps[-1]  # the last step has nothing left

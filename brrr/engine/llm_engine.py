@@ -77,13 +77,15 @@ class EngineCore:
             return ec.num_blocks
         p = next(model.parameters())
         per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype)
+        # Every sequence at full length: more blocks would only keep finished prompts cached, and a small model on
+        # a big GPU would take the whole card for them (and starve other processes on it).
+        useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
         if ec.kv_cache_memory:
             blocks = ec.kv_cache_memory // per_block
         elif p.device.type == "cuda":
-            blocks = ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
-                                                    ec.gpu_memory_utilization)
-        else:  # CPU: a fixed budget, but never more than every sequence at full length could use
-            useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+            blocks = min(useful, ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
+                                                                ec.gpu_memory_utilization))
+        else:  # CPU: a fixed budget
             blocks = min(CPU_KV_DEFAULT // per_block, useful)
         if blocks < 1:
             raise BrrrError(f"no memory left for the KV cache (one block of {ec.block_size} tokens needs {per_block} "

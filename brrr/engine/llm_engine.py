@@ -16,6 +16,7 @@ from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence, Status
 from brrr.errors import BrrrError
 from brrr.kernels.dispatch import fast_path
+from brrr.kernels.quant import quant_tuning
 from brrr.models.llama import LlamaForCausalLM, pack_projections
 from brrr.quant.linear import pack_quantized_projections
 from brrr.tokenizer import IncrementalDecoder
@@ -68,8 +69,9 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
-        self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                  ec.max_num_seqs)
+        with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
+            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                      ec.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0

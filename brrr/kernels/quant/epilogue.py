@@ -54,7 +54,8 @@ if triton is not None:
             tl.debug_barrier()  # every thread's partial is written before the count says so (acq_rel below)
             if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == split_k - 1:
                 acc = sum_partials(ws_ptrs, mask, split_k, M * N, 16 if acc.numel <= 512 else 4)
-                write_output(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL, ROUND)
+                write_output(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL,
+                             ROUND)
                 tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed")  # ordered by the kernel's end
         else:
             write_output(acc, B, Y, offs_m, offs_n, n_mask, mask, stride_ym, HAS_BIAS, res, nw, SQ, XN, RESIDUAL, ROUND)

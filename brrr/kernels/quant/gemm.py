@@ -62,7 +62,8 @@ if triton is not None:
                     acc = dot_bt(x_hi, w_hi, acc, IEEE)
         if SWAP:
             acc = tl.trans(acc)
-        store_output(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
+        store_output(acc, B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT,
+                     PDL)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _w8a16_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
@@ -90,7 +91,7 @@ if triton is not None:
             acc = dot_bt(x, w, acc, IEEE)
         s = tl.load(S + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         store_output(acc * s[None, :], B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
-               HAS_BIAS, SPLIT, PDL)
+                     HAS_BIAS, SPLIT, PDL)
 
     # ---- MMA decode (M <= small_m): the weight tile is the MMA's left operand, straight from registers ---------
     # The weight tile [BLOCK_N, K] is the left operand and x^T [K, 16] the right one, so on sm_90 Triton emits wgmma
@@ -142,7 +143,7 @@ if triton is not None:
         HALF: tl.constexpr = GROUP // 2
         lo, hi = codes_minus_zero(p, z, DTYPE, FAST)
         part = dot_bt(_mma_order(lo, BLOCK_N, NW, HALF), _k_order(x_lo, BLOCK_M, HALF),
-                    tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                      tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
         part = dot_bt(_mma_order(hi, BLOCK_N, NW, HALF), _k_order(x_hi, BLOCK_M, HALF), part, IEEE)
         return acc + part * s[:, None]
 
@@ -200,5 +201,5 @@ if triton is not None:
                 acc = _mma_group(acc, p2, x_lo, x_hi, z, s, DTYPE, GROUP, BLOCK_M, BLOCK_N, NW, FAST, IEEE)
             if AHEAD:
                 x_lo, x_hi, z, s = x_lo2, x_hi2, z2, s2
-        store_output(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
-               SPLIT, PDL)
+        store_output(tl.trans(acc), B, Y, WS, LOCKS, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, split_k,
+                     HAS_BIAS, SPLIT, PDL)

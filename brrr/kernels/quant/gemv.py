@@ -125,7 +125,7 @@ if triton is not None:
             if PREFETCH and FAST:  # the group PREFETCH ahead: one line per row (GROUP / 2 <= 64 bytes)
                 ahead = packed_col(g + PREFETCH, stride_pc, GROUP // 8, 16)
                 prefetch_l2(P + offs_n.to(tl.int64) * stride_pn + ahead,
-                             n_mask & (offs_n * 0 + g + PREFETCH < g_end))
+                            n_mask & (offs_n * 0 + g + PREFETCH < g_end))
             s = _load(S + g * N + sz_offs, sz_mask, EVEN_N).to(tl.float32)
             if HAS_ZEROS:
                 z = _load(Z + g * N + sz_offs, sz_mask, EVEN_N).to(tl.int32)
@@ -169,7 +169,8 @@ if triton is not None:
                     acc3 = tl.fma(tl.sum(p3, axis=2), s, acc3)
         out = _gemv_out(acc0, acc1, acc2, acc3, BLOCK_M, ROWS)
         offs_m = tl.arange(0, BLOCK_M)
-        store_output(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
+        store_output(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
+                     SPLIT, PDL)
 
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k, stride_pc,
@@ -198,7 +199,7 @@ if triton is not None:
                 for line in tl.static_range(0, CHUNKS * 4, 32):
                     ahead = packed_col(step + PREFETCH, stride_pc, CHUNKS * 4, 16) + line
                     prefetch_l2(Q + offs_n.to(tl.int64) * stride_qn + ahead,
-                                 n_mask & (offs_n * 0 + step + PREFETCH < s_end))
+                                n_mask & (offs_n * 0 + step + PREFETCH < s_end))
             word = step * (CHUNKS * 4) + words
             x_mask = word < k_words
             w = _load(q_ptrs + packed_col(step, stride_pc, CHUNKS * 4, 16), w_mask & x_mask[None, :, :],
@@ -219,4 +220,5 @@ if triton is not None:
         out = _gemv_out(tl.sum(acc0, axis=2), tl.sum(acc1, axis=2), tl.sum(acc2, axis=2), tl.sum(acc3, axis=2),
                         BLOCK_M, ROWS) * s[None, :]
         offs_m = tl.arange(0, BLOCK_M)
-        store_output(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS, SPLIT, PDL)
+        store_output(out, B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym, split_k, HAS_BIAS,
+                     SPLIT, PDL)

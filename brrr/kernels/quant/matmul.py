@@ -94,7 +94,8 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
     x2 = rows(x)
     m = x2.shape[0]
     fuse = norm is not None or residual is not None
-    if fuse and not (group_size == 128 and int32_words(qweight) is not None and _fusable(x2, norm, residual, next_norm)):
+    if fuse and not (group_size == 128 and int32_words(qweight) is not None
+                     and _fusable(x2, norm, residual, next_norm)):
         run = functools.partial(w4a16_matmul_triton, qweight=qweight, scales=scales, zeros=zeros,
                                 group_size=group_size, bias=bias, config=config, gated=gated,
                                 release_early=release_early)

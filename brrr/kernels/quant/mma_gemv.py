@@ -34,7 +34,8 @@ if triton is not None:
     # pairs `ptx.word_nibbles` makes from a word. Every column of the MMA's right operand is x at the same columns,
     # one 8-byte load per word, so the tensor core sums the quad's 32 products per row in fp32 and each thread of the
     # quad gets its row's sum: no shuffles, no fp32 fma per weight. Per 8 weights: 12 instructions of dequantization
-    # (exact q - z) and half an MMA (the fewest instructions a weight of the decode kernels). The group's scale multiplies the sum once; a quarter of it goes to each of the quad's threads
+    # (exact q - z) and half an MMA (the fewest instructions a weight of the decode kernels). The group's scale
+    # multiplies the sum once; a quarter of it goes to each of the quad's threads
     # (exact), and the accumulators are summed across the row after the K loop. The kernel waits on memory
     # (Nsight Compute: long-scoreboard stalls dominate), so with AHEAD the next group's bytes, x, scales and zero
     # points load before this group is computed.
@@ -66,8 +67,8 @@ if triton is not None:
         else:
             z_a = tl.full(s_a.shape, 8.0, tl.float32)
             z_b = z_a
-        return (tl.load(pa + g * stride_pc, eviction_policy="evict_first"), tl.load(pb + g * stride_pc, eviction_policy="evict_first"),
-                s_a, s_b, z_a, z_b)
+        return (tl.load(pa + g * stride_pc, eviction_policy="evict_first"),
+                tl.load(pb + g * stride_pc, eviction_policy="evict_first"), s_a, s_b, z_a, z_b)
 
     @triton.jit
     def _mma_gemv_x(g, x8):
@@ -202,14 +203,15 @@ if triton is not None:
             out = tl.reshape(tl.permute(tl.join(sum_a, sum_b), (1, 0)), (BLOCK_N,))
             offs_m = tl.arange(0, BLOCK_M)
             offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            store_output(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym, split_k,
-                   HAS_BIAS, SPLIT, PDL, res, nw, SQ, XN, RESIDUAL, ROUND)
+            store_output(out[None, :], B, Y, WS, LOCKS, offs_m, offs_n, offs_m < M, offs_n < N, M, N, stride_ym,
+                         split_k, HAS_BIAS, SPLIT, PDL, res, nw, SQ, XN, RESIDUAL, ROUND)
 
     @triton.jit
     def _gated_store(gate, up, B, Y, WS, LOCKS, N, split_k, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr):
         """y[i] = silu(gate[i]) * up[i] for this program's HALF_N outputs (M = 1, N = 2 x outputs), split K as in
-        `store_output`: the partials of both halves in WS [split_k, N], the last program to arrive adds them in order."""
+        `store_output`: the partials of both halves in WS [split_k, N], the last program to arrive adds them in
+        order."""
         release_dependents(PDL)
         half = N // 2
         rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
@@ -340,8 +342,8 @@ if triton is not None:
     @triton.jit
     def _mma_gemv8_load(t, pa, pb, x8, stride_qc):
         """Step t's words of both tiles and x at their columns."""
-        return (tl.load(pa + t * stride_qc, eviction_policy="evict_first"), tl.load(pb + t * stride_qc, eviction_policy="evict_first"),
-                tl.load(x8 + t * 16))
+        return (tl.load(pa + t * stride_qc, eviction_policy="evict_first"),
+                tl.load(pb + t * stride_qc, eviction_policy="evict_first"), tl.load(x8 + t * 16))
 
     @triton.jit(do_not_specialize=["split_k"])
     def _w8a16_mma_gemv_kernel(X, Q, S, B, Y, WS, LOCKS, M, N, K, stride_xm, stride_qn, stride_ym, split_k,

@@ -119,7 +119,7 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             return F.linear(x2, dequantize_w4_triton(qweight, scales, zeros, group_size, x.dtype), bias)
         if cfg.get("MMA"):
             return launch(_w4a16_mma_kernel, x2, n, k // group_size, x.dtype,
-                           {key: v for key, v in cfg.items() if key != "MMA"}, args, consts, extra=(chunk_stride,))
+                          {key: v for key, v in cfg.items() if key != "MMA"}, args, consts, extra=(chunk_stride,))
         if (cfg.get("MMA_GEMV") or _gemv(cfg)) and words is None:
             raise ValueError("the GEMV kernel reads qweight as int32 words: rows must be 4-byte aligned")
         if cfg.get("MMA_GEMV"):
@@ -128,17 +128,16 @@ def w4a16_matmul_triton(x, qweight, scales, zeros, group_size, bias=None, config
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time
             fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = launch(_w4a16_mma_gemv_kernel, xa, n, k // group_size, (fused and out_dtype) or x.dtype,
-                        {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                        dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast,
-                             GATED=gated, enable_fp_fusion=False,
-                             **fused_consts),
-                        extra=(scales.stride(1), word_chunk_stride, *fused_args))
+                       {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
+                       dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, FAST=fast, GATED=gated,
+                            enable_fp_fusion=False, **fused_consts),
+                       extra=(scales.stride(1), word_chunk_stride, *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):
             gemv_consts = dict(GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
                                FAST=not INTERPRETED, EVEN_N=n % cfg["BLOCK_N"] == 0)
             return launch(_w4a16_gemv_kernel, x2, n, k // group_size, x.dtype, _gemv_chunks(cfg, group_size),
-                           (x2, words, *args[2:]), gemv_consts, extra=(scales.stride(1), word_chunk_stride))
+                          (x2, words, *args[2:]), gemv_consts, extra=(scales.stride(1), word_chunk_stride))
         return launch(_w4a16_kernel, x2, n, k // group_size, x.dtype, cfg, args, consts, extra=(chunk_stride,))
 
     if config is None:  # fp32 (tests, CPU-made models on a GPU) runs the default config: no tuning cost
@@ -219,10 +218,10 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             xa = x2 if x2.data_ptr() % 8 == 0 else x2.clone()  # x is read 8 bytes at a time (fp fusion: as int4)
             fused_args, fused_consts, pending = _fused_args(xa, n, cfg, *(norm, residual, next_norm) if fused else ())
             y = launch(_w8a16_mma_gemv_kernel, xa, n, k // 64, (fused and out_dtype) or x.dtype,
-                        {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
-                        dict(HAS_BIAS=bias is not None, FAST=fast, GATED=gated,
-                             FP8=fp8, enable_fp_fusion=False, **fused_consts),
-                        extra=(packed_strides(words)[1], *fused_args))
+                       {key: v for key, v in cfg.items() if key != "MMA_GEMV"}, (xa, words, *args[2:]),
+                       dict(HAS_BIAS=bias is not None, FAST=fast, GATED=gated, FP8=fp8, enable_fp_fusion=False,
+                            **fused_consts),
+                       extra=(packed_strides(words)[1], *fused_args))
             return y if pending is None else (y, pending)
         if _gemv(cfg):
             if fp8:
@@ -230,9 +229,9 @@ def w8a16_matmul_triton(x, qweight, scales, bias=None, config: dict | None = Non
             gemv_consts = dict(HAS_BIAS=bias is not None, FAST=not INTERPRETED,
                                EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % (16 * cfg["CHUNKS"]) == 0)
             return launch(_w8a16_gemv_kernel, x2, n, triton.cdiv(k, 16 * cfg["CHUNKS"]), x.dtype, cfg,
-                           (x2, words, *args[2:]), gemv_consts, extra=(packed_strides(words)[1],))
+                          (x2, words, *args[2:]), gemv_consts, extra=(packed_strides(words)[1],))
         return launch(_w8a16_kernel, x2, n, triton.cdiv(k, cfg["BLOCK_K"]), x.dtype, cfg, args, consts,
-                       extra=(chunk_stride,))
+                      extra=(chunk_stride,))
 
     if config is None:
         candidates = lambda: (mma_gemv_w8_configs(m, k) if gated  # noqa: E731

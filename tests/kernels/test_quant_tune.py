@@ -85,3 +85,14 @@ def test_nothing_is_timed_under_the_interpreter_without_a_timer(problem):
 def test_buckets_are_named_by_their_largest_m():
     assert [tune.bucket(m) for m in (1, 2, 4, 5, 16, 17, 32, 33, 8192, 9000)] == [1, 2, 4, 16, 16, 32, 32, 64, 8192,
                                                                                     8192]
+
+
+def test_bucket_sizes_meet_every_bucket_once():
+    """A warm-up running these token counts meets every bucket up to its budget, each once."""
+    assert tune.bucket_sizes(2048) == [1, 2, 3, 4, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert tune.bucket_sizes(300) == [1, 2, 3, 4, 16, 32, 64, 128, 256, 300]
+    assert tune.bucket_sizes(3) == [1, 2, 3] and tune.bucket_sizes(20000)[-1] == 8192
+    for budget in (1, 7, 100, 5000, 20000):
+        sizes = tune.bucket_sizes(budget)
+        assert {tune.bucket(m) for m in range(1, budget + 1)} == {tune.bucket(m) for m in sizes}
+        assert len({tune.bucket(m) for m in sizes}) == len(sizes) and max(sizes) <= budget

@@ -39,6 +39,21 @@ def bucket(m: int) -> int:
     return LIMITS.small_m if m <= LIMITS.small_m else min(next_power_of_2(m), LIMITS.max_bucket)
 
 
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """One M per tuning bucket up to max_tokens rows (the largest of each, max_tokens itself for the last): the
+    token counts a warm-up runs inside `quant_tuning` so that every bucket a step of at most max_tokens can meet
+    gets a tuned config."""
+    sizes, m = [], 1
+    while m <= max_tokens:
+        sizes.append(bucket(m))
+        m = bucket(m) + 1
+        if sizes[-1] >= LIMITS.max_bucket:
+            break
+    if sizes and sizes[-1] > max_tokens:
+        sizes[-1] = max_tokens
+    return sizes
+
+
 def weight_copies(weight: torch.Tensor) -> list:
     """The weight and enough clones (same strides) that the set is at least twice L2."""
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size or 50 << 20

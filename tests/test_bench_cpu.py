@@ -13,21 +13,3 @@ def test_bench_latency_on_a_model_dir(tmp_path, capsys):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["batch"] for r in records] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["ttft_s"] > 0 for r in records)
-
-
-def test_gemv_timeline_phases_from_stamps(monkeypatch):
-    """bench/gemv_timeline.py's phases (us, relative to the previous launch's last program end) from ns stamps."""
-    import pathlib
-
-    import torch
-
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-    from gemv_timeline import timeline
-
-    traces = []
-    for i in range(5):  # launches 5 us apart; each program: entry, after the wait, after its K loop, its end
-        e = 5000 * i
-        traces.append(torch.tensor([[e - 1000, e + 500, e + 3000, e + 4500], [e - 1000, e + 750, e + 4000, e + 5000]]))
-    got = timeline(traces)
-    assert got == dict(period=5.0, first_start=-1.0, started_before_prev_end=1.0, first_wait=0.5, last_wait=0.75,
-                       stream_median=2.5, loops_done=4.0, tail=1.0)

@@ -481,6 +481,21 @@ def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_defaul
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8"])
+def test_the_engine_tunes_the_decode_shapes_while_it_captures_its_graphs(quantized_default, method):
+    """Tuning happens at warm-up only: LLMEngine's construction (the eager step before each decode graph's capture)
+    opens a tuning block, so every captured batch size's bucket is tuned there, with finite times for the default
+    config; the engine's block nests in this one and reports into it."""
+    model = load_model(quantized_default[method], dtype=BF16, device="cuda")
+    pack_quantized_projections(model)
+    qm.TUNED_CONFIGS.clear()
+    with qm.quant_tuning() as report:
+        LLMEngine(model, config=EngineConfig(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=8,
+                                             cuda_graphs=True))
+    assert {1, 2, 4, 16} <= {s.bucket for s in report.shapes}, report  # batch 8 is in the 5-16 bucket
+    assert all(s.timings[0][1] < float("inf") for s in report.shapes if s.timings), report
+
+
 @pytest.mark.parametrize("act_order,symmetric", [(True, False), (False, False), (False, True)])
 def test_gptq_sweep_kernel_gives_the_torch_loops_codes_on_the_gpu(act_order, symmetric):
     """GPTQ on CUDA (Hessian, factor and block updates in torch, each block's sweep one Triton launch) against the

@@ -27,8 +27,7 @@ from brrr.kernels.quant.per_token import quantize_per_token, quantize_per_token_
 from brrr.kernels.quant.tune import TUNED_CONFIGS, TuningReport, bucket_sizes, quant_tuning
 
 __all__ = ["CANDIDATES", "CHUNK", "DEQUANT", "INT4_GROUPS", "LIMITS", "TUNED_CONFIGS", "TuningReport", "bucket_sizes",
-           "chunk_major",
-           "dequantize_w4", "dequantize_w4_triton", "dequantize_w8_triton", "int4_params", "int4_round",
+           "chunk_major", "dequantize_w4", "dequantize_w4_triton", "dequantize_w8_triton", "int4_params", "int4_round",
            "pack_int4_kernel", "quant_tuning", "quantize_per_token", "quantize_per_token_ref",
            "quantize_per_token_triton", "unpack_int4_kernel", "w4_configs", "w4a16_gated_matmul", "w4a16_matmul",
            "w4a16_matmul_ref", "w4a16_matmul_triton", "w8_configs", "w8a16_gated_matmul", "w8a16_matmul",

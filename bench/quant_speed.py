@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from brrr.bench.latency import emit  # noqa: E402
 from brrr.bench.timing import graph_time_us, replay_time_us, step_kernels  # noqa: E402
-from brrr.kernels import quant_matmul as qm  # noqa: E402
+from brrr.kernels import quant as qm  # noqa: E402
 from brrr.quant import formats  # noqa: E402
 from brrr.quant.linear import QuantLinear  # noqa: E402
 
@@ -60,7 +60,7 @@ def stored_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in module.tensors().values() if t is not None)
 
 
-def section_gemm(args, machine):
+def section_gemm(args, machine, reports):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in GEMM_SHAPES.items():
         copies = max(3, math.ceil(4 * 60e6 / (n * k / 2)))  # even the int4 copies span ~4x the 60 MB L2
@@ -74,24 +74,22 @@ def section_gemm(args, machine):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             base = None
             for variant, mods in variants.items():
-                for fast in ((True, False) if variant == "w4a16-g128" and m <= qm.SMALL_M else (True,)):
-                    qm.FAST_DEQUANT = fast
-                    if variant == "bf16":
-                        calls, nbytes = [lambda w=w: F.linear(x, w) for w in mods], n * k * 2
-                    else:
-                        calls, nbytes = [lambda q=q: q(x) for q in mods], stored_bytes(mods[0])
+                if variant == "bf16":
+                    calls, nbytes = [lambda w=w: F.linear(x, w) for w in mods], n * k * 2
+                else:
+                    calls, nbytes = [lambda q=q: q(x) for q in mods], stored_bytes(mods[0])
+                with qm.quant_tuning() as report:  # graph_time_us's warm-up calls tune the shape
                     us = graph_time_us(calls)
-                    base = base or us
-                    label = variant if fast else variant + "-portable-dequant"
-                    emit({"bench": "quant_gemm", "machine": machine, "shape": name, "n": n, "k": k, "m": m,
-                          "variant": label, "us": round(us, 2), "weight_bytes": nbytes,
-                          "gb_s": round(nbytes / us / 1e3, 1), "speedup_vs_bf16": round(base / us, 2)}, args.out)
-            qm.FAST_DEQUANT = True
+                reports.append(report)
+                base = base or us
+                emit({"bench": "quant_gemm", "machine": machine, "shape": name, "n": n, "k": k, "m": m,
+                      "variant": variant, "us": round(us, 2), "weight_bytes": nbytes,
+                      "gb_s": round(nbytes / us / 1e3, 1), "speedup_vs_bf16": round(base / us, 2)}, args.out)
         del weights, variants
         torch.cuda.empty_cache()
 
 
-def section_prefill(args, machine):
+def section_prefill(args, machine, reports):
     from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -123,7 +121,9 @@ def section_prefill(args, machine):
             base = None
             for variant, fn in runs.items():
                 try:
-                    us = bench_us(fn)
+                    with qm.quant_tuning() as report:  # do_bench's warm-up calls tune the shape
+                        us = bench_us(fn)
+                    reports.append(report)
                 except Exception as e:  # record what failed instead of losing the section
                     emit({"bench": "quant_prefill", "shape": name, "m": m, "variant": variant,
                           "error": f"{type(e).__name__}: {e}"[:300]}, args.out)
@@ -144,7 +144,7 @@ def model_bytes(model) -> int:
     return total
 
 
-def section_decode(args, machine, bandwidth):
+def section_decode(args, machine, bandwidth, reports):
     """Every variant's engine is built first and kept; then --rounds rounds each decode every variant once in turn,
     so a drift of the GPU over the run (one bf16 run was 3% slower than another in the same session) reaches every
     variant alike; each variant's rate is its median round."""
@@ -165,10 +165,12 @@ def section_decode(args, machine, bandwidth):
                                                ("w4a16", "rtn-int4")) if variant.startswith(prefix))
             quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
         seqs = max(args.batches)
-        engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
-                                                     num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
-        for i, batch in enumerate(args.batches):  # warm-up: prefill and per-batch tuning
-            run_batch(engine, batch, args.prompt_len, 8, cfg.vocab_size, seed=90 + i)
+        with qm.quant_tuning() as report:  # as the engine process's warm-up: the decode and prefill shapes
+            engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=seqs,
+                                                         num_blocks=seqs * -(-max_len // 16) + 8, cuda_graphs=True))
+            for i, batch in enumerate(args.batches):
+                run_batch(engine, batch, args.prompt_len, 8, cfg.vocab_size, seed=90 + i)
+        reports.append(report)
         batches = (1,) if variant.endswith("-unpacked") else args.batches
         built.append((variant, engine, batches, model_bytes(model), time.perf_counter() - t0))
         del model
@@ -209,14 +211,16 @@ def section_decode(args, machine, bandwidth):
     torch.cuda.empty_cache()
 
 
-def emit_tuning(args, machine, section):
-    """The config each tuned kernel shape chose, with every candidate's time (brrr.kernels.quant_matmul._pick)."""
-    for key, timed in qm.TIMINGS.items():
-        best = min(timed, key=lambda ct: ct[1])
-        emit({"bench": "quant_tuning", "section": section, "machine": machine, "key": [str(k) for k in key],
-              "best": best[0], "best_us": round(best[1] * 1e3, 2),
-              "candidates_us": [round(t * 1e3, 2) for _, t in timed]}, args.out)
-    qm.TIMINGS.clear()
+def emit_tuning(args, machine, section, reports):
+    """The config each tuned kernel shape chose, with every candidate's time (brrr.kernels.quant.tune)."""
+    for tuned in (shape for report in reports for shape in report.shapes):
+        if not tuned.timings:  # one candidate: nothing was timed
+            continue
+        best = min(tuned.timings, key=lambda ct: ct[1])
+        emit({"bench": "quant_tuning", "section": section, "machine": machine,
+              "key": [str(k) for k in tuned.shape] + [f"bucket {tuned.bucket}"], "best": best[0],
+              "best_us": round(best[1] * 1e3, 2), "candidates_us": [round(t * 1e3, 2) for _, t in tuned.timings]},
+             args.out)
 
 
 def main(argv=None) -> int:
@@ -250,14 +254,15 @@ def main(argv=None) -> int:
           "bf16_matmul_tflop_s": round(gpu.flops["bf16"] / 1e12)}, args.out)
     for section in args.sections:
         t0 = time.perf_counter()
+        reports = []
         try:
             if section == "gemm":
-                section_gemm(args, machine)
+                section_gemm(args, machine, reports)
             elif section == "prefill":
-                section_prefill(args, machine)
+                section_prefill(args, machine, reports)
             else:
-                section_decode(args, machine, gpu.bandwidth)
-            emit_tuning(args, machine, section)
+                section_decode(args, machine, gpu.bandwidth, reports)
+            emit_tuning(args, machine, section, reports)
         except Exception as e:  # keep the other sections' records
             import traceback
 

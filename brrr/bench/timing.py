@@ -4,30 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from brrr.kernels.graph_timing import graph_time_us, replay_time_us
 
-def replay_time_us(graph, replays: int = 50) -> float:
-    """Device time of one replay of an already captured graph (the engine's decode step)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
-def graph_time_us(calls, replays: int = 20) -> float:
-    """Mean device time of one call: all `calls` captured in one CUDA graph, replayed `replays` times."""
-    for c in calls:  # warm-up: compilation and tuning happen here, outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return replay_time_us(graph, replays) / len(calls)
+__all__ = ["graph_time_us", "replay_time_us", "step_kernels"]
 
 
 def step_kernels(graph, replays: int = 20) -> list[tuple[str, float, float]]:

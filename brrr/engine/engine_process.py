@@ -193,9 +193,11 @@ def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connecti
         baseline, seconds = None, 0.0
         if spec.warm_up:
             from brrr.engine.engine_process_warmup import warm_up
+            from brrr.kernels.quant import quant_tuning
 
             start = time.perf_counter()
-            warm_up(engine)
+            with quant_tuning():  # the quantized matmuls' prefill shapes: tuned here, never while serving
+                warm_up(engine)
             seconds = time.perf_counter() - start
             baseline = engine_stats(engine)
             log.info("warm-up: %d steps in %.1f s", baseline["num_steps"], seconds)

@@ -18,6 +18,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.errors import BrrrError
+from brrr.kernels.quant import quant_tuning
 from brrr.models.serving import prepare_for_serving
 
 log = logging.getLogger("brrr.engine")
@@ -64,8 +65,9 @@ class EngineCore:
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                  ec.max_num_seqs)
+        with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
+            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                      ec.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         self._ahead: tuple[ScheduledBatch, PendingTokens] | None = None  # a decode step launched, tokens unread

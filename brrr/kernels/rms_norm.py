@@ -19,8 +19,8 @@ MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the r
 
 
 class PendingNorm(NamedTuple):
-    """rms_norm(h, weight, eps) left for the GEMV that reads it (brrr/kernels/quant_matmul.py's NORM): xw = weight * h
-    rounded to h's dtype and sq, h's row sums of squares in partials [rows, parts], both written by the GEMV that
+    """rms_norm(h, weight, eps) left for the GEMV that reads it (the NORM epilogue, kernels/quant/mma_gemv.py):
+    xw = weight * h rounded to h's dtype and sq, h's row sums of squares in partials [rows, parts], both written by the GEMV that
     wrote h (its RESIDUAL epilogue). The reader multiplies its row sums by 1 / rms(h): one multiply an output where
     the norm was a kernel of its own. It rounds w * h once where rms_norm rounds h / rms, then the product."""
     xw: torch.Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from brrr.errors import BrrrError
+from brrr.kernels.quant.layouts import int4_params, int4_round
 
 GROUP_SIZES = (32, 64, 128)
 NF4_LEVELS = torch.tensor([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
@@ -51,21 +52,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[out, in/2] uint8 -> [out, in] uint8 in [0, 15]."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
-
-
-def int4_params(w: torch.Tensor, symmetric: bool, clip: torch.Tensor | float = 1.0):
-    """Scale and zero for each row of w [..., g] (the group's columns), shrinking the range by `clip`."""
-    if symmetric:
-        scale = (w.abs().amax(dim=-1) * clip / 7).clamp(min=1e-12)
-        return scale, torch.full_like(scale, 8.0)
-    hi, lo = (w.amax(dim=-1) * clip).clamp(min=0), (w.amin(dim=-1) * clip).clamp(max=0)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    return scale, torch.round(-lo / scale).clamp(0, 15)
-
-
-def int4_round(w, scale, zero):
-    """Quantize w with broadcastable scale/zero -> integer codes in [0, 15] (float)."""
-    return torch.round(w / scale + zero).clamp(0, 15)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False, clip=1.0) -> dict:

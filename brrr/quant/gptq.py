@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from brrr.kernels.gptq_block import gptq_block
+from brrr.kernels.quant.gptq_block import gptq_block
 from brrr.quant.formats import check_group, from_codes, int4_params
 
 

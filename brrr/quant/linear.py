@@ -1,7 +1,7 @@
 """QuantLinear: the one seam through which quant/ replaces nn.Linear.
 
 It takes a format's tensors as a checkpoint stores them and keeps them in the layout its matmul reads:
-  int4 (and 4-bit GPTQ/AWQ without act-order): the kernel layout of brrr/kernels/quant_matmul.py (codes packed per
+  int4 (and 4-bit GPTQ/AWQ without act-order): the kernel layout of brrr/kernels/quant/layouts.py (codes packed per
        group half, stored `chunk_major`; scales and zeros [K/g, N]); forward = `w4a16_matmul` (Triton on CUDA,
        torch reference elsewhere)
   int8: stored `chunk_major` for `w8a16_matmul`, or as stored with activations="int8" (SmoothQuant W8A8) per-token int8
@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from brrr.kernels.activation import silu_and_mul
-from brrr.kernels.quant_matmul import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel,
-                                       w4a16_gated_matmul, w4a16_matmul, w8a16_gated_matmul, w8a16_matmul,
-                                       with_norm_and_residual)
+from brrr.kernels.quant import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel, w4a16_gated_matmul,
+                                w4a16_matmul, w8a16_gated_matmul, w8a16_matmul, with_norm_and_residual)
 from brrr.kernels.rms_norm import PendingNorm
 from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4

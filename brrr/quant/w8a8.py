@@ -2,7 +2,7 @@
 one scale per row (absmax / 127 for int8, / 448 for FP8 E4M3), so the GEMM itself runs on 8-bit tensor cores.
 
   int8 (SmoothQuant): codes x int8 codes through `torch._int_mm` (int32 accumulate, exact), then
-      y = acc * s_x[:, None] * s_w[None, :] (one Triton pass on CUDA: brrr/kernels/int8_rescale.py). Where `_int_mm` cannot run (CUDA needs M > 16 and K, N multiples of
+      y = acc * s_x[:, None] * s_w[None, :] (one Triton pass on CUDA: brrr/kernels/quant/int8_rescale.py). Where `_int_mm` cannot run (CUDA needs M > 16 and K, N multiples of
       8; older CPU builds lack it) the same integers multiply exactly in float64 (< 2^53).
   fp8: `torch._scaled_mm` with row-wise scales on CUDA sm90+ (bf16 activations); elsewhere the dequantized
       reference (codes * scales, multiplied in fp32), the function `_scaled_mm` computes.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from brrr.kernels.int8_rescale import int8_rescale
-from brrr.kernels.quant_matmul import quantize_per_token
+from brrr.kernels.quant import quantize_per_token
+from brrr.kernels.quant.int8_rescale import int8_rescale
 
 
 def _int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from brrr.engine import LLMEngine, SamplingParams
 from brrr.generate import generate_tokens
 from brrr.kernels import AttnMeta
 from brrr.kernels import pdl
-from brrr.kernels import quant_matmul as qm
+from brrr.kernels import quant as qm
+from brrr.kernels.quant import configs as cfgs, tune
 from brrr.kernels import dispatch
 from brrr.kernels.dispatch import use_reference
 from brrr.quant import formats
@@ -25,7 +26,7 @@ from brrr.quant.checkpoint import save_quantized
 from brrr.models.serving import prepare_for_serving
 from brrr.quant.linear import QuantLinear
 from brrr.quant.methods import quantize_model
-from brrr.kernels.int8_rescale import int8_rescale_ref
+from brrr.kernels.quant.int8_rescale import int8_rescale_ref
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
 
 pytestmark = pytest.mark.gpu
@@ -129,7 +130,7 @@ def _launchable(run):
         return None
 
 
-@pytest.mark.parametrize("m,index", [(1, i) for i in range(len(qm.SMALL_CONFIGS))] +
+@pytest.mark.parametrize("m,index", [(1, i) for i in range(len(qm.CANDIDATES.small))] +
                          [(64, i) for i in range(len(qm.w4_configs(64, 128)))] +
                          [(300, i) for i in range(len(qm.w4_configs(300, 128)))])
 def test_every_candidate_config(m, index):
@@ -151,21 +152,19 @@ def test_every_candidate_config(m, index):
 
 
 @pytest.mark.parametrize("m", [1, 300])
-def test_portable_dequant_and_symmetric_groups(m, monkeypatch):
-    """The portable conversion (FAST_DEQUANT off: plain casts, as under the interpreter) and int4 g32 symmetric,
-    in each path's default config."""
-    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
+def test_portable_dequant_and_symmetric_groups(m):
+    """The portable conversion (a config with FAST=False: plain casts, as under the interpreter) and int4 g32
+    symmetric, in each path's default config."""
     x = torch.randn(m, 4096, device="cuda", dtype=BF16)
     q4, q4s = _linear("int4", 4096, 4096), _linear("int4", 4096, 4096, group_size=32, symmetric=True)
     q8 = _linear("int8", 4096, 4096)
     assert q4s.zeros is None and q4.zeros is not None
-    got = qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=qm.w4_configs(m, 128)[0])
+    got = qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128,
+                                 config=dict(qm.w4_configs(m, 128)[0], FAST=False))
     assert _rel(got, qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)) < 8e-3
-    monkeypatch.setattr(qm, "FAST_DEQUANT", True)
     got = qm.w4a16_matmul_triton(x, q4s.qweight, q4s.scales, None, 32, config=qm.w4_configs(m, 32)[0])
     assert _rel(got, qm.w4a16_matmul_ref(x, q4s.qweight, q4s.scales, None, 32)) < 8e-3
-    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
-    got = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, config=qm.w8_configs(m)[0])
+    got = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, config=dict(qm.w8_configs(m)[0], FAST=False))
     assert _rel(got, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales)) < 8e-3
 
 
@@ -174,10 +173,10 @@ MMA_INDICES = range(len([c for c in qm.w4_configs(1, 128) if c.get("MMA")]))
 
 @pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096)])
 @pytest.mark.parametrize("index", MMA_INDICES)
-def test_every_mma_decode_candidate_at_8b_shapes(index, n, k, monkeypatch):
+def test_every_mma_decode_candidate_at_8b_shapes(index, n, k):
     """Each MMA decode candidate (weights as wgmma's register operand), M = 1, 7, 16, int4 g128 asymmetric, bf16 and
     fp16, N = 1000 a partial column tile: within 16-bit rounding of the reference; its codes q - z are exact, so
-    the portable conversion (FAST_DEQUANT off) gives the same bits; split K forced once."""
+    the portable conversion (FAST=False) gives the same bits; split K forced once."""
     cfg = [c for c in qm.w4_configs(1, 128) if c.get("MMA")][index]
     q = _linear("int4", n, k)
     for m, dtype in ((1, BF16), (7, torch.float16), (16, BF16)):
@@ -186,9 +185,8 @@ def test_every_mma_decode_candidate_at_8b_shapes(index, n, k, monkeypatch):
         got = qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=cfg)
         assert got.dtype == dtype
         assert _rel(got, qm.w4a16_matmul_ref(x.float(), q.qweight, scales, q.zeros, 128)) < 8e-3, (cfg, m)
-        monkeypatch.setattr(qm, "FAST_DEQUANT", False)
-        assert torch.equal(qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=cfg), got), (cfg, m)
-        monkeypatch.setattr(qm, "FAST_DEQUANT", True)
+        portable = qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=dict(cfg, FAST=False))
+        assert torch.equal(portable, got), (cfg, m)
     split = qm.w4a16_matmul_triton(x, q.qweight, scales, q.zeros, 128, config=dict(cfg, SPLIT_K=8))
     assert _rel(split, qm.w4a16_matmul_ref(x.float(), q.qweight, scales, q.zeros, 128)) < 8e-3
 
@@ -204,12 +202,12 @@ def test_mma_decode_small_groups(group, symmetric):
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)])
-@pytest.mark.parametrize("index", range(len(qm._mma_gemv_configs(1, 128))))
+@pytest.mark.parametrize("index", range(len(cfgs.mma_gemv_configs(1, 128))))
 def test_every_mma_gemv_candidate_at_8b_shapes(index, n, k):
     """Each MMA GEMV candidate (M = 1, g128: mma.sync on the bytes each thread loaded) at the 8B shapes, N = 1000 a
     partial tile, the Llama-3 vocabulary: bf16 asymmetric with a bias, fp16 symmetric, split K forced once; within
     16-bit rounding of the reference (the codes q - z are exact, the products and sums fp32)."""
-    cfg = qm._mma_gemv_configs(1, 128)[index]
+    cfg = cfgs.mma_gemv_configs(1, 128)[index]
     q, qs = _linear("int4", n, k), _linear("int4", n, k, seed=1, symmetric=True)
     bias = torch.randn(n, device="cuda", dtype=BF16)
     x = torch.randn(1, k, device="cuda", dtype=BF16)
@@ -222,13 +220,13 @@ def test_every_mma_gemv_candidate_at_8b_shapes(index, n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B + [(6144, 4096), (1000, 4096), (128256, 4096)])
-@pytest.mark.parametrize("index", range(len(qm._mma_gemv8_configs(1, 4096))))
+@pytest.mark.parametrize("index", range(len(cfgs.mma_gemv_w8_configs(1, 4096))))
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_every_w8_mma_gemv_candidate_at_8b_shapes(fmt, index, n, k, monkeypatch):
+def test_every_w8_mma_gemv_candidate_at_8b_shapes(fmt, index, n, k):
     """Each W8A16 MMA GEMV candidate (M = 1) on the chunk-major weight QuantLinear stores, int8 or weight-only FP8,
     bf16 with a bias and fp16 with split K forced: within 16-bit rounding of the reference; the codes are exact and
-    the sums fp32, so the portable path (FAST_DEQUANT off, plain fp32 sums) agrees closely too."""
-    cfg = qm._mma_gemv8_configs(1, k)[index]
+    the sums fp32, so the portable path (FAST=False, plain fp32 sums) agrees closely too."""
+    cfg = cfgs.mma_gemv_w8_configs(1, k)[index]
     q = _linear(fmt, n, k)
     assert q.qweight.dim() == 3  # chunk-major
     bias = torch.randn(n, device="cuda", dtype=BF16)
@@ -236,27 +234,25 @@ def test_every_w8_mma_gemv_candidate_at_8b_shapes(fmt, index, n, k, monkeypatch)
     got = qm.w8a16_matmul_triton(x, q.qweight, q.scales, bias, config=cfg)
     want = qm.w8a16_matmul_ref(x.float(), q.qweight, q.scales, bias.float())
     assert _rel(got, want) < 8e-3, cfg
-    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
-    assert _rel(qm.w8a16_matmul_triton(x, q.qweight, q.scales, bias, config=cfg), got) < 4e-3, cfg
-    monkeypatch.setattr(qm, "FAST_DEQUANT", True)
+    assert _rel(qm.w8a16_matmul_triton(x, q.qweight, q.scales, bias, config=dict(cfg, FAST=False)), got) < 4e-3, cfg
     x16 = x.half()
     got = qm.w8a16_matmul_triton(x16, q.qweight, q.scales, config=dict(cfg, SPLIT_K=8))
     assert got.dtype == torch.float16
     assert _rel(got, qm.w8a16_matmul_ref(x16.float(), q.qweight, q.scales)) < 8e-3, cfg
 
 
-@pytest.mark.parametrize("fmt,index", [("int4", i) for i in range(len(qm.MMA_GEMV_CONFIGS))]
-                         + [("int8", i) for i in range(len(qm.MMA_GEMV8_CONFIGS))])
+@pytest.mark.parametrize("fmt,index", [("int4", i) for i in range(len(qm.CANDIDATES.mma_gemv))]
+                         + [("int8", i) for i in range(len(qm.CANDIDATES.mma_gemv_w8))])
 def test_every_gated_mma_gemv_candidate_at_the_8b_gate_up(fmt, index):
     """gate/up with SiLU-and-mul in the epilogue (28672 x 4096, as prepare_for_serving joins them), bf16 with
     a bias and fp16 with split K forced: bit for bit the unfused kernel's output through silu_and_mul."""
     from brrr.kernels.activation import silu_and_mul_triton
 
-    configs = qm._mma_gemv8_configs(1, 4096) if fmt == "int8" else qm._mma_gemv_configs(1, 128)
+    cands = cfgs.mma_gemv_w8_configs(1, 4096) if fmt == "int8" else cfgs.mma_gemv_configs(1, 128)
     q = _linear(fmt, 28672, 4096)
     bias = torch.randn(28672, device="cuda", dtype=BF16)
-    for x, b, cfg in ((torch.randn(1, 4096, device="cuda", dtype=BF16), bias, configs[index]),
-                      (torch.randn(1, 4096, device="cuda", dtype=torch.float16), None, dict(configs[index], SPLIT_K=8))):
+    for x, b, cfg in ((torch.randn(1, 4096, device="cuda", dtype=BF16), bias, cands[index]),
+                      (torch.randn(1, 4096, device="cuda", dtype=torch.float16), None, dict(cands[index], SPLIT_K=8))):
         s = q.scales.to(x.dtype)
         if fmt == "int8":
             run = lambda **kw: qm.w8a16_matmul_triton(x, q.qweight, s, b, config=cfg, **kw)  # noqa: E731
@@ -266,16 +262,16 @@ def test_every_gated_mma_gemv_candidate_at_the_8b_gate_up(fmt, index):
         assert got.shape == (1, 14336) and torch.equal(got, silu_and_mul_triton(*run().chunk(2, -1))), cfg
 
 
-GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(qm._gemv_configs(m)))]
+GEMV_CASES = [(m, i) for m in (1, 4) for i in range(len(cfgs.gemv_configs(m)))]
 
 
 @pytest.mark.parametrize("n,k", SHAPES_8B + [(1024, 4096)])
 @pytest.mark.parametrize("m,index", GEMV_CASES)
-def test_every_gemv_candidate_at_8b_shapes(m, index, n, k, monkeypatch):
+def test_every_gemv_candidate_at_8b_shapes(m, index, n, k):
     """Each GEMV candidate (M <= 4, CUDA cores) the tuner may pick, bf16: int4 g128 asymmetric and int8 with a bias
     within bf16 rounding of the reference (the GEMV's weights are exact in fp32); the prmt dequantization and the
-    portable one (FAST_DEQUANT off) compute the same fp32 values in the same order, so they give the same bits."""
-    cfg = qm._gemv_configs(m)[index]
+    portable one (FAST=False) compute the same fp32 values in the same order, so they give the same bits."""
+    cfg = cfgs.gemv_configs(m)[index]
     x = torch.randn(m, k, device="cuda", dtype=BF16)
     q4, q8 = _linear("int4", n, k), _linear("int8", n, k)
     bias = torch.randn(n, device="cuda", dtype=BF16)
@@ -283,16 +279,16 @@ def test_every_gemv_candidate_at_8b_shapes(m, index, n, k, monkeypatch):
     got8 = qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg)
     assert _rel(got4, qm.w4a16_matmul_ref(x, q4.qweight, q4.scales, q4.zeros, 128)) < 8e-3, cfg
     assert _rel(got8, qm.w8a16_matmul_ref(x, q8.qweight, q8.scales, bias)) < 8e-3, cfg
-    monkeypatch.setattr(qm, "FAST_DEQUANT", False)
-    assert torch.equal(qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=cfg), got4), cfg
-    assert torch.equal(qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=cfg), got8), cfg
+    portable = dict(cfg, FAST=False)
+    assert torch.equal(qm.w4a16_matmul_triton(x, q4.qweight, q4.scales, q4.zeros, 128, config=portable), got4), cfg
+    assert torch.equal(qm.w8a16_matmul_triton(x, q8.qweight, q8.scales, bias, config=portable), got8), cfg
 
 
-@pytest.mark.parametrize("index", range(len(qm._gemv_configs(2))))
+@pytest.mark.parametrize("index", range(len(cfgs.gemv_configs(2))))
 def test_gemv_symmetric_and_small_groups(index):
     """int4 g32 symmetric and g64 asymmetric (fewer 16-byte chunks per group than the config asks for), M = 2,
     packed qkv's N = 6144."""
-    cfg = qm._gemv_configs(2)[index]
+    cfg = cfgs.gemv_configs(2)[index]
     x = torch.randn(2, 4096, device="cuda", dtype=BF16)
     for group, symmetric in ((32, True), (64, False)):
         q = _linear("int4", 6144, 4096, group_size=group, symmetric=symmetric)
@@ -307,7 +303,7 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     q = _linear("int4", 4096, 14336)
     x = torch.randn(1, 14336, device="cuda", dtype=BF16)
     # the tensor-core and the GEMV kernels share the workspace-and-counter reduction
-    for cfg in (dict(qm.w4_configs(1, 128)[0], SPLIT_K=8), dict(qm._gemv_configs(1)[0], SPLIT_K=8)):
+    for cfg in (dict(qm.w4_configs(1, 128)[0], SPLIT_K=8), dict(cfgs.gemv_configs(1)[0], SPLIT_K=8)):
         first = qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg)
         for _ in range(3):
             assert torch.equal(qm.w4a16_matmul_triton(x, q.qweight, q.scales, q.zeros, 128, config=cfg), first)
@@ -326,17 +322,18 @@ def test_chain_tuning_times_every_candidate_over_weight_copies():
     keep the chunk-major strides (so each launch reads the layout the model serves), the pick matches the reference
     and the arrival counters are left at zero."""
     q = _linear("int8", 4096, 4096)
-    copies = qm._weight_copies(q.qweight)
+    copies = tune.weight_copies(q.qweight)
     assert len(copies) >= 2 and all(c.stride() == q.qweight.stride() for c in copies)
     assert len({c.data_ptr() for c in copies}) == len(copies)
     del copies
     x = torch.randn(1, 4096, device="cuda", dtype=BF16)
-    key = ("w8", 1, 4096, 4096, BF16, False, True, False, False)
-    qm._TUNED.pop(key, None)
-    got = qm.w8a16_matmul(x, q.qweight, q.scales)
-    timed = qm.TIMINGS[key]
-    assert len(timed) == len(qm.w8_configs(1, k=4096)) and all(t < 1.0 for _, t in timed), timed
-    assert qm._TUNED[key] == min(timed, key=lambda ct: ct[1])[0]
+    qm.TUNED_CONFIGS.clear()
+    with qm.quant_tuning() as report:
+        got = qm.w8a16_matmul(x, q.qweight, q.scales)
+    [tuned] = report.shapes
+    assert tuned.shape == ("w8", 4096, 4096, BF16, False, False, False) and tuned.bucket == 1
+    assert len(tuned.timings) == len(qm.w8_configs(1, k=4096)) and all(t < 1.0 for _, t in tuned.timings), tuned
+    assert tuned.config == min(tuned.timings, key=lambda ct: ct[1])[0]
     assert _rel(got, qm.w8a16_matmul_ref(x, q.qweight, q.scales)) < 8e-3
     assert int(dispatch._ARRIVALS[x.device].sum()) == 0
 
@@ -484,6 +481,21 @@ def test_pdl_decode_gives_the_plain_launches_tokens_bit_for_bit(quantized_defaul
             runs.append([_engine_tokens(model, prompts[:1], max_tokens=32, cuda_graphs=True),
                          _engine_tokens(model, prompts, max_tokens=32, cuda_graphs=True)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("method", ["rtn-int4", "rtn-int8"])
+def test_the_engine_tunes_the_decode_shapes_while_it_captures_its_graphs(quantized_default, method):
+    """Tuning happens at warm-up only: LLMEngine's construction (the eager step before each decode graph's capture)
+    opens a tuning block, so every captured batch size's bucket is tuned there, with finite times for the default
+    config; the engine's block nests in this one and reports into it."""
+    model = load_model(quantized_default[method], dtype=BF16, device="cuda")
+    pack_quantized_projections(model)
+    qm.TUNED_CONFIGS.clear()
+    with qm.quant_tuning() as report:
+        LLMEngine(model, config=EngineConfig(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=8,
+                                             cuda_graphs=True))
+    assert {1, 2, 4, 16} <= {s.bucket for s in report.shapes}, report  # batch 8 is in the 5-16 bucket
+    assert all(s.timings[0][1] < float("inf") for s in report.shapes if s.timings), report
 
 
 @pytest.mark.parametrize("act_order,symmetric", [(True, False), (False, False), (False, True)])

@@ -6,7 +6,7 @@ symmetric."""
 import pytest
 import torch
 
-from brrr.kernels import gptq_block as gb
+from brrr.kernels.quant import gptq_block as gb
 
 
 def _block(rows, cols, group, lazy, seed):

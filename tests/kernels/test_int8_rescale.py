@@ -3,7 +3,7 @@ interpreter truncates fp32 -> bf16, so there one unit apart)."""
 import pytest
 import torch
 
-from brrr.kernels.int8_rescale import int8_rescale_ref, int8_rescale_triton
+from brrr.kernels.quant.int8_rescale import int8_rescale_ref, int8_rescale_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

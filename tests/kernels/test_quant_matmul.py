@@ -11,11 +11,12 @@ of BLOCK_N or not, fp32/bf16/fp16 inputs, with and without bias."""
 import pytest
 import torch
 
-from brrr.kernels import quant_matmul as qm
+from brrr.kernels import quant as qm
+from brrr.kernels.quant import configs as cfgs, launch, layouts, tune
 
 # (group size, M, symmetric, config index): the decode path's first config splits K ("auto"); its last tensor-core
 # config (LAST_TC) does not
-LAST_TC = len(qm.SMALL_CONFIGS) - 1
+LAST_TC = len(qm.CANDIDATES.small) - 1
 W4_CASES = [(32, 1, False, 0), (32, 3, True, LAST_TC), (32, 17, False, 0), (64, 1, True, 0), (64, 3, False, LAST_TC),
             (64, 17, True, 2), (128, 1, False, LAST_TC), (128, 3, False, 0), (128, 17, False, 3)]
 
@@ -47,8 +48,8 @@ def test_chunk_major_stores_every_row_s_first_64_bytes_then_the_next():
     chunked = qm.chunk_major(packed)
     assert chunked.shape == (5, 2, 64) and chunked.stride() == (64, 5 * 64, 1)  # chunk c of row n at c*320 + n*64
     assert torch.equal(chunked.reshape(5, 128), packed) and torch.equal(qm.unpack_int4_kernel(chunked, 32), codes)
-    assert qm._packed_strides(chunked) == (64, 320) and qm._packed_strides(packed) == (128, 64)
-    assert qm._packed_strides(qm._words(chunked)) == (16, 80) and qm._packed_strides(qm._words(packed)) == (32, 16)
+    assert layouts.packed_strides(chunked) == (64, 320) and layouts.packed_strides(packed) == (128, 64)
+    assert layouts.packed_strides(layouts.int32_words(chunked)) == (16, 80) and layouts.packed_strides(layouts.int32_words(packed)) == (32, 16)
     rows = qm.pack_int4_kernel(codes[:, :96], 32)  # 48 bytes a row: not whole chunks, stays by rows
     assert qm.chunk_major(rows) is rows
 
@@ -64,8 +65,8 @@ def test_every_w4_kernel_reads_the_chunk_major_layout(device, group):
     assert chunked.dim() == 3
     decode = qm.w4_configs(1, group)
     cases = [(1, decode[0]), (1, next(c for c in decode if c.get("MMA"))), (1, _gemv(1, 0)),
-             (17, qm.w4_configs(17, group)[0]), (33, dict(qm.w4_configs(33, group)[len(qm.TILED_CONFIGS)], SPLIT_K=2))]
-    cases += [(1, dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=2))] if group == 128 else []
+             (17, qm.w4_configs(17, group)[0]), (33, dict(qm.w4_configs(33, group)[len(qm.CANDIDATES.tiled)], SPLIT_K=2))]
+    cases += [(1, dict(cfgs.mma_gemv_configs(1, 128)[0], SPLIT_K=2))] if group == 128 else []
     for m, cfg in cases:
         by_rows = qm.w4a16_matmul_triton(x[:m], qweight, scales, zeros, group, bias, config=cfg)
         assert torch.equal(qm.w4a16_matmul_triton(x[:m], chunked, scales, zeros, group, bias, config=cfg), by_rows), cfg
@@ -93,7 +94,7 @@ def test_w4a16_swapped_tiles_match_reference(device, group, m, symmetric, dtype)
     x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
     zeros = None if zeros is None else zeros.to(device)
     swapped = [c for c in qm.w4_configs(m, group) if c.get("SWAP")]
-    assert swapped and swapped == qm._swap_configs(m, group)
+    assert swapped and swapped == cfgs.swap_configs(m, group)
     for i, cfg in enumerate(swapped[:2]):
         got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, group, bias, config=dict(cfg, SPLIT_K=2) if i == 0
                                      else cfg)
@@ -151,10 +152,10 @@ def test_large_m_candidates():
     for configs in (qm.w4_configs(64, 128), qm.w8_configs(64)):
         plain = [c for c in configs if not c.get("SWAP")]  # int4's swapped tiles come last
         assert plain[-1] == qm.DEQUANT and configs[0]["SPLIT_K"] == 1 and configs[0]["BLOCK_M"] >= 64
-        assert len(plain) == len(qm.TILED_CONFIGS) + len(qm.MID_CONFIGS) + 1 and configs[:len(plain)] == plain
-    assert (len(qm.w4_configs(qm.MID_M + 1, 128)) - len(qm._swap_configs(qm.MID_M + 1, 128))
-            == len(qm.w8_configs(4096)) == len(qm.TILED_CONFIGS) + 1)
-    assert [c["BLOCK_M"] for c in qm._swap_configs(64, 128)] == [32, 64, 64] and not qm._swap_configs(qm.GEMV_M, 128)
+        assert len(plain) == len(qm.CANDIDATES.tiled) + len(qm.CANDIDATES.mid) + 1 and configs[:len(plain)] == plain
+    assert (len(qm.w4_configs(qm.LIMITS.mid_m + 1, 128)) - len(cfgs.swap_configs(qm.LIMITS.mid_m + 1, 128))
+            == len(qm.w8_configs(4096)) == len(qm.CANDIDATES.tiled) + 1)
+    assert [c["BLOCK_M"] for c in cfgs.swap_configs(64, 128)] == [32, 64, 64] and not cfgs.swap_configs(qm.LIMITS.gemv_m, 128)
     assert qm.DEQUANT not in qm.w4_configs(16, 128) + qm.w8_configs(1)
 
 
@@ -185,8 +186,8 @@ def test_dequantize_w8_kernel_is_the_reference_rounded_once(device, dtype):
 @pytest.mark.parametrize("which", ["mid", "dequant"])
 def test_large_m_paths_match_reference(device, which):
     """M = 33: a mid-M config with split K forced, and the dequantize candidate, for int4 (asymmetric) and int8."""
-    cfg_w4 = dict(qm.w4_configs(33, 32)[len(qm.TILED_CONFIGS)], SPLIT_K=2) if which == "mid" else qm.DEQUANT
-    cfg_w8 = dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3) if which == "mid" else qm.DEQUANT
+    cfg_w4 = dict(qm.w4_configs(33, 32)[len(qm.CANDIDATES.tiled)], SPLIT_K=2) if which == "mid" else qm.DEQUANT
+    cfg_w8 = dict(qm.w8_configs(33)[len(qm.CANDIDATES.tiled) + 1], SPLIT_K=3) if which == "mid" else qm.DEQUANT
     x, qweight, scales, zeros, bias, _ = _w4_problem(32, 33, False)
     args = [t.to(device) for t in (x, qweight, scales, zeros)]
     got = qm.w4a16_matmul_triton(*args, 32, bias.to(device), config=cfg_w4)
@@ -210,8 +211,8 @@ def test_every_w8_kernel_reads_the_chunk_major_layout(device):
     chunked = qm.chunk_major(q)
     assert chunked.shape == (40, 6, 64) and torch.equal(chunked.reshape(40, 384), q)
     cases = [(1, qm.w8_configs(1)[0]), (1, _gemv(1, 0)), (2, _gemv(2, 3)), (17, qm.w8_configs(17)[0]),
-             (33, dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3)),
-             (1, dict(qm._mma_gemv8_configs(1, 384)[0], SPLIT_K=2))]
+             (33, dict(qm.w8_configs(33)[len(qm.CANDIDATES.tiled) + 1], SPLIT_K=3)),
+             (1, dict(cfgs.mma_gemv_w8_configs(1, 384)[0], SPLIT_K=2))]
     for m, cfg in cases:
         by_rows = qm.w8a16_matmul_triton(x[:m], q, scales, bias, config=cfg)
         assert torch.equal(qm.w8a16_matmul_triton(x[:m], chunked, scales, bias, config=cfg), by_rows), cfg
@@ -263,7 +264,7 @@ def test_per_token_fp8_scales(device):
 def _gemv(m, index):
     """The GEMV candidate `index` (mod their count) for M = m, with a small BLOCK_N: the interpreter's cost grows with
     the tile, and BLOCK_N = 64 against N = 64 takes the unmasked (EVEN_N) path."""
-    configs = qm._gemv_configs(m)
+    configs = cfgs.gemv_configs(m)
     return dict(configs[index % len(configs)], BLOCK_N=min(64, configs[index % len(configs)]["BLOCK_N"]))
 
 
@@ -274,13 +275,13 @@ def test_gemv_candidates_join_the_small_m_tuning_only():
         w4, w8 = qm.w4_configs(m, 128), qm.w8_configs(m)
         base = [c for c in qm.w4_configs(16, 128) if not c.get("SWAP")]  # swapped tiles from M = 5
         assert w4[:len(base)] == base
-        assert [c for c in w4 if "CHUNKS" in c] == [c for c in w8 if "CHUNKS" in c] == qm._gemv_configs(m) != []
+        assert [c for c in w4 if "CHUNKS" in c] == [c for c in w8 if "CHUNKS" in c] == cfgs.gemv_configs(m) != []
         assert "CHUNKS" not in w4[0] and "CHUNKS" not in w8[0]
-        assert all(c["ROWS"] == m and c["BLOCK_M"] >= m for c in qm._gemv_configs(m))
-    assert not qm._gemv_configs(5) and not any("CHUNKS" in c for c in qm.w4_configs(5, 128) + qm.w8_configs(16))
-    assert len({qm._bucket(m) for m in (1, 2, 3, 4, 5, 16)}) == 5 and qm._bucket(5) == qm._bucket(16)
+        assert all(c["ROWS"] == m and c["BLOCK_M"] >= m for c in cfgs.gemv_configs(m))
+    assert not cfgs.gemv_configs(5) and not any("CHUNKS" in c for c in qm.w4_configs(5, 128) + qm.w8_configs(16))
+    assert len({tune.bucket(m) for m in (1, 2, 3, 4, 5, 16)}) == 5 and tune.bucket(5) == tune.bucket(16)
     odd = torch.zeros(8, 67, dtype=torch.uint8)[:, 1:]  # rows 67 bytes apart
-    assert qm._words(odd) is None and qm._words(torch.zeros(8, 64, dtype=torch.uint8)).shape == (8, 16)
+    assert layouts.int32_words(odd) is None and layouts.int32_words(torch.zeros(8, 64, dtype=torch.uint8)).shape == (8, 16)
 
 
 # (group, M, symmetric, N, with bias, config index)
@@ -346,10 +347,10 @@ def _fills_warps(cfg) -> bool:
 def test_mma_gemv_candidates_only_for_one_row_and_group_128():
     """After the GEMV ones, for M = 1 and g128 only (the MMA's K relabeling needs a 16-word group row)."""
     configs = qm.w4_configs(1, 128)
-    assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv_configs(1, 128) != []
-    assert configs.index(qm._mma_gemv_configs(1, 128)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
+    assert [c for c in configs if c.get("MMA_GEMV")] == cfgs.mma_gemv_configs(1, 128) != []
+    assert configs.index(cfgs.mma_gemv_configs(1, 128)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
     assert not any(c.get("MMA_GEMV") for c in qm.w4_configs(2, 128) + qm.w4_configs(1, 64))
-    assert all(_fills_warps(c) for c in qm._mma_gemv_configs(1, 128))
+    assert all(_fills_warps(c) for c in cfgs.mma_gemv_configs(1, 128))
 
 
 @pytest.mark.parametrize("symmetric,n,with_bias,split,dtype", [
@@ -362,7 +363,7 @@ def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split
     x, qweight, scales, bias = (t.to(device) for t in (x, qweight, scales, bias))
     zeros = None if zeros is None else zeros.to(device)
     bias = bias if with_bias else None
-    cfg = dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=split)
+    cfg = dict(cfgs.mma_gemv_configs(1, 128)[0], SPLIT_K=split)
     got = qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias, config=cfg)
     want = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128,
                                None if bias is None else bias.float())
@@ -376,13 +377,13 @@ def test_w4a16_mma_gemv_matches_reference(device, symmetric, n, with_bias, split
 # ---- W8A16 MMA GEMV path (M = 1, K a multiple of 64) -----------------------------------------------------------------
 def test_w8_mma_gemv_candidates_only_for_one_row_and_k_in_steps_of_64():
     configs = qm.w8_configs(1, k=4096)
-    assert [c for c in configs if c.get("MMA_GEMV")] == qm._mma_gemv8_configs(1, 4096) != []
-    assert configs.index(qm._mma_gemv8_configs(1, 4096)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
+    assert [c for c in configs if c.get("MMA_GEMV")] == cfgs.mma_gemv_w8_configs(1, 4096) != []
+    assert configs.index(cfgs.mma_gemv_w8_configs(1, 4096)[0]) > max(i for i, c in enumerate(configs) if "CHUNKS" in c)
     assert not any(c.get("MMA_GEMV") for c in qm.w8_configs(2, k=4096) + qm.w8_configs(1, k=300))
-    assert all(_fills_warps(c) for c in qm._mma_gemv8_configs(1, 64))
+    assert all(_fills_warps(c) for c in cfgs.mma_gemv_w8_configs(1, 64))
     x, q, scales, _ = _w8_problem(1, k=300)
     with pytest.raises(ValueError, match="steps of 64"):
-        qm.w8a16_matmul_triton(x, q, scales, config=qm._mma_gemv8_configs(1, 64)[0])
+        qm.w8a16_matmul_triton(x, q, scales, config=cfgs.mma_gemv_w8_configs(1, 64)[0])
 
 
 @pytest.mark.parametrize("n,k,with_bias,split,dtype", [
@@ -395,7 +396,7 @@ def test_w8a16_mma_gemv_matches_reference(device, n, k, with_bias, split, dtype)
     q[0, :8] = torch.tensor([-128, 127, -1, 0, 1, -127, 64, -64], dtype=torch.int8)
     x, q, scales, bias = (t.to(device) for t in (x, q, scales, bias))
     bias = bias if with_bias else None
-    cfg = dict(qm._mma_gemv8_configs(1, k)[0], SPLIT_K=split)
+    cfg = dict(cfgs.mma_gemv_w8_configs(1, k)[0], SPLIT_K=split)
     got = qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg)
     want = qm.w8a16_matmul_ref(x.float(), q, scales, None if bias is None else bias.float())
     assert got.dtype == dtype
@@ -426,9 +427,9 @@ def test_fp8_weights_run_every_w8_family_but_the_cuda_core_gemv(device, dtype):
         pytest.skip("the interpreter's portable paths are covered in fp32")
     x, q, scales, bias = (t.to(device) for t in _fp8_problem(33, dtype=dtype))
     chunked = qm.chunk_major(q)
-    mma = qm._mma_gemv8_configs(1, 512)
+    mma = cfgs.mma_gemv_w8_configs(1, 512)
     cases = [(1, dict(mma[0], SPLIT_K=2)), (1, next(c for c in mma if c["KW"] > 1)), (3, qm.w8_configs(3)[0]),
-             (17, qm.w8_configs(17)[0]), (33, dict(qm.w8_configs(33)[len(qm.TILED_CONFIGS) + 1], SPLIT_K=3)),
+             (17, qm.w8_configs(17)[0]), (33, dict(qm.w8_configs(33)[len(qm.CANDIDATES.tiled) + 1], SPLIT_K=3)),
              (33, qm.DEQUANT)]
     for m, cfg in cases:
         got = qm.w8a16_matmul_triton(x[:m], chunked, scales, bias, config=cfg)
@@ -450,10 +451,10 @@ def test_mma_gemv_warps_split_k_within_a_program(device, fmt):
     with split K across programs too (cut down to a split that keeps the slices equal: 16 steps, KW 8, asked for 3
     -> 2), matches the reference; a step count KW does not divide is refused with the numbers."""
     steps = 16
-    for cfg in [c for c in (qm._mma_gemv_configs(1, 128) if fmt == "int4" else qm._mma_gemv8_configs(1, 64))
+    for cfg in [c for c in (cfgs.mma_gemv_configs(1, 128) if fmt == "int4" else cfgs.mma_gemv_w8_configs(1, 64))
                 if c["KW"] > 1 and not c["LAST_STEP_RELEASE"]]:
         for split in (1, 3):
-            assert qm._split_k(dict(cfg, SPLIT_K=split), 1, 100, steps, torch.device("cpu")) * cfg["KW"] <= steps
+            assert launch.split_k(dict(cfg, SPLIT_K=split), 1, 100, steps, torch.device("cpu")) * cfg["KW"] <= steps
             c = dict(cfg, SPLIT_K=split)
             if fmt == "int4":
                 x, w, s, z, b, _ = (t if t is None else t.to(device) for t in _w4_problem(128, 1, False, n=100,
@@ -465,22 +466,19 @@ def test_mma_gemv_warps_split_k_within_a_program(device, fmt):
                 got, want = qm.w8a16_matmul_triton(x, w, s, b, config=c), qm.w8a16_matmul_ref(x, w, s, b)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=str(c))
     with pytest.raises(ValueError, match="KW = 8 warps cannot split 12 K steps"):
-        qm._split_k(dict(SPLIT_K=1, KW=8), 1, 100, 12, torch.device("cpu"))
+        launch.split_k(dict(SPLIT_K=1, KW=8), 1, 100, 12, torch.device("cpu"))
 
 
-def test_mma_gemv_candidates_come_in_both_release_points(device, monkeypatch):
+def test_mma_gemv_candidates_come_in_both_release_points(device):
     """Each MMA GEMV config releases the next launch from its epilogue (the default first), then those with KW = 1
-    from their last K step; LAST_STEP_RELEASE False (benchmarks' A/B) leaves only the first kind. The release
-    changes no output."""
-    both = qm._mma_gemv8_configs(1, 64)
-    first = [c for c in both if not c["LAST_STEP_RELEASE"]]
-    assert both[:len(first)] == first and len(first) == len(qm.MMA_GEMV8_CONFIGS)
-    assert [dict(c, LAST_STEP_RELEASE=False) for c in both[len(first):]] == [c for c in first if c["KW"] == 1]
-    monkeypatch.setattr(qm, "LAST_STEP_RELEASE", False)
-    assert qm._mma_gemv_configs(1, 128) == [c for c in qm._mma_gemv_configs(1, 128) if not c["LAST_STEP_RELEASE"]]
-    assert qm._mma_gemv8_configs(1, 64) == first
+    from their last K step. The release changes no output."""
+    for both, table in ((cfgs.mma_gemv_w8_configs(1, 64), qm.CANDIDATES.mma_gemv_w8),
+                        (cfgs.mma_gemv_configs(1, 128), qm.CANDIDATES.mma_gemv)):
+        first = [c for c in both if not c["LAST_STEP_RELEASE"]]
+        assert both[:len(first)] == first and len(first) == len(table)
+        assert [dict(c, LAST_STEP_RELEASE=False) for c in both[len(first):]] == [c for c in first if c["KW"] == 1]
     x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=40, k=192))
-    cfg = dict(both[0], SPLIT_K=2)
+    cfg = dict(cfgs.mma_gemv_w8_configs(1, 64)[0], SPLIT_K=2)
     assert torch.equal(qm.w8a16_matmul_triton(x, q, scales, bias, config=cfg),
                        qm.w8a16_matmul_triton(x, q, scales, bias, config=dict(cfg, LAST_STEP_RELEASE=True)))
 
@@ -498,13 +496,13 @@ def test_gated_mma_gemv_is_the_gemv_then_silu_and_mul(device, fmt, half, split, 
     n = 2 * half
     if fmt == "int8":
         x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=n, k=192, dtype=dtype))
-        cfg = dict(qm._mma_gemv8_configs(1, 192)[0], SPLIT_K=split)
+        cfg = dict(cfgs.mma_gemv_w8_configs(1, 192)[0], SPLIT_K=split)
         run = lambda **kw: qm.w8a16_matmul_triton(x, q, scales, bias if with_bias else None, config=cfg, **kw)  # noqa
         ref = qm.w8a16_matmul_ref(x.float(), q, scales.float(), bias.float() if with_bias else None)
     else:
         x, qweight, scales, zeros, bias, _ = _w4_problem(128, 1, False, n=n, groups=3, dtype=dtype)
         x, qweight, scales, zeros, bias = (t.to(device) for t in (x, qweight, scales, zeros, bias))
-        cfg = dict(qm._mma_gemv_configs(1, 128)[0], SPLIT_K=split)
+        cfg = dict(cfgs.mma_gemv_configs(1, 128)[0], SPLIT_K=split)
         run = lambda **kw: qm.w4a16_matmul_triton(x, qweight, scales, zeros, 128, bias if with_bias else None,  # noqa
                                                   config=cfg, **kw)
         ref = qm.w4a16_matmul_ref(x.float(), qweight, scales.float(), zeros, 128,
@@ -536,7 +534,7 @@ def test_gated_dispatch_falls_back_to_the_gemm_then_silu_and_mul():
 def _norm_problem(fmt, n, dtype, device, split=1, kw=False):
     """(run(x, **kw) through one MMA GEMV config, the fp32 reference matmul, x, the config) for int4 g128 or int8,
     K = 512; kw: the first config whose warps split K 4 ways."""
-    configs = qm._mma_gemv8_configs(1, 512) if fmt == "int8" else qm._mma_gemv_configs(1, 128)
+    configs = cfgs.mma_gemv_w8_configs(1, 512) if fmt == "int8" else cfgs.mma_gemv_configs(1, 128)
     cfg = dict(next(c for c in configs if c["KW"] == (4 if kw else 1)), SPLIT_K=split)
     if fmt == "int8":
         x, q, scales, bias = (t.to(device) for t in _w8_problem(1, n=n, k=512, dtype=dtype))

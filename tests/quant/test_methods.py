@@ -132,7 +132,7 @@ def test_packed_quantized_projections_compute_what_the_separate_ones_do(tiny_dir
 
 
 def test_release_hint_only_moves_an_mma_gemv_release():
-    from brrr.kernels.quant_matmul import _hinted
+    from brrr.kernels.quant.matmul import _hinted
 
     mma = {"MMA_GEMV": True, "BLOCK_N": 16, "LAST_STEP_RELEASE": False}
     assert _hinted(mma, True) == {**mma, "LAST_STEP_RELEASE": True} and _hinted(mma, False) is mma
@@ -141,7 +141,7 @@ def test_release_hint_only_moves_an_mma_gemv_release():
 
 
 def test_int4_projections_are_stored_chunk_major_also_when_packed_together():
-    """QuantLinear keeps int4 weights in the kernels' chunk-major layout (brrr/kernels/quant_matmul.chunk_major);
+    """QuantLinear keeps int4 weights in the kernels' chunk-major layout (brrr/kernels/quant/layouts.chunk_major);
     q/k/v or gate/up joined by `concat` keep it, and compute what the separate ones do."""
     g = torch.Generator().manual_seed(0)
     mods = [QuantLinear("int4", formats.quantize_int4(torch.randn(n, 256, generator=g), 32), 256, n, None)

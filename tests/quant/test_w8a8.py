@@ -9,7 +9,7 @@ import torch
 import brrr
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
-from brrr.kernels.quant_matmul import quantize_per_token_ref
+from brrr.kernels.quant import quantize_per_token_ref
 from brrr.loader import load_model
 from brrr.quant import formats
 from brrr.quant.evaluate import perplexity

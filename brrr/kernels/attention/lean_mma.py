@@ -5,8 +5,8 @@ keys; shorter ones keep the CUDA-core kernel, which skips the chunks past the co
 
 A warp holds 16-key blocks as 32-bit words. For the scores, lane 4g + c has 16 bytes (dims 32s + 8c .. + 7) of key
 rows g and g + 8 in each of the head's four 32-dim segments s: the MMA's A fragment up to a relabeling of K (the
-MMA GEMV's trick, quant_matmul.py). The kv head's query heads are the 8 columns of B, so the GQA group shares one
-read of the cache and S[key, head] comes out of 8 MMAs a block. For the weighted sum the lane loads dims 16g .. 16g
+MMA GEMV's trick, kernels/quant/mma_gemv.py). The kv head's query heads are the 8 columns of B, so the GQA group
+shares one read of the cache and S[key, head] comes out of 8 MMAs a block. For the weighted sum the lane loads dims 16g .. 16g
 + 15 of keys 2c and 2c + 1 (and of 2c + 8, 2c + 9), and `prmt` pairs them by key into A = V^T; the weights' C
 fragment goes to B = P^T through `movmatrix`. The output O^T[d, head] lands with its rows relabeled (`_sa_index`).
 A warp's softmax is its own (shuffles over the 8 rows); the warps' partials and the new key's go through a static

@@ -4,7 +4,7 @@ gptq.py does the rest: the Hessian, the factor, the block-to-block update as one
 
 Rows are independent inside the sweep (a column's update touches only its own row), so the Triton kernel gives
 each program a strip of rows held in registers and walks the block's columns in one launch, where the torch
-reference spends ~15 small ops a column (launch-bound on a GPU: a 1B model did not finish in 250 s). Both compute
+reference spends ~15 small ops a column (launch-bound on a GPU). Both compute
 the same fp32 operations in the same order (correctly rounded divisions, no fused multiply-adds), so they give
 the same codes.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
-from brrr.quant.formats import int4_params, int4_round
+from brrr.kernels.quant.layouts import int4_params, int4_round
 
 
 def gptq_block_ref(w1, hinv1, scale, zero, group_of, group_size: int, lazy: bool, symmetric: bool):

@@ -18,10 +18,11 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return block_size * kv_elements_per_token(cfg) * dtype.itemsize
 
 
-def kv_cache_bytes(free: int, total: int, activations: int, gpu_memory_utilization: float) -> int:
-    """What the KV cache may take: total * utilization less what is in use now (total - free: this process's
-    weights and CUDA context, and other processes) and the activations of a full-budget step."""
-    return int(total * gpu_memory_utilization - (total - free) - activations)
+def kv_cache_bytes(free: int, total: int, in_use: int, activations: int, gpu_memory_utilization: float) -> int:
+    """What the KV cache may take: this process's share, total * utilization, less what it holds (in_use: torch's
+    memory, the weights) and the activations of a full-budget step; but never more than the device has free now
+    (the driver's count: the CUDA context, other processes) less those activations."""
+    return int(min(total * gpu_memory_utilization - in_use, free) - activations)
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -128,9 +129,7 @@ class ModelRunner:
     @staticmethod
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
-        """CUDA: run one forward at the full token budget, then give the KV cache what is left of
-        total * utilization after everything the device holds now (weights, the CUDA context, other processes, as
-        the driver reports them) and that forward's activations."""
+        """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows."""
         device = next(model.parameters()).device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -142,8 +141,9 @@ class ModelRunner:
         activations = torch.cuda.max_memory_allocated(device) - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
+        in_use = torch.cuda.memory_reserved(device)
         per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
-        return int(kv_cache_bytes(free, total, activations, gpu_memory_utilization) // per_block)
+        return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)
 
     def _copy_blocks(self, copies):
         if not copies:

@@ -62,8 +62,9 @@ def test_norms_in_the_tuned_mma_gemvs_at_8b_shapes(fmt, n, k, role):
     if role == "residual":
         residual, nw = h[:, :n].clone(), weight[:n]
         a = torch.randn(1, k, device="cuda", generator=g).to(BF16)
-        out, pending = q(a, residual=residual, next_norm=(nw, 1e-5))
-        assert torch.equal(out, q(a) + residual)
+        with qm.quant_tuning():  # each form takes its tuned config, as after the engine's warm-up
+            out, pending = q(a, residual=residual, next_norm=(nw, 1e-5))
+            assert torch.equal(out, q(a) + residual)
         assert torch.equal(pending.xw, PendingNorm.of(out, nw, 1e-5).xw)
         assert _rel(pending.sq.sum(-1), out.float().pow(2).sum(-1)) < 1e-5
         return
@@ -488,8 +489,8 @@ def test_the_engine_tunes_the_decode_shapes_while_it_captures_its_graphs(quantiz
     """Tuning happens at warm-up only: LLMEngine's construction (the eager step before each decode graph's capture)
     opens a tuning block, so every captured batch size's bucket is tuned there, with finite times for the default
     config; the engine's block nests in this one and reports into it."""
-    model = load_model(quantized_default[method], dtype=BF16, device="cuda")
-    pack_quantized_projections(model)
+    model = prepare_for_serving(load_model(quantized_default[method], dtype=BF16, device="cuda"),
+                                EngineConfig(pack_projections=True))
     qm.TUNED_CONFIGS.clear()
     with qm.quant_tuning() as report:
         LLMEngine(model, config=EngineConfig(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=8,

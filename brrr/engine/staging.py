@@ -1,7 +1,11 @@
 """Host-to-device staging of a step's integer inputs: every array of the step (token ids, positions, cache slots,
-query starts, context lengths, block tables, rows to read) packed into one persistent pinned host buffer and sent
-in one non_blocking copy; the step's tensors are views of that copy. A pageable copy would make the host wait for
-the GPU, and one copy per array would queue one transfer each."""
+query starts, context lengths, block tables, rows to read) packed into one pinned host buffer and sent in one
+non_blocking copy on the upload stream; the step's tensors are views of that copy.
+
+The pinned buffers come from torch's caching host allocator, which hands a buffer out again only once the copy
+that read it has run, and never makes the host wait for that. A fixed pair of buffers reused in turn had to wait
+on the host for the older copy, which took away the pipelined decode's lead over the GPU; a pageable copy waits
+for the whole stream."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,15 +18,8 @@ _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 class InputStaging:
-    def __init__(self, device: torch.device, capacity: int = 1 << 16):
+    def __init__(self, device: torch.device):
         self.device = device
-        # Two buffers, used in turn: filling one never waits for the copy out of the other (usually long done).
-        self._host = [self._new(capacity), self._new(capacity)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-
-    def _new(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def stage(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Each array (int64 or int32) as a device tensor of its dtype and shape, all from one copy."""
@@ -31,33 +28,22 @@ class InputStaging:
             total = -(-total // ALIGN) * ALIGN
             offsets.append(total)
             total += a.nbytes
-        turn, self._turn = self._turn, 1 - self._turn
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # its previous copy has been read out
-        if self._host[turn].numel() < total:
-            self._host[turn] = self._new(max(total, 2 * self._host[turn].numel()))
-        host = self._host[turn]
-        view = host.numpy()
+        packed = np.zeros(total, dtype=np.uint8)
         for a, offset in zip(arrays, offsets):
-            view[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        data = self._upload(host[:total], turn)
+            packed[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        data = self._upload(torch.from_numpy(packed))
         return [data[offset:offset + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape)
                 for a, offset in zip(arrays, offsets)]
 
-    def _upload(self, host: torch.Tensor, turn: int) -> torch.Tensor:
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
-            return host.clone()  # the host buffer is reused next step
-        event = self._copied[turn] or torch.cuda.Event()  # re-recorded each time its buffer is used
+            return host
         up = copy_stream("up", self.device)
         if up is None:  # inside a graph capture: on the capturing stream
-            out = host.to(self.device, non_blocking=True)
-            event.record()
-        else:  # on the upload stream: it runs at once, and the compute stream waits only for it
-            main = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(up):
-                out = host.to(self.device, non_blocking=True)
-                event.record(up)
-            main.wait_stream(up)
-            out.record_stream(main)  # allocated on the upload stream, used on the compute stream
-        self._copied[turn] = event
+            return host.pin_memory().to(self.device, non_blocking=True)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(up):  # it runs at once; the compute stream waits only for it
+            out = host.pin_memory().to(self.device, non_blocking=True)
+        main.wait_stream(up)
+        out.record_stream(main)  # allocated on the upload stream, used on the compute stream
         return out

@@ -91,18 +91,3 @@ def test_lru_evicts_least_recently_freed_tail_first():
     bm.free(b), bm.free(c)
     assert bm.allocate(_seq(3, list(range(9)))) == 4
 
-
-def test_kv_cache_bytes_is_this_process_share_and_never_more_than_is_free():
-    """gpu_memory_utilization is this engine's share of the device (less its weights and a step's activations);
-    memory other processes hold only matters when less is free than that share."""
-    from brrr.engine.model_runner import kv_cache_bytes
-
-    gib = 1 << 30
-    alone = kv_cache_bytes(free=70 * gib, total=80 * gib, in_use=8 * gib, activations=2 * gib, gpu_memory_utilization=0.9)
-    assert alone == int(0.9 * 80 * gib) - 8 * gib - 2 * gib
-    crowded = kv_cache_bytes(free=10 * gib, total=80 * gib, in_use=1 * gib, activations=2 * gib,
-                             gpu_memory_utilization=0.9)
-    assert crowded == 8 * gib
-    small_share = kv_cache_bytes(free=30 * gib, total=80 * gib, in_use=gib // 4, activations=gib // 4,
-                                 gpu_memory_utilization=0.02)
-    assert 0 < small_share < 2 * gib

@@ -195,24 +195,26 @@ def test_forks_never_exceed_max_num_seqs(models, workload, expected):
 
 
 def test_kv_cache_sizing_counts_what_the_device_has_in_use(models, monkeypatch):
-    """The KV cache gets total * utilization less what the driver reports in use (weights, CUDA context, other
-    processes) and the profiled step's activations, not less this process's allocator peak alone."""
+    """The KV cache gets this process's share (total * utilization) less what it holds and the profiled step's
+    activations, and never more than the driver reports free (the CUDA context, other processes) less those."""
     from types import SimpleNamespace
 
     from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 
     _, model = models
     gib = 1 << 30
-    fakes = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device=None: None,
-             "synchronize": lambda device=None: None, "memory_allocated": lambda device=None: 2 * gib,
-             "max_memory_allocated": lambda device=None: 3 * gib,  # the profiled step: 1 GiB of activations
-             "mem_get_info": lambda device=None: (48 * gib, 80 * gib),  # 32 GiB in use, 30 of it another process's
-             "get_device_properties": lambda device=None: SimpleNamespace(total_memory=80 * gib)}
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.cuda, name, fake)
-    blocks = ModelRunner.profile_num_blocks(model, 16, 64, 0.9)
     per_block = kv_bytes_per_block(model.config, 16, torch.float32)
-    assert blocks == int(80 * gib * 0.9 - 32 * gib - 1 * gib) // per_block
+    for free, want in ((76 * gib, 80 * gib * 0.9 - 2 * gib - 1 * gib),  # alone: the share binds
+                       (20 * gib, 20 * gib - 1 * gib)):  # another process holds 56 GiB: what is free binds
+        fakes = {"empty_cache": lambda: None, "reset_peak_memory_stats": lambda device=None: None,
+                 "synchronize": lambda device=None: None, "memory_allocated": lambda device=None: 2 * gib,
+                 "max_memory_allocated": lambda device=None: 3 * gib,  # the profiled step: 1 GiB of activations
+                 "memory_reserved": lambda device=None: 2 * gib,
+                 "mem_get_info": lambda device=None, free=free: (free, 80 * gib),
+                 "get_device_properties": lambda device=None: SimpleNamespace(total_memory=80 * gib)}
+        for name, fake in fakes.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+        assert ModelRunner.profile_num_blocks(model, 16, 64, 0.9) == int(want) // per_block
 
 
 def count_reads(monkeypatch) -> dict:

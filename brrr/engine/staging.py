@@ -13,7 +13,9 @@ import torch
 
 from brrr.engine.sampler import copy_stream
 
-ALIGN = 8  # every array starts 8-byte aligned, so int64 and int32 views of the device bytes are valid
+# Every array starts 16-byte aligned, as its own allocation would: Triton specializes a pointer argument on 16-byte
+# divisibility, so views at other offsets would compile (and autotune) the kernels again inside served steps.
+ALIGN = 16
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 

@@ -16,6 +16,14 @@ class LLM:
         self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, EngineConfig(**engine_args),
                                 self.pretrained.eos_token_ids)
         self._counter = 0
+        if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):
+            # the quantized matmuls' prefill shapes are tuned at start-up, as `brrr serve`'s engine does: timing
+            # candidates is never done mid-run (an untuned shape takes the nearest tuned config)
+            from brrr.engine.engine_process_warmup import warm_up
+            from brrr.kernels.quant import quant_tuning
+
+            with quant_tuning():
+                warm_up(self.engine)
 
     @property
     def tokenizer(self):
@@ -94,3 +102,9 @@ class _progress:
     def __exit__(self, *exc):
         if self.progress:
             self.progress.stop()
+
+
+def _quantized(model) -> bool:
+    from brrr.quant.linear import QuantLinear
+
+    return any(isinstance(m, QuantLinear) for m in model.modules())

@@ -99,6 +99,17 @@ def test_every_sampled_output_satisfies_its_constraint(pretrained, kind):
     assert len({c.text for c in outs}) > (1 if kind == "choice" else 10)  # sampled, not one forced string
 
 
+@pytest.mark.parametrize("grammar, pattern", [
+    ('start: item ("," item)?\nitem: /[a-z]{1,4}/ | NUMBER\nNUMBER: /[0-9]{1,3}/', r"([a-z]{1,4}|[0-9]{1,3})(,([a-z]{1,4}|[0-9]{1,3}))?"),
+    ('root ::= ("yes" | "no") " " num\nnum ::= [0-9] [0-9]? "." [0-9]', r"(yes|no) [0-9][0-9]?\.[0-9]"),
+], ids=["lark", "gbnf"])
+def test_grammar_outputs_are_sentences_of_it(pretrained, grammar, pattern):
+    engine = make_engine(pretrained)
+    outs = run(engine, [(PROMPTS[s % 4], SamplingParams(seed=s, **guided(40, grammar=grammar))) for s in range(20)])
+    for (completion,) in outs:
+        assert completion.finish_reason == "stop" and re.fullmatch(pattern, completion.text), completion.text
+
+
 def test_json_schema_given_as_text_and_the_compile_cache(pretrained):
     engine = make_engine(pretrained)
     before = compile_cache_info()

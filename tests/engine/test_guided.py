@@ -269,3 +269,13 @@ def test_bitmask_application_matches_the_reference(vocab):
     assert torch.equal(got[[1, 3, 5]], logits[[1, 3, 5]])  # rows without a grammar untouched
     full = torch.randint(-2**31, 2**31 - 1, (6, words), dtype=torch.int32, generator=gen)
     assert torch.equal(apply_token_bitmask(logits, full), apply_token_bitmask_ref(logits, full))
+
+
+def test_offline_llm_generate_with_a_schema():
+    from brrr import LLM
+
+    llm = LLM(dtype="float32", device="cpu", num_blocks=128)  # the shipped default model
+    params = [SamplingParams(seed=s, **guided(json=SCHEMA)) for s in range(4)]
+    outs = llm.generate(["def main(", "x = ", "import os\n", "y = "], params, use_tqdm=False)
+    for out in outs:
+        check("json", out.outputs[0])

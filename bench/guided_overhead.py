@@ -67,7 +67,8 @@ def run(pretrained, batch: int, steps: int, guided: bool, device: torch.device) 
     times, parts = [], {key: [] for key in timers}
     try:
         while engine.has_unfinished_requests():
-            full = len(engine.scheduler.running) == batch and all(s.num_uncomputed == 1 for s in engine.scheduler.running)
+            running = engine.scheduler.running
+            full = len(running) == batch and all(s.num_uncomputed == 1 for s in running)
             before = {key: t.total for key, t in timers.items()}
             start = time.perf_counter()
             engine.step()

@@ -100,7 +100,8 @@ def test_every_sampled_output_satisfies_its_constraint(pretrained, kind):
 
 
 @pytest.mark.parametrize("grammar, pattern", [
-    ('start: item ("," item)?\nitem: /[a-z]{1,4}/ | NUMBER\nNUMBER: /[0-9]{1,3}/', r"([a-z]{1,4}|[0-9]{1,3})(,([a-z]{1,4}|[0-9]{1,3}))?"),
+    ('start: item ("," item)?\nitem: /[a-z]{1,4}/ | NUMBER\nNUMBER: /[0-9]{1,3}/',
+     r"([a-z]{1,4}|[0-9]{1,3})(,([a-z]{1,4}|[0-9]{1,3}))?"),
     ('root ::= ("yes" | "no") " " num\nnum ::= [0-9] [0-9]? "." [0-9]', r"(yes|no) [0-9][0-9]?\.[0-9]"),
 ], ids=["lark", "gbnf"])
 def test_grammar_outputs_are_sentences_of_it(pretrained, grammar, pattern):
@@ -162,7 +163,8 @@ def test_preemption_and_chunked_prefill_keep_outputs_valid(pretrained):
 
 def test_grammar_completion_ends_the_sample_with_its_text(pretrained):
     engine = make_engine(pretrained)
-    params = [SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["café"]), max_tokens=20),
+    params = [SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(choice=["café"])),
               SamplingParams(temperature=0, ignore_eos=True, max_tokens=20,
                              structured_outputs=StructuredOutputsParams(regex="ab?c"))]
     cafe, abc = run(engine, [("x = ", p) for p in params])
@@ -192,6 +194,21 @@ def test_guided_rows_are_kept_off_the_pipelined_decode_path(pretrained, monkeypa
     from brrr.engine.scheduler import ScheduledBatch
     assert not engine._pipelinable(ScheduledBatch([(guided_req.seqs[0], 1), (plain_req.seqs[0], 1)]))
     assert engine._pipelinable(ScheduledBatch([(plain_req.seqs[0], 1)]))
+
+
+def test_a_token_the_grammar_rejects_ends_only_that_sample(pretrained, monkeypatch, caplog):
+    """Should a backend ever let through a token its grammar rejects, that sample ends ("abort", logged) and the
+    engine goes on: here the mask is switched off so the model's first token breaks the regex."""
+    import brrr.engine.sampler as sampler
+
+    engine = make_engine(pretrained)
+    monkeypatch.setattr(sampler, "constrain", lambda logits, rows: logits)
+    spec = StructuredOutputsParams(regex="zqzqzq")
+    bad, fine = run(engine, [("def main(", SamplingParams(temperature=0, structured_outputs=spec)),
+                             ("def main(", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))])
+    assert bad[0].finish_reason == "abort" and len(bad[0].token_ids) == 1
+    assert "the grammar rejected token" in caplog.text
+    assert fine[0].finish_reason == "length" and len(fine[0].token_ids) == 5
 
 
 def test_logit_bias_forces_and_bans_tokens(pretrained):

@@ -16,6 +16,7 @@ from brrr.engine import LLMEngine, SamplingParams
 from brrr.engine.guided import compile_cache_info, compiler_for, fill_bitmask
 from brrr.engine.guided.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from brrr.engine.sampler import SampleRow, sample
+from brrr.engine.scheduler import ScheduledBatch
 from brrr.pretrained import load
 
 SCHEMA = {
@@ -191,7 +192,6 @@ def test_guided_rows_are_kept_off_the_pipelined_decode_path(pretrained, monkeypa
     monkeypatch.setattr(engine.runner, "can_launch", lambda batch: True)  # as on CUDA with graphs captured
     guided_req = engine.add_request("g", "x = ", SamplingParams(**guided(regex=REGEX)))
     plain_req = engine.add_request("p", "x = ", SamplingParams(max_tokens=4, logit_bias={7: -5.0}))
-    from brrr.engine.scheduler import ScheduledBatch
     assert not engine._pipelinable(ScheduledBatch([(guided_req.seqs[0], 1), (plain_req.seqs[0], 1)]))
     assert engine._pipelinable(ScheduledBatch([(plain_req.seqs[0], 1)]))
 

@@ -156,10 +156,15 @@ def test_preemption_and_chunked_prefill_keep_outputs_valid(pretrained):
     kinds = ["json", "regex", "choice", "json"] * 2
     requests = [(long_prompt if i % 2 else PROMPTS[i % 4], SamplingParams(seed=i, **guided(**SPECS[k])))
                 for i, k in enumerate(kinds)]
+    # n = 3 with the batch full: forks wait without blocks and are recomputed, each with its own grammar state
+    requests.append(("x = ", SamplingParams(seed=99, n=3, **guided(json=SCHEMA))))
     outs = run(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     for kind, (completion,) in zip(kinds, outs):
         check(kind, completion)
+    assert len(outs[-1]) == 3
+    for completion in outs[-1]:
+        check("json", completion)
 
 
 def test_grammar_completion_ends_the_sample_with_its_text(pretrained):

@@ -301,3 +301,27 @@ def test_offline_llm_generate_with_a_schema():
     outs = llm.generate(["def main(", "x = ", "import os\n", "y = "], params, use_tqdm=False)
     for out in outs:
         check("json", out.outputs[0])
+
+
+def test_async_llm_streams_a_guided_request_and_refuses_a_bad_one(pretrained):
+    """The server's path: requests checked (the grammar compiled) on the caller's side, run by the engine loop."""
+    import asyncio
+
+    from brrr.engine import AsyncLLM
+
+    llm = AsyncLLM(make_engine(pretrained))
+
+    async def go():
+        params = SamplingParams(seed=5, **guided(json=SCHEMA))
+        deltas = [o.outputs[0] async for o in llm.generate("x = ", params)]
+        with pytest.raises(BrrrError, match=r"^structured_outputs\.regex: "):
+            llm.make_request("bad", "x = ", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
+        return deltas
+
+    try:
+        deltas = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    final = deltas[-1]
+    check("json", final)
+    assert "".join(d.delta_text for d in deltas) == final.text

@@ -5,8 +5,10 @@ The noise is a counter-based hash of (row key, vocabulary index), not a stateful
 request's seed and how many tokens it has generated, so a seeded request draws the same tokens whatever else is in
 the batch, on any device, and the Triton kernel reads the logits once with no generator calls per row.
   h = fmix32(fmix32(key ^ (col * 0x9E3779B9)) + key)      (MurmurHash3's finalizer; a bijection of col per key)
-  u = (h >> 8 + 0.5) / 2^24                                 (uniform in (0, 1))
+  u = min((h >> 8 + 0.5) / 2^24, 1 - 2^-24)                (uniform in (0, 1))
   noise = -log(-log(u))
+The min: in fp32 the top value (2^24 - 0.5) / 2^24 rounds to 1, whose noise is +inf: that column would win whatever
+its logit, and a filtered-out one (-inf + inf = NaN) too.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from brrr.kernels.pdl import pdl_on
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
+ONE_BELOW = 1 - 2**-24  # the largest fp32 below 1
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -47,7 +50,7 @@ def gumbel_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     cols = torch.arange(vocab, device=keys.device, dtype=torch.int64)
     k = keys[:, None]
     h = _fmix32((_fmix32(k ^ ((cols * GOLDEN) & MASK32)) + k) & MASK32)
-    u = ((h >> 8).float() + 0.5) * (1.0 / 16777216)
+    u = (((h >> 8).float() + 0.5) * (1.0 / 16777216)).clamp_(max=ONE_BELOW)
     return -torch.log(-torch.log(u))
 
 
@@ -92,7 +95,7 @@ if triton is not None:
             x = tl.load(L + row.to(tl.int64) * stride + cols, mask=mask, other=float("-inf"))
             if NOISE:
                 h = _fmix32_tl((_fmix32_tl(key ^ ((cols.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)) + key) & 0xFFFFFFFF)
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
+                u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216), 0.99999994)  # ONE_BELOW
                 x = x / temp - tl.log(-tl.log(u))
             v = tl.where(mask, x, float("-inf"))
             take = (v > best) | (best_i == vocab)  # strict after a lane's first column: the first of a tie wins

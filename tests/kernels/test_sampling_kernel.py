@@ -43,3 +43,18 @@ def test_greedy_argmax_is_torchs_across_parts(device):
     logits = logits.to(device)
     got = argmax_triton(logits)
     assert torch.equal(got, logits.argmax(-1)) and got.tolist() == [7, ARGMAX_CHUNK + 2, 0, vocab - 1]
+
+
+def test_a_filtered_token_is_never_drawn_even_at_the_top_noise_value(device):
+    """Key 13638 hashes column 4081 to the largest uniform, (2^24 - 0.5) / 2^24, which rounds to 1 in fp32: its noise
+    was +inf, so that column was drawn whatever its logit, -inf (a grammar mask, top-k) included."""
+    key, col = 13638, 4081
+    noise = gumbel_noise_ref(torch.tensor([key]), col + 1)
+    assert torch.isfinite(noise).all() and noise[0, col] == noise.max()
+    logits = torch.zeros(1, col + 1)
+    logits[0, col] = float("-inf")
+    temp, keys = torch.ones(1), torch.tensor([key])
+    want = gumbel_argmax_ref(logits, temp, keys)
+    assert want.item() != col
+    logits, temp, keys = logits.to(device), temp.to(device), keys.to(device)
+    assert gumbel_argmax_triton(logits, temp, keys).item() == want.item()

@@ -62,6 +62,10 @@ class Tokenizer:
         """Every token's string and id, added tokens included: two tokenizers read ids alike when these are equal."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what the grammar backend builds its token tables from)."""
+        return self._tok.to_str()
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

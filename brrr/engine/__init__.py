@@ -4,7 +4,7 @@ from brrr.engine.llm import LLM
 from brrr.engine.llm_engine import EngineCore, LLMEngine
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
-from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineCore", "EngineOutput", "LLM", "LLMEngine", "OutputProcessor",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

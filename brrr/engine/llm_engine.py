@@ -10,6 +10,7 @@ import torch
 
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
+from brrr.engine.guided import compiler_for
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
@@ -26,9 +27,12 @@ CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CP
 
 
 def check_request(request_id: str, prompt: str | list[int], params: SamplingParams | None, tokenizer,
-                  vocab_size: int, max_model_len: int, block_size: int, num_blocks: int) -> Request:
+                  vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
+                  eos_token_ids: tuple[int, ...] | None = None) -> Request:
     """A validated, tokenized Request for an engine of these limits, or a BrrrError naming what is wrong. Shared by
-    `EngineCore.make_request` and the server process, which checks requests before they reach the engine process."""
+    `EngineCore.make_request` and the server process, which checks requests before they reach the engine process.
+    A structured_outputs constraint is compiled here (cached per tokenizer), so a bad one fails the request now;
+    eos_token_ids: the engine's (the tokenizer's EOS when not given), which the grammar lets through."""
     params = params or SamplingParams()
     if not isinstance(params, SamplingParams):
         raise BrrrError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -51,7 +55,23 @@ def check_request(request_id: str, prompt: str | list[int], params: SamplingPara
     need = -(-(len(ids) + params.max_tokens) // block_size)
     if need > num_blocks:
         raise BrrrError(f"prompt + max_tokens needs {need} KV blocks; the cache has {num_blocks}")
+    if params.logit_bias:
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BrrrError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.structured_outputs is not None:
+        grammars(tokenizer, vocab_size, eos_token_ids).compile(params.structured_outputs)
     return Request(request_id, text, ids, params)
+
+
+def grammars(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None):
+    """The grammar compiler over this tokenizer and vocabulary (brrr/engine/guided/)."""
+    if tokenizer is None:
+        raise BrrrError("structured_outputs: this engine has no tokenizer, and a grammar is compiled against the "
+                        "vocabulary")
+    if eos_token_ids is None:
+        eos_token_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return compiler_for(tokenizer, vocab_size, eos_token_ids)
 
 
 class EngineCore:
@@ -99,7 +119,7 @@ class EngineCore:
         """Validate and tokenize, without touching engine state (safe from another thread)."""
         bm = self.block_manager
         return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
-                             self.max_model_len, bm.block_size, bm.num_blocks)
+                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
         return self.enqueue(self.make_request(request_id, prompt, params))
@@ -198,10 +218,12 @@ class EngineCore:
 
     def _pipelinable(self, batch: ScheduledBatch) -> bool:
         """Decode rows that need nothing from the host but their own state: no logprobs (read on the host), no
-        penalties or min_tokens (they read the output so far, which would lag a step behind)."""
+        penalties or min_tokens (they read the output so far, which would lag a step behind), no grammar (its mask
+        follows the previous token, which the host has not seen when the next step is launched)."""
         return self.runner.can_launch(batch) and all(
             seq.request.params.logprobs is None and not seq.request.params.has_penalties
-            and not seq.request.params.min_tokens and seq.request.params.n == 1 for seq, _ in batch.items)
+            and not seq.request.params.min_tokens and seq.request.params.n == 1
+            and seq.request.params.structured_outputs is None for seq, _ in batch.items)
 
     def _launch_next(self, batch: ScheduledBatch, pending: PendingTokens) -> None:
         """Queue the step the scheduler plans after `batch` (if any) before `batch`'s tokens reach the host."""
@@ -240,8 +262,11 @@ class EngineCore:
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
+        if params.structured_outputs is not None and seq.guide is None:  # its first token: each sample its own
+            seq.guide = grammars(self.tokenizer, self.model.config.vocab_size,
+                                 self.eos_token_ids).matcher(params.structured_outputs)
         return SampleRow(params, seq.seed, seq.num_output_tokens + ahead,
-                         seq.request.prompt_token_ids, history, self._stop_ids(params))
+                         seq.request.prompt_token_ids, history, self._stop_ids(params), seq.guide)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
@@ -293,6 +318,12 @@ class EngineCore:
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
+        elif seq.guide is not None and not seq.guide.accept(token):  # the mask allowed it: a backend fault
+            log.error("request %s: the grammar rejected token %d it allowed: %s", req.request_id, token,
+                      seq.guide.error)
+            reason = "abort"
+        elif seq.guide is not None and seq.guide.finished:  # complete, and nothing may follow
+            reason = "grammar"
         elif self.scheduler.at_length(seq):
             reason = "length"
         record = EngineOutput(req.request_id, seq.index, [token], None if logprobs is None else [logprobs], reason)

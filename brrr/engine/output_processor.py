@@ -46,6 +46,11 @@ class Processed:
     stopped: list[tuple[str, int]] = field(default_factory=list)  # samples a stop string ended: drop them
 
 
+def _public(reason: str) -> str:
+    """A grammar's completion ends a sample as a stop token does ("stop"), its last token part of the text."""
+    return "stop" if reason == "grammar" else reason
+
+
 class OutputProcessor:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
@@ -72,7 +77,7 @@ class OutputProcessor:
             if sample is not None and sample.plain and rec.error is None:  # the offline batch's common case
                 sample.token_ids += rec.new_token_ids
                 if rec.finish_reason is not None:
-                    sample.finish_reason = rec.finish_reason
+                    sample.finish_reason = _public(rec.finish_reason)
                     state.num_finished += 1
                     touched[rec.request_id] = state
                 continue
@@ -137,7 +142,7 @@ class OutputProcessor:
                 reason = "stop"
                 stopped.append((rec.request_id, rec.index))
         if reason is not None:
-            sample.finish_reason = reason
+            sample.finish_reason = _public(reason)
             state.num_finished += 1
 
     @staticmethod
@@ -153,7 +158,7 @@ class OutputProcessor:
             if at != -1:
                 sample.text = sample.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                 return "stop_string"
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length", "grammar"):
             sample.text += sample.decoder.flush()  # an incomplete UTF-8 tail held back for a token that won't come
         return reason
 

@@ -13,7 +13,9 @@ class EngineOutput:
     index: int = 0  # which of the request's n samples
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] | None = None  # one entry per new token, when the request asked for them
-    finish_reason: str | None = None  # stop (a stop token) | length | abort; None while the sample runs
+    # stop (a stop token) | grammar (structured_outputs complete: "stop" to users, the last token is text) | length |
+    # abort; None while the sample runs
+    finish_reason: str | None = None
     error: str | None = None  # the request failed: every sample ends with it
     new_prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 only, as its prompt is computed
     # on the request's first record only: when the scheduler first admitted it, and how many prompt tokens hit the

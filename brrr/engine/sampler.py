@@ -1,4 +1,5 @@
-"""The sampler: penalties -> min_tokens mask -> temperature -> top-k -> top-p -> min-p -> draw.
+"""The sampler: grammar mask and logit_bias -> penalties -> min_tokens mask -> temperature -> top-k -> top-p -> min-p
+-> draw. Logprobs are read after the grammar mask and logit_bias: those of the distribution the row samples from.
 
 Draws use the Gumbel-max trick (brrr/kernels/sampling.py): argmax(logits / T + noise), the noise a hash of the row's
 key. A seeded request's key is (seed, tokens generated so far), so its tokens do not depend on what else is in the
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from brrr.engine.guided import GuidedMatcher, apply_token_bitmask, fill_bitmask
 from brrr.engine.sampling_params import SamplingParams
 from brrr.kernels.sampling import greedy_argmax, gumbel_argmax, row_keys
 
@@ -23,6 +25,7 @@ class SampleRow:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()  # masked while len(output_ids) < min_tokens
+    guide: GuidedMatcher | None = None  # the sequence's grammar state: only the tokens it allows can be drawn
 
 
 @dataclass
@@ -41,6 +44,27 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
         counts = torch.bincount(torch.tensor(row.output_ids, device=logits.device), minlength=logits.shape[-1])
         logits -= p.frequency_penalty * counts[: logits.shape[-1]] + p.presence_penalty * (counts[: logits.shape[-1]] > 0)
+
+
+def constrain(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The guided rows' grammar masks and every row's logit_bias applied, batch-wide: one mask upload for all guided
+    rows and one scatter for all biases, nothing that waits for the device. Returns `logits` itself when no row asks
+    for either (an unguided batch pays two list scans)."""
+    device = logits.device
+    guided = [i for i, row in enumerate(rows) if row.guide is not None]
+    if guided:
+        bitmask = h2d(fill_bitmask([rows[i].guide for i in guided], logits.shape[1]), device)
+        logits = apply_token_bitmask(logits, bitmask, None if len(guided) == len(rows) else h2d(guided, device))
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        where, bias = [], []
+        for i in biased:
+            for token, value in rows[i].params.logit_bias.items():
+                where.append((i, token))
+                bias.append(value)
+        index = h2d(where, device, torch.long).T
+        logits = logits.index_put((index[0], index[1]), h2d(bias, device, logits.dtype), accumulate=True)
+    return logits
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -161,6 +185,7 @@ def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, tor
     """The tokens [B] on the device, queued without a host synchronization, and the raw log-probs when any row
     wants them."""
     device = logits.device
+    logits = constrain(logits, rows)
     raw_logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()

@@ -1,10 +1,57 @@
 """SamplingParams: everything a request says about how to pick its tokens, validated field by field."""
 from __future__ import annotations
 
+import json as jsonlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from brrr.errors import BrrrError
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values; larger ones are clamped to it
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one field set. The grammar is compiled, and so fully
+    checked, when the engine makes the request (brrr/engine/guided/)."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches it (Rust regex syntax: no look-around, no backreferences)
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect), or GBNF/EBNF (`root ::= ...`)
+
+    def __post_init__(self):
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            names = ", ".join(f.name for f in fields(self))
+            raise BrrrError(f"structured_outputs: exactly one of {names} must be set, got "
+                            f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as e:
+                    raise BrrrError(f"structured_outputs.json: not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise BrrrError(f"structured_outputs.json: a JSON schema must be an object, got "
+                                f"{type(schema).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise BrrrError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise BrrrError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise BrrrError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                            f"{self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: the path every error about this constraint starts with."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
 
 
 @dataclass
@@ -27,6 +74,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the sampled token's)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this (guided decoding)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +104,11 @@ class SamplingParams:
             raise BrrrError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not (isinstance(self.stop_token_ids, list) and all(_is(t, int) and t >= 0 for t in self.stop_token_ids)):
             raise BrrrError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise BrrrError(f"structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +117,22 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """Ids as ints (a JSON body's keys are strings), values clamped to OpenAI's range; ids outside the vocabulary
+    are the engine's check (check_request), which knows the vocabulary."""
+    if not isinstance(bias, dict):
+        raise BrrrError(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        if not _is(token, int):
+            raise BrrrError(f"logit_bias: token id {key!r} is not an integer")
+        if not _is(value, (int, float)) or not math.isfinite(value):
+            raise BrrrError(f"logit_bias[{token}] must be a finite number, got {value!r}")
+        out[token] = float(min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
+    return out
 
 
 def _is(value, typ) -> bool:

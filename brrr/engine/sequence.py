@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from brrr.engine.guided import GuidedMatcher
 from brrr.engine.sampling_params import SamplingParams
 
 
@@ -25,7 +26,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full, computed blocks
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | grammar | length | abort (EngineOutput says what each means)
+    # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so
+    # a preempted sequence's recomputed prefill, which appends nothing it had, leaves it where it was
+    guide: GuidedMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

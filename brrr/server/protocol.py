@@ -352,7 +352,7 @@ def as_api_error(e: BrrrError, prompt_field: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|literal\[.*\]|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
 
 
 def _field_path(error) -> str:

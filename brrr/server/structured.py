@@ -26,7 +26,7 @@ class Constraint:
         message = str(e)
         if not message.startswith("structured_outputs"):
             return None
-        why = message.split(":", 1)[1].strip() if ":" in message else message
+        why = re.sub(r"^structured_outputs(\.\w+)?:?\s*", "", message)
         return APIError(400, f"{self.field}: {why}", param=self.field, code="invalid_value")
 
 

@@ -131,3 +131,20 @@ def test_call_schema_follows_each_functions_parameters():
     both = TOOL_FORMATS["llama3_json"].call_schema([{"name": "f", "parameters": params}, {"name": "g"}])
     assert [o["properties"]["name"] for o in both["anyOf"]] == [{"enum": ["f"]}, {"enum": ["g"]}]
     assert both["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_the_servers_format_from_flag_or_template():
+    from brrr.default_model import default_model_dir
+    from brrr.errors import BrrrError
+    from brrr.server.app import tool_format
+    from brrr.tokenizer import Tokenizer
+
+    plain = Tokenizer.from_dir(default_model_dir())  # its template renders no tools
+    assert tool_format(plain, None, False) is None
+    assert tool_format(plain, "llama3_json", True) is TOOL_FORMATS["llama3_json"]
+    with pytest.raises(BrrrError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        tool_format(plain, None, True)
+    with pytest.raises(BrrrError, match="--tool-call-parser must be one of hermes, llama3_json"):
+        tool_format(plain, "mistral", False)
+    plain.chat_template += "{% if tools %}<tool_call>{% endif %}"
+    assert tool_format(plain, None, True) is TOOL_FORMATS["hermes"]

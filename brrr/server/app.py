@@ -22,7 +22,8 @@ from brrr.errors import BrrrError
 from brrr.server.metrics import CONTENT_TYPE
 from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, as_api_error, template_messages, validation_error)
+                                  TokenizeRequest, as_api_error, template_messages, template_tools,
+                                  validation_error)
 from brrr.server.responses import best_samples, total_usage
 from brrr.server.state import ServerState, close_all
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
@@ -78,7 +79,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
                 ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
                 ids = tokenizer.encode_chat(template_messages(body.messages), body.add_generation_prompt,
-                                            [t.model_dump(exclude_none=True) for t in body.tools or []] or None)
+                                            template_tools(body.tools))
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}

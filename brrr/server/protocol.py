@@ -261,6 +261,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the client sent them (chat templates read them as transformers passes them)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def _template_call(call: MessageToolCall) -> dict:
     """A call as templates render it (and as vLLM hands it to them): arguments as an object, not JSON text."""
     try:
@@ -306,8 +311,7 @@ class ChatCompletionRequest(_Request):
         return template_messages(self.messages)
 
     def template_tools(self) -> list[dict] | None:
-        """The tools as the client sent them (chat templates read them as transformers passes them)."""
-        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     def request_field(self, sampling_field: str) -> str:
         if sampling_field == "logprobs":

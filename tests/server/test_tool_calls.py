@@ -93,6 +93,7 @@ def test_history_with_tool_calls_renders(client, server):
     r = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
                                        max_tokens=3)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(tokens)  # the chat prompt is the template's, tools included
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -144,3 +145,21 @@ def test_auto_reads_calls_out_of_free_text(auto_server):
     assert "".join(d.function.arguments or "" for d in calls) == '{"zone": "utc"}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
+
+
+def test_llama3_json_format_by_flag(model_dir, pretrained):
+    """--tool-call-parser llama3_json: a forced call is the bare JSON `{"name", "parameters"}`, parsed back into
+    tool_calls, streamed the same."""
+    llm = start_engine(model_dir, pretrained, EngineConfig(num_blocks=128), in_thread=True)
+    with serve(llm, model_dir, tool_call_parser="llama3_json") as running:
+        client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="x", max_retries=0)
+        for seed in range(3):
+            kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed,
+                          max_tokens=200)
+            whole = client.chat.completions.create(**kwargs).choices[0]
+            assert whole.finish_reason == "tool_calls"
+            check_calls(whole.message, {"get_weather", "now"})
+            chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+            calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            assert [d.function.name for d in calls if d.id] == [whole.message.tool_calls[0].function.name]
+            assert "".join(d.function.arguments or "" for d in calls) == whole.message.tool_calls[0].function.arguments

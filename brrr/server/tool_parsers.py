@@ -48,15 +48,24 @@ class _CallScanner:
 
     def feed(self, text: str) -> int:
         """Consume characters until the object ends or goes wrong; returns how many were consumed."""
+        base = len(self.text)
+        self.text += text  # whole, then cut back: one copy per piece, not per character
         for i, ch in enumerate(text):
             if self.state == "done" or self.bad:
+                self.text = self.text[:base + i]
                 return i
-            self.text += ch
-            self._step(ch, len(self.text) - 1)
+            self._step(ch, base + i)
         return len(text)
 
     def _fail(self) -> None:
         self.bad = True
+
+    def _string(self, start: int, end: int) -> str | None:
+        try:
+            return json.loads(self.text[start:end])
+        except ValueError:  # a bad escape
+            self._fail()
+            return None
 
     def _step(self, ch: str, at: int) -> None:  # noqa: C901 - one small state machine
         state = self.state
@@ -68,11 +77,11 @@ class _CallScanner:
             elif ch == '"':
                 self.in_string = False
                 if state == "key":
-                    self.key = json.loads(self.text[self.token_start:at + 1])
+                    self.key = self._string(self.token_start, at + 1)
                     self.state = "colon"
                 elif state == "string":
                     self._end_value(at + 1)
-            elif ch in "\n\r":  # a raw newline cannot be inside a JSON string
+            elif ch < " ":  # a raw control character (a newline) cannot be inside a JSON string
                 self._fail()
             return
         if state == "nested":
@@ -116,7 +125,7 @@ class _CallScanner:
             else:
                 self.state = "primitive"
         elif state in ("after", "key_or_end") and ch == "}":
-            self._finish_object()
+            self._finish_object(at + 1)
         elif state == "after" and ch == ",":
             self.state = "key"
         else:
@@ -126,15 +135,15 @@ class _CallScanner:
         self.values[self.key] = (self.token_start, end)
         self.state = "after"
         if self.key == "name":
-            name = json.loads(self.text[self.token_start:end]) if self.text[self.token_start] == '"' else None
+            name = self._string(self.token_start, end) if self.text[self.token_start] == '"' else None
             if not isinstance(name, str) or not name:
                 self._fail()
             self.name = name
 
-    def _finish_object(self) -> None:
+    def _finish_object(self, end: int) -> None:
         self.state = "done"
         try:
-            json.loads(self.text)
+            json.loads(self.text[:end])
         except ValueError:
             return self._fail()
         if self.name is None or self.args_text(final=True) is None:

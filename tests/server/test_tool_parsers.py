@@ -67,6 +67,9 @@ def test_hermes_without_calls_is_all_content():
     '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
     '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>',  # not JSON
     '<tool_call>\n{"name": "f", "arguments": {"a": 1}} extra\n</tool_call>',  # text inside the block
+    '<tool_call>\n{"na\\xme": "f", "arguments": {}}\n</tool_call>',  # a bad escape
+    '<tool_call>\n{"name": "f\\q", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"a": "two\nlines"}}\n</tool_call>',  # a raw newline in a string
     'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><tool_call>{"name": "g", "argu',  # cut
 ])
 def test_hermes_malformed_call_leaves_the_reply_as_content(text):

@@ -232,4 +232,3 @@ async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs:
     except APIError as e:
         yield sse(e.body())
     yield sse("[DONE]")
-

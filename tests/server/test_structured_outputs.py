@@ -172,3 +172,21 @@ def test_bad_constraints_name_the_field(http, path, extra, param):
     error = error_of(http.post(path, json=body), 400)
     assert error["param"] == param, error
     assert param.split(".")[0] in error["message"], error
+
+
+def test_openai_clients_parse_helper(client):
+    """The client's own structured-output path: a pydantic model sent as a strict json_schema, parsed back."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: Literal["cat", "dog"]
+        legs: int = Field(ge=0, le=8)
+
+    for seed in range(3):
+        r = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Pet, seed=seed,
+                                          max_tokens=100)
+        pet = r.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.legs <= 8, r.choices[0].message.content

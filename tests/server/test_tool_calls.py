@@ -163,3 +163,23 @@ def test_llama3_json_format_by_flag(model_dir, pretrained):
             calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
             assert [d.function.name for d in calls if d.id] == [whole.message.tool_calls[0].function.name]
             assert "".join(d.function.arguments or "" for d in calls) == whole.message.tool_calls[0].function.arguments
+
+
+def test_openai_clients_stream_helper_assembles_the_call(client):
+    """The client's own accumulator (chat.completions.stream) rebuilds the call from our deltas and parses the
+    arguments into the tool's pydantic model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Lookup(BaseModel):
+        word: str = Field(max_length=6)
+        lang: Literal["en", "fr"]
+
+    tool = openai.pydantic_function_tool(Lookup)
+    with client.chat.completions.stream(model=MODEL_NAME, messages=MESSAGES, tools=[tool], seed=3, max_tokens=100,
+                                        tool_choice={"type": "function", "function": {"name": "Lookup"}}) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
+    assert final.choices[0].finish_reason == "tool_calls"

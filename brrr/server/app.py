@@ -149,6 +149,8 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         state.check_request(body)
         tools = tool_use(body, state.tool_format, state.auto_tool_choice)
         constraint = request_constraint(body, tools)
+        if tools is not None and tools.parse and tools.format.keeps_special_tokens:
+            body.skip_special_tokens = False  # as vLLM does for hermes: the parser must see the call markers
         try:
             prompt = tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt,
                                                    tools=body.template_tools())

@@ -395,6 +395,8 @@ class ToolFormat:
     # follows is the JSON of the call alone (a JSON schema can say that; no grammar dialect needed)
     forced_opening: str
     parser_class: type
+    # the format's markers may be special tokens (Hermes 2 Pro's <tool_call>), which a reply read for calls must keep
+    keeps_special_tokens: bool = False
 
     def parser(self, forced: bool) -> ToolCallParser:
         return HermesParser(in_call=True) if forced and self.parser_class is HermesParser else self.parser_class()
@@ -411,7 +413,7 @@ class ToolFormat:
 
 
 TOOL_FORMATS = {
-    "hermes": ToolFormat("hermes", "arguments", HermesParser.START + "\n", HermesParser),
+    "hermes": ToolFormat("hermes", "arguments", HermesParser.START + "\n", HermesParser, keeps_special_tokens=True),
     "llama3_json": ToolFormat("llama3_json", "parameters", "", Llama3JsonParser),
 }
 

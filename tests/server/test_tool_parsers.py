@@ -151,3 +151,15 @@ def test_the_servers_format_from_flag_or_template():
         tool_format(plain, "mistral", False)
     plain.chat_template += "{% if tools %}<tool_call>{% endif %}"
     assert tool_format(plain, None, True) is TOOL_FORMATS["hermes"]
+
+
+def test_arguments_before_the_name_wait_for_it():
+    """A stream opens a call with its name: arguments written first are held until the name is known."""
+    text = '<tool_call>{"arguments": {"q": [1, 2]}, "name": "search"}</tool_call>'
+    content, calls = check_stream_matches(HermesParser, text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("search", '{"q": [1, 2]}')]
+    events = []
+    parser = HermesParser()
+    for ch in text:
+        events += parser.feed(ch)
+    assert [e[0] for e in events][:2] == ["call", "args"]

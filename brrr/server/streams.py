@@ -217,6 +217,8 @@ async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs:
                             reason = "tool_calls"
                         if first and len(delta) == 1:
                             delta["content"] = ""
+                        if not (delta or reason or top_logprobs is not None):
+                            continue  # the parser holds the text back (a call's name is still being written)
                     logprobs = None
                     if top_logprobs is not None:
                         logprobs = fmt.chat_logprobs(c.delta_token_ids, c.delta_logprobs or [], top_logprobs)

@@ -73,6 +73,9 @@ def test_named_function_streamed_equals_whole(client):
         assert len([d for d in calls if d.function.arguments]) > 1  # the arguments arrive as they are generated
         assert streamed == whole.message.tool_calls[0].function.arguments
         assert not any(d.content for d in deltas)
+        # no empty chunks while the parser holds back the call's opening text
+        assert all(c.choices[0].delta.tool_calls or c.choices[0].finish_reason or c.choices[0].delta.role
+                   for c in chunks if c.choices)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 

@@ -96,9 +96,12 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
             raise BrrrError(f"chat template: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI tool objects, passed to the template as transformers passes them (it renders them)."""
         # The template already writes bos/eos where the model wants them, so no special tokens are added again.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools),
+                           add_special_tokens=False)
 
 
 class _GenerationTag(Extension):

@@ -22,11 +22,14 @@ from brrr.errors import BrrrError
 from brrr.server.metrics import CONTENT_TYPE
 from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, as_api_error, template_messages, validation_error)
-from brrr.server.responses import total_usage
+                                  TokenizeRequest, as_api_error, template_messages, template_tools,
+                                  validation_error)
+from brrr.server.responses import best_samples, total_usage
 from brrr.server.state import ServerState, close_all
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
                                  join_logprobs, merge, until_disconnected)
+from brrr.server.structured import request_constraint, tool_use
+from brrr.server.tool_parsers import TOOL_FORMATS, ToolFormat, detect_tool_format
 
 log = logging.getLogger("brrr.server")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -34,10 +37,14 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | Path | None = None,
                api_key: str | None = None, max_waiting: int | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> FastAPI:
     """The server on an AsyncLLM the caller owns (and shuts down). api_key: required as a Bearer token on every
-    path but /health and /metrics. max_waiting: admitted requests without output yet before 429s (None: no cap)."""
-    state = ServerState(llm, tokenizer, model_name, str(model_path) if model_path else None, max_waiting)
+    path but /health and /metrics. max_waiting: admitted requests without output yet before 429s (None: no cap).
+    tool_call_parser: how the model writes tool calls (hermes, llama3_json; None: read from the chat template).
+    enable_auto_tool_choice: tool_choice "auto" reads tool calls out of the model's free reply."""
+    state = ServerState(llm, tokenizer, model_name, str(model_path) if model_path else None, max_waiting,
+                        tool_format(tokenizer, tool_call_parser, enable_auto_tool_choice), enable_auto_tool_choice)
     app = FastAPI(title="brrr", version=__version__,
                   description="OpenAI-compatible completions and chat on brrr's engine.")
     app.state.brrr = state
@@ -71,7 +78,8 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
             if body.prompt is not None:
                 ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
-                ids = tokenizer.encode_chat(template_messages(body.messages), body.add_generation_prompt)
+                ids = tokenizer.encode_chat(template_messages(body.messages), body.add_generation_prompt,
+                                            template_tools(body.tools))
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
@@ -88,6 +96,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_request(body)
+        constraint = request_constraint(body)
         if isinstance(body.prompt, str):
             prompts = [body.prompt]
         elif not body.prompt:
@@ -98,12 +107,15 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
             prompts = list(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         k = body.logprobs
+        best_of = body.num_candidates if body.num_candidates > body.n else None
+        engine_k = 0 if best_of and k is None else k  # best_of ranks samples by their tokens' logprobs
         jobs, echo_texts = [], []
         for i, prompt in enumerate(prompts):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else state.default_max_tokens(len(ids))
-            params = state.sampling_params(body, max_tokens, k, k if body.echo and k is not None else None, "prompt")
-            jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt"))
+            params = state.sampling_params(body, max_tokens, engine_k, k if body.echo and k is not None else None,
+                                           "prompt", constraint, n=body.num_candidates)
+            jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt", constraint))
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else
                                   tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens))
@@ -119,9 +131,10 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         finally:
             close_all(streams)
             ticket.release_all()
+        usage = total_usage(finals)  # every sample drawn counts, best_of's discarded ones too
         choices = []
         for i, out in enumerate(finals):
-            for c in out.outputs:
+            for c in (best_samples(out.outputs, body.n) if best_of else out.outputs):
                 logprobs = None
                 if k is not None:
                     logprobs = fmt.completion_logprobs(c.token_ids, c.logprobs)
@@ -129,34 +142,42 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
                         logprobs = join_logprobs(fmt.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs),
                                          logprobs, len(echo_texts[i]))
                 choices.append(fmt.completion_choice(i * body.n + c.index, c, echo_texts[i], logprobs))
-        return JSONResponse(fmt.completion(choices, total_usage(finals)))
+        return JSONResponse(fmt.completion(choices, usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_request(body)
+        tools = tool_use(body, state.tool_format, state.auto_tool_choice)
+        constraint = request_constraint(body, tools)
+        if tools is not None and tools.parse and tools.format.keeps_special_tokens:
+            body.skip_special_tokens = False  # as vLLM does for hermes: the parser must see the call markers
         try:
-            ids = tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt)
+            prompt = tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt,
+                                                   tools=body.template_tools())
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
+        if tools is not None and tools.forced:  # the model's own opening of a call; the constraint does the rest
+            prompt += tools.format.forced_opening
+        ids = tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote the special tokens
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = state.default_max_tokens(len(ids))
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = state.sampling_params(body, max_tokens, k, None, "messages")
+        params = state.sampling_params(body, max_tokens, k, None, "messages", constraint)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = state.validate(response_id, ids, params, "messages")
+        job = state.validate(response_id, ids, params, "messages", constraint)
         ticket = state.admit(1)
         fmt = state.formatter(response_id)
         streams = state.submit([job], ticket)
         if body.stream:
-            return EventStream(chat_events(body, fmt, k, streams[0]), ticket, streams)
+            return EventStream(chat_events(body, fmt, k, streams[0], tools), ticket, streams)
         try:
             (out,) = await until_disconnected(request, final_outputs(merge(streams), 1))
         finally:
             close_all(streams)
             ticket.release_all()
-        choices = [fmt.chat_choice(c.index, c, None if k is None else fmt.chat_logprobs(c.token_ids, c.logprobs, k))
-                   for c in out.outputs]
+        choices = [fmt.chat_choice(c.index, c, None if k is None else fmt.chat_logprobs(c.token_ids, c.logprobs, k),
+                                   tools.parser() if tools else None) for c in out.outputs]
         return JSONResponse(fmt.chat(choices, total_usage([out])))
 
     # Starlette tries routes in order, a regex each: the generation endpoints first, ahead of FastAPI's docs routes
@@ -164,6 +185,19 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     app.router.routes.sort(key=lambda route: getattr(route, "path", "") not in hot)
     return app
 
+
+
+def tool_format(tokenizer, parser: str | None, auto_tool_choice: bool) -> ToolFormat | None:
+    """The tool-call format: the one named, else the chat template's (None: not one brrr knows)."""
+    if parser is not None:
+        if parser not in TOOL_FORMATS:
+            raise BrrrError(f"--tool-call-parser must be one of {', '.join(TOOL_FORMATS)}, got {parser!r}")
+        return TOOL_FORMATS[parser]
+    found = detect_tool_format(tokenizer.chat_template)
+    if found is None and auto_tool_choice:
+        raise BrrrError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the chat "
+                        "template does not show a tool-call format brrr knows")
+    return found
 
 
 def _add_error_handlers(app: FastAPI) -> None:

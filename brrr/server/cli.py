@@ -36,6 +36,12 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     p.add_argument("--shutdown-timeout", type=int, default=30,
                    help="on SIGTERM, seconds to let in-flight requests finish before cancelling them")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls (default: read from the chat template): hermes for "
+                        "Hermes/Qwen <tool_call> blocks, llama3_json for Llama 3's JSON calls")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request has tools): read tool calls out of the '
+                        'model\'s free reply; "required", a named function and "none" work without it')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="don't log one line per HTTP request")
     g = p.add_argument_group("engine")
@@ -87,7 +93,9 @@ def cmd_serve(args) -> int:
         name = args.served_model_name or args.model or "brrr-default"
         api_key = args.api_key or os.environ.get("BRRR_API_KEY") or None
         app = create_app(llm, llm.tokenizer, name, model_path=spec.model, api_key=api_key,
-                         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+                         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                         tool_call_parser=args.tool_call_parser,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
         note = "" if args.model else f" ({DEFAULT_MODEL_NOTE})"

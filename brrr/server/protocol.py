@@ -1,12 +1,15 @@
 """The OpenAI request bodies brrr accepts, as pydantic models, and how each becomes engine SamplingParams.
 
 Types are strict (a string where a number belongs is a 400, not a silent cast). Fields nobody knows are ignored
-(and logged), the way OpenAI-compatible servers treat them; fields OpenAI defines but brrr cannot honour
-(logit_bias, tools, suffix, ...) are refused with a 400 naming them, so no caller believes they took effect.
-Extra sampling fields use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...).
+(and logged), the way OpenAI-compatible servers treat them; fields OpenAI defines but brrr cannot honour (suffix,
+functions, audio, ...) are refused with a 400 naming them, so no caller believes they took effect. Extra fields use
+vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, structured_outputs, guided_json, ...).
+Constraints (response_format, structured_outputs, guided_*, forced tool calls) become engine params in
+structured.py.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -52,6 +55,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # brrr always enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` body field: exactly one of these."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -65,8 +92,15 @@ class _Request(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias; the engine clamps it to [-100, 100]
     user: str | None = None  # accepted and unused: it only labels the caller
+    response_format: ResponseFormat | None = None
+    # vLLM-style constraints
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM-style extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -80,8 +114,6 @@ class _Request(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to something brrr would otherwise have to drop."""
         bad = []
-        if self.logit_bias:
-            bad.append(("logit_bias", "logit_bias is not supported"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
         return bad
@@ -90,9 +122,10 @@ class _Request(BaseModel):
         """The request field a SamplingParams field came from (what an error must name)."""
         return sampling_field
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises APIError (400) naming the request field when a value is out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs=None, n: int | None = None) -> SamplingParams:
+        """Raises APIError (400) naming the request field when a value is out of range. n: samples to draw when
+        that is not the request's n (best_of)."""
         def pick(value, default):
             return default if value is None else value
 
@@ -105,9 +138,13 @@ class _Request(BaseModel):
                 frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
-                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos, n=self.n,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                n=self.n if n is None else n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs,
+                logit_bias=self.logit_bias)
         except BrrrError as e:
+            if str(e).startswith("structured_outputs"):
+                raise  # the caller knows which body field the constraint came from
             error = as_api_error(e, "prompt")
             name = self.request_field(error.param) if error.param else None
             if name != error.param:  # "logprobs must be ..." -> "top_logprobs must be ..."
@@ -131,9 +168,19 @@ class CompletionRequest(_Request):
         bad = super().unsupported()
         if self.suffix:
             bad.append(("suffix", "suffix (insertion) is not supported"))
-        if self.best_of is not None and self.best_of != self.n:
-            bad.append(("best_of", f"best_of ({self.best_of}) other than n ({self.n}) is not supported"))
+        if self.best_of is not None and self.best_of < self.n:
+            bad.append(("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})"))
+        elif self.stream and self.num_candidates > self.n:
+            bad.append(("best_of", "best_of cannot be used with stream: the best samples are known only at the end"))
         return bad
+
+    @property
+    def num_candidates(self) -> int:
+        """Samples to draw: best_of (the n best are returned), else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    def request_field(self, sampling_field: str) -> str:
+        return "best_of" if sampling_field == "n" and self.num_candidates > self.n else sampling_field
 
 
 class ContentPart(BaseModel):
@@ -142,11 +189,51 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Text
+    arguments: Text  # JSON text, as the server returned it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: ROLES
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: which call it answers
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # brrr always enforces the schema of a forced call
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -166,7 +253,28 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         message = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         out.append(message)
+    return out
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the client sent them (chat templates read them as transformers passes them)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def _template_call(call: MessageToolCall) -> dict:
+    """A call as templates render it (and as vLLM hands it to them): arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
     return out
 
 
@@ -177,25 +285,22 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is one call; "auto" lets the model make several
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
 
     def unsupported(self):
         bad = super().unsupported()
-        for name in ("tools", "functions", "audio", "prediction"):
+        for name in ("functions", "audio", "prediction"):
             if getattr(self, name):
-                bad.append((name, f"{name} is not supported"))
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                bad.append((name, f"{name} is not supported"))
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append(("response_format", "response_format other than {\"type\": \"text\"} is not supported"))
+                bad.append((name, f"{name} is not supported" + (": use tools" if name == "functions" else "")))
+        if self.function_call not in (None, "none"):
+            bad.append(("function_call", "function_call is not supported: use tool_choice"))
         if self.modalities and self.modalities != ["text"]:
             bad.append(("modalities", "only the text modality is supported"))
         if self.top_logprobs is not None and not self.logprobs:
@@ -204,6 +309,9 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
+
+    def template_tools(self) -> list[dict] | None:
+        return template_tools(self.tools)
 
     def request_field(self, sampling_field: str) -> str:
         if sampling_field == "logprobs":
@@ -222,6 +330,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -247,7 +356,7 @@ def as_api_error(e: BrrrError, prompt_field: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|literal\[.*\]|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
 
 
 def _field_path(error) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from brrr.engine.outputs import CompletionOutput, RequestOutput
 
@@ -89,9 +90,19 @@ class Formatter:
                 "choices": choices, "usage": usage_}
 
     @staticmethod
-    def chat_choice(index: int, c: CompletionOutput, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                "finish_reason": c.finish_reason}
+    def chat_choice(index: int, c: CompletionOutput, logprobs: dict | None, parser=None) -> dict:
+        """parser: a ToolCallParser when the reply may hold tool calls."""
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if parser is not None:
+            parser.feed(c.text)
+            parser.finish()
+            content, calls = parser.result()
+            if calls:
+                message["content"], reason = content, "tool_calls"
+                message["tool_calls"] = [{"id": call.id, "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
+                                         for call in calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def chat_chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -99,6 +110,14 @@ class Formatter:
         if usage_ is not None:
             chunk["usage"] = usage_
         return chunk
+
+
+def best_samples(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples with the highest cumulative logprob of their tokens, best first, indexed 0..n-1."""
+    def score(c: CompletionOutput) -> float:
+        return sum(entry[t] for t, entry in zip(c.token_ids, c.logprobs or []))
+
+    return [replace(c, index=i) for i, c in enumerate(sorted(samples, key=score, reverse=True)[:n])]
 
 
 def total_usage(finals: list[RequestOutput]) -> dict:

@@ -13,6 +13,8 @@ from brrr.errors import BrrrError
 from brrr.server.metrics import ServerMetrics
 from brrr.server.protocol import APIError, as_api_error
 from brrr.server.responses import Formatter
+from brrr.server.structured import Constraint
+from brrr.server.tool_parsers import ToolFormat
 
 log = logging.getLogger("brrr.server")
 
@@ -35,8 +37,11 @@ class Ticket:
 
 
 class ServerState:
-    def __init__(self, llm: AsyncLLM, tokenizer, model_name: str, model_path: str | None, max_waiting: int | None):
+    def __init__(self, llm: AsyncLLM, tokenizer, model_name: str, model_path: str | None, max_waiting: int | None,
+                 tool_format: ToolFormat | None = None, auto_tool_choice: bool = False):
         self.llm, self.tokenizer = llm, tokenizer
+        # how the model writes tool calls (None: unknown) and whether "auto" reads calls out of free replies
+        self.tool_format, self.auto_tool_choice = tool_format, auto_tool_choice
         self.model_name, self.model_path, self.max_waiting = model_name, model_path, max_waiting
         self.metrics = ServerMetrics(llm, model_name)
         self.num_waiting = 0  # admitted engine requests that have not produced an output yet
@@ -62,17 +67,21 @@ class ServerState:
         if body.model_extra:
             log.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
 
-    def sampling_params(self, body, max_tokens: int, logprobs, prompt_logprobs, prompt_field: str) -> SamplingParams:
+    def sampling_params(self, body, max_tokens: int, logprobs, prompt_logprobs, prompt_field: str,
+                        constraint: Constraint | None = None, n: int | None = None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                        constraint.params if constraint else None, n)
         except BrrrError as e:
-            raise as_api_error(e, prompt_field) from None
+            raise (constraint and constraint.error(e)) or as_api_error(e, prompt_field) from None
 
-    def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str) -> Request:
+    def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str,
+                 constraint: Constraint | None = None) -> Request:
+        """The engine's checks, a schema or regex compiled among them: a BrrrError becomes a 400 naming the field."""
         try:
             return self.llm.make_request(request_id, ids, params)
         except BrrrError as e:
-            raise as_api_error(e, prompt_field) from None
+            raise (constraint and constraint.error(e)) or as_api_error(e, prompt_field) from None
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.max_total_tokens - prompt_len)

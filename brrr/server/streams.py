@@ -12,6 +12,7 @@ from brrr.engine.outputs import RequestOutput
 from brrr.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from brrr.server.responses import Formatter, sse, total_usage
 from brrr.server.state import Ticket, close_all
+from brrr.server.tool_parsers import tool_delta
 
 
 class ClientDisconnected(Exception):
@@ -185,10 +186,11 @@ def join_logprobs(prompt_lp: dict, output_lp: dict, offset: int) -> dict:
             "text_offset": prompt_lp["text_offset"] + [o + offset for o in output_lp["text_offset"]]}
 
 
-async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs: int | None, stream):
+async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs: int | None, stream, tools=None):
     """Like completion_events; each choice's first chunk carries the assistant role, sent with the first token
-    (not before it), so the first chunk's arrival is the time to first token."""
-    started, finished, final = set(), set(), None
+    (not before it), so the first chunk's arrival is the time to first token. tools (a ToolUse that parses): each
+    choice's text goes through its tool-call parser, and calls stream as OpenAI's delta.tool_calls."""
+    started, finished, final, parsers, called = set(), set(), None, {}, set()
     try:
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
@@ -200,8 +202,23 @@ async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs:
                     if not (first or new or reason):
                         continue
                     delta = {"role": "assistant"} if first else {}
-                    if first or new:
-                        delta["content"] = c.delta_text
+                    if c.index not in parsers:
+                        parsers[c.index] = tools.parser() if tools else None
+                    parser = parsers[c.index]
+                    if parser is None:
+                        if first or new:
+                            delta["content"] = c.delta_text
+                    else:
+                        events = parser.feed(c.delta_text) + (parser.finish() if reason else [])
+                        delta.update(tool_delta(events))
+                        if "tool_calls" in delta:
+                            called.add(c.index)
+                        if reason and c.index in called:
+                            reason = "tool_calls"
+                        if first and len(delta) == 1:
+                            delta["content"] = ""
+                        if not (delta or reason or top_logprobs is not None):
+                            continue  # the parser holds the text back (a call's name is still being written)
                     logprobs = None
                     if top_logprobs is not None:
                         logprobs = fmt.chat_logprobs(c.delta_token_ids, c.delta_logprobs or [], top_logprobs)

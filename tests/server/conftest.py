@@ -14,6 +14,21 @@ from brrr.engine.engine_process import EngineSpec
 from brrr.pretrained import load
 from tests import hf_models
 
+# The default chat template plus tools in the Hermes/Qwen style: a system turn listing them, assistant turns with
+# <tool_call> blocks, tool results as <tool_response>. Without tools it renders exactly as the default template.
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for tool in tools %}"
+    "{{ '\\n' + (tool | tojson) }}{% endfor %}{{ '\\n</tools>\\nCall a function as <tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\\n' + message['content'] }}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>\\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + "
+    "'\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 MODEL_NAME = "tiny"
 API_KEY = "test-key"
 CONTEXT = 2048
@@ -23,7 +38,7 @@ LINUX = Path("/proc/self/stat").exists()  # tests that look for processes read /
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("server-model")
-    hf_models.save_tokenizer(path)
+    hf_models.save_tokenizer(path, chat_template=TOOLS_TEMPLATE)
     hf_models.save(hf_models.build("llama3-rope", vocab_size=320, max_position_embeddings=CONTEXT), path)
     return path
 

@@ -33,3 +33,12 @@ def test_bench_latency_on_cpu_reports_what_ran(tmp_path, capsys):
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_bench_guided_splits_out_the_guided_paths_work(capsys):
+    """`brrr bench guided` on the default model: step times for both kinds and, for the guided one, its parts."""
+    assert main(["bench", "guided", "--batch", "2", "--steps", "4", "--rounds", "1", "--cpu-threads", "1"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["guided"] for r in records] == [False, True]
+    assert all(r["step_ms"] > 0 and r["steps_measured"] > 0 for r in records)
+    assert all(records[1][k] > 0 for k in ("mask_fill_ms", "mask_apply_ms", "advance_ms"))

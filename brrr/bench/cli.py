@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib
 
-BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput", "brrr.bench.kernels"]
+BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput", "brrr.bench.kernels",
+                 "brrr.bench.guided"]
 
 
 def register_bench_module(module: str) -> None:

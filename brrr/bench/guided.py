@@ -1,0 +1,105 @@
+"""`brrr bench guided`: what grammar-guided decoding adds to a decode step. B json_schema requests against the same
+B requests unguided, interleaved rounds, the per-step wall time over steps where all B rows decode; on every other
+guided step (those are not timed), cProfile, from the outside, splits out the host's mask fill, the mask's
+application and the matchers' advance."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from brrr.bench.latency import emit
+
+# Arrays of small records: enums, bounded numbers, nested objects, so the mask changes shape every few tokens (a
+# free-text string would allow nearly every token, the cheapest mask there is).
+ITEM = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+    "kind": {"enum": ["cat", "dog", "bird", "fish"]},
+    "score": {"type": "number", "minimum": -10, "maximum": 10},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+              "required": ["name", "zip"], "additionalProperties": False}},
+    "required": ["id", "kind", "score", "tags", "owner"], "additionalProperties": False}
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 40}
+PARTS = {"mask_fill_ms": "fill_bitmask", "mask_apply_ms": "apply_token_bitmask", "advance_ms": "accept"}
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("guided", help="decode step time with json_schema guided decoding vs without")
+    p.add_argument("--model", default=None, help="a model directory (default: the shipped default model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3, help="unguided/guided pairs, interleaved")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_guided)
+
+
+def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
+    import cProfile
+    import pstats
+
+    import torch
+
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine, SamplingParams, StructuredOutputsParams
+
+    engine = LLMEngine(pretrained.model, pretrained.tokenizer, EngineConfig(max_num_seqs=batch),
+                       pretrained.eos_token_ids)
+    spec = StructuredOutputsParams(json=SCHEMA) if guided else None
+    for i in range(batch):
+        engine.add_request(str(i), "def main(", SamplingParams(max_tokens=steps + 4, seed=i, ignore_eos=True,
+                                                               structured_outputs=spec), stream=False)
+    # Guided runs profile every other full step and time the others: the profiler's overhead stays out of the times.
+    times, profile, profiled, full_steps = [], cProfile.Profile(), 0, 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        full = len(running) == batch and all(s.num_uncomputed == 1 for s in running)
+        profiling = full and guided and full_steps % 2 == 1
+        full_steps += full
+        if profiling:
+            profile.enable()
+        start = time.perf_counter()
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if profiling:
+            profile.disable()
+            profiled += 1
+        elif full:
+            times.append(time.perf_counter() - start)
+    record = {"guided": guided, "batch": batch, "steps_measured": len(times),
+              "step_ms": round(statistics.median(times) * 1e3, 3) if times else 0.0}
+    if profiled:  # cumulative time of each part's function, per profiled step
+        stats = pstats.Stats(profile).stats
+        for key, name in PARTS.items():
+            total = sum(v[3] for (_, _, fn), v in stats.items() if fn == name)
+            record[key] = round(total / profiled * 1e3, 3)
+    return record
+
+
+def cmd_guided(args) -> int:
+    import platform
+
+    import torch
+
+    from brrr.pretrained import load
+
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    pretrained = load(args.model, dtype="float32" if args.device == "cpu" else None, device=args.device)
+    device = next(pretrained.model.parameters()).device
+    _run(pretrained, 8, 8, True, device)  # warm-up: the grammar's compilation, first-call allocations
+    records = []
+    for guided in (False, True) * args.rounds:  # interleaved: a noisy machine drifts between runs
+        rec = _run(pretrained, args.batch, args.steps, guided, device)
+        rec.update(device=str(device), vocab=pretrained.model.config.vocab_size, threads=torch.get_num_threads(),
+                   machine=platform.processor() or platform.machine())
+        records.append(rec)
+        emit(rec, args.out)
+    plain = statistics.median(r["step_ms"] for r in records if not r["guided"])
+    guided = statistics.median(r["step_ms"] for r in records if r["guided"])
+    print(f"decode step, median over rounds: guided {guided:.3f} ms vs unguided {plain:.3f} ms "
+          f"({(guided / plain - 1) * 100:+.1f}%)")
+    return 0

@@ -6,15 +6,16 @@ requests' time to first token.
 The CUDA graphs compile the decode steps they capture. What runs eagerly is planned by the attention kernels'
 plan functions (brrr/kernels/attention/plan.py), which the shapes below are derived from: decodes inside mixed
 prefill steps, short and long enough for the split kernel to split them; prefill chunks in the fixed-tile and the
-autotuned length buckets; a decode batch too wide for the lean kernel; and one prompt alone per tuning bucket of
-the quantized matmuls (`bucket_sizes`), so nothing is timed while serving.
+autotuned length buckets; a decode batch too wide for the lean kernel; one prompt alone per tuning bucket of the
+quantized matmuls (`bucket_sizes`), so nothing is timed while serving; and a guided request, so the grammar
+library reads the vocabulary before the first user's.
 """
 from __future__ import annotations
 
 import logging
 
 from brrr.engine.llm_engine import LLMEngine
-from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from brrr.kernels.attention.plan import AUTOTUNE_MIN_TOKENS, decode_plan
 from brrr.kernels.quant.tune import bucket_sizes
 
@@ -70,6 +71,11 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> int:
             ids = [(serial * 7919 + i * 31) % vocab for i in range(length)]  # distinct: no prefix-cache hits
             arrivals.append((step, engine.make_request(f"warm-up-{serial}", ids, params)))
             serial += 1
+    if engine.tokenizer is not None:  # a guided request: the grammar library reads the vocabulary here
+        params = SamplingParams(max_tokens=4, temperature=0.8, seed=serial,
+                                structured_outputs=StructuredOutputsParams(json_object=True))
+        arrivals.append((1, engine.make_request(f"warm-up-{serial}", [(serial * 7919) % vocab] * 3, params)))
+        arrivals.sort(key=lambda arrival: arrival[0])
     steps, errors, start = 0, set(), engine.num_steps
     while arrivals or engine.has_unfinished_requests():
         if arrivals and not engine.has_unfinished_requests():

@@ -205,3 +205,12 @@ def test_a_huge_prompt_does_not_stall_the_event_loop():
     assert sent_in < 0.2, f"send blocked the event loop for {sent_in:.2f} s"
     assert ticks >= 10  # other coroutines ran meanwhile
     assert received == [huge]
+
+
+def test_warm_up_builds_the_grammar_library_s_vocabulary(pretrained):
+    """A guided request is part of the warm-up, so the first user's pays no vocabulary read or first compile."""
+    from brrr.engine.guided import compile_cache_info
+
+    before = compile_cache_info()["misses"] + compile_cache_info()["hits"]
+    warm_up(engine(pretrained), full=False)
+    assert compile_cache_info()["misses"] + compile_cache_info()["hits"] > before

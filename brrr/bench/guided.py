@@ -11,7 +11,7 @@ from brrr.bench.latency import emit
 
 # Arrays of small records: enums, bounded numbers, nested objects, so the mask changes shape every few tokens (a
 # free-text string would allow nearly every token, the cheapest mask there is).
-ITEM = {"type": "object", "properties": {
+_ITEM = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 100000},
     "kind": {"enum": ["cat", "dog", "bird", "fish"]},
     "score": {"type": "number", "minimum": -10, "maximum": 10},
@@ -20,8 +20,8 @@ ITEM = {"type": "object", "properties": {
                                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
               "required": ["name", "zip"], "additionalProperties": False}},
     "required": ["id", "kind", "score", "tags", "owner"], "additionalProperties": False}
-SCHEMA = {"type": "array", "items": ITEM, "minItems": 40}
-PARTS = {"mask_fill_ms": "fill_bitmask", "mask_apply_ms": "apply_token_bitmask", "advance_ms": "accept"}
+_SCHEMA = {"type": "array", "items": _ITEM, "minItems": 40}
+_PARTS = {"mask_fill_ms": "fill_bitmask", "mask_apply_ms": "apply_token_bitmask", "advance_ms": "accept"}
 
 
 def register(bench_sub) -> None:
@@ -47,7 +47,7 @@ def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
 
     engine = LLMEngine(pretrained.model, pretrained.tokenizer, EngineConfig(max_num_seqs=batch),
                        pretrained.eos_token_ids)
-    spec = StructuredOutputsParams(json=SCHEMA) if guided else None
+    spec = StructuredOutputsParams(json=_SCHEMA) if guided else None
     for i in range(batch):
         engine.add_request(str(i), "def main(", SamplingParams(max_tokens=steps + 4, seed=i, ignore_eos=True,
                                                                structured_outputs=spec), stream=False)
@@ -73,7 +73,7 @@ def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
               "step_ms": round(statistics.median(times) * 1e3, 3) if times else 0.0}
     if profiled:  # cumulative time of each part's function, per profiled step
         stats = pstats.Stats(profile).stats
-        for key, name in PARTS.items():
+        for key, name in _PARTS.items():
             total = sum(v[3] for (_, _, fn), v in stats.items() if fn == name)
             record[key] = round(total / profiled * 1e3, 3)
     return record

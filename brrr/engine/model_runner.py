@@ -5,9 +5,9 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, sample
+from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
-from brrr.engine.staging import InputStaging
+from brrr.engine.staging import stage
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
 from brrr.kernels.graph_inputs import stage_decode_inputs
@@ -47,7 +47,6 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.staging = InputStaging(self.device)  # every step's inputs go to the device through it
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
@@ -108,7 +107,7 @@ class ModelRunner:
         host[0, :b] = ids if ids_from is None else 0
         host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = spare, 1
-        (rows,) = self.staging.stage(np.concatenate([host.ravel(), tables.ravel()]))
+        rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
         stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
                             ids_from)
         graph, logits, _ = self.graph_for(g, max(context_lens))
@@ -148,7 +147,7 @@ class ModelRunner:
     def _copy_blocks(self, copies):
         if not copies:
             return
-        src, dst = self.staging.stage(np.array(copies, dtype=np.int64).T.copy())[0]
+        src, dst = h2d(np.array(copies, dtype=np.int64).T.copy(), self.device)
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
@@ -183,7 +182,7 @@ class ModelRunner:
         if not logit_rows and self.can_launch(batch):
             logits = self._replay(batch)
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
-                logits = logits.index_select(0, self.staging.stage(np.array(rows, dtype=np.int64))[0])
+                logits = logits.index_select(0, h2d(rows, self.device, torch.long))
             return sample(logits, [row for _, row in sample_rows]), None
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
@@ -191,9 +190,9 @@ class ModelRunner:
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
-        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = self.staging.stage(
-            np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32), tables,
-            np.array(rows + list(logit_rows), dtype=np.int64))
+        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = stage(
+            self.device, np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
+            tables, np.array(rows + list(logit_rows), dtype=np.int64))
         meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
                         block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
         hidden = self.model(ids_t, positions_t, meta)

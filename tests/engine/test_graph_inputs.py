@@ -147,11 +147,11 @@ def test_staged_inputs_are_aligned_as_their_own_allocations():
     on pointer divisibility by 16, so a view at another offset would compile another variant mid-run."""
     import numpy as np
 
-    from brrr.engine.staging import InputStaging
+    from brrr.engine.staging import stage
 
     arrays = [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int64), np.arange(7, dtype=np.int32).reshape(7, 1),
               np.arange(1, dtype=np.int64)]
-    staged = InputStaging(torch.device("cpu")).stage(*arrays)
+    staged = stage(torch.device("cpu"), *arrays)
     for a, t in zip(arrays, staged):
         assert t.data_ptr() % 16 == 0
         assert t.shape == a.shape and t.tolist() == a.tolist()

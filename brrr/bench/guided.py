@@ -26,7 +26,9 @@ _PARTS = {"mask_fill_ms": "fill_bitmask", "mask_apply_ms": "apply_token_bitmask"
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("guided", help="decode step time with json_schema guided decoding vs without")
-    p.add_argument("--model", default=None, help="a model directory (default: the shipped default model)")
+    p.add_argument("--model", default=None, help="a model directory (default: the shipped default model), or a preset "
+                   "name (random weights of that shape, bf16; needs --tokenizer)")
+    p.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json, for a preset --model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=60)
@@ -79,16 +81,45 @@ def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
     return record
 
 
+def _preset(args):
+    """Random weights of a preset's shape with a real tokenizer: the mask's cost depends on the vocabulary (its size
+    and its tokens' strings), the step's on the shape; neither on the weights' values."""
+    from pathlib import Path
+
+    import torch
+
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.errors import BrrrError
+    from brrr.pretrained import Pretrained
+    from brrr.tokenizer import Tokenizer
+
+    if not args.tokenizer:
+        raise BrrrError(f"--model {args.model} is a preset (random weights): --tokenizer DIR must give its vocabulary")
+    tokenizer = Tokenizer.from_dir(args.tokenizer)
+    cfg = model_config(args.model)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise BrrrError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than {args.model}'s vocabulary "
+                        f"({cfg.vocab_size})")
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = random_model(cfg, dtype, args.device)
+    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    return Pretrained(Path(args.tokenizer), model, tokenizer, eos)
+
+
 def cmd_guided(args) -> int:
     import platform
 
     import torch
 
+    from brrr.presets import PRESETS
     from brrr.pretrained import load
 
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
-    pretrained = load(args.model, dtype="float32" if args.device == "cpu" else None, device=args.device)
+    if args.model in PRESETS:
+        pretrained = _preset(args)
+    else:
+        pretrained = load(args.model, dtype="float32" if args.device == "cpu" else None, device=args.device)
     device = next(pretrained.model.parameters()).device
     _run(pretrained, 8, 8, True, device)  # warm-up: the grammar's compilation, first-call allocations
     records = []

@@ -38,17 +38,14 @@ def register(bench_sub) -> None:
     p.set_defaults(func=cmd_guided)
 
 
-def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
+def _run(engine, batch: int, steps: int, guided: bool, device) -> dict:
     import cProfile
     import pstats
 
     import torch
 
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine, SamplingParams, StructuredOutputsParams
+    from brrr.engine import SamplingParams, StructuredOutputsParams
 
-    engine = LLMEngine(pretrained.model, pretrained.tokenizer, EngineConfig(max_num_seqs=batch),
-                       pretrained.eos_token_ids)
     spec = StructuredOutputsParams(json=_SCHEMA) if guided else None
     for i in range(batch):
         engine.add_request(str(i), "def main(", SamplingParams(max_tokens=steps + 4, seed=i, ignore_eos=True,
@@ -78,6 +75,7 @@ def _run(pretrained, batch: int, steps: int, guided: bool, device) -> dict:
         for key, name in _PARTS.items():
             total = sum(v[3] for (_, _, fn), v in stats.items() if fn == name)
             record[key] = round(total / profiled * 1e3, 3)
+    record["tok_s"] = round(batch / (record["step_ms"] / 1e3), 1) if times else 0.0
     return record
 
 
@@ -111,6 +109,8 @@ def cmd_guided(args) -> int:
 
     import torch
 
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
     from brrr.presets import PRESETS
     from brrr.pretrained import load
 
@@ -121,10 +121,13 @@ def cmd_guided(args) -> int:
     else:
         pretrained = load(args.model, dtype="float32" if args.device == "cpu" else None, device=args.device)
     device = next(pretrained.model.parameters()).device
-    _run(pretrained, 8, 8, True, device)  # warm-up: the grammar's compilation, first-call allocations
+    # one engine for every run (the graphs are captured once); max_model_len bounds the KV cache to what runs need
+    engine = LLMEngine(pretrained.model, pretrained.tokenizer,
+                       EngineConfig(max_num_seqs=args.batch, max_model_len=args.steps + 64), pretrained.eos_token_ids)
+    _run(engine, 8, 8, True, device)  # warm-up: the grammar's compilation, first-call allocations
     records = []
     for guided in (False, True) * args.rounds:  # interleaved: a noisy machine drifts between runs
-        rec = _run(pretrained, args.batch, args.steps, guided, device)
+        rec = _run(engine, args.batch, args.steps, guided, device)
         rec.update(device=str(device), vocab=pretrained.model.config.vocab_size, threads=torch.get_num_threads(),
                    machine=platform.processor() or platform.machine())
         records.append(rec)

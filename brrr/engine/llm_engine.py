@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -90,7 +91,8 @@ class EngineCore:
                                       ec.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
-        self._ahead: tuple[ScheduledBatch, PendingTokens] | None = None  # a decode step launched, tokens unread
+        # a decode step launched, tokens unread: its PendingTokens, or (logits, rows) until a guided step samples
+        self._ahead: tuple[ScheduledBatch, PendingTokens | tuple] | None = None
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
     def _num_blocks(self) -> int:
@@ -218,12 +220,12 @@ class EngineCore:
 
     def _pipelinable(self, batch: ScheduledBatch) -> bool:
         """Decode rows that need nothing from the host but their own state: no logprobs (read on the host), no
-        penalties or min_tokens (they read the output so far, which would lag a step behind), no grammar (its mask
-        follows the previous token, which the host has not seen when the next step is launched)."""
+        penalties or min_tokens (they read the output so far, which would lag a step behind). A grammar's mask
+        follows the previous token, which the host has not seen when the next step is launched: guided steps launch
+        their forward ahead and their sampling after (`_launch_next`)."""
         return self.runner.can_launch(batch) and all(
             seq.request.params.logprobs is None and not seq.request.params.has_penalties
-            and not seq.request.params.min_tokens and seq.request.params.n == 1
-            and seq.request.params.structured_outputs is None for seq, _ in batch.items)
+            and not seq.request.params.min_tokens and seq.request.params.n == 1 for seq, _ in batch.items)
 
     def _launch_next(self, batch: ScheduledBatch, pending: PendingTokens) -> None:
         """Queue the step the scheduler plans after `batch` (if any) before `batch`'s tokens reach the host."""
@@ -233,8 +235,28 @@ class EngineCore:
         if self.schedule_log is not None:
             self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in nxt.items])
         sample_rows = [self._sample_row(seq, ahead=1) for seq, _ in nxt.items]
-        index = h2d(nxt.previous_rows, pending.device_tokens.device, torch.long)
-        self._ahead = (nxt, self.runner.launch(nxt, sample_rows, (pending.device_tokens, index)))
+        ids_from = (pending.device_tokens, h2d(nxt.previous_rows, pending.device_tokens.device, torch.long))
+        if any(row.guide is not None for row in sample_rows):
+            # Only the sampling waits for the grammar: the forward runs on the GPU while the host reads this step's
+            # tokens, advances the matchers and fills the masks (`_draw_guided`).
+            self._ahead = (nxt, (self.runner.launch_forward(nxt, ids_from), sample_rows))
+        else:
+            self._ahead = (nxt, self.runner.launch(nxt, sample_rows, ids_from))
+
+    def _draw_guided(self) -> list[EngineOutput]:
+        """Queue the sampling of a guided step launched ahead, now that its matchers have seen the previous token.
+        A sequence that has just finished samples unconstrained (its grammar may be complete or dead; the token is
+        dropped either way)."""
+        nxt, (logits, rows) = self._ahead
+        rows = [replace(row, guide=None) if seq.finished and row.guide is not None else row
+                for (seq, _), row in zip(nxt.items, rows)]
+        try:
+            self._ahead = (nxt, self.runner.launch_sampling(logits, rows))
+        except Exception as e:
+            log.exception("step failed; aborting the %d requests in it", len(nxt.items))
+            self._ahead = None
+            return self._fail({s.request for s, _ in nxt.items if not s.finished}, f"{type(e).__name__}: {e}")
+        return []
 
     def _finish_decode(self, batch: ScheduledBatch, pending: PendingTokens) -> list[EngineOutput]:
         """Apply a launched decode step: queue the next one first, then wait for this one's tokens."""
@@ -255,6 +277,8 @@ class EngineCore:
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             records.append(self._append_token(seq, token, None))
+        if self._ahead is not None and isinstance(self._ahead[1], tuple):
+            records += self._draw_guided()
         return records
 
     def _sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:

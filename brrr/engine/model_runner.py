@@ -123,7 +123,19 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, rows: list[SampleRow],
                ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingTokens:
         """Queue a decode step and its sampling (rows without logprobs) on the GPU and return without waiting."""
-        return PendingTokens(draw(self._replay(batch, ids_from), rows)[0])
+        return self.launch_sampling(self._replay(batch, ids_from), rows)
+
+    @torch.inference_mode()
+    def launch_forward(self, batch: ScheduledBatch,
+                       ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Queue a decode step's forward alone: its logits [B, vocab], to sample with `launch_sampling` once the host
+        knows how (a grammar's mask needs the previous token)."""
+        return self._replay(batch, ids_from)
+
+    @staticmethod
+    @torch.inference_mode()
+    def launch_sampling(logits: torch.Tensor, rows: list[SampleRow]) -> PendingTokens:
+        return PendingTokens(draw(logits, rows)[0])
 
     @staticmethod
     @torch.inference_mode()

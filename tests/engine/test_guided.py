@@ -16,7 +16,6 @@ from brrr.engine import LLMEngine, SamplingParams
 from brrr.engine.guided import compile_cache_info, compiler_for, fill_bitmask
 from brrr.engine.guided.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from brrr.engine.sampler import SampleRow, sample
-from brrr.engine.scheduler import ScheduledBatch
 from brrr.pretrained import load
 
 SCHEMA = {
@@ -192,13 +191,36 @@ def test_guided_logprobs_are_of_the_masked_distribution(pretrained):
     assert abs(sum(math.exp(lp) for lp in finite.values()) - 1) < 1e-4
 
 
-def test_guided_rows_are_kept_off_the_pipelined_decode_path(pretrained, monkeypatch):
-    engine = make_engine(pretrained)
-    monkeypatch.setattr(engine.runner, "can_launch", lambda batch: True)  # as on CUDA with graphs captured
-    guided_req = engine.add_request("g", "x = ", SamplingParams(**guided(regex=REGEX)))
-    plain_req = engine.add_request("p", "x = ", SamplingParams(max_tokens=4, logit_bias={7: -5.0}))
-    assert not engine._pipelinable(ScheduledBatch([(guided_req.seqs[0], 1), (plain_req.seqs[0], 1)]))
-    assert engine._pipelinable(ScheduledBatch([(plain_req.seqs[0], 1)]))
+def test_pipelined_guided_decode_equals_step_by_step(pretrained):
+    """With graphs (eager stand-ins on CPU), a guided step's forward is queued before the previous step's tokens are
+    read and its sampling after the matchers advance: every sample equals the step-by-step engine's, stays valid,
+    grammars that complete mid-flight end cleanly, and unguided neighbours are untouched."""
+    from tests.engine.test_graph_inputs import EagerReplay
+
+    requests = [("def main(", SamplingParams(seed=1, **guided(json=SCHEMA))),
+                ("x = ", SamplingParams(seed=2, **guided(regex=REGEX))),
+                ("import os\n", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                ("class A:\n    ", SamplingParams(seed=3, **guided(choice=CHOICES))),
+                ("x = ", SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True))]
+    outs, guided_ahead = [], {"n": 0}
+    for graphs in (False, True):
+        engine = make_engine(pretrained, max_num_seqs=5)
+        if graphs:
+            runner = engine.runner
+            runner.capture_cuda_graphs(5, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+            real = runner.launch_forward
+
+            def counting(batch, ids_from=None, real=real):
+                guided_ahead["n"] += any(s.request.params.structured_outputs is not None for s, _ in batch.items)
+                return real(batch, ids_from)
+            runner.launch_forward = counting
+        outs.append([o[0] for o in run(engine, requests)])
+    plain, pipelined = outs
+    assert guided_ahead["n"] > 10
+    for a, b in zip(plain, pipelined):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+    for kind, i in (("json", 0), ("regex", 1), ("choice", 3)):
+        check(kind, pipelined[i])
 
 
 def test_a_token_the_grammar_rejects_ends_only_that_sample(pretrained, monkeypatch, caplog):

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, replace
 
 import torch
 
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
-from brrr.engine.guided import compiler_for
+from brrr.engine.guided import compiler_for, fill_bitmask
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
@@ -65,6 +67,32 @@ def check_request(request_id: str, prompt: str | list[int], params: SamplingPara
     return Request(request_id, text, ids, params)
 
 
+@dataclass
+class GuidedStep:
+    """A guided decode step launched ahead: its forward is queued; its sampling waits for the masks, which the mask
+    thread fills once the previous step's tokens have advanced the matchers."""
+    logits: torch.Tensor
+    rows: list[SampleRow]
+    masks: Future | None = None
+
+    def bitmask(self) -> torch.Tensor | None:
+        return None if self.masks is None else self.masks.result()
+
+    def wait(self) -> None:
+        if self.masks is not None:
+            wait_futures([self.masks])
+
+
+_MASK_THREAD: ThreadPoolExecutor | None = None
+
+
+def _mask_thread() -> ThreadPoolExecutor:
+    global _MASK_THREAD
+    if _MASK_THREAD is None:
+        _MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="brrr-masks")
+    return _MASK_THREAD
+
+
 def grammars(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None):
     """The grammar compiler over this tokenizer and vocabulary (brrr/engine/guided/)."""
     if tokenizer is None:
@@ -91,8 +119,8 @@ class EngineCore:
                                       ec.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
-        # a decode step launched, tokens unread: its PendingTokens, or (logits, rows) until a guided step samples
-        self._ahead: tuple[ScheduledBatch, PendingTokens | tuple] | None = None
+        # a decode step launched, tokens unread: its PendingTokens, or a GuidedStep until a guided step samples
+        self._ahead: tuple[ScheduledBatch, PendingTokens | GuidedStep] | None = None
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
     def _num_blocks(self) -> int:
@@ -164,6 +192,8 @@ class EngineCore:
             ahead, self._ahead = self._ahead, None
             if any(not seq.finished for seq, _ in ahead[0].items):
                 return self._finish_decode(*ahead)
+            if isinstance(ahead[1], GuidedStep):
+                ahead[1].wait()  # its matchers are not touched again before the mask thread is done with them
         explicit = batch is not None  # a caller's own batch: run just that, nothing queued behind it
         batch = batch if batch is not None else self.scheduler.schedule()
         if not batch.items:
@@ -238,29 +268,28 @@ class EngineCore:
         ids_from = (pending.device_tokens, h2d(nxt.previous_rows, pending.device_tokens.device, torch.long))
         if any(row.guide is not None for row in sample_rows):
             # Only the sampling waits for the grammar: the forward runs on the GPU while the host reads this step's
-            # tokens, advances the matchers and fills the masks (`_draw_guided`).
-            self._ahead = (nxt, (self.runner.launch_forward(nxt, ids_from), sample_rows))
+            # tokens, advances the matchers and fills the masks (`_start_masks`); `_finish_decode` samples it.
+            self._ahead = (nxt, GuidedStep(self.runner.launch_forward(nxt, ids_from), sample_rows))
         else:
             self._ahead = (nxt, self.runner.launch(nxt, sample_rows, ids_from))
 
-    def _draw_guided(self) -> list[EngineOutput]:
-        """Queue the sampling of a guided step launched ahead, now that its matchers have seen the previous token.
-        A sequence that has just finished samples unconstrained (its grammar may be complete or dead; the token is
-        dropped either way)."""
-        nxt, (logits, rows) = self._ahead
-        rows = [replace(row, guide=None) if seq.finished and row.guide is not None else row
-                for (seq, _), row in zip(nxt.items, rows)]
-        try:
-            self._ahead = (nxt, self.runner.launch_sampling(logits, rows))
-        except Exception as e:
-            log.exception("step failed; aborting the %d requests in it", len(nxt.items))
-            self._ahead = None
-            return self._fail({s.request for s, _ in nxt.items if not s.finished}, f"{type(e).__name__}: {e}")
-        return []
+    def _start_masks(self) -> None:
+        """The step launched ahead is guided and its matchers have seen the previous token: fill its masks on the
+        mask thread (llguidance works outside the GIL), overlapping the host's work until the next step() samples
+        it. A sequence that has just finished samples unconstrained (its grammar may be complete or dead; the token
+        is dropped either way)."""
+        nxt, step = self._ahead
+        step.rows = [replace(row, guide=None) if seq.finished and row.guide is not None else row
+                     for (seq, _), row in zip(nxt.items, step.rows)]
+        guides = [row.guide for row in step.rows if row.guide is not None]
+        if guides:
+            step.masks = _mask_thread().submit(fill_bitmask, guides, step.logits.shape[1], step.logits.is_cuda)
 
     def _finish_decode(self, batch: ScheduledBatch, pending: PendingTokens) -> list[EngineOutput]:
         """Apply a launched decode step: queue the next one first, then wait for this one's tokens."""
         try:
+            if isinstance(pending, GuidedStep):
+                pending = self.runner.launch_sampling(pending.logits, pending.rows, pending.bitmask())
             self._launch_next(batch, pending)
             tokens = pending.tokens()
         except Exception as e:
@@ -277,8 +306,8 @@ class EngineCore:
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             records.append(self._append_token(seq, token, None))
-        if self._ahead is not None and isinstance(self._ahead[1], tuple):
-            records += self._draw_guided()
+        if self._ahead is not None and isinstance(self._ahead[1], GuidedStep):
+            self._start_masks()
         return records
 
     def _sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:

@@ -134,8 +134,8 @@ class ModelRunner:
 
     @staticmethod
     @torch.inference_mode()
-    def launch_sampling(logits: torch.Tensor, rows: list[SampleRow]) -> PendingTokens:
-        return PendingTokens(draw(logits, rows)[0])
+    def launch_sampling(logits: torch.Tensor, rows: list[SampleRow], bitmask=None) -> PendingTokens:
+        return PendingTokens(draw(logits, rows, bitmask)[0])
 
     @staticmethod
     @torch.inference_mode()

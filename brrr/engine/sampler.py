@@ -46,14 +46,16 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
         logits -= p.frequency_penalty * counts[: logits.shape[-1]] + p.presence_penalty * (counts[: logits.shape[-1]] > 0)
 
 
-def constrain(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def constrain(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The guided rows' grammar masks and every row's logit_bias applied, batch-wide: one mask upload for all guided
     rows and one scatter for all biases, nothing that waits for the device. Returns `logits` itself when no row asks
-    for either (an unguided batch pays two list scans)."""
+    for either (an unguided batch pays two list scans). bitmask: the guided rows' masks, filled already (host)."""
     device = logits.device
     guided = [i for i, row in enumerate(rows) if row.guide is not None]
     if guided:
-        bitmask = h2d(fill_bitmask([rows[i].guide for i in guided], logits.shape[1]), device)
+        if bitmask is None:
+            bitmask = fill_bitmask([rows[i].guide for i in guided], logits.shape[1], pin=device.type == "cuda")
+        bitmask = h2d(bitmask, device)
         logits = apply_token_bitmask(logits, bitmask, None if len(guided) == len(rows) else h2d(guided, device))
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
     if biased:
@@ -181,11 +183,12 @@ def logprob_entries(logprobs: torch.Tensor, targets: list[int], ks: list[int]) -
     return entries
 
 
-def draw(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw(logits: torch.Tensor, rows: list[SampleRow],
+         bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens [B] on the device, queued without a host synchronization, and the raw log-probs when any row
-    wants them."""
+    wants them. bitmask: the guided rows' masks when the caller has filled them (`constrain`)."""
     device = logits.device
-    logits = constrain(logits, rows)
+    logits = constrain(logits, rows, bitmask)
     raw_logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()

@@ -229,7 +229,7 @@ def test_a_token_the_grammar_rejects_ends_only_that_sample(pretrained, monkeypat
     import brrr.engine.sampler as sampler
 
     engine = make_engine(pretrained)
-    monkeypatch.setattr(sampler, "constrain", lambda logits, rows: logits)
+    monkeypatch.setattr(sampler, "constrain", lambda logits, rows, bitmask=None: logits)
     spec = StructuredOutputsParams(regex="zqzqzq")
     bad, fine = run(engine, [("def main(", SamplingParams(temperature=0, structured_outputs=spec)),
                              ("def main(", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))])

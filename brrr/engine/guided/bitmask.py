@@ -19,10 +19,11 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(matchers: list[GuidedMatcher], vocab_size: int) -> torch.Tensor:
-    """The next-token masks of these matchers, [len(matchers), words] int32 on the host."""
+def fill_bitmask(matchers: list[GuidedMatcher], vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """The next-token masks of these matchers, [len(matchers), words] int32 on the host (pinned: ready to upload
+    without another copy). llguidance computes them outside the GIL."""
     global _EXECUTOR
-    mask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
+    mask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin)
     row_bytes = mask.shape[1] * mask.element_size()
     if len(matchers) >= PARALLEL_ROWS:
         if _EXECUTOR is None:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from brrr.engine.guided.backend import GuidedMatcher
+from brrr.kernels.dispatch import use_triton
+from brrr.kernels.token_bitmask import apply_token_bitmask_triton
 
 # With few rows the executor's thread hand-off costs more than it saves; from here on the rows are computed in parallel
 # (llguidance's threads, outside the GIL).
@@ -49,9 +51,12 @@ def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] with the disallowed tokens of `rows` (a device index [G]; None: every row) at -inf, as a new
-    tensor. bitmask: [G, words] int32 on the logits' device. Each mask byte looks up its 8 tokens' biases (a gather)
-    and the biases are added: on CPU a bool masked_fill over the vocabulary costs several times more."""
+    """logits [B, V] with the disallowed tokens of `rows` (a device index [G]; None: every row) at -inf; `logits`
+    may be modified in place. bitmask: [G, words] int32 on the logits' device. On CUDA, a Triton kernel
+    (brrr/kernels/token_bitmask.py). Elsewhere each mask byte looks up its 8 tokens' biases (a gather) and the biases
+    are added: on CPU a bool masked_fill over the vocabulary costs several times more."""
+    if logits.dtype == torch.float32 and logits.stride(-1) == 1 and use_triton(logits, bitmask):
+        return apply_token_bitmask_triton(logits, bitmask, rows)
     vocab = logits.shape[1]
     index = bitmask.view(torch.uint8).to(torch.int32)  # little-endian: byte k of a word holds bits 8k..8k+7
     bias = F.embedding(index, _byte_bias(logits.device, logits.dtype)).view(bitmask.shape[0], -1)[:, :vocab]

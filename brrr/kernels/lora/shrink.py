@@ -1,0 +1,84 @@
+"""LoRA shrink: t[row] = x[row] @ A[slot(row)].T, the rank-sized projection of every row that has an adapter.
+
+A: [slots, R_total, in], the A matrices of one serving module's slices stacked along the rank (a packed q/k/v
+projection has three, each padded to the slot rank). t is fp32 [N, R_total]; rows without an adapter stay zero.
+The Triton kernel takes a block of one slot's rows per program (rows.py), and splits `in` across programs so a
+decode step, which has few rows per adapter, still spreads the read of A over the whole GPU; the partial sums meet
+in t by atomic adds."""
+from __future__ import annotations
+
+import torch
+
+from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.lora.rows import LoraRows, ieee_dot
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in rows.slots.unique().tolist():
+        if slot >= 0:
+            mine = rows.slots == slot
+            t[mine] = x[mine].float() @ a[slot].float().T
+    return t
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["k_size", "r_total"])
+    def _shrink_kernel(X, A, T, ORDER, COUNTS, STARTS, k_size, r_total, stride_xm, stride_as, stride_ar, stride_tm,
+                       K_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        pid_m, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        count = tl.load(COUNTS + slot)
+        if pid_m * BLOCK_M >= count:  # this slot has fewer rows (or none): the grid is sized for the worst case
+            return
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = m < count
+        rows = tl.load(ORDER + tl.load(STARTS + slot) + m, mask=m_mask, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < r_total
+        a_base = A + slot.to(tl.int64) * stride_as
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K_PER_PROGRAM, BLOCK_K):
+            k = pid_k * K_PER_PROGRAM + k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < k_size
+            x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_base + r[None, :] * stride_ar + k[:, None], mask=r_mask[None, :] & k_mask[:, None],
+                        other=0.0)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, a)
+        tl.atomic_add(T + rows[:, None] * stride_tm + r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+def shrink_plan(num_rows: int, k_size: int, num_slots: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, K per program). Decode steps have a few rows per adapter: split `in` so that the
+    programs of all active slots cover the GPU; long prefills have many row blocks already."""
+    block_m, block_k = 16, 64
+    k_per_program = 256 if num_rows <= 64 * num_slots else 1024
+    return block_m, block_k, max(block_k, min(k_per_program, next_power_of_2(k_size)))
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+    n, k_size = x.shape
+    assert x.stride(1) == 1 and a.stride(2) == 1
+    t = torch.zeros(n, a.shape[1], dtype=torch.float32, device=x.device)
+    block_m, block_k, k_per_program = shrink_plan(n, k_size, rows.num_slots)
+    grid = (triton.cdiv(n, block_m), triton.cdiv(k_size, k_per_program), rows.num_slots)
+    _shrink_kernel[grid](x, a, t, rows.order, rows.counts, rows.starts, k_size, a.shape[1], x.stride(0),
+                         a.stride(0), a.stride(1), t.stride(0), K_PER_PROGRAM=k_per_program, BLOCK_M=block_m,
+                         BLOCK_R=max(16, next_power_of_2(a.shape[1])), BLOCK_K=block_k, IEEE=ieee_dot(x),
+                         num_warps=4)
+    return t
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+    if triton is not None and use_triton(x, a):
+        return lora_shrink_triton(x, a, rows)
+    return lora_shrink_ref(x, a, rows)

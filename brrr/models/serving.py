@@ -175,8 +175,8 @@ def _serving_mlp(mlp: LlamaMLP, lora: LoraSlots | None) -> nn.Module:
 def _with_lora(module: nn.Module, prefix: str, names: tuple[str, ...], slots: LoraSlots,
                outs: dict[str, int]) -> nn.Module:
     """`module` (computing the projections `names` side by side) with the adapters' updates added."""
-    if isinstance(module, LoraLinear):
-        return module
+    if isinstance(module, LoraLinear):  # prepared for another engine's slots before: these slots now
+        module = module.base
     target = slots.target(prefix + "+".join(names), tuple(prefix + n for n in names), module.in_features,
                           tuple(outs[n] for n in names))
     return LoraLinear(module, slots, target)

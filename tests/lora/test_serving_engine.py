@@ -59,7 +59,7 @@ def merged(model, adapter: LoraAdapter):
     modules = dict(m.named_modules())
     with torch.no_grad():
         for name in adapter.weights:
-            modules[name].weight += adapter.delta(name)
+            modules[name].weight += adapter.delta(name).to(modules[name].weight)
     return m
 
 

@@ -118,3 +118,74 @@ def test_adapters_change_the_output(base, adapters):
     plain = greedy(base, prompts, 8)
     for _, adapter in adapters:
         assert greedy(merged(base, adapter), prompts, 8) != plain
+
+
+def _engine(base, **config):
+    return LLMEngine(copy.deepcopy(base), None, EngineConfig(**{"num_blocks": 64, "block_size": 8, "enable_lora": True,
+                                                                "max_loras": 2, **config}))
+
+
+def _run(engine, items, max_tokens=4):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{engine.num_steps}-{i}", p, params, lora_request=lr) for i, (p, lr) in
+            enumerate(items)]
+    out = {}
+    while engine.has_unfinished_requests():
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return reqs, [out[r.request_id] for r in reqs]
+
+
+def test_prefix_cache_is_keyed_by_adapter(base, adapters):
+    engine = _engine(base)
+    (a, _), (b, _) = adapters[:2]
+    prompt = prompts_for(1, seed=5)[0]  # 20 + tokens: two full blocks of 8 to share
+    first, _ = _run(engine, [(prompt, a)])
+    assert first[0].num_cached_tokens == 0
+    other, _ = _run(engine, [(prompt, b)])
+    plain, _ = _run(engine, [(prompt, None)])
+    assert other[0].num_cached_tokens == 0 and plain[0].num_cached_tokens == 0  # no hit across adapters or the base
+    same, _ = _run(engine, [(prompt, a)])
+    assert same[0].num_cached_tokens >= 16  # the same adapter hits
+
+
+def test_remove_and_abort_while_running_free_everything(base, adapters):
+    """An adapter removed while one request runs on it and another waits: both finish on it (the waiting one reads
+    it again from its path); aborted requests free their blocks and their adapter's slot."""
+    (a, adapter), (b, _) = adapters[0], adapters[1]
+    prompts = prompts_for(3, seed=7)
+    want = greedy(merged(base, adapter), prompts[:2], 6)
+    engine = _engine(base, max_num_seqs=1)  # one runs, one waits
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(str(i), prompts[i], params, lora_request=a)
+    engine.step()
+    assert engine.remove_lora(a.lora_int_id) and a.lora_int_id not in engine.list_loras()
+    out = {}
+    while engine.has_unfinished_requests():
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [out["0"], out["1"]] == want
+    engine.add_request("x", prompts[2], SamplingParams(max_tokens=50, ignore_eos=True), lora_request=b)
+    engine.step()
+    assert engine.scheduler.running_adapters() == {b.lora_int_id}
+    engine.abort("x")
+    assert not engine.scheduler.running_adapters() and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bad_adapters_are_named(base, adapters, tmp_path):
+    engine = _engine(base, max_lora_rank=8)
+    other = random_adapter(hf_models.build("llama3-rope", hidden_size=96), 3)
+    with pytest.raises(BrrrError, match="another base model"):
+        engine.add_lora(LoRARequest("other", 9, str(save_adapter(tmp_path / "other", other))))
+    with pytest.raises(BrrrError, match=r"r=16 is above --max-lora-rank=8"):
+        engine.add_lora(adapters[3][0])
+    with pytest.raises(BrrrError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, str(tmp_path))
+    with pytest.raises(BrrrError, match="enable_lora=True"):
+        LLMEngine(copy.deepcopy(base), None, EngineConfig(num_blocks=8)).add_request("q", [1, 2], None,
+                                                                                     lora_request=adapters[0][0])
+    dora = random_adapter(base, 4)
+    dora = LoraAdapter(LoraConfig(r=4, lora_alpha=8, target_modules=MODULES, use_dora=True), dora.weights)
+    with pytest.raises(BrrrError, match="DoRA"):
+        engine.add_lora(LoRARequest("dora", 10, str(save_adapter(tmp_path / "dora", dora))))
+    assert not engine.has_unfinished_requests() and engine.list_loras() == set()

@@ -51,7 +51,6 @@ def complete(http, model, prompt, **kw):
                                               "temperature": 0, "ignore_eos": True, **kw})
 
 
-
 def error_of(response, status):
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -92,8 +92,9 @@ def load_servable(request: LoRARequest, shapes: dict[str, tuple[int, int]], max_
 class LoraManager:
     """The engine's adapters. `add` loads and checks one into the host cache (max_cpu_loras, least recently used
     out first, never one a running sequence uses; an evicted one a queued request needs is read again from its
-    path); `row_slots` gives each of a step's adapters a device slot and says each row's slot. The scheduler keeps the adapters of running sequences within the slot
-    count, so a step always finds its slots."""
+    path); `row_slots` gives each of a step's adapters a device slot (least recently used out first, never one a
+    running sequence uses) and says each row's slot. The scheduler keeps the adapters of running sequences within
+    the slot count, so a step always finds its slots."""
 
     def __init__(self, slots: LoraSlots, shapes: dict[str, tuple[int, int]], max_lora_rank: int, max_cpu_loras: int,
                  in_use: Callable[[], set[int]]):

@@ -24,6 +24,7 @@ class SlotTarget:
     """One serving module's slots: `names` are the Hugging Face modules it computes, in output order."""
     names: tuple[str, ...]
     offsets: tuple[int, ...]  # the slices' bounds along the output
+    t_columns: tuple[int, int]  # its shrink output's columns in the step's buffer (LoraSlots.t)
     offsets_t: torch.Tensor
     a: torch.Tensor  # [slots, slices * rank, in]
     b: torch.Tensor  # [slots, out, rank]
@@ -37,10 +38,17 @@ class LoraSlots:
         self.row_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=self.device)
         self.targets: dict[str, SlotTarget] = {}
         self.rows: LoraRows | None = None  # this step's grouping; None: no adapter is applied (profiling runs)
+        self.t: torch.Tensor | None = None  # this step's shrink outputs, every module's: zeroed once a step
+        self.t_width = 0
 
     def target(self, key: str, names: tuple[str, ...], in_features: int, outs: tuple[int, ...]) -> SlotTarget:
         offsets = tuple(int(v) for v in torch.tensor([0, *outs]).cumsum(0))
-        target = SlotTarget(names, offsets, torch.tensor(offsets, dtype=torch.int32, device=self.device),
+        width = len(names) * self.rank
+        # 16-byte aligned column blocks, as separate allocations would be (Triton specializes pointers on it)
+        start = self.t_width
+        self.t_width += -(-width // 4) * 4
+        target = SlotTarget(names, offsets, (start, start + width),
+                            torch.tensor(offsets, dtype=torch.int32, device=self.device),
                             torch.zeros(self.num_slots, len(names) * self.rank, in_features, dtype=self.dtype,
                                         device=self.device),
                             torch.zeros(self.num_slots, offsets[-1], self.rank, dtype=self.dtype, device=self.device))
@@ -53,22 +61,25 @@ class LoraSlots:
 
     @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy `adapter` into `slot` (on the compute stream: a step still reading the slot runs first)."""
+        """Copy `adapter` into `slot`, one copy per tensor, on the compute stream (a step still reading the slot
+        runs first). Built on the host: padding and scaling cost no device launches."""
         scaling, r = adapter.config.scaling, adapter.rank
         for target in self.targets.values():
-            target.a[slot].zero_()
-            target.b[slot].zero_()
+            a_host = torch.zeros(target.a.shape[1:], dtype=self.dtype)
+            b_host = torch.zeros(target.b.shape[1:], dtype=self.dtype)
             for j, name in enumerate(target.names):
                 if name not in adapter.weights:
                     continue
                 a, b = adapter.weights[name]
-                lo, hi = target.offsets[j], target.offsets[j + 1]
-                target.a[slot, j * self.rank:j * self.rank + r].copy_(a)
-                target.b[slot, lo:hi, :r].copy_(b.float() * scaling)
+                a_host[j * self.rank:j * self.rank + r] = a
+                b_host[target.offsets[j]:target.offsets[j + 1], :r] = b.float() * scaling
+            target.a[slot].copy_(a_host)
+            target.b[slot].copy_(b_host)
 
     def begin(self, num_rows: int) -> None:
         """The step's rows are row_slots[:num_rows]: group them (on the device) for every wrapped module."""
         self.rows = lora_rows(self.row_slots[:num_rows], self.num_slots)
+        self.t = torch.zeros(num_rows, self.t_width, dtype=torch.float32, device=self.device)
 
 
 class LoraLinear(nn.Module):
@@ -87,4 +98,5 @@ class LoraLinear(nn.Module):
         if rows.num_rows != x.shape[0]:
             raise RuntimeError(f"LoRA rows were set for {rows.num_rows} rows but the step has {x.shape[0]}")
         t = self.target
-        return lora_apply(y, x, t.a, t.b, rows, t.offsets, t.offsets_t)
+        shrunk = self.slots.t[:, t.t_columns[0]:t.t_columns[1]]
+        return lora_apply(y, x, t.a, t.b, rows, t.offsets, t.offsets_t, shrunk)

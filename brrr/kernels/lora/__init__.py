@@ -11,10 +11,11 @@ from brrr.kernels.lora.shrink import lora_shrink, lora_shrink_ref
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoraRows,
-               offsets: tuple[int, ...], offsets_t: torch.Tensor) -> torch.Tensor:
+               offsets: tuple[int, ...], offsets_t: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
     """y [N, out_total] += each row's adapter update of x [N, in] (in place; returns y). a: [slots, slices * rank,
-    in]; b: [slots, out_total, rank] with the scaling folded in; offsets: the slices' bounds along out."""
-    return lora_expand(y, lora_shrink(x, a, rows), b, rows, offsets, offsets_t)
+    in]; b: [slots, out_total, rank] with the scaling folded in; offsets: the slices' bounds along out; t: a zeroed
+    fp32 [N, slices * rank] for the shrink's output (lora_shrink)."""
+    return lora_expand(y, lora_shrink(x, a, rows, t), b, rows, offsets, offsets_t)
 
 
 def lora_apply_ref(y, x, a, b, rows: LoraRows, offsets: tuple[int, ...]) -> torch.Tensor:

@@ -13,8 +13,8 @@ from brrr.kernels.dispatch import next_power_of_2, use_triton
 from brrr.kernels.lora.rows import LoraRows, ieee_dot
 
 
-def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
-    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: torch.Tensor | None = None) -> torch.Tensor:
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device) if out is None else out
     for slot in rows.slots.unique().tolist():
         if slot >= 0:
             mine = rows.slots == slot
@@ -65,10 +65,12 @@ def shrink_plan(num_rows: int, k_size: int, num_slots: int) -> tuple[int, int, i
     return block_m, block_k, max(block_k, min(k_per_program, next_power_of_2(k_size)))
 
 
-def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     n, k_size = x.shape
     assert x.stride(1) == 1 and a.stride(2) == 1
-    t = torch.zeros(n, a.shape[1], dtype=torch.float32, device=x.device)
+    t = torch.zeros(n, a.shape[1], dtype=torch.float32, device=x.device) if out is None else out
+    assert t.stride(1) == 1 and t.dtype == torch.float32
     block_m, block_k, k_per_program = shrink_plan(n, k_size, rows.num_slots)
     grid = (triton.cdiv(n, block_m), triton.cdiv(k_size, k_per_program), rows.num_slots)
     _shrink_kernel[grid](x, a, t, rows.order, rows.counts, rows.starts, k_size, a.shape[1], x.stride(0),
@@ -78,7 +80,9 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torc
     return t
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out: a zeroed fp32 [N, R_total] (a column block of one buffer a step zeroes once for every module: one
+    memset a step instead of one a module), else a new one."""
     if triton is not None and use_triton(x, a):
-        return lora_shrink_triton(x, a, rows)
-    return lora_shrink_ref(x, a, rows)
+        return lora_shrink_triton(x, a, rows, out)
+    return lora_shrink_ref(x, a, rows, out)

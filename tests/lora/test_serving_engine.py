@@ -81,7 +81,8 @@ def prompts_for(n, seed=0):
             for _ in range(n)]
 
 
-def test_mixed_adapters_match_merged_models_under_stress(base, adapters):
+@pytest.mark.parametrize("packed", [False, True])  # packed: q/k/v and gate/up as one projection of 3 and 2 slices
+def test_mixed_adapters_match_merged_models_under_stress(base, adapters, packed):
     prompts = prompts_for(15)
     loras = [None if i % 5 == 4 else adapters[i % 5][0] for i in range(len(prompts))]  # 4 adapters and the base
     max_tokens = 12
@@ -94,7 +95,8 @@ def test_mixed_adapters_match_merged_models_under_stress(base, adapters):
     # 2 slots for 4 adapters, 10 KV blocks of 8 for 15 requests of ~40 tokens, 24 tokens a step
     engine = LLMEngine(copy.deepcopy(base), None, EngineConfig(
         num_blocks=12, block_size=8, max_num_batched_tokens=24, enable_lora=True, max_loras=2, max_lora_rank=16,
-        max_cpu_loras=2))
+        max_cpu_loras=2, pack_projections=packed))
+    assert any(type(m).__name__ == "PackedAttention" for m in engine.model.modules()) == packed
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, (p, lr) in enumerate(zip(prompts, loras)):
         engine.add_request(str(i), p, params, stream=False, lora_request=lr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from brrr.analysis.hardware import measure
+from brrr.bench.latency import emit
 from brrr.bench.random_model import model_config, random_model
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, LoRARequest, SamplingParams
@@ -29,14 +29,6 @@ from brrr.lora import LoraAdapter, LoraConfig, save_adapter
 from brrr.lora.serving import projection_shapes
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def emit(record: dict, out: str | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def write_adapters(cfg, n: int, rank: int, root: Path) -> list[LoRARequest]:

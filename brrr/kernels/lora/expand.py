@@ -54,12 +54,12 @@ if triton is not None:
         n_mask = n < size
         r = tl.arange(0, RANK)
         t = tl.load(T + rows[:, None] * stride_tm + part * RANK + r[None, :], mask=m_mask[:, None], other=0.0)
-        b = tl.load(B + slot.to(tl.int64) * stride_bs + (lo + n)[None, :] * stride_bn + r[:, None],
-                    mask=n_mask[None, :], other=0.0)
+        b = tl.load(B + slot.to(tl.int64) * stride_bs + (lo + n)[:, None] * stride_bn + r[None, :],
+                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, RANK], as B is laid out (rank contiguous)
         if IEEE:
-            delta = tl.dot(t, b.to(tl.float32), input_precision="ieee")
+            delta = tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
-            delta = tl.dot(t, b.to(tl.float32))
+            delta = tl.dot(t, tl.trans(b.to(tl.float32)))
         y_ptrs = Y + rows[:, None] * stride_ym + lo + n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)

@@ -48,12 +48,12 @@ if triton is not None:
             k = pid_k * K_PER_PROGRAM + k0 + tl.arange(0, BLOCK_K)
             k_mask = k < k_size
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            a = tl.load(a_base + r[None, :] * stride_ar + k[:, None], mask=r_mask[None, :] & k_mask[:, None],
-                        other=0.0)
+            a = tl.load(a_base + r[:, None] * stride_ar + k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BLOCK_R, BLOCK_K], as A is laid out (K contiguous)
             if IEEE:
-                acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
             else:
-                acc += tl.dot(x, a)
+                acc += tl.dot(x, tl.trans(a))
         tl.atomic_add(T + rows[:, None] * stride_tm + r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 

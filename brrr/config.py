@@ -288,3 +288,6 @@ class EngineConfig:
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1 or None, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise BrrrError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                            f"({self.max_loras}): the host cache holds at least the adapters the slots do")

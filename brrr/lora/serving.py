@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,7 +38,7 @@ class LoRARequest:
             raise BrrrError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise BrrrError(f"LoRARequest.lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        object.__setattr__(self, "lora_path", str(self.lora_path))
+        object.__setattr__(self, "lora_path", str(Path(self.lora_path).expanduser()))
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -111,7 +112,7 @@ class LoraManager:
     def add(self, request: LoRARequest) -> LoraAdapter:
         adapter = self.cpu.get(request.lora_int_id)
         if adapter is not None:
-            if adapter.path is not None and str(adapter.path) != request.lora_path:
+            if adapter.path is not None and adapter.path != Path(request.lora_path):
                 raise BrrrError(f"lora_int_id {request.lora_int_id} is already the adapter at {adapter.path}; "
                                 f"{request.lora_name!r} ({request.lora_path}) needs an id of its own")
             self.cpu.move_to_end(request.lora_int_id)

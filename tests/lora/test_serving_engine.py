@@ -181,6 +181,8 @@ def test_bad_adapters_are_named(base, adapters, tmp_path):
         engine.add_lora(LoRARequest("other", 9, str(save_adapter(tmp_path / "other", other))))
     with pytest.raises(BrrrError, match=r"r=16 is above --max-lora-rank=8"):
         engine.add_lora(adapters[3][0])
+    with pytest.raises(BrrrError, match=r"max_cpu_loras \(2\) must be >= max_loras \(4\)"):
+        EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(BrrrError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("zero", 0, str(tmp_path))
     with pytest.raises(BrrrError, match="enable_lora=True"):

@@ -193,3 +193,32 @@ def test_bad_adapters_are_named(base, adapters, tmp_path):
     with pytest.raises(BrrrError, match="DoRA"):
         engine.add_lora(LoRARequest("dora", 10, str(save_adapter(tmp_path / "dora", dora))))
     assert not engine.has_unfinished_requests() and engine.list_loras() == set()
+
+
+@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4"])
+def test_adapters_over_a_quantized_base(base, adapters, method):
+    """W8A16 / W4A16 bases (packed QuantLinears): each request gets dequant(W) x + its adapter's update, i.e. the
+    greedy tokens of dequant(W) + scaling * B @ A in floating point."""
+    from brrr.quant.linear import QuantLinear
+    from brrr.quant.methods import quantize_model
+
+    quantized = copy.deepcopy(base)
+    quantize_model(quantized, method, group_size=32)
+    dense = copy.deepcopy(quantized)
+    for name, m in list(dense.named_modules()):
+        if isinstance(m, QuantLinear):
+            linear = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+            linear.weight.data = m.dequantize().float()
+            parent, _, child = name.rpartition(".")
+            setattr(dense.get_submodule(parent), child, linear)
+    prompts = prompts_for(4, seed=9)
+    (a, adapter), (b, _) = adapters[0], adapters[1]
+    loras = [a, None, a, b]
+    engine = LLMEngine(quantized, None, EngineConfig(num_blocks=64, enable_lora=True, max_loras=2,
+                                                     pack_projections=True))
+    assert any(type(m).__name__ == "QuantLinear" for m in engine.model.modules())
+    _, got = _run(engine, list(zip(prompts, loras)), max_tokens=6)
+    want_a = greedy(merged(dense, adapter), [prompts[0], prompts[2]], 6)
+    assert [got[0], got[2]] == want_a
+    assert got[1] == greedy(dense, [prompts[1]], 6)[0]
+    assert got[3] == greedy(merged(dense, adapters[1][1]), [prompts[3]], 6)[0]

@@ -33,7 +33,7 @@ def _dense(x, a, b, y, row_slots, offsets, rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,outs", [(5, 64, (64,)), (37, 96, (64, 32, 32)), (20, 128, (40, 40))])
+@pytest.mark.parametrize("n,k,outs", [(5, 64, (64,)), (37, 96, (64, 32, 32)), (20, 128, (40, 40)), (150, 64, (32, 16))])
 def test_shrink_expand_match_reference(device, dtype, n, k, outs):
     x, a, b, y, row_slots, offsets = _case(device, dtype, n, k, outs)
     rows = lora_rows(row_slots, a.shape[0])
@@ -59,3 +59,18 @@ def test_rows_grouping(device):
     assert rows.starts.tolist() == [2, 3, 4, 7]
     order = rows.order.tolist()
     assert sorted(order[:2]) == [1, 5] and order[2:] == [2, 6, 0, 3, 4]
+    assert rows.num_blocks == 1 + 4  # cdiv(7, 16) + slots
+    used = rows.block_count > 0
+    assert rows.block_slot[used].tolist() == [0, 1, 2] and rows.block_start[used].tolist() == [2, 3, 4]
+    assert rows.block_count[used].tolist() == [1, 1, 3] and rows.block_count.sum() == 5
+
+
+def test_rows_in_blocks_of_16(device):
+    """40 rows of slot 1 and 3 of slot 0: blocks of at most 16 rows, each inside one slot, covering every row."""
+    slots = torch.tensor([1] * 20 + [0, -1, 0] + [1] * 20 + [0], dtype=torch.int32, device=device)
+    rows = lora_rows(slots, 3)
+    used = rows.block_count > 0
+    assert rows.block_slot[used].tolist() == [0, 1, 1, 1]
+    assert rows.block_count[used].tolist() == [3, 16, 16, 8]
+    assert rows.block_start[used].tolist() == [1, 4, 20, 36]
+    assert rows.num_blocks == 3 + 3

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.dispatch import use_triton
-from brrr.kernels.lora.rows import LoraRows, ieee_dot
+from brrr.kernels.lora.rows import BLOCK_M, LoraRows, ieee_dot
 
 
 def lora_expand_ref(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, rows: LoraRows,
@@ -35,21 +35,22 @@ except Exception:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["n_blocks"])
-    def _expand_kernel(T, B, Y, ORDER, COUNTS, STARTS, OFFSETS, n_blocks, stride_tm, stride_bs, stride_bn,
-                       stride_ym, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _expand_kernel(T, B, Y, ORDER, BLOCK_SLOT, BLOCK_START, BLOCK_COUNT, OFFSETS, n_blocks, stride_tm, stride_bs,
+                       stride_bn, stride_ym, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        IEEE: tl.constexpr):
-        pid, part, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        pid_m, pid_n = pid // n_blocks, pid % n_blocks
-        count = tl.load(COUNTS + slot)
-        if pid_m * BLOCK_M >= count:
+        pid, part = tl.program_id(0), tl.program_id(1)
+        block, pid_n = pid // n_blocks, pid % n_blocks
+        count = tl.load(BLOCK_COUNT + block)
+        if count == 0:  # an unused block of rows
             return
+        slot = tl.load(BLOCK_SLOT + block)
         lo = tl.load(OFFSETS + part)
         size = tl.load(OFFSETS + part + 1) - lo
         if pid_n * BLOCK_N >= size:
             return
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = tl.arange(0, BLOCK_M)
         m_mask = m < count
-        rows = tl.load(ORDER + tl.load(STARTS + slot) + m, mask=m_mask, other=0).to(tl.int64)
+        rows = tl.load(ORDER + tl.load(BLOCK_START + block) + m, mask=m_mask, other=0).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < size
         r = tl.arange(0, RANK)
@@ -69,12 +70,13 @@ if triton is not None:
 def lora_expand_triton(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, rows: LoraRows,
                        offsets: tuple[int, ...], offsets_t: torch.Tensor) -> torch.Tensor:
     assert y.stride(1) == 1 and b.stride(2) == 1
-    block_m, block_n = 16, 128
+    block_n = 128
     widest = max(hi - lo for lo, hi in zip(offsets[:-1], offsets[1:]))
     n_blocks = triton.cdiv(widest, block_n)
-    grid = (triton.cdiv(y.shape[0], block_m) * n_blocks, len(offsets) - 1, rows.num_slots)
-    _expand_kernel[grid](t, b, y, rows.order, rows.counts, rows.starts, offsets_t, n_blocks, t.stride(0),
-                         b.stride(0), b.stride(1), y.stride(0), RANK=b.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+    grid = (rows.num_blocks * n_blocks, len(offsets) - 1)
+    _expand_kernel[grid](t, b, y, rows.order, rows.block_slot, rows.block_start, rows.block_count, offsets_t,
+                         n_blocks, t.stride(0), b.stride(0), b.stride(1), y.stride(0), RANK=b.shape[2],
+                         BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                          IEEE=ieee_dot(y), num_warps=4)
     return y
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.dispatch import next_power_of_2, use_triton
-from brrr.kernels.lora.rows import LoraRows, ieee_dot
+from brrr.kernels.lora.rows import BLOCK_M, LoraRows, ieee_dot
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,16 +30,17 @@ except Exception:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["k_size", "r_total"])
-    def _shrink_kernel(X, A, T, ORDER, COUNTS, STARTS, k_size, r_total, stride_xm, stride_as, stride_ar, stride_tm,
-                       K_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        pid_m, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        count = tl.load(COUNTS + slot)
-        if pid_m * BLOCK_M >= count:  # this slot has fewer rows (or none): the grid is sized for the worst case
+    def _shrink_kernel(X, A, T, ORDER, BLOCK_SLOT, BLOCK_START, BLOCK_COUNT, k_size, r_total, stride_xm, stride_as,
+                       stride_ar, stride_tm, K_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        block, pid_k = tl.program_id(0), tl.program_id(1)
+        count = tl.load(BLOCK_COUNT + block)
+        if count == 0:  # an unused block: the grid is sized for the most blocks a step can have
             return
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(BLOCK_SLOT + block)
+        m = tl.arange(0, BLOCK_M)
         m_mask = m < count
-        rows = tl.load(ORDER + tl.load(STARTS + slot) + m, mask=m_mask, other=0).to(tl.int64)
+        rows = tl.load(ORDER + tl.load(BLOCK_START + block) + m, mask=m_mask, other=0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < r_total
         a_base = A + slot.to(tl.int64) * stride_as
@@ -57,12 +58,12 @@ if triton is not None:
         tl.atomic_add(T + rows[:, None] * stride_tm + r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-def shrink_plan(num_rows: int, k_size: int, num_slots: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, K per program). Decode steps have a few rows per adapter: split `in` so that the
-    programs of all active slots cover the GPU; long prefills have many row blocks already."""
-    block_m, block_k = 16, 64
+def shrink_plan(num_rows: int, k_size: int, num_slots: int) -> tuple[int, int]:
+    """(BLOCK_K, K per program). Decode steps have a few rows per adapter: split `in` so that the programs of all
+    active slots cover the GPU; long prefills have many row blocks already."""
+    block_k = 64
     k_per_program = 256 if num_rows <= 64 * num_slots else 1024
-    return block_m, block_k, max(block_k, min(k_per_program, next_power_of_2(k_size)))
+    return block_k, max(block_k, min(k_per_program, next_power_of_2(k_size)))
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: torch.Tensor | None = None
@@ -71,10 +72,11 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: to
     assert x.stride(1) == 1 and a.stride(2) == 1
     t = torch.zeros(n, a.shape[1], dtype=torch.float32, device=x.device) if out is None else out
     assert t.stride(1) == 1 and t.dtype == torch.float32
-    block_m, block_k, k_per_program = shrink_plan(n, k_size, rows.num_slots)
-    grid = (triton.cdiv(n, block_m), triton.cdiv(k_size, k_per_program), rows.num_slots)
-    _shrink_kernel[grid](x, a, t, rows.order, rows.counts, rows.starts, k_size, a.shape[1], x.stride(0),
-                         a.stride(0), a.stride(1), t.stride(0), K_PER_PROGRAM=k_per_program, BLOCK_M=block_m,
+    block_k, k_per_program = shrink_plan(n, k_size, rows.num_slots)
+    grid = (rows.num_blocks, triton.cdiv(k_size, k_per_program))
+    _shrink_kernel[grid](x, a, t, rows.order, rows.block_slot, rows.block_start, rows.block_count, k_size,
+                         a.shape[1], x.stride(0), a.stride(0), a.stride(1), t.stride(0),
+                         K_PER_PROGRAM=k_per_program, BLOCK_M=BLOCK_M,
                          BLOCK_R=max(16, next_power_of_2(a.shape[1])), BLOCK_K=block_k, IEEE=ieee_dot(x),
                          num_warps=4)
     return t

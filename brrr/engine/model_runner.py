@@ -8,9 +8,9 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.staging import stage
+from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
-from brrr.errors import BrrrError
 from brrr.kernels.graph_inputs import stage_decode_inputs
 from brrr.lora.serving import LoraManager
 

@@ -10,6 +10,7 @@ adapter (the engine keeps it while they run, and reads it again from its path fo
 from __future__ import annotations
 
 import json
+import threading
 
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest, load_servable
@@ -46,6 +47,7 @@ class LoraAdapters:
         self.max_lora_rank, self.shapes = info.max_lora_rank, info.lora_shapes
         self.served: dict[str, LoRARequest] = {}
         self._next_id = 1
+        self._loading = threading.Lock()  # loads run in worker threads: one at a time, so a name is taken once
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +66,10 @@ class LoraAdapters:
 
     def load(self, name: str, path: str) -> LoRARequest:
         """Check the adapter and serve it under `name`. BrrrError says what is wrong."""
+        with self._loading:
+            return self._load(name, path)
+
+    def _load(self, name: str, path: str) -> LoRARequest:
         if not self.enabled:
             raise BrrrError("LoRA is not enabled on this server: start it with --enable-lora (and --max-loras, "
                             "--max-lora-rank)")

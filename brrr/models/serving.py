@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from brrr.config import EngineConfig
+from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta, attention, silu_and_mul
 from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
@@ -177,6 +178,8 @@ def _with_lora(module: nn.Module, prefix: str, names: tuple[str, ...], slots: Lo
     """`module` (computing the projections `names` side by side) with the adapters' updates added."""
     if isinstance(module, LoraLinear):  # prepared for another engine's slots before: these slots now
         module = module.base
+    if isinstance(module, QuantLinear):
+        module.release_early = False  # the update is added after the GEMV: nothing may read its output earlier
     target = slots.target(prefix + "+".join(names), tuple(prefix + n for n in names), module.in_features,
                           tuple(outs[n] for n in names))
     return LoraLinear(module, slots, target)
@@ -196,6 +199,8 @@ def _add_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attn, name, _with_lora(getattr(attn, name), attn_prefix, (name,), slots, sizes))
         attn.o_proj = _with_lora(attn.o_proj, attn_prefix, ("o_proj",), slots, sizes)
+        if isinstance(mlp, GatedGemvMLP):  # prepared without LoRA before: SiLU-and-mul must follow the update
+            mlp = layer.mlp = PackedMLP(mlp.gate_up_proj, mlp.down_proj)
         if isinstance(mlp, PackedMLP):
             mlp.gate_up_proj = _with_lora(mlp.gate_up_proj, mlp_prefix, ("gate_proj", "up_proj"), slots, sizes)
         else:
@@ -234,6 +239,9 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
     if pack is None:
         pack = fast_path(next(model.parameters()).device)
     if isinstance(model, GemvNormLlamaForCausalLM):
+        if lora is not None:
+            raise BrrrError("this model was prepared for serving without LoRA (norms inside its GEMVs); load it "
+                            "again to serve adapters")
         return model
     if not pack:
         if lora is not None:

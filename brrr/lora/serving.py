@@ -119,8 +119,11 @@ class LoraManager:
             return adapter
         adapter = load_servable(request, self.shapes, self.max_lora_rank, self.slots.dtype)
         self.cpu[request.lora_int_id] = adapter
+        busy = self.in_use()
+        if request.lora_int_id in self.slot_of and request.lora_int_id not in busy:
+            del self.slot_of[request.lora_int_id]  # read from its path again: the slot gets what the path holds now
         if len(self.cpu) > self.max_cpu_loras:
-            busy = self.in_use() | {request.lora_int_id}
+            busy = busy | {request.lora_int_id}
             victim = next((i for i in self.cpu if i not in busy), None)
             if victim is not None:
                 del self.cpu[victim]
@@ -138,19 +141,21 @@ class LoraManager:
     def list_loras(self) -> list[int]:
         return list(self.cpu)
 
-    def _slot_for(self, request: LoRARequest, keep: set[int]) -> int:
+    def _slot_for(self, request: LoRARequest, step: set[int]) -> int:
         slot = self.slot_of.get(request.lora_int_id)
         if slot is not None:
             self.slot_of.move_to_end(request.lora_int_id)
             return slot
+        adapter = self.add(request)  # a host copy first (it may have been evicted or removed while it waited)
         taken = set(self.slot_of.values())
         free = next((s for s in range(self.max_loras) if s not in taken), None)
         if free is None:
+            keep = step | self.in_use()
             victim = next((i for i in self.slot_of if i not in keep), None)
             if victim is None:
                 raise BrrrError(f"a step needs more than max_loras={self.max_loras} adapters")
             free = self.slot_of.pop(victim)
-        self.slots.write(free, self.add(request))
+        self.slots.write(free, adapter)
         self.slot_of[request.lora_int_id] = free
         self.loads += 1
         return free
@@ -159,8 +164,8 @@ class LoraManager:
         """Slots for the step's adapters (one per item, with its row count); returns each row's slot (int32 [num_rows],
         rows past the items' -1)."""
         loras = list(loras)
-        keep = {lr.lora_int_id for lr in loras if lr is not None} | self.in_use()
-        slot_ids = np.array([-1 if lr is None else self._slot_for(lr, keep) for lr in loras], dtype=np.int32)
+        step = {lr.lora_int_id for lr in loras if lr is not None}
+        slot_ids = np.array([-1 if lr is None else self._slot_for(lr, step) for lr in loras], dtype=np.int32)
         rows = np.full(num_rows, -1, dtype=np.int32)
         counts = np.fromiter(counts, dtype=np.int64, count=len(loras))
         rows[:int(counts.sum())] = np.repeat(slot_ids, counts)

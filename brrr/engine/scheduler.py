@@ -127,13 +127,16 @@ class Scheduler:
                 batch.items.append((seq, n))
                 budget -= n
         adapters = self.running_adapters() if self.max_loras is not None else None
-        i = 0
+        i, slot_blocked = 0, False
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             lora = seq.request.lora_request
-            if lora is not None and adapters is not None and lora.lora_int_id not in adapters \
-                    and len(adapters) >= self.max_loras:
-                i += 1  # every slot is held by running sequences' adapters: it waits, requests behind it may go
+            if lora is not None and adapters is not None and (slot_blocked or (
+                    lora.lora_int_id not in adapters and len(adapters) >= self.max_loras)):
+                # every slot is held by running sequences' adapters: it waits. Base-model requests behind it may
+                # go; adapter requests may not, or a stream of them could keep its slot from ever coming free.
+                slot_blocked = True
+                i += 1
                 continue
             if not self.block_manager.can_allocate(seq):
                 break  # first come, first served: nobody overtakes the head of the queue

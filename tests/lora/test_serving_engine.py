@@ -222,3 +222,20 @@ def test_adapters_over_a_quantized_base(base, adapters, method):
     assert [got[0], got[2]] == want_a
     assert got[1] == greedy(dense, [prompts[1]], 6)[0]
     assert got[3] == greedy(merged(dense, adapters[1][1]), [prompts[3]], 6)[0]
+
+
+def test_a_request_waiting_for_a_slot_is_not_overtaken_by_adapter_requests(base, adapters):
+    """One slot: B waits while A runs; a later A request waits behind B (else a stream of A requests could keep B
+    out forever), while a base-model request behind B goes ahead."""
+    (a, _), (b, _) = adapters[0], adapters[1]
+    engine = _engine(base, max_loras=1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    p = prompts_for(4, seed=11)
+    reqs = [engine.add_request(name, prompt, params, lora_request=lr)
+            for name, prompt, lr in zip(["a1", "b1", "a2", "base"], p, [a, b, a, None])]
+    order = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        order += [r.request_id for r in reqs if r.first_scheduled_time is not None and r.request_id not in order]
+    assert order.index("a1") < order.index("b1") < order.index("a2")
+    assert order.index("base") < order.index("b1")

@@ -91,6 +91,8 @@ class ModelRunner:
                 graph, logits = (capture or _cuda_capture)(step, pool)
                 pool = graph.pool()
                 self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
+        if self.lora is not None:
+            self.lora.slots.end()
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest
@@ -215,6 +217,8 @@ class ModelRunner:
             self._lora_rows(batch, seqlens, len(ids))
             self.lora.slots.begin(len(ids))
         hidden = self.model(ids_t, positions_t, meta)
+        if self.lora is not None:
+            self.lora.slots.end()
         logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None

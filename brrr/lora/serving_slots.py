@@ -81,6 +81,10 @@ class LoraSlots:
         self.rows = lora_rows(self.row_slots[:num_rows], self.num_slots)
         self.t = torch.zeros(num_rows, self.t_width, dtype=torch.float32, device=self.device)
 
+    def end(self) -> None:
+        """The step is issued: a forward outside a step (profiling) adds no update, never a stale step's."""
+        self.rows = self.t = None
+
 
 class LoraLinear(nn.Module):
     """A serving projection (nn.Linear, QuantLinear or a packed one) plus each row's adapter update from the slots."""

@@ -101,6 +101,7 @@ def test_mixed_adapters_match_merged_models_under_stress(base, adapters, packed)
     for i, (p, lr) in enumerate(zip(prompts, loras)):
         engine.add_request(str(i), p, params, stream=False, lora_request=lr)
     got, adapters_per_step = {}, []
+    engine.schedule_log = []  # each step's (computed, new) per sequence
     while engine.has_unfinished_requests():
         for o in engine.step():
             got[int(o.request_id)] = o.outputs[0].token_ids
@@ -108,6 +109,7 @@ def test_mixed_adapters_match_merged_models_under_stress(base, adapters, packed)
     assert got == want
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert any(done > 0 and new > 1 for step in engine.schedule_log for done, new in step)  # a prefill in chunks
     assert max(adapters_per_step) <= 2 and engine.lora.loads > 4  # slots were reused (LRU)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.running_adapters()

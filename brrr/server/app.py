@@ -50,7 +50,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     state = ServerState(llm, tokenizer, model_name, str(model_path) if model_path else None, max_waiting,
                         tool_format(tokenizer, tool_call_parser, enable_auto_tool_choice), enable_auto_tool_choice)
     for name, path in lora_modules or ():
-        llm.add_lora(state.adapters.load(name, path))
+        llm.add_lora(state.adapters.load(name, path)[0])
     app = FastAPI(title="brrr", version=__version__,
                   description="OpenAI-compatible completions and chat on brrr's engine.")
     app.state.brrr = state
@@ -81,9 +81,12 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         try:  # reads the adapter's files: off the event loop
-            lora = await asyncio.to_thread(state.adapters.load, body.lora_name, body.lora_path)
+            lora, replaced = await asyncio.to_thread(state.adapters.load, body.lora_name, body.lora_path,
+                                                     body.load_inplace)
         except BrrrError as e:
             raise APIError(400, str(e), param="lora_path" if "lora_name" not in str(e) else "lora_name") from None
+        if replaced is not None:
+            llm.remove_lora(replaced.lora_int_id)
         llm.add_lora(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
 

@@ -64,25 +64,29 @@ class LoraAdapters:
                            code="model_not_found")
         return lora
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Check the adapter and serve it under `name`. BrrrError says what is wrong."""
+    def load(self, name: str, path: str, inplace: bool = False) -> tuple[LoRARequest, LoRARequest | None]:
+        """Check the adapter and serve it under `name`: (the new adapter, the one it replaced). inplace (vLLM's
+        load_inplace): a name already served gets the new adapter, under a new id; requests already admitted finish
+        on the old one. BrrrError says what is wrong."""
         with self._loading:
-            return self._load(name, path)
+            return self._load(name, path, inplace)
 
-    def _load(self, name: str, path: str) -> LoRARequest:
+    def _load(self, name: str, path: str, inplace: bool) -> tuple[LoRARequest, LoRARequest | None]:
         if not self.enabled:
             raise BrrrError("LoRA is not enabled on this server: start it with --enable-lora (and --max-loras, "
                             "--max-lora-rank)")
         if not name:
             raise BrrrError("lora_name must not be empty")
-        if name == self.base_name or name in self.served:
-            raise BrrrError(f"lora_name {name!r} is already served" + (" (the base model's name)"
-                                                                       if name == self.base_name else ""))
+        if name == self.base_name:
+            raise BrrrError(f"lora_name {name!r} is the base model's name")
+        if name in self.served and not inplace:
+            raise BrrrError(f"lora_name {name!r} is already served (load_inplace: true replaces it)")
         request = LoRARequest(name, self._next_id, path)
         load_servable(request, self.shapes, self.max_lora_rank)
         self._next_id += 1
+        replaced = self.served.get(name)
         self.served[name] = request
-        return request
+        return request, replaced
 
     def unload(self, name: str) -> LoRARequest:
         lora = self.served.pop(name, None)

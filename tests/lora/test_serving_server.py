@@ -108,6 +108,8 @@ def test_unknown_model_and_bad_adapters(setup):
                                                 400)["message"]
     assert "already served" in error_of(http.post(load, json={"lora_name": "a0", "lora_path": adapters["a0"][0]}),
                                         400)["message"]
+    as_base = http.post(load, json={"lora_name": MODEL_NAME, "lora_path": adapters["a0"][0]})
+    assert "base model's name" in error_of(as_base, 400)["message"]
     error_of(http.post(load, json={"lora_name": "x"}), 400)
     assert error_of(http.post("/v1/unload_lora_adapter", json={"lora_name": "zz"}), 404)["param"] == "lora_name"
     assert [c["id"] for c in http.get("/v1/models").json()["data"]][-1] != "o"
@@ -135,4 +137,9 @@ def test_unload_while_a_request_is_in_flight(setup):
     assert again.status_code == 200
     assert complete(http, "late", prompts[1]).json()["choices"][0]["text"] == server.llm.tokenizer.decode(
         want["a3"][1])
+    swap = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["a2"][0],
+                                                    "load_inplace": True})  # vLLM's: the name, new weights
+    assert swap.status_code == 200
+    assert complete(http, "late", prompts[1]).json()["choices"][0]["text"] == server.llm.tokenizer.decode(
+        want["a2"][1])
     server.assert_all_blocks_free()

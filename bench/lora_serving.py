@@ -21,6 +21,7 @@ import torch
 from brrr.analysis.hardware import measure
 from brrr.bench.latency import emit
 from brrr.bench.random_model import model_config, random_model
+from brrr.bench.timing import step_kernels
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, LoRARequest, SamplingParams
 from brrr.kernels.graph_timing import graph_time_us, replay_time_us
@@ -70,6 +71,10 @@ def decode_run(model, cfg, args, loras: list | None, enable_lora: bool) -> dict:
     record = {"decode_tok_s": round(tokens / seconds, 1), "decode_steps": args.steps, "tokens": tokens,
               "graph_step_us": round(replay_time_us(graph), 1), "num_preemptions": engine.stats()["num_preemptions"],
               "adapter_loads": engine.lora.loads if engine.lora else 0}
+    if enable_lora:  # the LoRA kernels inside the captured step (torch.profiler): their share of it
+        kernels = [(name, us, n) for name, us, n in step_kernels(graph) if "_shrink_" in name or "_expand_" in name]
+        record["lora_kernels_us_per_step"] = round(sum(us for _, us, _ in kernels), 1)
+        record["lora_kernel_launches_per_step"] = round(sum(n for _, _, n in kernels))
     while engine.has_unfinished_requests():  # abort the rest: the model is reused by the next run
         for request_id in list(engine.requests):
             engine.abort(request_id)
@@ -147,9 +152,16 @@ def main() -> int:
         runs = {"base": (None, False), "lora-base-rows": (None, True), "lora-mixed": (loras, True)}
         results = {}
         for run, (run_loras, enable) in runs.items():
-            results[run] = decode_run(model, cfg, args, run_loras, enable)
-            emit({"bench": "lora_serving", "run": run, "batch": args.batch, "adapters": args.num_adapters if run_loras
-                  else 0, "rank": args.rank, **results[run], **common}, args.out)
+            head = {"bench": "lora_serving", "run": run, "batch": args.batch,
+                    "adapters": args.num_adapters if run_loras else 0, "rank": args.rank}
+            try:
+                results[run] = decode_run(model, cfg, args, run_loras, enable)
+            except Exception as e:  # the other runs still measure; the record says why this one did not
+                emit({**head, "error": f"{type(e).__name__}: {e}", **common}, args.out)
+                continue
+            emit({**head, **results[run], **common}, args.out)
+    if len(results) < len(runs):
+        return 1
     base = results["base"]["decode_tok_s"]
     emit({"bench": "lora_serving", "run": "summary", "batch": args.batch, "adapters": args.num_adapters,
           "rank": args.rank, "mixed_vs_base": round(results["lora-mixed"]["decode_tok_s"] / base, 3),

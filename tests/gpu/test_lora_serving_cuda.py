@@ -15,10 +15,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-@pytest.mark.parametrize("fan_in,outs", [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))])
-def test_kernels_match_reference_at_model_shapes(n, fan_in, outs):
+@pytest.mark.parametrize("fan_in,outs,rank", [(4096, (4096, 1024, 1024), 16), (4096, (14336, 14336), 16),
+                                              (14336, (4096,), 16), (4096, (4096, 1024, 1024), 128)])
+def test_kernels_match_reference_at_model_shapes(n, fan_in, outs, rank):
     g = torch.Generator(device="cuda").manual_seed(n)
-    slots, rank = 8, 16
+    slots = 8
     x = torch.randn(n, fan_in, device="cuda", generator=g).bfloat16()
     a = (torch.randn(slots, len(outs) * rank, fan_in, device="cuda", generator=g) / fan_in**0.5).bfloat16()
     b = (torch.randn(slots, sum(outs), rank, device="cuda", generator=g) * 0.1).bfloat16()

@@ -9,7 +9,7 @@ from brrr.kernels.lora.expand import lora_expand_ref, lora_expand_triton
 from brrr.kernels.lora.shrink import lora_shrink_ref, lora_shrink_triton
 
 
-def _case(device, dtype, n, k, outs, slots=4, rank=16, seed=0):
+def _case(device, dtype, n, k, outs, slots=4, rank=16, seed=0):  # rank: the slots' (a power of two >= 16)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, k, generator=g).to(dtype).to(device)
     a = (torch.randn(slots, len(outs) * rank, k, generator=g) / k**0.5).to(dtype).to(device)
@@ -33,9 +33,10 @@ def _dense(x, a, b, y, row_slots, offsets, rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,outs", [(5, 64, (64,)), (37, 96, (64, 32, 32)), (20, 128, (40, 40)), (150, 64, (32, 16))])
-def test_shrink_expand_match_reference(device, dtype, n, k, outs):
-    x, a, b, y, row_slots, offsets = _case(device, dtype, n, k, outs)
+@pytest.mark.parametrize("n,k,outs,rank", [(5, 64, (64,), 16), (37, 96, (64, 32, 32), 16), (20, 128, (40, 40), 16),
+                                           (150, 64, (32, 16), 16), (9, 64, (48, 16, 16), 128)])
+def test_shrink_expand_match_reference(device, dtype, n, k, outs, rank):
+    x, a, b, y, row_slots, offsets = _case(device, dtype, n, k, outs, rank=rank)
     rows = lora_rows(row_slots, a.shape[0])
     t_ref = lora_shrink_ref(x, a, rows)
     t = lora_shrink_triton(x, a, rows)
@@ -47,7 +48,7 @@ def test_shrink_expand_match_reference(device, dtype, n, k, outs):
     want = lora_expand_ref(y.clone(), t_ref, b, rows, offsets)
     torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
     assert torch.equal(got[row_slots < 0], y[row_slots < 0])  # base-only rows untouched
-    dense = _dense(x, a, b, y, row_slots, offsets, 16)
+    dense = _dense(x, a, b, y, row_slots, offsets, rank)
     torch.testing.assert_close(lora_apply(y.clone(), x, a, b, rows, offsets, offsets_t).float(), dense,
                                atol=tol * 20, rtol=tol * 2)
 

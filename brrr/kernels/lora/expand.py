@@ -36,8 +36,8 @@ except Exception:
 if triton is not None:
     @triton.jit(do_not_specialize=["n_blocks"])
     def _expand_kernel(T, B, Y, ORDER, BLOCK_SLOT, BLOCK_START, BLOCK_COUNT, OFFSETS, n_blocks, stride_tm, stride_bs,
-                       stride_bn, stride_ym, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       stride_bn, stride_ym, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         pid, part = tl.program_id(0), tl.program_id(1)
         block, pid_n = pid // n_blocks, pid % n_blocks
         count = tl.load(BLOCK_COUNT + block)
@@ -53,14 +53,16 @@ if triton is not None:
         rows = tl.load(ORDER + tl.load(BLOCK_START + block) + m, mask=m_mask, other=0).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < size
-        r = tl.arange(0, RANK)
-        t = tl.load(T + rows[:, None] * stride_tm + part * RANK + r[None, :], mask=m_mask[:, None], other=0.0)
-        b = tl.load(B + slot.to(tl.int64) * stride_bs + (lo + n)[:, None] * stride_bn + r[None, :],
-                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, RANK], as B is laid out (rank contiguous)
-        if IEEE:
-            delta = tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:
-            delta = tl.dot(t, tl.trans(b.to(tl.float32)))
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, RANK, BLOCK_RANK):  # a large rank in chunks: the tiles stay small
+            r = r0 + tl.arange(0, BLOCK_RANK)
+            t = tl.load(T + rows[:, None] * stride_tm + part * RANK + r[None, :], mask=m_mask[:, None], other=0.0)
+            b = tl.load(B + slot.to(tl.int64) * stride_bs + (lo + n)[:, None] * stride_bn + r[None, :],
+                        mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_RANK], as B is laid out (rank contiguous)
+            if IEEE:
+                delta += tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                delta += tl.dot(t, tl.trans(b.to(tl.float32)))
         y_ptrs = Y + rows[:, None] * stride_ym + lo + n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -76,6 +78,7 @@ def lora_expand_triton(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, rows: 
     grid = (rows.num_blocks * n_blocks, len(offsets) - 1)
     _expand_kernel[grid](t, b, y, rows.order, rows.block_slot, rows.block_start, rows.block_count, offsets_t,
                          n_blocks, t.stride(0), b.stride(0), b.stride(1), y.stride(0), RANK=b.shape[2],
+                         BLOCK_RANK=min(b.shape[2], 64),
                          BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                          IEEE=ieee_dot(y), num_warps=4)
     return y

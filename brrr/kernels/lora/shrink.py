@@ -33,7 +33,7 @@ if triton is not None:
     def _shrink_kernel(X, A, T, ORDER, BLOCK_SLOT, BLOCK_START, BLOCK_COUNT, k_size, r_total, stride_xm, stride_as,
                        stride_ar, stride_tm, K_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        block, pid_k = tl.program_id(0), tl.program_id(1)
+        block, pid_k, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         count = tl.load(BLOCK_COUNT + block)
         if count == 0:  # an unused block: the grid is sized for the most blocks a step can have
             return
@@ -41,7 +41,7 @@ if triton is not None:
         m = tl.arange(0, BLOCK_M)
         m_mask = m < count
         rows = tl.load(ORDER + tl.load(BLOCK_START + block) + m, mask=m_mask, other=0).to(tl.int64)
-        r = tl.arange(0, BLOCK_R)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         r_mask = r < r_total
         a_base = A + slot.to(tl.int64) * stride_as
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -73,11 +73,12 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, out: to
     t = torch.zeros(n, a.shape[1], dtype=torch.float32, device=x.device) if out is None else out
     assert t.stride(1) == 1 and t.dtype == torch.float32
     block_k, k_per_program = shrink_plan(n, k_size, rows.num_slots)
-    grid = (rows.num_blocks, triton.cdiv(k_size, k_per_program))
+    block_r = min(64, max(16, next_power_of_2(a.shape[1])))  # a large rank takes several programs, not one big tile
+    grid = (rows.num_blocks, triton.cdiv(k_size, k_per_program), triton.cdiv(a.shape[1], block_r))
     _shrink_kernel[grid](x, a, t, rows.order, rows.block_slot, rows.block_start, rows.block_count, k_size,
                          a.shape[1], x.stride(0), a.stride(0), a.stride(1), t.stride(0),
                          K_PER_PROGRAM=k_per_program, BLOCK_M=BLOCK_M,
-                         BLOCK_R=max(16, next_power_of_2(a.shape[1])), BLOCK_K=block_k, IEEE=ieee_dot(x),
+                         BLOCK_R=block_r, BLOCK_K=block_k, IEEE=ieee_dot(x),
                          num_warps=4)
     return t
 

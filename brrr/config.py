@@ -272,15 +272,22 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     cuda_graphs: bool = True  # capture decode steps at batch sizes 1, 2, 4, ... max_num_seqs (CUDA only)
     pack_projections: bool | None = None  # one q/k/v GEMM and one gate/up GEMM; None: when the Triton kernels run
+    enable_lora: bool = False  # serve LoRA adapters (brrr/lora/serving.py); the knobs below size their slots
+    max_loras: int = 1  # adapters a step may mix: device slots
+    max_lora_rank: int = 16  # the largest adapter rank accepted; slots are padded to it
+    max_cpu_loras: int | None = None  # loaded adapters kept on the host (default: max_loras)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1 or None, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise BrrrError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                            f"({self.max_loras}): the host cache holds at least the adapters the slots do")

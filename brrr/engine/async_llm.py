@@ -21,6 +21,7 @@ from brrr.engine.outputs import EngineOutput, RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+from brrr.lora.serving import LoRARequest
 
 
 class EngineLimits:
@@ -30,10 +31,14 @@ class EngineLimits:
     def __init__(self, info: EngineInfo, tokenizer):
         self.info, self.tokenizer = info, tokenizer
 
-    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         i = self.info
+        if lora_request is not None and i.max_lora_rank is None:
+            raise BrrrError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no adapters (start it with "
+                            "--enable-lora)")
         return check_request(request_id, prompt, params, self.tokenizer, i.vocab_size, i.max_model_len, i.block_size,
-                             i.num_blocks)
+                             i.num_blocks, lora_request=lora_request)
 
 
 class _LatestOutput:
@@ -129,9 +134,10 @@ class AsyncLLM:
         num_unfinished_seqs."""
         return self.client.stats
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize as the engine does; raises BrrrError naming the problem. Queues nothing."""
-        return self.limits.make_request(request_id, prompt, params)
+        return self.limits.make_request(request_id, prompt, params, lora_request)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None,
@@ -162,11 +168,20 @@ class AsyncLLM:
         try:
             # the prompt's text stays here: the engine needs only the ids
             self.client.send(("add", Request(request_id, None, request.prompt_token_ids, request.params,
-                                             request.arrival_time)))
+                                             request.arrival_time, lora_request=request.lora_request)))
         except BaseException:
             outputs.close()
             raise
         return outputs
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have the engine load a (checked) adapter ahead of its first request."""
+        self.client.send(("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> None:
+        """The engine forgets the adapter: running requests finish on it, queued ones read it again from its path."""
+        if self.client.alive:
+            self.client.send(("remove_lora", lora_id))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop the request (or its sample `index`) in the engine and free its KV blocks (on the engine's next

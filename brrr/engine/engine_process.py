@@ -8,7 +8,8 @@ tests that hand over an engine object): same messages, same code. Detokenization
 server's side (output_processor.py).
 
 Over two one-way pipes:
-  server -> engine:  ("add", Request) | ("abort", request_id, sample index or None) | ("shutdown",)
+  server -> engine:  ("add", Request) | ("abort", request_id, sample index or None) | ("add_lora", LoRARequest)
+                     | ("remove_lora", lora_int_id) | ("shutdown",)
   engine -> server:  ("ready", EngineInfo, stats) or ("failed", message) once at start; then, for each step that
                      made progress or applied commands, ("step", [EngineOutput], stats). stats are
                      `EngineCore.stats()` plus free blocks and unfinished requests, so /metrics and tests read the
@@ -65,12 +66,17 @@ class EngineInfo:
     device: str
     pid: int
     warm_up_seconds: float = 0.0
+    # LoRA (None: the engine serves no adapters): the rank limit and the shape of every projection an adapter may
+    # adapt, so the server checks an adapter before any request names it
+    max_lora_rank: int | None = None
+    lora_shapes: dict[str, tuple[int, int]] | None = None
 
     @classmethod
     def of(cls, engine: EngineCore, warm_up_seconds: float = 0.0) -> "EngineInfo":
-        bm = engine.block_manager
+        bm, lora = engine.block_manager, engine.lora
         return cls(engine.max_model_len, engine.model.config.vocab_size, bm.num_blocks, bm.block_size,
-                   engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds)
+                   engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds,
+                   lora.max_lora_rank if lora else None, lora.shapes if lora else None)
 
 
 def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:
@@ -149,6 +155,13 @@ class EngineLoop:
                     self.failed.append(EngineOutput(request.request_id, finish_reason="abort", error=str(e)))
             elif kind == "abort":
                 self.abort(command[1], command[2])
+            elif kind == "add_lora":  # the server checked it; loading now spares its first request the read
+                try:
+                    self.engine.add_lora(command[1])
+                except BrrrError as e:
+                    log.warning("adapter %r: %s", command[1].lora_name, e)
+            elif kind == "remove_lora":
+                self.engine.remove_lora(command[1])
             elif kind == "shutdown":
                 if self.trace:
                     write_trace(self.trace_path, self.trace)

@@ -6,6 +6,7 @@ from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.errors import BrrrError
+from brrr.lora.serving import LoRARequest
 
 
 class LLM:
@@ -30,9 +31,11 @@ class LLM:
         return self.pretrained.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """prompts, as vLLM takes them: a string, a list of token ids, {"prompt": text}, {"prompt_token_ids": ids},
-        or a list of those. Returns one finished RequestOutput per prompt, in order."""
+        or a list of those. lora_request: the adapter every prompt runs with, or one per prompt (None: the base
+        model); the engine needs enable_lora=True. Returns one finished RequestOutput per prompt, in order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -42,7 +45,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise BrrrError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(self._request_id(), p, sp) for p, sp in zip(prompts, params)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise BrrrError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        for lora in dict.fromkeys(lr for lr in loras if lr is not None):  # each adapter loaded and checked first
+            self.engine.add_lora(lora)
+        requests = [self.engine.make_request(self._request_id(), p, sp, lr)
+                    for p, sp, lr in zip(prompts, params, loras)]
         for request in requests:  # all validated first: a bad prompt leaves nothing half-queued
             self.engine.enqueue(request, stream=False)
         finished: dict[str, RequestOutput] = {}

@@ -23,6 +23,8 @@ from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
+from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
+from brrr.lora.serving_slots import LoraSlots
 from brrr.models.serving import prepare_for_serving
 
 log = logging.getLogger("brrr.engine")
@@ -31,12 +33,15 @@ CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CP
 
 def check_request(request_id: str, prompt: str | list[int], params: SamplingParams | None, tokenizer,
                   vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                  eos_token_ids: tuple[int, ...] | None = None) -> Request:
+                  eos_token_ids: tuple[int, ...] | None = None, lora_request: LoRARequest | None = None) -> Request:
     """A validated, tokenized Request for an engine of these limits, or a BrrrError naming what is wrong. Shared by
     `EngineCore.make_request` and the server process, which checks requests before they reach the engine process.
     A structured_outputs constraint is compiled here (cached per tokenizer), so a bad one fails the request now;
-    eos_token_ids: the engine's (the tokenizer's EOS when not given), which the grammar lets through."""
+    eos_token_ids: the engine's (the tokenizer's EOS when not given), which the grammar lets through. lora_request:
+    the adapter the request runs with (the engine loads and checks it when the request is queued)."""
     params = params or SamplingParams()
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise BrrrError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
     if not isinstance(params, SamplingParams):
         raise BrrrError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
@@ -64,7 +69,7 @@ def check_request(request_id: str, prompt: str | list[int], params: SamplingPara
             raise BrrrError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
     if params.structured_outputs is not None:
         grammars(tokenizer, vocab_size, eos_token_ids).compile(params.structured_outputs)
-    return Request(request_id, text, ids, params)
+    return Request(request_id, text, ids, params, lora_request=lora_request)
 
 
 @dataclass
@@ -110,18 +115,44 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         cfg, ec = model.config, self.config
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
-        self.model = model = prepare_for_serving(model, ec)  # before sizing the KV cache: packs layer by layer
+        self.lora = self._lora_manager(model) if ec.enable_lora else None
+        # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
+        self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
+                                   ec.max_loras if ec.enable_lora else None)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                      ec.max_num_seqs)
+                                      ec.max_num_seqs, self.lora)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         # a decode step launched, tokens unread: its PendingTokens, or a GuidedStep until a guided step samples
         self._ahead: tuple[ScheduledBatch, PendingTokens | GuidedStep] | None = None
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
+
+    def _lora_manager(self, model) -> LoraManager:
+        ec, p = self.config, next(model.parameters())
+        max_rows = max(ec.max_num_batched_tokens, ec.max_num_seqs)
+        slots = LoraSlots(ec.max_loras, ec.max_lora_rank, max_rows, p.device, p.dtype)
+        return LoraManager(slots, projection_shapes(model.config), ec.max_lora_rank,
+                           ec.max_cpu_loras or ec.max_loras, lambda: self.scheduler.running_adapters())
+
+    # ---- adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) --------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter now (requests naming it load it anyway); BrrrError says what is wrong."""
+        if self.lora is None:
+            raise BrrrError(f"LoRA adapter {lora_request.lora_name!r}: this engine serves no adapters; start it "
+                            "with enable_lora=True (brrr serve --enable-lora)")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter. Running requests on it finish on it; queued ones load it again from their path."""
+        return self.lora is not None and self.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.list_loras()) if self.lora else set()
 
     def _num_blocks(self) -> int:
         ec, model = self.config, self.model
@@ -145,18 +176,22 @@ class EngineCore:
         return int(blocks)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize, without touching engine state (safe from another thread)."""
         bm = self.block_manager
         return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
-                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids)
+                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
-        return self.enqueue(self.make_request(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
+        return self.enqueue(self.make_request(request_id, prompt, params, lora_request))
 
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
+        if request.lora_request is not None:  # loaded (from its path) and checked before it can be scheduled
+            self.add_lora(request.lora_request)
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         return request
@@ -232,7 +267,7 @@ class EngineCore:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.block_manager.commit_computed(seq)
+            self.block_manager.commit_computed(seq, seq.request.cache_key)
         for parent, children in forks:
             self.scheduler.admit_forks(parent, children)
         now, records = time.monotonic(), []
@@ -302,7 +337,7 @@ class EngineCore:
             if seq.finished:  # a stop token or an abort ended it while this step was in flight
                 continue
             seq.num_computed_tokens += 1
-            self.block_manager.commit_computed(seq)
+            self.block_manager.commit_computed(seq, seq.request.cache_key)
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             records.append(self._append_token(seq, token, None))
@@ -412,9 +447,10 @@ class LLMEngine(EngineCore):
         super().__init__(model, tokenizer, config, eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, stream: bool = True) -> Request:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, stream: bool = True,
+                    lora_request: LoRARequest | None = None) -> Request:
         """stream: an output each step the request progresses in; else only its final one."""
-        return self.enqueue(self.make_request(request_id, prompt, params), stream)
+        return self.enqueue(self.make_request(request_id, prompt, params, lora_request), stream)
 
     def enqueue(self, request: Request, stream: bool = True) -> Request:
         super().enqueue(request)

@@ -8,9 +8,11 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.staging import stage
+from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
 from brrr.kernels.graph_inputs import stage_decode_inputs
+from brrr.lora.serving import LoraManager
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -38,8 +40,9 @@ def _cuda_capture(step, pool):
 
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256):
-        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None):
+        """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot."""
+        self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
@@ -80,12 +83,16 @@ class ModelRunner:
                                 context_lens_t=self.g_ctx[:g], max_context_len=plan.max_context)
 
                 def step(g=g, meta=meta):
+                    if self.lora is not None:  # the graph groups its rows by slot: row_slots[:g] is its input
+                        self.lora.slots.begin(g)
                     return self.model.logits(self.g_ids[:g], self.g_pos[:g], meta)
 
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = (capture or _cuda_capture)(step, pool)
                 pool = graph.pool()
                 self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
+        if self.lora is not None:
+            self.lora.slots.end()
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest
@@ -110,6 +117,8 @@ class ModelRunner:
         rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
         stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
                             ids_from)
+        if self.lora is not None:
+            self._lora_rows(batch, [1] * b, g)
         graph, logits, _ = self.graph_for(g, max(context_lens))
         graph.replay()
         return logits[:b]
@@ -155,6 +164,15 @@ class ModelRunner:
         in_use = torch.cuda.memory_reserved(device)
         per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)
+
+    def _lora_rows(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> None:
+        """Slots for the step's adapters, and each of its num_rows rows' slot written to the graph input."""
+        slots = self.lora.slots
+        if num_rows > slots.row_slots.shape[0]:
+            raise BrrrError(f"a step of {num_rows} rows exceeds the LoRA row buffer ({slots.row_slots.shape[0]}: "
+                            "max_num_batched_tokens)")
+        host = self.lora.row_slots([seq.request.lora_request for seq, _ in batch.items], counts, num_rows)
+        slots.row_slots[:num_rows].copy_(h2d(host, self.device))
 
     def _copy_blocks(self, copies):
         if not copies:
@@ -207,7 +225,12 @@ class ModelRunner:
             tables, np.array(rows + list(logit_rows), dtype=np.int64))
         meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
                         block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
+        if self.lora is not None:
+            self._lora_rows(batch, seqlens, len(ids))
+            self.lora.slots.begin(len(ids))
         hidden = self.model(ids_t, positions_t, meta)
+        if self.lora is not None:
+            self.lora.slots.end()
         logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None

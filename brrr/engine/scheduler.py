@@ -33,8 +33,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, max_loras: int | None = None):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct adapters the running sequences may use (the device slots)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -125,12 +126,25 @@ class Scheduler:
                 n = min(seq.num_uncomputed, budget)
                 batch.items.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = self.running_adapters() if self.max_loras is not None else None
+        i, slot_blocked = 0, False
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            lora = seq.request.lora_request
+            if lora is not None and adapters is not None and (slot_blocked or (
+                    lora.lora_int_id not in adapters and len(adapters) >= self.max_loras)):
+                # every slot is held by running sequences' adapters: it waits. Base-model requests behind it may
+                # go; adapter requests may not, or a stream of them could keep its slot from ever coming free.
+                slot_blocked = True
+                i += 1
+                continue
             if not self.block_manager.can_allocate(seq):
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            cached = self.block_manager.allocate(seq, use_prefix_cache=seq.request.params.prompt_logprobs is None)
+            del self.waiting[i]
+            if lora is not None and adapters is not None:
+                adapters.add(lora.lora_int_id)
+            cached = self.block_manager.allocate(seq, use_prefix_cache=seq.request.params.prompt_logprobs is None,
+                                                 extra_key=seq.request.cache_key)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = time.monotonic()
                 seq.request.num_cached_tokens = cached
@@ -140,6 +154,10 @@ class Scheduler:
             batch.items.append((seq, n))
             budget -= n
         return batch
+
+    def running_adapters(self) -> set[int]:
+        """The adapter ids the running sequences use: they hold device slots."""
+        return {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request is not None}
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from brrr.engine.guided import GuidedMatcher
 from brrr.engine.sampling_params import SamplingParams
+from brrr.lora.serving import LoRARequest
 
 
 class Status(enum.Enum):
@@ -66,6 +67,12 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+
+    @property
+    def cache_key(self) -> int | None:
+        """The prefix cache's extra key: blocks computed with one adapter are never another's (or the base's)."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

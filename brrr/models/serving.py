@@ -11,6 +11,10 @@ quantize handlers swap nn.Linear for their own modules:
 - `QuantLogitsHead`: a quantized lm_head's GEMV stores the fp32 logits itself, no cast kernel after it.
 - `GemvNormLlamaForCausalLM`: where every projection's GEMV takes the norms (int4 g128), batch-1 decode runs each
   RMSNorm and residual add inside the GEMVs, the final norm inside lm_head's where it can.
+- `LoraLinear` (with LoRA slots, brrr/lora/serving_slots.py): every projection, packed or not, plus each row's
+  adapter update. A packed projection keeps one GEMM and gets one shrink and one expand for its slices, each slice
+  with its own A and B. LoRA keeps the projections' plain outputs: no SiLU-and-mul or norms inside a quantized
+  GEMV's epilogue and no early release, since the update must land on the GEMV's output before anything reads it.
 bf16 sums of a packed GEMM can round differently from the separate ones (docs/models.md), so the tests compare the
 two forms with a tolerance. Checkpoints are written from the reference form (`brrr.loader.hf_state_dict` splits
 packed projections back into Hugging Face's names).
@@ -21,9 +25,11 @@ import torch
 from torch import nn
 
 from brrr.config import EngineConfig
+from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta, attention, silu_and_mul
 from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
+from brrr.lora.serving_slots import LoraLinear, LoraSlots
 from brrr.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from brrr.quant.linear import QuantLinear
 
@@ -149,21 +155,58 @@ def _packed(linears: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-def _serving_attention(attn: LlamaAttention) -> nn.Module:
+def _serving_attention(attn: LlamaAttention, lora: LoraSlots | None) -> nn.Module:
     qkv = _packed([attn.q_proj, attn.k_proj, attn.v_proj])
     if qkv is None:
         return attn
     quantized = isinstance(qkv, QuantLinear)
-    if quantized:
+    if quantized and lora is None:
         qkv.release_early = True  # decode attention may launch at the GEMV's last K step
     return PackedAttention(attn, qkv, decode_rope=quantized)
 
 
-def _serving_mlp(mlp: LlamaMLP) -> nn.Module:
+def _serving_mlp(mlp: LlamaMLP, lora: LoraSlots | None) -> nn.Module:
     gate_up = _packed([mlp.gate_proj, mlp.up_proj])
     if gate_up is None:
         return mlp
-    return (GatedGemvMLP if isinstance(gate_up, QuantLinear) else PackedMLP)(gate_up, mlp.down_proj)
+    gated = isinstance(gate_up, QuantLinear) and lora is None
+    return (GatedGemvMLP if gated else PackedMLP)(gate_up, mlp.down_proj)
+
+
+def _with_lora(module: nn.Module, prefix: str, names: tuple[str, ...], slots: LoraSlots,
+               outs: dict[str, int]) -> nn.Module:
+    """`module` (computing the projections `names` side by side) with the adapters' updates added."""
+    if isinstance(module, LoraLinear):  # prepared for another engine's slots before: these slots now
+        module = module.base
+    if isinstance(module, QuantLinear):
+        module.release_early = False  # the update is added after the GEMV: nothing may read its output earlier
+    target = slots.target(prefix + "+".join(names), tuple(prefix + n for n in names), module.in_features,
+                          tuple(outs[n] for n in names))
+    return LoraLinear(module, slots, target)
+
+
+def _add_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": cfg.hidden_size, "gate_proj": cfg.intermediate_size,
+             "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn_prefix, mlp_prefix = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        if isinstance(attn, PackedAttention):
+            attn.qkv_proj = _with_lora(attn.qkv_proj, attn_prefix, ("q_proj", "k_proj", "v_proj"), slots, sizes)
+        else:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, _with_lora(getattr(attn, name), attn_prefix, (name,), slots, sizes))
+        attn.o_proj = _with_lora(attn.o_proj, attn_prefix, ("o_proj",), slots, sizes)
+        if isinstance(mlp, GatedGemvMLP):  # prepared without LoRA before: SiLU-and-mul must follow the update
+            mlp = layer.mlp = PackedMLP(mlp.gate_up_proj, mlp.down_proj)
+        if isinstance(mlp, PackedMLP):
+            mlp.gate_up_proj = _with_lora(mlp.gate_up_proj, mlp_prefix, ("gate_proj", "up_proj"), slots, sizes)
+        else:
+            for name in ("gate_proj", "up_proj"):
+                setattr(mlp, name, _with_lora(getattr(mlp, name), mlp_prefix, (name,), slots, sizes))
+        mlp.down_proj = _with_lora(mlp.down_proj, mlp_prefix, ("down_proj",), slots, sizes)
 
 
 def _takes_norms(m: nn.Module) -> bool:
@@ -185,21 +228,32 @@ def _gemvs_take_norms(model: LlamaForCausalLM) -> bool:
 
 
 @torch.no_grad()
-def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig) -> LlamaForCausalLM:
+def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
+                        lora: LoraSlots | None = None) -> LlamaForCausalLM:
     """The model the engine runs: `model` with its serving modules swapped in (in place), or wrapped in
     `GemvNormLlamaForCausalLM` where its GEMVs take the norms. `engine_config.pack_projections` (None: when the
-    Triton kernels run on the model's device) says whether to; False returns the reference form. Layer by layer,
-    each packed copy replaces the originals, so peak memory grows by one layer. Idempotent."""
+    Triton kernels run on the model's device) says whether to; False keeps the reference form. Layer by layer,
+    each packed copy replaces the originals, so peak memory grows by one layer. lora: every projection also adds
+    each row's adapter update from these slots. Idempotent."""
     pack = engine_config.pack_projections
     if pack is None:
         pack = fast_path(next(model.parameters()).device)
-    if not pack or isinstance(model, GemvNormLlamaForCausalLM):
+    if isinstance(model, GemvNormLlamaForCausalLM):
+        if lora is not None:
+            raise BrrrError("this model was prepared for serving without LoRA (norms inside its GEMVs); load it "
+                            "again to serve adapters")
+        return model
+    if not pack:
+        if lora is not None:
+            _add_lora(model, lora)
         return model
     for layer in model.model.layers:
         if isinstance(layer.self_attn, LlamaAttention):
-            layer.self_attn = _serving_attention(layer.self_attn)
+            layer.self_attn = _serving_attention(layer.self_attn, lora)
         if isinstance(layer.mlp, LlamaMLP):
-            layer.mlp = _serving_mlp(layer.mlp)
+            layer.mlp = _serving_mlp(layer.mlp, lora)
+    if lora is not None:
+        _add_lora(model, lora)
     if isinstance(model.lm_head, QuantLinear):
         model.lm_head = QuantLogitsHead(model.lm_head)
     if _gemvs_take_norms(model):

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health and /metrics, on an AsyncLLM.
+/health and /metrics, on an AsyncLLM; with LoRA, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+(lora_adapters.py), and "model" naming an adapter.
 
 A request is validated in full (types, model, sampling fields, prompt + max_tokens against the context) before it
 is admitted; admission fails with 429 when --max-waiting requests are already queued. A client that disconnects,
@@ -7,13 +8,14 @@ streaming or not, has its engine requests aborted at once, which frees their KV 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brrr import __version__
@@ -22,8 +24,8 @@ from brrr.errors import BrrrError
 from brrr.server.metrics import CONTENT_TYPE
 from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, as_api_error, template_messages, template_tools,
-                                  validation_error)
+                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest, as_api_error,
+                                  template_messages, template_tools, validation_error)
 from brrr.server.responses import best_samples, total_usage
 from brrr.server.state import ServerState, close_all
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
@@ -38,13 +40,17 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | Path | None = None,
                api_key: str | None = None, max_waiting: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False) -> FastAPI:
+               enable_auto_tool_choice: bool = False,
+               lora_modules: list[tuple[str, str]] | None = None) -> FastAPI:
     """The server on an AsyncLLM the caller owns (and shuts down). api_key: required as a Bearer token on every
     path but /health and /metrics. max_waiting: admitted requests without output yet before 429s (None: no cap).
     tool_call_parser: how the model writes tool calls (hermes, llama3_json; None: read from the chat template).
-    enable_auto_tool_choice: tool_choice "auto" reads tool calls out of the model's free reply."""
+    enable_auto_tool_choice: tool_choice "auto" reads tool calls out of the model's free reply. lora_modules:
+    (name, path) adapters served from the start (the engine must serve LoRA); a bad one raises BrrrError."""
     state = ServerState(llm, tokenizer, model_name, str(model_path) if model_path else None, max_waiting,
                         tool_format(tokenizer, tool_call_parser, enable_auto_tool_choice), enable_auto_tool_choice)
+    for name, path in lora_modules or ():
+        llm.add_lora(state.adapters.load(name, path)[0])
     app = FastAPI(title="brrr", version=__version__,
                   description="OpenAI-compatible completions and chat on brrr's engine.")
     app.state.brrr = state
@@ -66,8 +72,29 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "brrr",
-                "root": state.model_path, "max_model_len": llm.max_model_len}
-        return {"object": "list", "data": [card]}
+                "root": state.model_path, "parent": None, "max_model_len": llm.max_model_len}
+        adapters = [{"id": lora.lora_name, "object": "model", "created": state.created, "owned_by": "brrr",
+                     "root": lora.lora_path, "parent": model_name, "max_model_len": llm.max_model_len}
+                    for lora in state.adapters.served.values()]
+        return {"object": "list", "data": [card, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        try:  # reads the adapter's files: off the event loop
+            lora, replaced = await asyncio.to_thread(state.adapters.load, body.lora_name, body.lora_path,
+                                                     body.load_inplace)
+        except BrrrError as e:
+            raise APIError(400, str(e), param="lora_path" if "lora_name" not in str(e) else "lora_name") from None
+        if replaced is not None:
+            llm.remove_lora(replaced.lora_int_id)
+        llm.add_lora(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        lora = state.adapters.unload(body.lora_name)
+        llm.remove_lora(lora.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -95,7 +122,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        state.check_request(body)
+        lora = state.check_request(body)
         constraint = request_constraint(body)
         if isinstance(body.prompt, str):
             prompts = [body.prompt]
@@ -115,14 +142,14 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
             max_tokens = body.max_tokens if body.max_tokens is not None else state.default_max_tokens(len(ids))
             params = state.sampling_params(body, max_tokens, engine_k, k if body.echo and k is not None else None,
                                            "prompt", constraint, n=body.num_candidates)
-            jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt", constraint))
+            jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt", constraint, lora))
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else
                                   tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens))
             else:
                 echo_texts.append(None)
         ticket = state.admit(len(jobs))
-        fmt = state.formatter(response_id)
+        fmt = state.formatter(response_id, lora)
         streams = state.submit(jobs, ticket)
         if body.stream:
             return EventStream(completion_events(body, fmt, echo_texts, streams), ticket, streams)
@@ -146,7 +173,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        state.check_request(body)
+        lora = state.check_request(body)
         tools = tool_use(body, state.tool_format, state.auto_tool_choice)
         constraint = request_constraint(body, tools)
         if tools is not None and tools.parse and tools.format.keeps_special_tokens:
@@ -165,9 +192,9 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = state.sampling_params(body, max_tokens, k, None, "messages", constraint)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = state.validate(response_id, ids, params, "messages", constraint)
+        job = state.validate(response_id, ids, params, "messages", constraint, lora)
         ticket = state.admit(1)
-        fmt = state.formatter(response_id)
+        fmt = state.formatter(response_id, lora)
         streams = state.submit([job], ticket)
         if body.stream:
             return EventStream(chat_events(body, fmt, k, streams[0], tools), ticket, streams)

@@ -58,6 +58,17 @@ def register(sub) -> None:
     g.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the server process instead of a process of its own "
                         "(slower under load: both share one GIL; for comparison and debugging)")
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: 'model' in a request names one; /v1/load_lora_adapter and "
+                           "/v1/unload_lora_adapter change them at run time (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
+                      help='adapters (PEFT directories) served from the start, as name=DIR or JSON '
+                           '{"name": ..., "path": ...}')
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters one engine step may mix (device slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="loaded adapters kept in host memory (default: --max-loras)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -78,12 +89,17 @@ def cmd_serve(args) -> int:
         if value is not None and value < low:
             raise BrrrError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     check_device(args.device)
+    from brrr.server.lora_adapters import parse_lora_modules
+
+    lora_modules = parse_lora_modules(args.lora_modules)
     check_port(args.host, args.port)  # before minutes of loading: a busy port fails now
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
+                          kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+                          enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
+                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,
                       log_level=args.log_level)
     llm = _start_engine(spec, in_thread=args.engine_in_thread)
@@ -95,7 +111,7 @@ def cmd_serve(args) -> int:
         app = create_app(llm, llm.tokenizer, name, model_path=spec.model, api_key=api_key,
                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          tool_call_parser=args.tool_call_parser,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=lora_modules)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
         note = "" if args.model else f" ({DEFAULT_MODEL_NOTE})"

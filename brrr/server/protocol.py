@@ -341,6 +341,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):  # vLLM's POST /v1/load_lora_adapter
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace the adapter already served under this name
+
+
+class UnloadLoRAAdapterRequest(BaseModel):  # vLLM's POST /v1/unload_lora_adapter
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 

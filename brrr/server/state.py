@@ -10,6 +10,8 @@ from functools import lru_cache
 from brrr.engine import AsyncLLM, SamplingParams
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+from brrr.lora.serving import LoRARequest
+from brrr.server.lora_adapters import LoraAdapters
 from brrr.server.metrics import ServerMetrics
 from brrr.server.protocol import APIError, as_api_error
 from brrr.server.responses import Formatter
@@ -44,6 +46,7 @@ class ServerState:
         self.tool_format, self.auto_tool_choice = tool_format, auto_tool_choice
         self.model_name, self.model_path, self.max_waiting = model_name, model_path, max_waiting
         self.metrics = ServerMetrics(llm, model_name)
+        self.adapters = LoraAdapters(llm, model_name)
         self.num_waiting = 0  # admitted engine requests that have not produced an output yet
         self.created = int(time.time())
         info = llm.info
@@ -51,21 +54,23 @@ class ServerState:
         self.token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self.token_width = lru_cache(maxsize=1 << 16)(lambda t: len(tokenizer.decode([t], skip_special_tokens=True)))
 
-    def formatter(self, response_id: str) -> Formatter:
-        return Formatter(response_id, self.model_name, int(time.time()), self.token_text, self.token_width)
+    def formatter(self, response_id: str, lora: LoRARequest | None = None) -> Formatter:
+        """Responses name the model the request asked for: the base, or the adapter."""
+        model = self.model_name if lora is None else lora.lora_name
+        return Formatter(response_id, model, int(time.time()), self.token_text, self.token_width)
 
     # ---- validation and admission -----------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base); 404 for a name this server does not serve."""
+        return self.adapters.resolve(model)
 
-    def check_request(self, body) -> None:
-        self.check_model(body.model)
+    def check_request(self, body) -> LoRARequest | None:
+        lora = self.check_model(body.model)
         for field, why in body.unsupported():
             raise APIError(400, why, param=field, code="unsupported_parameter")
         if body.model_extra:
             log.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+        return lora
 
     def sampling_params(self, body, max_tokens: int, logprobs, prompt_logprobs, prompt_field: str,
                         constraint: Constraint | None = None, n: int | None = None) -> SamplingParams:
@@ -76,10 +81,10 @@ class ServerState:
             raise (constraint and constraint.error(e)) or as_api_error(e, prompt_field) from None
 
     def validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_field: str,
-                 constraint: Constraint | None = None) -> Request:
+                 constraint: Constraint | None = None, lora: LoRARequest | None = None) -> Request:
         """The engine's checks, a schema or regex compiled among them: a BrrrError becomes a 400 naming the field."""
         try:
-            return self.llm.make_request(request_id, ids, params)
+            return self.llm.make_request(request_id, ids, params, lora)
         except BrrrError as e:
             raise (constraint and constraint.error(e)) or as_api_error(e, prompt_field) from None
 

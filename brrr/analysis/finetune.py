@@ -21,6 +21,7 @@ LOSS_CHUNK = 256
 # bytes per token per vocabulary entry while a logits chunk is differentiated: bf16 logits, their fp32 copy, the
 # saved fp32 log-softmax, and its gradient in fp32 and bf16
 LOGIT_BYTES = 2 + 4 + 4 + 4 + 2
+CHECKPOINTING = ("full", "selective", "none")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -67,9 +68,13 @@ def _names(targets) -> tuple:
 
 def finetune_memory(cfg: ModelConfig, r: int = 16, targets=DEFAULT_TARGETS, qlora: bool = False,
                     dora: bool = False, dropout: bool = True, micro_batch: int = 1, seq_len: int = 2048,
-                    checkpointing: bool = True) -> dict:
+                    checkpointing: str = "full") -> dict:
     """Bytes on one GPU while fine-tuning: frozen base, adapters (+ grads + Adam), activations, logits chunk, and
-    for QLoRA the one dequantized bf16 projection that exists at a time (forward or backward)."""
+    for QLoRA the one dequantized bf16 projection that exists at a time (forward or backward).
+    checkpointing: full (each layer keeps its input, one layer is rematerialized at a time), selective (each layer
+    also keeps its wide matmul outputs, attention's output and log-sum-exp, and the rank-r LoRA outputs) or none."""
+    if checkpointing not in CHECKPOINTING:
+        raise BrrrError(f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
     if micro_batch < 1 or seq_len < 1:
         raise BrrrError(f"--micro-batch ({micro_batch}) and --seq-len ({seq_len}) must be >= 1")
     shapes = _targets(cfg, targets)
@@ -84,12 +89,18 @@ def finetune_memory(cfg: ModelConfig, r: int = 16, targets=DEFAULT_TARGETS, qlor
     # dropout the dropped input (bf16) and its mask (1 byte) per adapted module
     lora_extra = sum(2 * r + (3 * i if dropout else 0) for o, i in shapes.values())
     full_layer = (activation_bytes_per_token_per_layer(cfg) + lora_extra) * tokens
-    kept = cfg.num_layers * (2 * h * tokens if checkpointing else full_layer)
-    activations = kept + (full_layer if checkpointing else 0)
+    if checkpointing == "none":
+        activations = cfg.num_layers * full_layer
+    else:
+        kept = 2 * h
+        if checkpointing == "selective":
+            kept += 2 * sum(o for o, i in all_shapes.values()) + 2 * r * len(shapes)
+            kept += 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.num_heads
+        activations = cfg.num_layers * kept * tokens + full_layer
     logits = LOGIT_BYTES * cfg.vocab_size * min(tokens, LOSS_CHUNK)
     dequantized = 2 * max(o * i for o, i in all_shapes.values()) if qlora else 0
     total = base + ADAPTER_BYTES_PER_PARAM * n_adapter + activations + logits + dequantized
     return {"base_weights": base, "adapter_params": n_adapter, "adapter_weights": 4 * n_adapter,
             "adapter_grads": 4 * n_adapter, "optimizer": 8 * n_adapter, "activations": activations,
             "logits": logits, "dequantized_weight": dequantized, "total": total,
-            "base_bytes_per_projection_param": NF4_BYTES_PER_PARAM if qlora else 2}
+            "base_bytes_per_projection_param": NF4_BYTES_PER_PARAM if qlora else 2, "checkpointing": checkpointing}

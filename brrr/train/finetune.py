@@ -48,7 +48,7 @@ class FinetuneConfig(TrainConfig):
     eval_every: int = 50
     eval_windows: int = 64  # validation rows per evaluation during training (the final one reads them all)
     checkpoint_every: int = 100
-    activation_checkpointing: bool = True
+    activation_checkpointing: str = "full"  # full | selective (keep matmul outputs, recompute the rest) | none
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.05
@@ -65,6 +65,9 @@ class FinetuneConfig(TrainConfig):
         super().check()
         if not 0 <= self.val_fraction < 1:
             raise BrrrError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.activation_checkpointing not in ("full", "selective", "none"):
+            raise BrrrError(f"--activation-checkpointing must be full, selective or none; got "
+                            f"{self.activation_checkpointing!r}")
         if self.time_budget is not None:
             raise BrrrError("--time-budget is not supported by brrr finetune; use --max-steps")
         if self.compile:
@@ -194,8 +197,8 @@ class Finetuner(Trainer):
             raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
                             "or choose another --out")
         self.loss = self.loss_fn = SFTLoss(self.model)
-        if cfg.activation_checkpointing:
-            checkpoint_activations(self.model)
+        if cfg.activation_checkpointing != "none":
+            checkpoint_activations(self.model, selective=cfg.activation_checkpointing == "selective")
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
         self.flops_per_token = lora_training_flops_per_token(self.model_cfg, cfg.seq_len, self.lora)
         self.peak, self.gpu_name = peak_flops(self.device)

@@ -42,8 +42,10 @@ def register(sub):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="the frozen base's dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each layer in backward")
+    p.add_argument("--activation-checkpointing", default=d.activation_checkpointing,
+                   choices=["full", "selective", "none"],
+                   help="recompute each layer in backward (full), only its cheap non-matmul ops (selective: fewer "
+                        "FLOPs, more memory), or keep everything (none)")
     p.add_argument("--stop-at", type=int, default=None, help="halt after this step (checkpoint + adapter)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
     p.set_defaults(func=cmd_finetune)

@@ -143,13 +143,36 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device) -> torch.optim.Ad
                              fused=torch.device(device).type == "cuda")
 
 
-def checkpoint_activations(model: nn.Module):
+def checkpoint_activations(model: nn.Module, selective: bool = False):
     """Recompute each decoder layer in backward instead of keeping its activations (the parameters' names,
-    and so the state dict, are unchanged: only the layers' forward is wrapped)."""
+    and so the state dict, are unchanged: only the layers' forward is wrapped). selective: keep the outputs of
+    the matmuls that contract a wide dimension and of attention, recompute only the cheap rest (norms, RoPE,
+    activations, dropout, rank-r LoRA expansions): backward then re-runs almost no FLOPs, for more memory."""
     from torch.utils.checkpoint import checkpoint as recompute
 
+    kwargs = {"use_reentrant": False}
+    if selective:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_wide_matmuls)
     for layer in model.model.layers:
-        layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
+        layer.forward = functools.partial(recompute, layer.forward, **kwargs)
+
+
+_WIDE_CONTRACTION = 256  # a matmul contracting fewer columns (a LoRA B of rank r) is cheaper to redo than to keep
+
+
+def _keep_wide_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.addmm.default):
+        a = args[1] if op is aten.addmm.default else args[0]
+        return CheckpointPolicy.MUST_SAVE if a.shape[-1] > _WIDE_CONTRACTION else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+              aten._scaled_dot_product_cudnn_attention.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CausalLMLoss(nn.Module):

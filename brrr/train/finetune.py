@@ -31,13 +31,14 @@ from brrr.train.sft import IGNORE, SFTBatches, load_sft
 from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
                                 make_optimizer, peak_flops)
 
+DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
 class FinetuneConfig(TrainConfig):
     # the trainer's fields with fine-tuning defaults (model: an HF model directory or hub id; data: a JSONL file)
-    seq_len: int = 2048
+    seq_len: int | None = None  # None: the model's context, at most DEFAULT_SEQ_LEN
     micro_batch: int = 1
     grad_accum: int = 4
     max_steps: int = 500
@@ -146,6 +147,11 @@ class Finetuner(Trainer):
         from brrr.hub import resolve_model
         from brrr.tokenizer import Tokenizer
 
+        from brrr.config import ModelConfig
+
+        self.model_path = resolve_model(cfg.model)
+        if cfg.seq_len is None:
+            cfg.seq_len = min(DEFAULT_SEQ_LEN, ModelConfig.from_dir(self.model_path).max_context)
         cfg.check()
         self.start = time.perf_counter()
         self.cfg, self.dist = cfg, Distributed.from_env()
@@ -157,7 +163,6 @@ class Finetuner(Trainer):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.autocast = autocast_for(self.device)
-        self.model_path = resolve_model(cfg.model)
         self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
         dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
                  "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)

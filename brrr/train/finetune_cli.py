@@ -28,7 +28,7 @@ def register(sub):
     p.add_argument("--qlora", action="store_true", help="keep the frozen base in NF4 with double quantization")
     p.add_argument("--adapter", default=None, help="start from this adapter directory (its r, alpha and targets)")
     for name, help_text in (
-            ("seq_len", "tokens per packed row"), ("micro_batch", "packed rows per forward/backward"),
+            ("micro_batch", "packed rows per forward/backward"),
             ("grad_accum", "micro-batches per optimizer step"), ("max_steps", "optimizer steps"),
             ("lr", "peak learning rate"), ("min_lr_ratio", "final lr as a fraction of --lr (cosine)"),
             ("warmup_steps", "linear warmup steps"), ("weight_decay", "AdamW decoupled weight decay"),
@@ -39,6 +39,8 @@ def register(sub):
             ("seed", "adapter initialisation, held-out split and data-order seed")):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=help_text)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per packed row (default: the model's context, at most 2048)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="the frozen base's dtype (auto: bfloat16 on CUDA, float32 on CPU)")

@@ -1,0 +1,100 @@
+"""`brrr finetune`: a short LoRA fine-tune of the shipped model lowers the held-out loss of a small chat set; the
+output is a PEFT adapter naming its base; --resume continues bit for bit; bad flags fail with clear errors."""
+import json
+
+import pytest
+import torch
+
+from brrr.cli import main
+from brrr.errors import BrrrError
+from brrr.lora import load_adapter
+from brrr.train.finetune import Finetuner, FinetuneConfig
+from tests.hf_models import build, save, save_tokenizer
+
+COLORS = {"apple": "red", "sky": "blue", "grass": "green", "banana": "yellow", "plum": "purple", "orange": "orange",
+          "coal": "black", "snow": "white"}
+
+
+def write_chat(path, n=96):
+    lines = []
+    for i in range(n):
+        thing = list(COLORS)[i % len(COLORS)]
+        if i % 4 == 3:
+            lines.append({"prompt": f"def {thing}_color():\n    return", "completion": f' "{COLORS[thing]}"\n'})
+        else:
+            lines.append({"messages": [{"role": "user", "content": f"What color is the {thing}? ({i % 7})"},
+                                       {"role": "assistant", "content": f"The {thing} is {COLORS[thing]}."}]})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _cfg(data, out, **kw):
+    base = dict(seq_len=128, micro_batch=2, grad_accum=1, max_steps=12, lr=2e-3, warmup_steps=2, eval_every=6,
+                log_every=6, checkpoint_every=6, lora_r=8, lora_dropout=0.0)
+    return FinetuneConfig(kw.pop("model", None), str(data), str(out), **{**base, **kw})
+
+
+def test_short_finetune_of_the_shipped_model_lowers_held_out_loss(tmp_path):
+    tuner = Finetuner(_cfg(write_chat(tmp_path / "chat.jsonl"), tmp_path / "out"))
+    before = tuner.evaluate(None)["val_loss"]
+    summary = tuner.run()
+    assert summary["val_loss"] < 0.5 * before, (before, summary["val_loss"])
+    adapter = load_adapter(tmp_path / "out")
+    assert adapter.config.r == 8 and adapter.config.base_model_name_or_path.endswith("default-model")
+    assert len(adapter.weights) == 6 * 7  # every projection of the 6 layers
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [6, 12] and all("tokens_per_s" in r for r in log if "loss" in r)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = save(build("llama3-rope", vocab_size=320), tmp_path_factory.mktemp("tiny"))
+    return save_tokenizer(path)
+
+
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_resume_continues_bit_for_bit(tmp_path, tiny_dir, qlora):
+    data = write_chat(tmp_path / "chat.jsonl", 48)
+    kw = dict(model=str(tiny_dir), max_steps=6, eval_every=3, checkpoint_every=3, lora_dropout=0.1, qlora=qlora)
+    Finetuner(_cfg(data, tmp_path / "straight", **kw)).run()
+    Finetuner(_cfg(data, tmp_path / "halted", stop_at=3, **kw)).run()
+    Finetuner(_cfg(data, tmp_path / "halted", resume=True, **kw)).run()
+    a, b = load_adapter(tmp_path / "straight"), load_adapter(tmp_path / "halted")
+    for name, (x, y) in a.weights.items():
+        assert torch.equal(x, b.weights[name][0]) and torch.equal(y, b.weights[name][1]), name
+
+
+def test_cli_writes_a_peft_adapter_and_refuses_bad_flags(tmp_path, tiny_dir, capsys):
+    data = write_chat(tmp_path / "chat.jsonl", 24)
+    out = tmp_path / "adapter"
+    argv = ["finetune", "--model", str(tiny_dir), "--data", str(data), "--out", str(out), "--seq-len", "96",
+            "--max-steps", "2", "--lora-r", "4", "--target-modules", "q_proj,v_proj", "--use-dora"]
+    assert main(argv) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["use_dora"] and config["target_modules"] == ["q_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == str(tiny_dir.resolve())
+    assert main(argv) == 2 and "pass --resume" in capsys.readouterr().err
+    for flags, message in ((["--lora-r", "0"], "r must be a positive integer"),
+                           (["--target-modules", "q_proj,qkv_proj"], "'qkv_proj' matches no module"),
+                           (["--seq-len", "4096"], "exceeds the model's context")):
+        assert main([*argv[:6], str(tmp_path / "new"), *argv[7:], *flags]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(BrrrError, match="line 2"):
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{oops\n')
+        Finetuner(_cfg(tmp_path / "bad.jsonl", tmp_path / "bad", model=str(tiny_dir)))
+
+
+def test_calc_train_lora_and_qlora(capsys):
+    """PEFT reports 41,943,040 trainable parameters for Llama-3-8B with r=16 on all seven projections."""
+    argv = ["calc", "train", "llama-3.1-8b", "--lora-r", "16", "--checkpointing", "--seq-len", "2048", "--json"]
+    assert main(argv) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--qlora"]) == 0
+    qlora = json.loads(capsys.readouterr().out)
+    assert lora["memory"]["adapter_params"] == qlora["memory"]["adapter_params"] == 41_943_040
+    assert lora["memory"]["optimizer"] == 8 * 41_943_040
+    # bf16 projections: 2 bytes; NF4 + double quant: 0.5 + 1/64 + 4/16384
+    assert qlora["memory"]["base_bytes_per_projection_param"] == pytest.approx(0.51587, abs=1e-5)
+    assert 15e9 < lora["memory"]["base_weights"] < 16.5e9 and 5e9 < qlora["memory"]["base_weights"] < 6e9
+    assert qlora["memory"]["total"] < 10e9 < lora["memory"]["total"]
+    assert main(["calc", "train", "llama-3.1-8b", "--lora-r", "0"]) == 2

@@ -51,7 +51,7 @@ def brrr_setup(args, qlora: bool, selective: bool = False):
     apply_lora(model, LoraConfig(r=args.r, lora_alpha=args.alpha, target_modules=TARGETS, lora_dropout=args.dropout))
     model.train()
     checkpoint_activations(model, selective=selective)
-    loss = SFTLoss(model)
+    loss = SFTLoss(model, recompute_logits=not selective)  # as brrr finetune pairs them
     n = args.seq_len
     positions = torch.arange(n, device=device)
     meta = AttnMeta.causal([n], device)

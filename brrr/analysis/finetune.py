@@ -6,7 +6,8 @@ NF4_BYTES_PER_PARAM = 1/2 (a 4-bit code) + 1/64 (one int8 absmax per block of 64
 256 absmaxes) = 0.5159 bytes, while embeddings, norms and the LM head stay bf16. Only the adapters train:
 ADAPTER_BYTES_PER_PARAM = 16 (fp32 weight, fp32 gradient, fp32 Adam m and v). Activations as in full training
 (brrr.analysis.train), plus per adapted module its rank-r intermediate and, with dropout, the dropped input and its
-mask; the loss computes logits a chunk of LOSS_CHUNK tokens at a time (brrr/train/finetune.py).
+mask; the loss computes logits a chunk of LOSS_CHUNK tokens at a time (brrr/train/finetune.py), recomputing each in
+backward under full checkpointing.
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def finetune_memory(cfg: ModelConfig, r: int = 16, targets=DEFAULT_TARGETS, qlor
             kept += 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.num_heads
         activations = cfg.num_layers * kept * tokens + full_layer
     logits = LOGIT_BYTES * cfg.vocab_size * min(tokens, LOSS_CHUNK)
+    if checkpointing != "full":  # the chunks are not recomputed: each keeps its fp32 log-softmax
+        logits += 4 * cfg.vocab_size * tokens
     dequantized = 2 * max(o * i for o, i in all_shapes.values()) if qlora else 0
     total = base + ADAPTER_BYTES_PER_PARAM * n_adapter + activations + logits + dequantized
     return {"base_weights": base, "adapter_params": n_adapter, "adapter_weights": 4 * n_adapter,

@@ -83,11 +83,13 @@ class FinetuneConfig(TrainConfig):
 
 class SFTLoss(nn.Module):
     """Mean cross-entropy over the trained target tokens of a packed varlen batch. Logits are computed only for
-    rows with a target, LOSS_CHUNK tokens at a time, each chunk recomputed in backward (never the whole fp32 logits)."""
+    rows with a target, LOSS_CHUNK tokens at a time; with recompute_logits each chunk is recomputed in backward, so
+    only one chunk's fp32 logits ever exist (else each chunk keeps its fp32 log-softmax: 4 bytes x vocabulary per
+    token, for one LM-head matmul less)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, recompute_logits: bool = True):
         super().__init__()
-        self.model = model
+        self.model, self.recompute_logits = model, recompute_logits
 
     def _chunk_loss(self, hidden, targets):
         return F.cross_entropy(self.model.compute_logits(hidden), targets, reduction="sum")
@@ -98,7 +100,7 @@ class SFTLoss(nn.Module):
         hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
         total = hidden.sum() * 0.0  # a zero with a graph, for a batch without targets
         for h, t in zip(hidden.split(LOSS_CHUNK), targets.split(LOSS_CHUNK)):
-            if torch.is_grad_enabled():
+            if self.recompute_logits and torch.is_grad_enabled():
                 total = total + recompute(self._chunk_loss, h, t, use_reentrant=False)
             else:
                 total = total + self._chunk_loss(h, t)
@@ -161,6 +163,8 @@ class Finetuner(Trainer):
         self.ckpt_path = self.out / "checkpoint" / "state.pt"
         self.device = check_device(cfg.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # indexed: the loss and the memory readings key by it
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.autocast = autocast_for(self.device)
         self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
@@ -201,7 +205,8 @@ class Finetuner(Trainer):
         elif self.ckpt_path.exists():
             raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
                             "or choose another --out")
-        self.loss = self.loss_fn = SFTLoss(self.model)
+        # full checkpointing is chosen to save memory: the logits too; the other modes spend it for speed
+        self.loss = self.loss_fn = SFTLoss(self.model, recompute_logits=cfg.activation_checkpointing == "full")
         if cfg.activation_checkpointing != "none":
             checkpoint_activations(self.model, selective=cfg.activation_checkpointing == "selective")
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum

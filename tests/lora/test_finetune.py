@@ -74,6 +74,8 @@ def test_cli_writes_a_peft_adapter_and_refuses_bad_flags(tmp_path, tiny_dir, cap
     assert config["peft_type"] == "LORA" and config["use_dora"] and config["target_modules"] == ["q_proj", "v_proj"]
     assert config["base_model_name_or_path"] == str(tiny_dir.resolve())
     assert main(argv) == 2 and "pass --resume" in capsys.readouterr().err
+    assert main([*argv[:6], str(tmp_path / "more"), "--adapter", str(out), "--max-steps", "1"]) == 0  # continue it
+    assert load_adapter(tmp_path / "more").config.use_dora and load_adapter(tmp_path / "more").config.r == 4
     for flags, message in ((["--lora-r", "0"], "r must be a positive integer"),
                            (["--target-modules", "q_proj,qkv_proj"], "'qkv_proj' matches no module"),
                            (["--seq-len", "4096"], "exceeds the model's context")):

@@ -1,5 +1,5 @@
-"""LoRA / QLoRA fine-tuning arithmetic: adapter parameters, FLOPs per token and the memory of one GPU (docs/finetuning.md
-derives each term).
+"""LoRA / QLoRA fine-tuning arithmetic: adapter parameters, FLOPs per token and the memory of one GPU
+(docs/finetuning.md derives each term).
 
 Frozen base: bf16, 2 bytes per parameter; QLoRA stores every decoder projection in NF4 with double quantization,
 NF4_BYTES_PER_PARAM = 1/2 (a 4-bit code) + 1/64 (one int8 absmax per block of 64) + 4/(64 * 256) (one fp32 scale per

@@ -2,7 +2,7 @@
 format nf4, brrr/quant), loaded one tensor at a time so the model never exists in full precision on the GPU.
 
 `nf4_linear` is the base's matmul in training: the weight is dequantized to the compute dtype by the Triton kernel
-(brrr/kernels/quant/nf4.py) in forward, dropped, and dequantized again in backward for the input gradient; the
+(brrr/quant/nf4_kernel.py) in forward, dropped, and dequantized again in backward for the input gradient; the
 weight itself gets no gradient (it is frozen), so backward is one matmul with the dequantized W.
 """
 from __future__ import annotations
@@ -11,12 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
-from brrr.kernels.quant.nf4 import dequantize_nf4_weight
+from brrr.quant.nf4_kernel import dequantize_nf4_weight
 from brrr.quant.formats import quantize_nf4
 from brrr.quant.linear import PROJECTIONS, QuantLinear
 

@@ -15,7 +15,8 @@ def register(sub):
     p.add_argument("--model", default=None, help="base: an HF model directory or hub id (default: brrr's model)")
     p.add_argument("--data", required=True,
                    help='JSONL, one example a line: {"messages": [...]} (OpenAI chat) or {"prompt", "completion"}')
-    p.add_argument("--out", required=True, help="output: a PEFT adapter directory, plus checkpoint/ and train_log.jsonl")
+    p.add_argument("--out", required=True,
+                   help="output: a PEFT adapter directory, plus checkpoint/ and train_log.jsonl")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (default: --val-fraction of --data)")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="share of --data held out for the eval loss when --eval-data is not given")

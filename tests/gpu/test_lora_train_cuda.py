@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from brrr.kernels import AttnMeta
-from brrr.kernels.quant.nf4 import dequantize_nf4_ref, dequantize_nf4_triton
+from brrr.quant.nf4_kernel import dequantize_nf4_ref, dequantize_nf4_triton
 from brrr.lora import LoraConfig
 from brrr.lora.layers import apply_lora, lora_modules
 from brrr.lora.qlora import nf4_linear, nf4_quant_linear, random_nf4_model

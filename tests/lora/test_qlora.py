@@ -5,7 +5,7 @@ import torch
 
 from brrr.kernels import AttnMeta
 from brrr.kernels.dispatch import triton_available
-from brrr.kernels.quant.nf4 import dequantize_nf4_ref, dequantize_nf4_triton
+from brrr.quant.nf4_kernel import dequantize_nf4_ref, dequantize_nf4_triton
 from brrr.loader import load_model
 from brrr.lora import LoraConfig
 from brrr.lora.layers import apply_lora, lora_modules
@@ -21,7 +21,7 @@ def _kernel_device():
         pytest.skip("triton is not importable here")
     if torch.cuda.is_available():
         return "cuda"
-    from brrr.kernels.quant.nf4 import _nf4_dequant_kernel
+    from brrr.quant.nf4_kernel import _nf4_dequant_kernel
 
     if type(_nf4_dequant_kernel).__name__ != "InterpretedFunction":
         pytest.skip("no GPU and triton is not in interpreter mode (TRITON_INTERPRET=1 before import)")
@@ -75,7 +75,8 @@ def test_qlora_equals_lora_on_the_dequantized_base(base_dir):
             assert name == qname and isinstance(q, QuantLinear) and q.fmt == "nf4"
             linear.weight.copy_(dequantize_nf4_ref(q.tensors(), tuple(linear.weight.shape), torch.float32))
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1))
-    batch = (ids, torch.roll(ids, -1), torch.cat([torch.arange(18), torch.arange(12)]), AttnMeta.causal([18, 12], "cpu"))
+    positions = torch.cat([torch.arange(18), torch.arange(12)])
+    batch = (ids, torch.roll(ids, -1), positions, AttnMeta.causal([18, 12], "cpu"))
     results = []
     for model in (qlora, lora):
         _with_adapters(model)

@@ -70,7 +70,8 @@ def test_pack_places_every_document_once_within_the_row():
 
 def test_packed_documents_never_attend_across(tok):
     model = load_model(default_model_dir(), dtype=torch.float32)
-    records = [{"messages": [{"role": "user", "content": f"Name {w}."}, {"role": "assistant", "content": f"{w} it is."}]}
+    records = [{"messages": [{"role": "user", "content": f"Name {w}."},
+                             {"role": "assistant", "content": f"{w} it is."}]}
                for w in ("red", "a blue whale", "green")] + [{"prompt": "x = ", "completion": "42"}]
     docs = []
     for r in records:

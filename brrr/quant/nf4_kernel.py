@@ -19,7 +19,7 @@ try:
 except Exception:  # the dispatcher takes the reference when triton is missing
     triton = None
 
-_BLOCK = 1024  # weights per program: 16 absmax blocks, a multiple of both block sizes' divisors
+_BLOCK = 1024  # weights per program (16 absmax blocks)
 
 if triton is not None:
     @triton.jit

@@ -190,7 +190,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--timeout", type=float, default=50, help="seconds per variant")
+    p.add_argument("--timeout", type=float, default=60, help="seconds per variant")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child process's one variant
     p.add_argument("--out", default=None, help="append the JSON records to this file too")
     args = p.parse_args(argv)

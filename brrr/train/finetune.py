@@ -233,6 +233,11 @@ class Finetuner(Trainer):
                 f"held out; {d['truncated_examples']} cut to --seq-len; {self.tokens_per_step:,} tokens/step; "
                 f"steps {st['step']} -> {st['max_steps']}")
 
+    def run(self) -> dict:
+        if self.state["step"] == 0 and self.val_rows is not None:  # the base model's held-out loss: the bar to beat
+            self._eval_and_log(0, self.cfg.eval_windows)
+        return super().run()
+
     @torch.no_grad()
     def evaluate(self, max_windows: int | None) -> dict[str, float]:
         """Mean loss over the held-out examples' trained tokens (max_windows: at most that many packed rows)."""

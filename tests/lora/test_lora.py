@@ -21,10 +21,10 @@ def base_dir(tmp_path_factory):
     return save(build("llama3-rope"), tmp_path_factory.mktemp("base"))
 
 
-def _peft(dora=False, seed=1, targets=TARGETS):
+def _peft(dora=False, seed=1, targets=TARGETS, family="llama3-rope"):
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, use_dora=dora)
-    return peft.get_peft_model(build("llama3-rope"), config)
+    return peft.get_peft_model(build(family), config)
 
 
 def _brrr_from(base_dir, adapter_dir):
@@ -44,11 +44,14 @@ def _batch():
     return ids, labels, flat
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_loss_and_gradients_equal_peft(base_dir, tmp_path, dora):
-    theirs = _peft(dora)
-    theirs.save_pretrained(tmp_path)
-    mine = _brrr_from(base_dir, tmp_path)
+@pytest.mark.parametrize("family,dora", [("llama3-rope", False), ("llama3-rope", True), ("qwen2-bias", True)],
+                         ids=["lora", "dora", "dora-qkv-bias"])
+def test_loss_and_gradients_equal_peft(base_dir, tmp_path, family, dora):
+    theirs = _peft(dora, family=family)
+    theirs.save_pretrained(tmp_path / "adapter")
+    if family != "llama3-rope":
+        base_dir = save(build(family), tmp_path / "base")
+    mine = _brrr_from(base_dir, tmp_path / "adapter")
     ids, labels, flat = _batch()
     their_loss = theirs(input_ids=ids, labels=labels).loss
     their_loss.backward()

@@ -76,6 +76,36 @@ def test_bf16_lora_step_matches_fp32_cpu(tmp_path):
         assert torch.nn.functional.cosine_similarity(g.flatten(), gpu_grads[name].flatten(), dim=0) > 0.95, name
 
 
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_selective_checkpointing_keeps_cuda_attention_and_matmuls_exact(tmp_path, qlora):
+    """On CUDA the policy keeps SDPA's and the wide matmuls' outputs (on the CPU it recomputes attention): the
+    gradients must still be those of a run without checkpointing."""
+    from brrr.loader import load_model
+    from brrr.lora.qlora import load_nf4_model
+    from brrr.train.trainer import checkpoint_activations
+
+    save(build("llama3-rope"), tmp_path)
+    grads = []
+    for mode in ("none", "selective"):
+        model = (load_nf4_model(tmp_path, "cuda", torch.bfloat16) if qlora
+                 else load_model(tmp_path, dtype=torch.bfloat16, device="cuda"))
+        mods = apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "o_proj", "down_proj"),
+                                            lora_dropout=0.1))
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for m in mods.values():
+                m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=gen) * 0.1)
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.1)
+        model.train()
+        if mode == "selective":
+            checkpoint_activations(model, selective=True)
+        torch.manual_seed(7)
+        _, g = _loss_and_grads(model, "cuda", True)
+        grads.append(g)
+    for name, g in grads[0].items():  # attention's backward may sum in another order run to run
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-2, atol=1e-5)
+
+
 def test_qlora_build_never_holds_the_full_precision_model():
     cfg = preset_config("llama-3.2-1b")
     torch.cuda.empty_cache()

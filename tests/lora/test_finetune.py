@@ -100,3 +100,34 @@ def test_calc_train_lora_and_qlora(capsys):
     assert 15e9 < lora["memory"]["base_weights"] < 16.5e9 and 5e9 < qlora["memory"]["base_weights"] < 6e9
     assert qlora["memory"]["total"] < 10e9 < lora["memory"]["total"]
     assert main(["calc", "train", "llama-3.1-8b", "--lora-r", "0"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_modes_give_the_same_gradients(tiny_dir, mode):
+    """Recomputing (all of a layer, or all but its matmuls and attention) changes no gradient, dropout included."""
+    from brrr.kernels import AttnMeta
+    from brrr.loader import load_model
+    from brrr.lora import LoraConfig
+    from brrr.lora.layers import apply_lora
+    from brrr.train.finetune import SFTLoss
+    from brrr.train.trainer import checkpoint_activations
+
+    grads = []
+    for checkpointing in ("none", mode):
+        model = load_model(tiny_dir, dtype=torch.float32)
+        torch.manual_seed(0)
+        mods = apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "gate_proj",
+                                                                               "down_proj"), lora_dropout=0.1))
+        with torch.no_grad():
+            for m in mods.values():
+                m.lora_B.normal_(0, 0.1)
+        model.train()
+        if checkpointing != "none":
+            checkpoint_activations(model, selective=checkpointing == "selective")
+        ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(5)
+        loss = SFTLoss(model, recompute_logits=checkpointing == "full")(
+            ids, torch.roll(ids, -1), torch.cat([torch.arange(25), torch.arange(15)]), AttnMeta.causal([25, 15], "cpu"))
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for m in mods.values() for p in (m.lora_A, m.lora_B)]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

@@ -233,10 +233,9 @@ class Finetuner(Trainer):
                 f"held out; {d['truncated_examples']} cut to --seq-len; {self.tokens_per_step:,} tokens/step; "
                 f"steps {st['step']} -> {st['max_steps']}")
 
-    def run(self) -> dict:
+    def before_first_step(self):
         if self.state["step"] == 0 and self.val_rows is not None:  # the base model's held-out loss: the bar to beat
             self._eval_and_log(0, self.cfg.eval_windows)
-        return super().run()
 
     @torch.no_grad()
     def evaluate(self, max_windows: int | None) -> dict[str, float]:

@@ -335,6 +335,9 @@ class Trainer:
                 f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
                 f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}")
 
+    def before_first_step(self):
+        """Called once the run is described, before its first step (of this invocation)."""
+
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, st = self.cfg, self.state
@@ -346,6 +349,7 @@ class Trainer:
                 print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "
                       f"the learning rate peaks at {peak:.2e}, not --lr {cfg.lr:.2e}, and never decays",
                       file=sys.stderr, flush=True)
+        self.before_first_step()
         with _stop_on_ctrl_c() as interrupted:
             halted = self._loop(interrupted)
         return self.finish(halted)

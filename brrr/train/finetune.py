@@ -146,10 +146,9 @@ class Finetuner(Trainer):
     or export a whole model are replaced; the loop, logging, evaluation cadence and checkpointing are its own)."""
 
     def __init__(self, cfg: FinetuneConfig):
+        from brrr.config import ModelConfig
         from brrr.hub import resolve_model
         from brrr.tokenizer import Tokenizer
-
-        from brrr.config import ModelConfig
 
         self.model_path = resolve_model(cfg.model)
         if cfg.seq_len is None:
@@ -161,6 +160,9 @@ class Finetuner(Trainer):
             raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr finetune runs one process for now")
         self.out = Path(cfg.out)
         self.ckpt_path = self.out / "checkpoint" / "state.pt"
+        if self.ckpt_path.exists() and not cfg.resume:
+            raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
+                            "or choose another --out")
         self.device = check_device(cfg.device)
         if self.device.type == "cuda":
             if self.device.index is None:  # indexed: the loss and the memory readings key by it
@@ -172,22 +174,23 @@ class Finetuner(Trainer):
                  "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)
         if dtype is None:
             raise BrrrError(f"--dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
+        context = ModelConfig.from_dir(self.model_path).max_context
+        if cfg.seq_len > context:
+            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the model's context ({context} tokens); pass "
+                            f"--seq-len {context} or less")
+        # flags, adapter and data are checked before the (possibly minutes-long) model load
+        adapter = load_adapter(cfg.adapter, device=self.device) if cfg.adapter else None
+        self.lora = adapter.config if adapter else cfg.lora_config(self.base_name)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.model = load_base(self.model_path, self.device, dtype, cfg.qlora)
-        self.model_cfg = self.model.config
-        if cfg.seq_len > self.model_cfg.max_context:
-            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the model's context ({self.model_cfg.max_context} "
-                            f"tokens); pass --seq-len {self.model_cfg.max_context} or less")
-        torch.manual_seed(cfg.seed)
-        if cfg.adapter:
-            adapter = load_adapter(cfg.adapter, device=self.device)
-            load_lora_state(self.model, adapter)
-            self.lora = adapter.config
-        else:
-            self.lora = cfg.lora_config(self.base_name)
-            apply_lora(self.model, self.lora)
         self.train_rows, self.val_rows, self.data_stats = load_sft(cfg.data, self.tokenizer, cfg.seq_len,
                                                                    cfg.val_fraction, cfg.seed, cfg.eval_data)
+        self.model = load_base(self.model_path, self.device, dtype, cfg.qlora)
+        self.model_cfg = self.model.config
+        torch.manual_seed(cfg.seed)
+        if adapter:
+            load_lora_state(self.model, adapter)
+        else:
+            apply_lora(self.model, self.lora)
         self.windows = SFTBatches(self.train_rows, cfg.micro_batch, cfg.seed)
         self.trainable = TrainableState(self.model)
         self.params = list(self.trainable.params.values())
@@ -202,9 +205,6 @@ class Finetuner(Trainer):
                                     f"this run has {value!r}")
             self.state = saved
             self.state["max_steps"] = max(cfg.max_steps, self.state["step"])
-        elif self.ckpt_path.exists():
-            raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
-                            "or choose another --out")
         # full checkpointing is chosen to save memory: the logits too; the other modes spend it for speed
         self.loss = self.loss_fn = SFTLoss(self.model, recompute_logits=cfg.activation_checkpointing == "full")
         if cfg.activation_checkpointing != "none":

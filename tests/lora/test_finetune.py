@@ -131,3 +131,23 @@ def test_checkpointing_modes_give_the_same_gradients(tiny_dir, mode):
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for m in mods.values() for p in (m.lora_A, m.lora_B)]))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_finetune_speed_bench_runs_each_variant(tiny_dir):
+    """bench/finetune_speed.py's variants on a tiny model on the CPU (its numbers only mean something on a GPU)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "finetune_speed.py"
+    spec = importlib.util.spec_from_file_location("finetune_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(model=str(tiny_dir), seq_len=32, r=4, alpha=8.0, dropout=0.05, steps=1, warmup=1)
+    trainable = set()
+    for variant in ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora"):
+        record = bench.run_variant(variant, args)
+        assert record["tokens_per_s"] > 0 and record["final_loss"] > 0, variant
+        assert record["predicted"]["checkpointing"] == ("selective" if variant.endswith("selective") else "full")
+        trainable.add(record["trainable_params"])
+    assert trainable == {record["predicted"]["adapter_params"]}  # brrr and PEFT train the same adapter

@@ -132,12 +132,19 @@ def _sha256(path) -> str:
 
 
 def load_base(path: Path, device: torch.device, dtype: torch.dtype, qlora: bool) -> nn.Module:
-    if qlora:
+    """The frozen base: as stored, or with --qlora quantized to NF4 while loading. A checkpoint `brrr quantize
+    --method nf4` wrote is already QLoRA's base and loads as stored; other quantized formats cannot host LoRA."""
+    from brrr.loader import load_model
+    from brrr.quant.checkpoint import quantization_config
+
+    stored = quantization_config(path)
+    if stored is not None and stored.get("format") != "nf4":
+        raise BrrrError(f"{path} holds {stored.get('format')} weights: brrr fine-tunes LoRA over a bf16/fp32 base "
+                        f"(or NF4 with --qlora); point --model at the unquantized model")
+    if qlora and stored is None:
         from brrr.lora.qlora import load_nf4_model
 
         return load_nf4_model(path, device, dtype)
-    from brrr.loader import load_model
-
     return load_model(path, dtype=dtype, device=device)
 
 

@@ -151,3 +151,15 @@ def test_finetune_speed_bench_runs_each_variant(tiny_dir):
         assert record["predicted"]["checkpointing"] == ("selective" if variant.endswith("selective") else "full")
         trainable.add(record["trainable_params"])
     assert trainable == {record["predicted"]["adapter_params"]}  # brrr and PEFT train the same adapter
+
+
+def test_a_brrr_quantized_nf4_checkpoint_is_a_qlora_base(tmp_path, tiny_dir):
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "nf4", "--out", str(tmp_path / "nf4")]) == 0
+    data = tmp_path / "pairs.jsonl"  # prompt/completion: this output directory carries no chat template
+    data.write_text("".join(json.dumps({"prompt": f"x{i} =", "completion": f" {i}"}) + "\n" for i in range(24)))
+    tuner = Finetuner(_cfg(data, tmp_path / "out", model=str(tmp_path / "nf4"), max_steps=1))
+    assert all(m.base.fmt == "nf4" for m in tuner.model.modules() if hasattr(m, "lora_A"))
+    tuner.run()
+    assert main(["quantize", "--model", str(tiny_dir), "--method", "rtn-int8", "--out", str(tmp_path / "int8")]) == 0
+    with pytest.raises(BrrrError, match="int8 weights"):
+        Finetuner(_cfg(data, tmp_path / "out8", model=str(tmp_path / "int8")))

@@ -190,6 +190,8 @@ def cmd_serve(args) -> int:
 
 def cmd_train(args) -> int:
     cfg, gpu = load_model(args.model), _gpu(args)
+    if args.lora_r is not None:
+        return _cmd_finetune(args, cfg, gpu)
     r = train_plan(cfg, gpu, gpus=args.gpus, zero=args.zero, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
                    seq_len=args.seq_len, microbatches=args.microbatches, checkpointing=args.checkpointing,
                    schedule=args.schedule, chunks=args.chunks, gpus_per_node=args.gpus_per_node,
@@ -218,6 +220,42 @@ def cmd_train(args) -> int:
                 ["data-parallel traffic (exposed)",
                  f"{_ms(t['data_parallel_s'])} ({_ms(t['data_parallel_exposed_s'])})"],
                 ["step", _ms(t["step_s"])], ["tokens/s", f"{r['tokens_per_s']:,.0f}"], ["MFU", f"{r['mfu']:.1%}"]]),
+    ])
+    return 0
+
+
+def _cmd_finetune(args, cfg, gpu) -> int:
+    """`brrr calc train --lora-r R [--qlora]`: one GPU fine-tuning adapters over a frozen base."""
+    from brrr.analysis.finetune import finetune_memory, lora_training_flops_per_token
+    from brrr.lora import LoraConfig
+
+    targets = tuple(t.strip() for t in args.target_modules.split(",") if t.strip())
+    checkpointing = "selective" if args.selective_checkpointing else "full" if args.checkpointing else "none"
+    m = finetune_memory(cfg, r=args.lora_r, targets=targets, qlora=args.qlora, dora=args.use_dora,
+                        dropout=args.lora_dropout > 0, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                        checkpointing=checkpointing)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets, use_dora=args.use_dora)
+    flops = lora_training_flops_per_token(cfg, args.seq_len, lora, recompute=checkpointing == "full")
+    tokens_per_s = gpu.peak("bf16") * args.efficiency / flops
+    r = {"model": args.model, "gpu": gpu.name, "method": "qlora" if args.qlora else "lora", "r": args.lora_r,
+         "targets": list(targets), "dora": args.use_dora, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+         "checkpointing": checkpointing, "memory": {**m, "gpu_memory": gpu.memory, "fits": m["total"] <= gpu.memory},
+         "flops_per_token": flops, "efficiency": args.efficiency, "tokens_per_s": tokens_per_s}
+    if args.json:
+        return _emit_json(r)
+    base = "NF4 + double quant (0.516 B/param) projections, bf16 embeddings and norms" if args.qlora else "bf16"
+    _print([
+        f"{args.model} {r['method']} r={args.lora_r} on one {gpu.name}: micro-batch {args.micro_batch} x "
+        f"{args.seq_len} tokens, {checkpointing} activation checkpointing; frozen base {base}",
+        f"adapters: {_num(m['adapter_params'])} params, 16 bytes each (fp32 weight, grad, Adam m and v)",
+        _table("memory", ["", "bytes"],
+               [[k.replace("_", " "), _num(m[k], "B")] for k in ("base_weights", "adapter_weights", "adapter_grads",
+                                                               "optimizer", "activations", "logits",
+                                                               "dequantized_weight", "total")]
+               + [["fits in " + _num(gpu.memory, "B"), "yes" if m["total"] <= gpu.memory else "NO"]]),
+        _table("step", ["", ""], [["FLOPs per token (frozen base: ~4N + attention)", _num(flops)],
+                                  ["assumed matmul efficiency (--efficiency)", f"{args.efficiency:.0%}"],
+                                  ["tokens/s", f"{tokens_per_s:,.0f}"]]),
     ])
     return 0
 
@@ -290,6 +328,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=TYPICAL_EFFICIENCY,
                    help="fraction of the bf16 peak the matmuls reach (default: typical of large bf16 runs; 1 = the "
                         "roofline, what the layout alone costs)")
+    lora = p.add_argument_group("fine-tuning adapters on one GPU (brrr finetune)")
+    lora.add_argument("--lora-r", type=int, default=None, help="LoRA rank: plan LoRA fine-tuning instead")
+    lora.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in NF4 + double quant")
+    lora.add_argument("--use-dora", action="store_true", help="with --lora-r: DoRA magnitudes too")
+    lora.add_argument("--lora-dropout", type=float, default=0.05, help="with --lora-r: > 0 keeps dropped inputs")
+    lora.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lora.add_argument("--selective-checkpointing", action="store_true",
+                      help="with --lora-r: keep matmul outputs, recompute the rest")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("roofline", help="the GPU's roofline with named ops placed on it (--plot PNG)")

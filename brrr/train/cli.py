@@ -55,6 +55,10 @@ def register(sub):
     p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.set_defaults(func=cmd_train)
 
+    from brrr.train.finetune_cli import register as register_finetune
+
+    register_finetune(sub)
+
 
 def _needs_subcommand(parser) -> int:
     parser.print_help()

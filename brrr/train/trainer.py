@@ -143,13 +143,36 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device) -> torch.optim.Ad
                              fused=torch.device(device).type == "cuda")
 
 
-def checkpoint_activations(model: nn.Module):
+def checkpoint_activations(model: nn.Module, selective: bool = False):
     """Recompute each decoder layer in backward instead of keeping its activations (the parameters' names,
-    and so the state dict, are unchanged: only the layers' forward is wrapped)."""
+    and so the state dict, are unchanged: only the layers' forward is wrapped). selective: keep the outputs of
+    the matmuls that contract a wide dimension and of attention, recompute only the cheap rest (norms, RoPE,
+    activations, dropout, rank-r LoRA expansions): backward then re-runs almost no FLOPs, for more memory."""
     from torch.utils.checkpoint import checkpoint as recompute
 
+    kwargs = {"use_reentrant": False}
+    if selective:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_wide_matmuls)
     for layer in model.model.layers:
-        layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
+        layer.forward = functools.partial(recompute, layer.forward, **kwargs)
+
+
+_WIDE_CONTRACTION = 256  # a matmul contracting fewer columns (a LoRA B of rank r) is cheaper to redo than to keep
+
+
+def _keep_wide_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.addmm.default):
+        a = args[1] if op is aten.addmm.default else args[0]
+        return CheckpointPolicy.MUST_SAVE if a.shape[-1] > _WIDE_CONTRACTION else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+              aten._scaled_dot_product_cudnn_attention.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CausalLMLoss(nn.Module):
@@ -181,12 +204,12 @@ def autocast_for(device) -> contextlib.AbstractContextManager:
 
 def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float,
                    autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over micro-batches [(inputs, targets), ...]: (mean loss, pre-clip grad norm), both
-    left on the device (reading them would wait for the GPU)."""
+    """One optimizer step over micro-batches [(inputs, targets), ...] (or whatever tuples loss_fn takes):
+    (mean loss, pre-clip grad norm), both left on the device (reading them would wait for the GPU)."""
     total = None
-    for inputs, targets in batches:
+    for batch in batches:
         with autocast:
-            loss = loss_fn(inputs, targets)
+            loss = loss_fn(*batch)
         (loss / len(batches)).backward()
         total = loss.detach() if total is None else total + loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -306,20 +329,27 @@ class Trainer:
             out["val_loss"] = sum(sums.values()) / sum(counts.values())
         return out
 
+    def describe(self) -> str:
+        n, st = param_counts(self.model_cfg)["total"], self.state
+        return (f"training {self.cfg.model}: {n / 1e6:.2f}M parameters on {self.device} ({self.gpu_name}); "
+                f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
+                f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}")
+
+    def before_first_step(self):
+        """Called once the run is described, before its first step (of this invocation)."""
+
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, st = self.cfg, self.state
         self.model.train()
         if self.dist.main:
-            n = param_counts(self.model_cfg)["total"]
-            print(f"training {cfg.model}: {n / 1e6:.2f}M parameters on {self.device} ({self.gpu_name}); "
-                  f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
-                  f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}", flush=True)
+            print(self.describe(), flush=True)
             if st["max_steps"] < cfg.warmup_steps:
                 peak = lr_at(st["max_steps"] - 1, cfg, st["max_steps"])
                 print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "
                       f"the learning rate peaks at {peak:.2e}, not --lr {cfg.lr:.2e}, and never decays",
                       file=sys.stderr, flush=True)
+        self.before_first_step()
         with _stop_on_ctrl_c() as interrupted:
             halted = self._loop(interrupted)
         return self.finish(halted)
@@ -358,12 +388,16 @@ class Trainer:
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
                 mfu = tok_s * self.flops_per_token / self.peak if self.peak else None
+                peak_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
                           "tokens_per_s": tok_s, "mfu": mfu, "tokens_seen": st["tokens_seen"],
-                          "epoch": self.windows.epoch(st["position"]), "elapsed_s": self.elapsed()}
+                          "epoch": self.windows.epoch(st["position"]), "peak_memory_gb": peak_gb,
+                          "elapsed_s": self.elapsed()}
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
                                  f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
-                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "") + f" | {self.elapsed():.0f}s"
+                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "")
+                                 + (f" | peak {peak_gb:.1f} GB" if peak_gb is not None else "")
+                                 + f" | {self.elapsed():.0f}s"
                                  + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
                                     if not last else ""))
                 loss_sum.zero_()

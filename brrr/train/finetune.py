@@ -1,0 +1,268 @@
+"""`brrr finetune`: LoRA / QLoRA supervised fine-tuning of a Hugging Face model directory on chat JSONL.
+
+The model is loaded frozen (bf16 on CUDA, fp32 on CPU; with --qlora its projections go straight into NF4 with double
+quantization, one tensor at a time), the target projections are wrapped in LoraLinear (brrr/lora/layers.py), and
+`Finetuner` runs brrr train's loop (brrr/train/trainer.py: schedule, AdamW, clipping, bf16 autocast, logging of
+loss, tokens/s and peak memory, atomic checkpoints and exact --resume) over packed SFT rows (brrr/train/sft.py).
+Checkpoints hold only the trainable tensors. The output directory is a PEFT adapter (adapter_config.json +
+adapter_model.safetensors, base_model_name_or_path set) that PEFT, transformers and `brrr serve --lora-modules`
+load, next to train_log.jsonl and train_summary.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from brrr.analysis.finetune import LOSS_CHUNK, lora_training_flops_per_token
+from brrr.errors import BrrrError
+from brrr.lora import LoraConfig, load_adapter, save_adapter
+from brrr.lora.layers import apply_lora, load_lora_state, lora_state, trainable_parameters
+from brrr.pretrained import check_device
+from brrr.train import checkpoint
+from brrr.train.sft import IGNORE, SFTBatches, load_sft
+from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
+                                make_optimizer, peak_flops)
+
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    # the trainer's fields with fine-tuning defaults (model: an HF model directory or hub id; data: a JSONL file)
+    seq_len: int | None = None  # None: the model's context, at most DEFAULT_SEQ_LEN
+    micro_batch: int = 1
+    grad_accum: int = 4
+    max_steps: int = 500
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta2: float = 0.999
+    eval_every: int = 50
+    eval_windows: int = 64  # validation rows per evaluation during training (the final one reads them all)
+    checkpoint_every: int = 100
+    activation_checkpointing: str = "full"  # full | selective (keep matmul outputs, recompute the rest) | none
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    target_modules: str = DEFAULT_TARGETS
+    use_dora: bool = False
+    use_rslora: bool = False
+    qlora: bool = False
+    adapter: str | None = None  # start from this adapter (PEFT's or brrr's); its r, alpha and targets win
+    eval_data: str | None = None
+    val_fraction: float = 0.1
+    dtype: str = "auto"  # the frozen base: auto = bfloat16 on CUDA, float32 on CPU
+
+    def check(self):
+        super().check()
+        if not 0 <= self.val_fraction < 1:
+            raise BrrrError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.activation_checkpointing not in ("full", "selective", "none"):
+            raise BrrrError(f"--activation-checkpointing must be full, selective or none; got "
+                            f"{self.activation_checkpointing!r}")
+        if self.time_budget is not None:
+            raise BrrrError("--time-budget is not supported by brrr finetune; use --max-steps")
+        if self.compile:
+            raise BrrrError("--compile is not supported by brrr finetune yet (packed batches vary in shape)")
+
+    def lora_config(self, base: str) -> LoraConfig:
+        targets = tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, target_modules=targets,
+                          lora_dropout=self.lora_dropout, use_rslora=self.use_rslora, use_dora=self.use_dora,
+                          base_model_name_or_path=base)
+
+
+class SFTLoss(nn.Module):
+    """Mean cross-entropy over the trained target tokens of a packed varlen batch. Logits are computed only for
+    rows with a target, LOSS_CHUNK tokens at a time; with recompute_logits each chunk is recomputed in backward, so
+    only one chunk's fp32 logits ever exist (else each chunk keeps its fp32 log-softmax: 4 bytes x vocabulary per
+    token, for one LM-head matmul less)."""
+
+    def __init__(self, model: nn.Module, recompute_logits: bool = True):
+        super().__init__()
+        self.model, self.recompute_logits = model, recompute_logits
+
+    def _chunk_loss(self, hidden, targets):
+        return F.cross_entropy(self.model.compute_logits(hidden), targets, reduction="sum")
+
+    def forward(self, ids, targets, positions, meta, reduction: str = "mean"):
+        hidden = self.model(ids, positions, meta)
+        keep = (targets != IGNORE).nonzero().squeeze(1)
+        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+        total = hidden.sum() * 0.0  # a zero with a graph, for a batch without targets
+        for h, t in zip(hidden.split(LOSS_CHUNK), targets.split(LOSS_CHUNK)):
+            if self.recompute_logits and torch.is_grad_enabled():
+                total = total + recompute(self._chunk_loss, h, t, use_reentrant=False)
+            else:
+                total = total + self._chunk_loss(h, t)
+        if reduction == "sum":
+            return total, len(keep)
+        return total / max(1, len(keep))
+
+
+class TrainableState:
+    """The trainable tensors as a state dict (what a fine-tuning checkpoint holds: not the frozen base)."""
+
+    def __init__(self, model: nn.Module):
+        self.params = trainable_parameters(model)
+
+    def state_dict(self) -> dict:
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def load_state_dict(self, state: dict):
+        if set(state) != set(self.params):
+            raise BrrrError("--resume: the checkpoint's adapter tensors differ from this run's (another --lora-r, "
+                            "--target-modules or --use-dora?)")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state[n])
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+
+
+def load_base(path: Path, device: torch.device, dtype: torch.dtype, qlora: bool) -> nn.Module:
+    """The frozen base: as stored, or with --qlora quantized to NF4 while loading. A checkpoint `brrr quantize
+    --method nf4` wrote is already QLoRA's base and loads as stored; other quantized formats cannot host LoRA."""
+    from brrr.loader import load_model
+    from brrr.quant.checkpoint import quantization_config
+
+    stored = quantization_config(path)
+    if stored is not None and stored.get("format") != "nf4":
+        raise BrrrError(f"{path} holds {stored.get('format')} weights: brrr fine-tunes LoRA over a bf16/fp32 base "
+                        f"(or NF4 with --qlora); point --model at the unquantized model")
+    if qlora and stored is None:
+        from brrr.lora.qlora import load_nf4_model
+
+        return load_nf4_model(path, device, dtype)
+    return load_model(path, dtype=dtype, device=device)
+
+
+class Finetuner(Trainer):
+    """brrr train's loop over SFT batches and a LoRA model (the parts of Trainer that read a token-data directory
+    or export a whole model are replaced; the loop, logging, evaluation cadence and checkpointing are its own)."""
+
+    def __init__(self, cfg: FinetuneConfig):
+        from brrr.config import ModelConfig
+        from brrr.hub import resolve_model
+        from brrr.tokenizer import Tokenizer
+
+        self.model_path = resolve_model(cfg.model)
+        if cfg.seq_len is None:
+            cfg.seq_len = min(DEFAULT_SEQ_LEN, ModelConfig.from_dir(self.model_path).max_context)
+        cfg.check()
+        self.start = time.perf_counter()
+        self.cfg, self.dist = cfg, Distributed.from_env()
+        if self.dist.world > 1:
+            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr finetune runs one process for now")
+        self.out = Path(cfg.out)
+        self.ckpt_path = self.out / "checkpoint" / "state.pt"
+        if self.ckpt_path.exists() and not cfg.resume:
+            raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
+                            "or choose another --out")
+        self.device = check_device(cfg.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:  # indexed: the loss and the memory readings key by it
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        self.autocast = autocast_for(self.device)
+        self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
+        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+                 "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)
+        if dtype is None:
+            raise BrrrError(f"--dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
+        context = ModelConfig.from_dir(self.model_path).max_context
+        if cfg.seq_len > context:
+            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the model's context ({context} tokens); pass "
+                            f"--seq-len {context} or less")
+        # flags, adapter and data are checked before the (possibly minutes-long) model load
+        adapter = load_adapter(cfg.adapter, device=self.device) if cfg.adapter else None
+        self.lora = adapter.config if adapter else cfg.lora_config(self.base_name)
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        self.train_rows, self.val_rows, self.data_stats = load_sft(cfg.data, self.tokenizer, cfg.seq_len,
+                                                                   cfg.val_fraction, cfg.seed, cfg.eval_data)
+        self.model = load_base(self.model_path, self.device, dtype, cfg.qlora)
+        self.model_cfg = self.model.config
+        torch.manual_seed(cfg.seed)
+        if adapter:
+            load_lora_state(self.model, adapter)
+        else:
+            apply_lora(self.model, self.lora)
+        self.windows = SFTBatches(self.train_rows, cfg.micro_batch, cfg.seed)
+        self.trainable = TrainableState(self.model)
+        self.params = list(self.trainable.params.values())
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
+        self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
+                      "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
+        if cfg.resume:
+            saved = checkpoint.load(self.ckpt_path, self.trainable, self.optimizer)
+            for key, value in self._resume_key().items():
+                if saved["config"].get(key) != value:
+                    raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
+                                    f"this run has {value!r}")
+            self.state = saved
+            self.state["max_steps"] = max(cfg.max_steps, self.state["step"])
+        # full checkpointing is chosen to save memory: the logits too; the other modes spend it for speed
+        self.loss = self.loss_fn = SFTLoss(self.model, recompute_logits=cfg.activation_checkpointing == "full")
+        if cfg.activation_checkpointing != "none":
+            checkpoint_activations(self.model, selective=cfg.activation_checkpointing == "selective")
+        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
+        self.flops_per_token = lora_training_flops_per_token(self.model_cfg, cfg.seq_len, self.lora)
+        self.peak, self.gpu_name = peak_flops(self.device)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        self.log_file = open(self.out / "train_log.jsonl", "a")
+
+    def _resume_key(self) -> dict:
+        c = self.cfg
+        return {"model": self.base_name, "model_config": self.model_cfg.to_hf(), "qlora": c.qlora,
+                "lora": self.lora.to_peft_json(), "data_sha256": _sha256(c.data),
+                "eval_data_sha256": _sha256(c.eval_data), "val_fraction": c.val_fraction, "seq_len": c.seq_len,
+                "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed}
+
+    def describe(self) -> str:
+        n = sum(p.numel() for p in self.params)
+        st, d = self.state, self.data_stats
+        kind = "QLoRA (NF4 base)" if self.cfg.qlora else "LoRA"
+        return (f"fine-tuning {self.base_name} with {kind} r={self.lora.r}: {n / 1e6:.2f}M trainable parameters on "
+                f"{self.device} ({self.gpu_name}); {d['train_examples']} train examples in {d['train_rows']} rows of "
+                f"{self.cfg.seq_len} tokens ({d['train_trained_tokens']:,} trained tokens), {d['val_examples']} "
+                f"held out; {d['truncated_examples']} cut to --seq-len; {self.tokens_per_step:,} tokens/step; "
+                f"steps {st['step']} -> {st['max_steps']}")
+
+    def before_first_step(self):
+        if self.state["step"] == 0 and self.val_rows is not None:  # the base model's held-out loss: the bar to beat
+            self._eval_and_log(0, self.cfg.eval_windows)
+
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None) -> dict[str, float]:
+        """Mean loss over the held-out examples' trained tokens (max_windows: at most that many packed rows)."""
+        if self.val_rows is None:
+            return {}
+        self.model.eval()
+        rows = range(len(self.val_rows) if max_windows is None else min(max_windows, len(self.val_rows)))
+        total, count = torch.zeros((), device=self.device, dtype=torch.float64), 0
+        for i in range(0, len(rows), self.cfg.micro_batch):
+            batch = self.val_rows.batch(list(rows[i:i + self.cfg.micro_batch]), self.device)
+            with self.autocast:
+                s, n = self.loss(*batch, reduction="sum")
+            total += s.double()
+            count += n
+        self.model.train()
+        return {"val_loss": total.item() / max(1, count)}
+
+    def save_checkpoint(self):
+        checkpoint.save(self.ckpt_path, self.trainable, self.optimizer, self.state)
+
+    def export(self):
+        save_adapter(self.out, lora_state(self.model, self.base_name))

@@ -10,7 +10,6 @@ position, RNGs) is written atomically, so `--resume` continues bit for bit. At t
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -33,8 +32,9 @@ from brrr.kernels import AttnMeta
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.pretrained import check_device
-from brrr.train import checkpoint
 from brrr.train.data import TokenData
+from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_model_weights
+from brrr.train.parallel import checkpoint_activations as recompute_layers
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.shapes import resolve_config
 from brrr.train.tokenizer import tokenizer_config
@@ -75,6 +75,15 @@ class TrainConfig:
     stop_at: int | None = None  # halt after this step (checkpoint + export), to resume later
     resume: bool = False
     export_dtype: str = "auto"  # auto: bfloat16 when trained under bf16 autocast, else float32
+    # parallel layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x tp x pp = WORLD_SIZE
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the ranks the other dimensions leave
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None  # pipeline microbatches per micro-batch (default: pp)
+    reshard_after_forward: bool = True  # FSDP: True frees gathered weights after forward (ZeRO-3), False ZeRO-2
+    async_checkpoint: bool = False
 
     def check(self):
         positive = ("seq_len", "micro_batch", "grad_accum", "max_steps", "eval_every", "eval_windows", "log_every",
@@ -146,10 +155,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device) -> torch.optim.Ad
 def checkpoint_activations(model: nn.Module):
     """Recompute each decoder layer in backward instead of keeping its activations (the parameters' names,
     and so the state dict, are unchanged: only the layers' forward is wrapped)."""
-    from torch.utils.checkpoint import checkpoint as recompute
-
-    for layer in model.model.layers:
-        layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
+    recompute_layers(decoder_layers(model))
 
 
 class CausalLMLoss(nn.Module):
@@ -179,17 +185,17 @@ def autocast_for(device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float,
-                   autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float, autocast,
+                   clip=torch.nn.utils.clip_grad_norm_) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over micro-batches [(inputs, targets), ...]: (mean loss, pre-clip grad norm), both
-    left on the device (reading them would wait for the GPU)."""
+    left on the device (reading them would wait for the GPU). clip: the layout's gradient clipping."""
     total = None
     for inputs, targets in batches:
         with autocast:
             loss = loss_fn(inputs, targets)
         (loss / len(batches)).backward()
         total = loss.detach() if total is None else total + loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    norm = clip(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total / len(batches), norm
@@ -210,11 +216,7 @@ class Trainer:
         cfg.check()
         self.start = time.perf_counter()
         self.cfg, self.dist = cfg, Distributed.from_env()
-        if self.dist.world > 1:
-            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr train runs one process for now (the data is "
-                            "sharded by rank, but gradients are not synchronized yet); launch it without torchrun")
         self.out = Path(cfg.out)
-        self.ckpt_path = self.out / "checkpoint" / "state.pt"
         self.data = TokenData(cfg.data)
         self.model_cfg = resolve_config(cfg.model, self.data.vocab_size, self.data.special_tokens, cfg.seq_len)
         if cfg.device:
@@ -227,16 +229,20 @@ class Trainer:
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.autocast = autocast_for(self.device)
-        self.model = build_model(self.model_cfg, self.device, cfg.seed)
+        self.parallel = Parallel(cfg, self.model_cfg, self.device)  # torchrun's ranks -> a DeviceMesh
+        self.checkpoints = Checkpointer(self.out, self.parallel.distributed, self.dist.main, cfg.async_checkpoint)
+        self.ckpt_path = self.checkpoints.path
+        # FSDP's mixed-precision policy casts the weights itself; DDP and one process use autocast
+        self.autocast = autocast_for(self.device) if not self.parallel.distributed else contextlib.nullcontext()
+        self.model = self.parallel.apply(build_model(self.model_cfg, self.device, cfg.seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, cfg, self.device)
         self.windows = TrainWindows(self.data.splits["train"], cfg.seq_len, cfg.micro_batch, cfg.seed,
-                                    self.dist.rank, self.dist.world)
+                                    self.parallel.dp_rank, self.parallel.dp_world)
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = checkpoint.load(self.ckpt_path, self.model, self.optimizer)
+            saved = self.checkpoints.load(self.model, self.optimizer)
             for key, value in self._resume_key().items():
                 if saved["config"].get(key) != value:
                     raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
@@ -244,18 +250,16 @@ class Trainer:
             self.state = saved
             self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
                 else saved["max_steps"]
-        elif self.out.exists() and self.ckpt_path.exists():
+        elif self.out.exists() and self.checkpoints.exists():
             raise BrrrError(f"{self.out} already holds a training run; pass --resume to continue it, "
                             "or choose another --out")
         self.loss = CausalLMLoss(self.model)
-        if cfg.activation_checkpointing:
-            checkpoint_activations(self.model)
         self.loss_fn = self.loss
-        if cfg.compile:  # fill the eager caches first (AttnMeta, RoPE frequencies), so the graph sees no mutation
+        if cfg.compile and not self.parallel.compiles_blocks:  # fill the eager caches first (AttnMeta, RoPE frequencies), so the graph sees no mutation
             self.loss.meta(cfg.micro_batch, cfg.seq_len, self.device)
             self.model.model.rotary_emb(torch.zeros(1, dtype=torch.long, device=self.device), torch.float32)
             self.loss_fn = torch.compile(self.loss)
-        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.dist.world
+        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.parallel.dp_world
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak, self.gpu_name = peak_flops(self.device)
         if self.dist.main:
@@ -266,9 +270,10 @@ class Trainer:
     def _resume_key(self) -> dict:
         """What must not change across a resume: the model, the data, and the batch geometry."""
         c = self.cfg
+        # the layout may change (the data position counts global micro-batches): the global batch may not
         return {"model": self.model_cfg.to_hf(), "tokenizer_sha256": self.data.manifest["tokenizer_sha256"],
-                "seq_len": c.seq_len, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed,
-                "world": self.dist.world}
+                "seq_len": c.seq_len, "global_micro_batch": c.micro_batch * self.parallel.dp_world,
+                "grad_accum": c.grad_accum, "seed": c.seed}
 
     # -- logging ---------------------------------------------------------------------------------------------
     def log(self, record: dict, line: str):
@@ -295,8 +300,7 @@ class Trainer:
                 chunk = starts[i: i + self.cfg.micro_batch]
                 rows = torch.from_numpy(val[chunk[:, None] + np.arange(length)].astype(np.int64))
                 rows = rows.to(self.device)
-                with self.autocast:
-                    total += self.loss(rows[:, :-1], rows[:, 1:], reduction="sum").double()
+                total += self.parallel.eval_loss_sum(self.loss, rows[:, :-1], rows[:, 1:], self.autocast).double()
                 n += rows[:, 1:].numel()
             if n:
                 sums[name], counts[name] = total.item(), n
@@ -338,8 +342,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             batches = [self.windows.batch_at(st["position"] + i, self.device) for i in range(cfg.grad_accum)]
-            loss, norm = optimizer_step(self.loss_fn, self.optimizer, self.params, batches, cfg.grad_clip,
-                                        self.autocast)
+            loss, norm = self.parallel.step(self.loss_fn, self.optimizer, self.params, batches, cfg.grad_clip,
+                                            self.autocast)
             st["step"], st["position"] = step + 1, st["position"] + cfg.grad_accum
             st["tokens_seen"] += self.tokens_per_step
             loss_sum += loss
@@ -348,8 +352,9 @@ class Trainer:
             step = st["step"]
             self._maybe_fix_budget(step)
             last = step == st["max_steps"]
-            halted = (cfg.stop_at is not None and step >= cfg.stop_at) or self._out_of_time()
-            stopping = bool(interrupted)  # Ctrl-C: checkpoint this step and stop, no evaluation or export
+            halted = (cfg.stop_at is not None and step >= cfg.stop_at) or self.parallel.any(self._out_of_time())
+            # Ctrl-C / SIGTERM: checkpoint this step and stop, no evaluation or export (all ranks at one step)
+            stopping = self.parallel.any(bool(interrupted))
             if step % cfg.log_every == 0 or last or halted or stopping:
                 if bad.item():
                     self._diverged(step, last_good)
@@ -416,7 +421,7 @@ class Trainer:
             eval_s = token_eval_s * cfg.eval_windows * sources * cfg.seq_len
             self._reserve_s = 15 + self._final_eval_tokens() * token_eval_s  # final eval, export, slack
             left = cfg.time_budget - self.elapsed() - self._reserve_s
-            fits = int(left / (step_s + eval_s / cfg.eval_every))
+            fits = self.parallel.min_int(int(left / (step_s + eval_s / cfg.eval_every)))  # ranks agree
             st["max_steps"] = max(step + 1, min(st["max_steps"], step + fits))
             st["budget_fixed"] = True
             self.log({"step": step, "step_seconds": step_s, "max_steps": st["max_steps"]},
@@ -441,8 +446,7 @@ class Trainer:
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def save_checkpoint(self):
-        if self.dist.main:
-            checkpoint.save(self.ckpt_path, self.model, self.optimizer, self.state)
+        self.checkpoints.save(self.model, self.optimizer, self.state)
 
     def finish(self, halted: bool) -> dict:
         st = self.state
@@ -452,6 +456,7 @@ class Trainer:
                    "epochs": self.windows.epoch(st["position"]), "train_seconds": st["train_seconds"],
                    "device": str(self.device), "gpu": self.gpu_name,
                    **final, **{k.replace("val_loss", "val_ppl"): math.exp(v) for k, v in final.items()}}
+        self.checkpoints.wait()
         if self.dist.main:
             self.export()
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -463,7 +468,11 @@ class Trainer:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(self.cfg.export_dtype)
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        save_model(self.model, self.out, dtype)
+        model = self.model
+        if self.parallel.distributed:  # rank 0 gathers the final checkpoint's shards into a plain model
+            model = build_model(self.model_cfg, "cpu")
+            load_model_weights(model, self.ckpt_path)
+        save_model(model, self.out, dtype)
         shutil.copyfile(self.data.tokenizer_file, self.out / "tokenizer.json")
         context = self.model_cfg.max_position_embeddings
         (self.out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(context), indent=2) + "\n")
@@ -481,8 +490,8 @@ def _duration(seconds: float) -> str:
 
 @contextlib.contextmanager
 def _stop_on_ctrl_c():
-    """While training, the first Ctrl-C asks the loop to stop after the step it is in (which then writes a
-    checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
+    """While training, the first Ctrl-C (or SIGTERM / SIGUSR1) asks the loop to stop after the step it is in (which
+    then writes a checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
     interrupted: list = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield interrupted
@@ -492,14 +501,18 @@ def _stop_on_ctrl_c():
         if interrupted:
             raise KeyboardInterrupt
         interrupted.append(signum)
-        print("\nCtrl-C: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
               file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    # SIGTERM: what torchrun and cluster schedulers send before killing a job; SIGUSR1: a preemption warning
+    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield interrupted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def config_fields() -> list[str]:

@@ -1,0 +1,135 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model cut into stages of consecutive layers over
+the mesh's "pp" dimension, each rank's micro-batch split into --microbatches pieces that flow through them.
+
+Schedules: GPipe (all forwards, then all backwards: m microbatches of activations held), 1F1B (after a warm-up
+of p - 1 forwards, one forward one backward: at most p in flight), both idle (p - 1) / (m + p - 1) of a step;
+interleaved 1F1B gives each rank v = 2 stages (rank r holds stages r and r + p), so a bubble slot is a v-th as
+long: (p - 1) / (v m + p - 1), for twice the point-to-point sends.
+Every stage keeps the plain model's parameter names (model.layers.<i>...; layers in a ModuleDict keyed by their
+index), so a checkpoint written under one layout loads under any other.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+INTERLEAVED_CHUNKS = 2  # stages per rank with the interleaved schedule
+
+
+class PipelineStageModule(nn.Module):
+    """Layers [first, last) of a LlamaForCausalLM; the embedding if it is the first stage, the final norm and LM
+    head if it is the last. Activations between stages: (h, residual), each [batch, seq, hidden]."""
+
+    def __init__(self, causal_lm: nn.Module, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = causal_lm.config
+        inner = causal_lm.model
+        inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
+        if not first:
+            inner.embed_tokens = None
+        if not last:
+            inner.norm = None
+        self.model = inner
+        self.lm_head = causal_lm.lm_head if last else None
+        self.first, self.last = first, last
+        self._meta: dict = {}
+
+    def _meta_for(self, batch: int, seq: int, device):
+        key = (batch, seq, str(device))
+        if key not in self._meta:
+            self._meta[key] = (AttnMeta.causal([seq] * batch, device), torch.arange(seq, device=device).repeat(batch))
+        return self._meta[key]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        batch, seq = x.shape[:2]
+        meta, positions = self._meta_for(batch, seq, x.device)
+        inner = self.model
+        if self.first:
+            h, cos, sin = inner.embed(x.reshape(-1), positions)
+        else:
+            h, residual = x.reshape(batch * seq, -1), residual.reshape(batch * seq, -1)
+            cos, sin = inner.rotary_emb(positions, h.dtype)
+        for layer in inner.layers.values():
+            h, residual = layer(h, cos, sin, meta, residual)
+        if self.last:
+            return self.lm_head(inner.norm(h, residual)[0]).float().view(batch, seq, -1)
+        return h.view(batch, seq, -1), residual.view(batch, seq, -1)
+
+
+def stage_layers(num_layers: int, stages: int) -> list[list[int]]:
+    """Consecutive layers per stage, the remainder one each to the first stages."""
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (s < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def check_pipeline(schedule: str, pp: int, microbatches: int, num_layers: int):
+    if schedule not in SCHEDULES:
+        raise BrrrError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    stages = pp * (INTERLEAVED_CHUNKS if schedule == "interleaved" else 1)
+    if stages > num_layers:
+        raise BrrrError(f"--pp {pp} with --pp-schedule {schedule} makes {stages} stages, more than the model's "
+                        f"num_hidden_layers {num_layers}")
+    if schedule == "1f1b" and microbatches < pp:
+        raise BrrrError(f"--pp-schedule 1f1b needs --microbatches ({microbatches}) >= --pp ({pp})")
+    if schedule == "interleaved" and microbatches % pp:
+        raise BrrrError(f"--pp-schedule interleaved needs --microbatches ({microbatches}) to be a multiple of "
+                        f"--pp ({pp})")
+
+
+class Pipeline:
+    """This rank's stage modules and the schedule that runs one micro-batch through all of them."""
+
+    def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, grad_accum: int, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        chunks = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
+        n_stages = pp * chunks
+        layers = stage_layers(model.config.num_layers, n_stages)
+        ids = [rank + k * pp for k in range(chunks)]  # the looped placement interleaved 1F1B expects
+        self.modules = [PipelineStageModule(copy.deepcopy(model) if chunks > 1 else model, layers[s], s == 0,
+                                            s == n_stages - 1) for s in ids]
+        self.stage_ids, self.n_stages, self.pp_mesh, self.device = ids, n_stages, pp_mesh, device
+        self.microbatches, self.grad_accum, self.schedule_name = microbatches, grad_accum, schedule
+        self.has_last = n_stages - 1 in ids
+        self._build = lambda: [PipelineStage(m, s, n_stages, device, group=pp_mesh.get_group())
+                               for m, s in zip(self.modules, ids)]
+        self._classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+        self.schedule = None
+
+    def finish_setup(self):
+        """Stages and schedule, after FSDP has wrapped the stage modules."""
+        stages = self._build()
+        cls = self._classes[self.schedule_name]
+        # the loss of one microbatch, scaled so the gradients sum to those of the step's mean loss
+        scale = self.microbatches * self.grad_accum
+        loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()) / scale  # noqa: E731
+        self.schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0], self.microbatches,
+                            loss_fn=loss_fn, scale_grads=False)
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """One micro-batch through the pipeline (forward and, when train, backward). Returns this micro-batch's
+        mean loss on ranks holding the last stage, zero elsewhere."""
+        losses: list = []
+        first = 0 in self.stage_ids
+        args = (inputs,) if first else ()
+        target = targets if self.has_last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=losses)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([x.detach() for x in losses]).sum() * self.grad_accum

@@ -116,7 +116,7 @@ class Pipeline:
         # the loss of one microbatch, scaled so the gradients sum to those of the step's mean loss
         scale = self.microbatches * self.grad_accum
         loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()) / scale  # noqa: E731
-        self.schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0], self.microbatches,
+        self.schedule = cls(stages if self.schedule_name == "interleaved" else stages[0], self.microbatches,
                             loss_fn=loss_fn, scale_grads=False)
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:

@@ -40,7 +40,8 @@ def apply_tp(model: nn.Module, mesh: Mesh):
     inner = model.model
     if inner.embed_tokens is not None:
         parallelize_module(inner.embed_tokens, tp_mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)))
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
+                                                           use_local_output=False))
     for layer in inner.layers.values() if isinstance(inner.layers, nn.ModuleDict) else inner.layers:
         attn = layer.self_attn
         attn.n_heads, attn.n_kv = attn.n_heads // tp, attn.n_kv // tp

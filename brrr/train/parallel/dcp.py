@@ -98,7 +98,7 @@ class Checkpointer:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             state = _state(model, optimizer)
-            dcp.load(state, checkpoint_id=str(dcp_dir))
+            dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=not dist.is_initialized())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             return json.loads((dcp_dir / "trainer.json").read_text())
         if file.is_file() and self.distributed:

@@ -502,8 +502,9 @@ def _stop_on_ctrl_c():
             raise KeyboardInterrupt
         interrupted.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\n{name}: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
-              file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # torchrun signals every rank; one says so
+            print(f"\n{name}: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
+                  file=sys.stderr, flush=True)
 
     # SIGTERM: what torchrun and cluster schedulers send before killing a job; SIGUSR1: a preemption warning
     signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])

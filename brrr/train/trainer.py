@@ -245,8 +245,10 @@ class Trainer:
             saved = self.checkpoints.load(self.model, self.optimizer)
             for key, value in self._resume_key().items():
                 if saved["config"].get(key) != value:
+                    note = " (--micro-batch x data-parallel ranks: keep it when the layout changes)" \
+                        if key == "micro_batch" else ""
                     raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}")
+                                    f"this run has {value!r}{note}")
             self.state = saved
             self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
                 else saved["max_steps"]
@@ -270,9 +272,10 @@ class Trainer:
     def _resume_key(self) -> dict:
         """What must not change across a resume: the model, the data, and the batch geometry."""
         c = self.cfg
-        # the layout may change (the data position counts global micro-batches): the global batch may not
+        # the layout may change (the data position counts global micro-batches), the global batch may not:
+        # micro_batch is the sequences of one micro-batch over all data-parallel ranks
         return {"model": self.model_cfg.to_hf(), "tokenizer_sha256": self.data.manifest["tokenizer_sha256"],
-                "seq_len": c.seq_len, "global_micro_batch": c.micro_batch * self.parallel.dp_world,
+                "seq_len": c.seq_len, "micro_batch": c.micro_batch * self.parallel.dp_world,
                 "grad_accum": c.grad_accum, "seed": c.seed}
 
     # -- logging ---------------------------------------------------------------------------------------------

@@ -264,6 +264,7 @@ class Trainer:
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.parallel.dp_world
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak, self.gpu_name = peak_flops(self.device)
+        self.calc_memory = self.parallel.calc_train_memory(self.model_cfg)
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -322,6 +323,10 @@ class Trainer:
             print(f"training {cfg.model}: {n / 1e6:.2f}M parameters on {self.device} ({self.gpu_name}); "
                   f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
                   f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}", flush=True)
+            if self.parallel.distributed:
+                print(f"layout: {self.parallel.layout.describe()} on {self.dist.world} ranks (ZeRO-"
+                      f"{self.calc_memory['zero']}); brrr calc train predicts "
+                      f"{self.calc_memory['bytes'] / 2**30:.2f} GiB per GPU", flush=True)
             if st["max_steps"] < cfg.warmup_steps:
                 peak = lr_at(st["max_steps"] - 1, cfg, st["max_steps"])
                 print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "
@@ -365,13 +370,22 @@ class Trainer:
                 seconds = now - window_start
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
-                mfu = tok_s * self.flops_per_token / self.peak if self.peak else None
+                mfu = tok_s * self.flops_per_token / (self.peak * self.dist.world) if self.peak else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
-                          "tokens_per_s": tok_s, "mfu": mfu, "tokens_seen": st["tokens_seen"],
-                          "epoch": self.windows.epoch(st["position"]), "elapsed_s": self.elapsed()}
+                          "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.dist.world, "mfu": mfu,
+                          "tokens_seen": st["tokens_seen"], "epoch": self.windows.epoch(st["position"]),
+                          "elapsed_s": self.elapsed()}
+                if self.device.type == "cuda":  # the busiest rank's, beside brrr calc train's prediction
+                    record["peak_memory_bytes"] = self.parallel.max_over_ranks(
+                        torch.cuda.max_memory_allocated(self.device))
+                    record["calc_memory_bytes"] = self.calc_memory["bytes"]
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
                                  f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
-                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "") + f" | {self.elapsed():.0f}s"
+                                 + (f" ({tok_s / self.dist.world / 1e3:,.1f}k/GPU)" if self.dist.world > 1 else "")
+                                 + (f" | MFU {mfu:.1%}" if mfu is not None else "")
+                                 + (f" | mem {record['peak_memory_bytes'] / 2**30:.1f} GiB (calc "
+                                    f"{self.calc_memory['bytes'] / 2**30:.1f})" if "peak_memory_bytes" in record
+                                    else "") + f" | {self.elapsed():.0f}s"
                                  + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
                                     if not last else ""))
                 loss_sum.zero_()

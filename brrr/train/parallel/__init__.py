@@ -202,6 +202,31 @@ class Parallel:
         dist.all_reduce(total, group=self.mesh.get("pp").get_group())
         return total
 
+    # -- what `brrr calc train` predicts for this layout ----------------------------------------------------
+    def calc_train_memory(self, model_cfg) -> dict:
+        """Per-GPU bytes `brrr calc train` predicts for this layout (state + activations), and its ZeRO stage:
+        FSDP resharding after forward is ZeRO-3, keeping the weights ZeRO-2, DDP and one process 0. calc has one
+        data-parallel dimension: HSDP is quoted as sharded over every dp rank (the state share is 1/dp_shard)."""
+        from brrr.analysis.hardware import GPUS
+        from brrr.analysis.train import train_plan
+
+        cfg, layout = self.cfg, self.layout
+        zero = (3 if cfg.reshard_after_forward else 2) if uses_fsdp(self.mesh) else 0
+        pp_kw = dict(microbatches=self.microbatches, schedule=cfg.pp_schedule,
+                     chunks=2 if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
+        rows = cfg.micro_batch // (self.microbatches if layout.pp > 1 else 1)
+        plan = train_plan(model_cfg, GPUS["h100-sxm"], gpus=layout.world, zero=zero, tp=layout.tp, pp=layout.pp,
+                          micro_batch=rows, seq_len=cfg.seq_len, checkpointing=cfg.activation_checkpointing,
+                          **pp_kw)
+        return {"zero": zero, "bytes": plan["memory"]["total"]}
+
+    def max_over_ranks(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flags_group)
+        return float(t.item())
+
     # -- agreement between ranks -----------------------------------------------------------------------------
     def any(self, flag: bool) -> bool:
         """True on every rank if it is on any (a signal that reached one rank stops them all at one step)."""

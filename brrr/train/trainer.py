@@ -415,6 +415,7 @@ class Trainer:
         return val
 
     def _diverged(self, step: int, last_good: int):
+        self.checkpoints.wait()  # an async save of the last good step still lands
         where = f"{self.ckpt_path} (step {last_good})" if self.ckpt_path.exists() else "none written yet"
         self.log({"step": step, "error": "non-finite loss or gradient norm"}, f"step {step}: loss is not finite")
         raise TrainingDiverged(f"the loss or gradient norm became NaN/inf between steps {last_good} and {step}; "

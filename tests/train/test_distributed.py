@@ -42,7 +42,7 @@ def _cfg(model, data_dir, out, dp: int, **kw) -> TrainConfig:
 # name: (world, model, data-parallel ranks, layout flags)
 CASES = {
     "ddp": (2, "two", 2, dict(dp_replicate=2)),
-    "fsdp_zero3": (2, "two", 2, dict()),
+    "fsdp_zero3": (2, "two", 2, dict(async_checkpoint=True, checkpoint_every=3)),
     "fsdp_zero2": (2, "two", 2, dict(reshard_after_forward=False)),
     "tp": (2, "two", 1, dict(tp=2)),
     "pp_gpipe": (2, "two", 1, dict(pp=2, pp_schedule="gpipe", microbatches=4)),
@@ -64,7 +64,7 @@ def runs(configs, data_dir, tmp_path_factory):
         outs[f"single_{model}"] = root / f"single_{model}"
         Trainer(_cfg(configs[model], data_dir, outs[f"single_{model}"], 1)).run()
     trip = root / "round_trip"
-    by_world = {2: [], 4: [_cfg(configs["two"], data_dir, trip, 4, stop_at=5)]}
+    by_world = {2: [], 4: [_cfg(configs["two"], data_dir, trip, 4, stop_at=5, async_checkpoint=True)]}
     for name, (world, model, dp, flags) in CASES.items():
         by_world[world].append(_cfg(configs[model], data_dir, outs[name], dp, **flags))
     by_world[2].append(_cfg(configs["two"], data_dir, trip, 1, tp=2, stop_at=7, resume=True))
@@ -91,7 +91,8 @@ def test_layout_matches_one_process(runs, name):
 
 
 def test_dcp_checkpoint_resumes_across_layouts(runs):
-    """Steps 1-5 on 4 FSDP ranks, 6-7 on 2 TP ranks, 8-10 on one process: the uninterrupted curve."""
+    """Steps 1-5 on 4 FSDP ranks (saved asynchronously), 6-7 on 2 TP ranks, 8-10 on one process: the
+    uninterrupted curve."""
     trip, ref = runs["round_trip"], runs["single_two"]
     assert train_losses(trip) == pytest.approx(train_losses(ref), abs=LOSS_ATOL)
     want, got = load_file(ref / "model.safetensors"), load_file(trip / "model.safetensors")

@@ -44,7 +44,10 @@ class Checkpointer:
     def __init__(self, out: Path, distributed: bool, main: bool, async_save: bool = False):
         self.out, self.distributed, self.main, self.async_save = Path(out), distributed, main, async_save
         self.path = checkpoint_path(out, distributed)
-        self._pending = None  # (future, step) of an async save still writing
+        self._pending = None  # the future of an async save still writing
+        # an async save runs its collectives from a background thread: on a group of its own, since one group's
+        # collectives must not interleave between threads
+        self._group = dist.new_group(backend="gloo") if async_save and distributed else None
 
     def exists(self) -> bool:
         return any(checkpoint_path(self.out, d).exists() for d in (False, True))
@@ -66,7 +69,7 @@ class Checkpointer:
         _barrier()
         state = _state(model, optimizer)
         if self.async_save:  # the tensors are staged to CPU now; the files are written while training goes on
-            self._pending = dcp.async_save(state, checkpoint_id=str(tmp))
+            self._pending = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._finalize()
@@ -110,8 +113,12 @@ class Checkpointer:
 def load_model_weights(model, path: Path):
     """The model tensors of a DCP checkpoint into a plain (unsharded) model, in this process alone: how rank 0
     exports the HF directory whatever the training layout was."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])

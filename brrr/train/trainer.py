@@ -379,13 +379,16 @@ class Trainer:
                     record["peak_memory_bytes"] = self.parallel.max_over_ranks(
                         torch.cuda.max_memory_allocated(self.device))
                     record["calc_memory_bytes"] = self.calc_memory["bytes"]
+                record.update(self.parallel.log_fields())
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
                                  f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
                                  + (f" ({tok_s / self.dist.world / 1e3:,.1f}k/GPU)" if self.dist.world > 1 else "")
                                  + (f" | MFU {mfu:.1%}" if mfu is not None else "")
                                  + (f" | mem {record['peak_memory_bytes'] / 2**30:.1f} GiB (calc "
                                     f"{self.calc_memory['bytes'] / 2**30:.1f})" if "peak_memory_bytes" in record
-                                    else "") + f" | {self.elapsed():.0f}s"
+                                    else "")
+                                 + (f" | bubble {record['pp_bubble']:.0%} (formula {record['pp_bubble_formula']:.0%})"
+                                    if record.get("pp_bubble") is not None else "") + f" | {self.elapsed():.0f}s"
                                  + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
                                     if not last else ""))
                 loss_sum.zero_()

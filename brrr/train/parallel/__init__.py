@@ -202,6 +202,16 @@ class Parallel:
         dist.all_reduce(total, group=self.mesh.get("pp").get_group())
         return total
 
+    def log_fields(self) -> dict:
+        """Per-layout measurements for the step log since the last call: the pipeline bubble, the busiest
+        rank's (the first stage waits longest in 1F1B's cool-down, the last in its warm-up)."""
+        if self.pipeline is None:
+            return {}
+        fields = self.pipeline.bubble()
+        if fields["pp_bubble"] is not None:
+            fields["pp_bubble"] = self.max_over_ranks(fields["pp_bubble"])
+        return fields
+
     # -- what `brrr calc train` predicts for this layout ----------------------------------------------------
     def calc_train_memory(self, model_cfg) -> dict:
         """Per-GPU bytes `brrr calc train` predicts for this layout (state + activations), and its ZeRO stage:

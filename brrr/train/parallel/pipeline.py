@@ -11,6 +11,7 @@ index), so a checkpoint written under one layout loads under any other.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.nn.functional as F
@@ -108,10 +109,41 @@ class Pipeline:
                                for m, s in zip(self.modules, ids)]
         self._classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
         self.schedule = None
+        self.busy_s = self.wall_s = 0.0  # this rank's stage compute, and the pipeline steps' wall time
+
+    def _timed(self, run_chunk):
+        """A stage's forward_one_chunk / backward_one_chunk that adds its compute time to busy_s (the loss of a
+        last stage included); the rest of a step is waiting: the bubble, and the sends it waits on."""
+        def timed(*args, **kwargs):
+            self._sync()
+            start = time.perf_counter()
+            out = run_chunk(*args, **kwargs)
+            self._sync()
+            self.busy_s += time.perf_counter() - start
+            return out
+        return timed
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def bubble(self) -> dict:
+        """The idle fraction of the pipeline steps since the last call, measured on this rank, beside the
+        formula's (p - 1) / (v m + p - 1) (brrr.analysis.train.pipeline_bubble)."""
+        from brrr.analysis.train import pipeline_bubble
+
+        chunks = len(self.stage_ids)
+        formula = pipeline_bubble(self.pp_mesh.size(), self.microbatches, self.schedule_name, chunks)["fraction"]
+        measured = 1 - self.busy_s / self.wall_s if self.wall_s else None
+        self.busy_s = self.wall_s = 0.0
+        return {"pp_bubble": measured, "pp_bubble_formula": formula}
 
     def finish_setup(self):
         """Stages and schedule, after FSDP has wrapped the stage modules."""
         stages = self._build()
+        for stage in stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
         cls = self._classes[self.schedule_name]
         # the loss of one microbatch, scaled so the gradients sum to those of the step's mean loss
         scale = self.microbatches * self.grad_accum
@@ -127,7 +159,11 @@ class Pipeline:
         args = (inputs,) if first else ()
         target = targets if self.has_last else None
         if train:
+            self._sync()
+            start = time.perf_counter()
             self.schedule.step(*args, target=target, losses=losses)
+            self._sync()
+            self.wall_s += time.perf_counter() - start
         else:
             self.schedule.eval(*args, target=target, losses=losses)
         if not self.has_last:

@@ -233,7 +233,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.out, self.parallel.distributed, self.dist.main, cfg.async_checkpoint)
         self.ckpt_path = self.checkpoints.path
         # FSDP's mixed-precision policy casts the weights itself; DDP and one process use autocast
-        self.autocast = autocast_for(self.device) if not self.parallel.distributed else contextlib.nullcontext()
+        self.autocast = autocast_for(self.device) if not self.parallel.fsdp else contextlib.nullcontext()
         self.model = self.parallel.apply(build_model(self.model_cfg, self.device, cfg.seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, cfg, self.device)

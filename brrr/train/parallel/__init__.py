@@ -92,6 +92,11 @@ class Parallel:
         return self.mesh.dp_world
 
     @property
+    def fsdp(self) -> bool:
+        """Whether FSDP wraps the model (its policy casts to bf16 on CUDA: no autocast then)."""
+        return self.distributed and uses_fsdp(self.mesh)
+
+    @property
     def compiles_blocks(self) -> bool:
         """Distributed runs compile per decoder layer (FSDP's and TP's hooks sit between layers)."""
         return self.distributed
@@ -121,7 +126,7 @@ class Parallel:
             if cfg.compile and self.compiles_blocks:
                 for layer in layers:
                     layer.compile()
-            if uses_fsdp(self.mesh):
+            if self.fsdp:
                 apply_fsdp(part, layers, self.mesh, self.device, cfg.reshard_after_forward)
             elif layout.dp > 1:
                 apply_ddp(part, self.mesh)
@@ -221,7 +226,7 @@ class Parallel:
         from brrr.analysis.train import train_plan
 
         cfg, layout = self.cfg, self.layout
-        zero = (3 if cfg.reshard_after_forward else 2) if uses_fsdp(self.mesh) else 0
+        zero = (3 if cfg.reshard_after_forward else 2) if self.fsdp else 0
         pp_kw = dict(microbatches=self.microbatches, schedule=cfg.pp_schedule,
                      chunks=2 if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
         rows = cfg.micro_batch // (self.microbatches if layout.pp > 1 else 1)

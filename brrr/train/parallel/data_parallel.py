@@ -48,7 +48,8 @@ def apply_ddp(model: nn.Module, mesh: Mesh):
 
 
 def uses_fsdp(mesh: Mesh) -> bool:
-    """FSDP whenever parameters are sharded over data-parallel ranks, or combined with TP / PP (DTensor
-    parameters, which the composable DDP does not take); DDP for replicas alone."""
+    """FSDP whenever parameters are sharded over data-parallel ranks, and with TP or PP even on a one-rank
+    dp mesh (the composable DDP takes no DTensor parameters; FSDP's policy gives every such layout the same
+    bf16 compute and fp32 master weights); DDP for replicas alone."""
     layout = mesh.layout
-    return layout.dp_shard > 1 or (layout.dp > 1 and (layout.tp > 1 or layout.pp > 1))
+    return layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1

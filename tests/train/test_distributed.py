@@ -25,11 +25,14 @@ GLOBAL_MICRO_BATCH = 8  # sequences per micro-batch over all data-parallel ranks
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
-    """The tiny model (2 layers), and a 4-layer one for interleaved pipelines (2 stages per rank)."""
+    """The tiny model (2 layers), a 4-layer one for interleaved pipelines (2 stages per rank), and one whose LM
+    head shares the embedding's weight (TP shards the shared table once)."""
     d = tmp_path_factory.mktemp("dist_cfg")
-    (d / "two.json").write_text(json.dumps(TINY_MODEL))
-    (d / "four.json").write_text(json.dumps({**TINY_MODEL, "num_hidden_layers": 4}))
-    return {"two": d / "two.json", "four": d / "four.json"}
+    shapes = {"two": TINY_MODEL, "four": {**TINY_MODEL, "num_hidden_layers": 4},
+              "tied": {**TINY_MODEL, "tie_word_embeddings": True}}
+    for name, shape in shapes.items():
+        (d / f"{name}.json").write_text(json.dumps(shape))
+    return {name: d / f"{name}.json" for name in shapes}
 
 
 def _cfg(model, data_dir, out, dp: int, **kw) -> TrainConfig:
@@ -50,6 +53,7 @@ CASES = {
     "pp_interleaved": (2, "four", 1, dict(pp=2, pp_schedule="interleaved", microbatches=2)),
     "hsdp": (4, "two", 4, dict(dp_replicate=2)),
     "fsdp_x_tp": (4, "two", 2, dict(tp=2)),
+    "fsdp_x_tp_tied": (4, "tied", 2, dict(tp=2)),
     "pp_x_fsdp": (4, "four", 2, dict(pp=2, microbatches=2)),
 }
 
@@ -60,7 +64,7 @@ def runs(configs, data_dir, tmp_path_factory):
     first leg runs with the 4-rank ones, its second with the 2-rank ones, its last in this process)."""
     root = tmp_path_factory.mktemp("dist_runs")
     outs = {name: root / name for name in CASES}
-    for model in ("two", "four"):
+    for model in sorted({case[1] for case in CASES.values()}):
         outs[f"single_{model}"] = root / f"single_{model}"
         Trainer(_cfg(configs[model], data_dir, outs[f"single_{model}"], 1)).run()
     trip = root / "round_trip"

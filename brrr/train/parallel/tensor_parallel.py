@@ -38,6 +38,8 @@ def apply_tp(model: nn.Module, mesh: Mesh):
 
     tp_mesh, tp = mesh.get("tp"), mesh.layout.tp
     inner = model.model
+    tied = model.lm_head is not None and inner.embed_tokens is not None \
+        and model.lm_head.weight is inner.embed_tokens.weight
     if inner.embed_tokens is not None:
         parallelize_module(inner.embed_tokens, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
@@ -65,4 +67,6 @@ def apply_tp(model: nn.Module, mesh: Mesh):
     if model.lm_head is not None:
         parallelize_module(model.lm_head, tp_mesh,
                            ColwiseParallel(input_layouts=Shard(0), output_layouts=Shard(-1), use_local_output=False))
+        if tied:  # each plan made its own DTensor of the shared table; both are Shard(0) of [vocab, hidden]: one again
+            model.lm_head.weight = inner.embed_tokens.weight
     return model

@@ -32,7 +32,7 @@ from brrr.analysis.model import param_counts, training_flops_per_token  # noqa: 
 from brrr.presets import preset_config  # noqa: E402
 from brrr.train.parallel import Parallel  # noqa: E402
 from brrr.train.trainer import (CausalLMLoss, TrainConfig, autocast_for, build_model, make_optimizer,  # noqa: E402
-                                peak_flops)
+                                optimizer_step, peak_flops)
 
 
 def run(args) -> dict | None:
@@ -63,7 +63,8 @@ def run(args) -> dict | None:
 
     def step(i):
         rows = batches[i % 4]
-        return parallel.step(loss_fn, optimizer, params, [(rows[:, :-1], rows[:, 1:])], 1.0, autocast)
+        return parallel.step(optimizer_step, loss_fn, optimizer, params, [(rows[:, :-1], rows[:, 1:])], 1.0,
+                             autocast)
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:

@@ -48,6 +48,8 @@ def register(sub):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute layers in backward")
+    p.add_argument("--activation-checkpointing-every", type=int, default=1,
+                   help="with --activation-checkpointing: recompute every N-th layer only (selective)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds this run may take: steps are capped to fit after timing a few")
     p.add_argument("--stop-at", type=int, default=None, help="halt after this step (checkpoint + export)")

@@ -84,10 +84,11 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline microbatches per micro-batch (default: pp)
     reshard_after_forward: bool = True  # FSDP: True frees gathered weights after forward (ZeRO-3), False ZeRO-2
     async_checkpoint: bool = False
+    activation_checkpointing_every: int = 1  # with activation_checkpointing: recompute every N-th layer only
 
     def check(self):
         positive = ("seq_len", "micro_batch", "grad_accum", "max_steps", "eval_every", "eval_windows", "log_every",
-                    "checkpoint_every")
+                    "checkpoint_every", "activation_checkpointing_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise BrrrError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -257,7 +258,9 @@ class Trainer:
                             "or choose another --out")
         self.loss = CausalLMLoss(self.model)
         self.loss_fn = self.loss
-        if cfg.compile and not self.parallel.compiles_blocks:  # fill the eager caches first (AttnMeta, RoPE frequencies), so the graph sees no mutation
+        # one process compiles the whole loss (distributed runs compile per layer); fill the eager caches first
+        # (AttnMeta, RoPE frequencies), so the graph sees no mutation
+        if cfg.compile and not self.parallel.compiles_blocks:
             self.loss.meta(cfg.micro_batch, cfg.seq_len, self.device)
             self.model.model.rotary_emb(torch.zeros(1, dtype=torch.long, device=self.device), torch.float32)
             self.loss_fn = torch.compile(self.loss)
@@ -350,8 +353,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             batches = [self.windows.batch_at(st["position"] + i, self.device) for i in range(cfg.grad_accum)]
-            loss, norm = self.parallel.step(self.loss_fn, self.optimizer, self.params, batches, cfg.grad_clip,
-                                            self.autocast)
+            loss, norm = self.parallel.step(optimizer_step, self.loss_fn, self.optimizer, self.params, batches,
+                                            cfg.grad_clip, self.autocast)
             st["step"], st["position"] = step + 1, st["position"] + cfg.grad_accum
             st["tokens_seen"] += self.tokens_per_step
             loss_sum += loss

@@ -47,6 +47,7 @@ CASES = {
     "ddp": (2, "two", 2, dict(dp_replicate=2)),
     "fsdp_zero3": (2, "two", 2, dict(async_checkpoint=True, checkpoint_every=3)),
     "fsdp_zero2": (2, "two", 2, dict(reshard_after_forward=False)),
+    "fsdp_recompute_every_2nd": (2, "four", 2, dict(activation_checkpointing=True, activation_checkpointing_every=2)),
     "tp": (2, "two", 1, dict(tp=2)),
     "pp_gpipe": (2, "two", 1, dict(pp=2, pp_schedule="gpipe", microbatches=4)),
     "pp_1f1b": (2, "two", 1, dict(pp=2, pp_schedule="1f1b", microbatches=2)),
@@ -138,3 +139,16 @@ def test_stages_split_layers_evenly():
     assert stage_layers(4, 2) == [[0, 1], [2, 3]]
     assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
     assert stage_layers(4, 4) == [[0], [1], [2], [3]]
+
+
+def test_selective_recompute_wraps_every_nth_layer(configs, data_dir):
+    import functools
+
+    from brrr.train.parallel import Parallel
+    from brrr.train.trainer import build_model
+
+    model_cfg = _model_cfg(data_dir, configs["four"])
+    cfg = _cfg(configs["four"], data_dir, "unused", 1, activation_checkpointing=True, activation_checkpointing_every=2)
+    model = Parallel(cfg, model_cfg, torch.device("cpu")).apply(build_model(model_cfg, "cpu"))
+    wrapped = [isinstance(layer.__dict__.get("forward"), functools.partial) for layer in model.model.layers]
+    assert wrapped == [True, False, True, False]

@@ -121,8 +121,9 @@ class Parallel:
                 apply_tp(part, self.mesh)
         for part in parts:
             layers = decoder_layers(part)
-            if cfg.activation_checkpointing:
-                checkpoint_activations(layers)
+            if cfg.activation_checkpointing:  # all layers, or every N-th (memory traded for less recompute)
+                checkpoint_activations([layer for layer in layers
+                                        if int(layer.self_attn.layer) % cfg.activation_checkpointing_every == 0])
             if cfg.compile and self.compiles_blocks:
                 for layer in layers:
                     layer.compile()
@@ -144,11 +145,10 @@ class Parallel:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def step(self, loss_fn, optimizer, params, batches, grad_clip: float, autocast):
-        """optimizer_step (brrr.train.trainer) on this layout: (mean loss over the data-parallel ranks, global
-        pre-clip gradient norm), both on the device."""
-        from brrr.train.trainer import optimizer_step
-
+    def step(self, optimizer_step, loss_fn, optimizer, params, batches, grad_clip: float, autocast):
+        """The trainer's `optimizer_step(loss_fn, optimizer, params, batches, grad_clip, autocast, clip=...)` on
+        this layout (under its loss context, with its gradient clipping; a pipeline runs its schedule instead):
+        (mean loss over the data-parallel ranks, global pre-clip gradient norm), both on the device."""
         pp_group = self.mesh.get("pp").get_group() if self.pipeline is not None else None
         clip = functools.partial(clip_grad_norm, pp_group=pp_group)
         if self.pipeline is not None:

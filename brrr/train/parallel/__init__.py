@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brrr.kernels.dispatch import use_reference
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.mesh import Layout, Mesh, build_mesh, check_model
@@ -180,7 +181,10 @@ class Parallel:
     def eval_loss_sum(self, loss_module, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
         """Summed next-token loss of a [rows, len] evaluation batch; every rank evaluates the same rows."""
         if self.pipeline is None:
-            with self.loss_context(), autocast:
+            # without gradients the ops would take their Triton kernels on CUDA, which take no DTensors (TP's
+            # token-sharded stream): the references then, which DTensor dispatches
+            kernels = use_reference() if self.layout.tp > 1 else contextlib.nullcontext()
+            with self.loss_context(), autocast, kernels:
                 return _local(loss_module(inputs, targets, reduction="sum"))
         return self._pipeline_eval(inputs, targets)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from brrr.errors import BrrrError
 from brrr.kernels.dispatch import use_reference
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
@@ -71,8 +72,6 @@ class Parallel:
         if layout.pp > 1:
             check_pipeline(cfg.pp_schedule, layout.pp, microbatches, model_cfg.num_layers)
             if layout.tp > 1:
-                from brrr.errors import BrrrError
-
                 raise BrrrError("--pp with --tp is not supported yet (stages exchange plain tensors, TP "
                                 "activations are DTensors); use --pp with --dp-shard/--dp-replicate")
         self.cfg, self.device, self.microbatches = cfg, device, microbatches
@@ -124,7 +123,7 @@ class Parallel:
             layers = decoder_layers(part)
             if cfg.activation_checkpointing:  # all layers, or every N-th (memory traded for less recompute)
                 checkpoint_activations([layer for layer in layers
-                                        if int(layer.self_attn.layer) % cfg.activation_checkpointing_every == 0])
+                                        if layer.self_attn.layer % cfg.activation_checkpointing_every == 0])
             if cfg.compile and self.compiles_blocks:
                 for layer in layers:
                     layer.compile()
@@ -162,15 +161,15 @@ class Parallel:
             with self.loss_context():
                 loss, norm = optimizer_step(loss_fn, optimizer, params, batches, grad_clip, autocast, clip=clip)
             loss = _local(loss)
-        return self.mean_loss(loss, sum_pp=True), norm
+        return self.mean_loss(loss), norm
 
-    def mean_loss(self, loss: torch.Tensor, sum_pp: bool = False) -> torch.Tensor:
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss averaged over data-parallel ranks (each saw its own share of the batch); with a pipeline the
         last stage's value, summed over stages (the others hold zero)."""
         if not self.distributed:
             return loss
         loss = loss.detach().clone()
-        if self.pipeline is not None and sum_pp:
+        if self.pipeline is not None:
             dist.all_reduce(loss, group=self.mesh.get("pp").get_group())
         if self.dp_world > 1:
             dist.all_reduce(loss, group=self.mesh.get("dp").get_group())

@@ -70,6 +70,8 @@ def add_parallel_flags(p):
                    help="pipeline microbatches per micro-batch (default: --pp)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP: free gathered weights after forward (ZeRO-3); --no-...: keep them (ZeRO-2)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 compute with dynamic loss scaling (overflowing steps are skipped), instead of bf16")
     g.add_argument("--async-checkpoint", action="store_true",
                    help="write distributed checkpoints in the background while training continues")
 

@@ -85,6 +85,7 @@ class TrainConfig:
     reshard_after_forward: bool = True  # FSDP: True frees gathered weights after forward (ZeRO-3), False ZeRO-2
     async_checkpoint: bool = False
     activation_checkpointing_every: int = 1  # with activation_checkpointing: recompute every N-th layer only
+    fp16: bool = False  # fp16 compute with dynamic loss scaling (GPUs without bf16), instead of bf16
 
     def check(self):
         positive = ("seq_len", "micro_batch", "grad_accum", "max_steps", "eval_every", "eval_windows", "log_every",
@@ -180,7 +181,9 @@ class CausalLMLoss(nn.Module):
         return F.cross_entropy(self.model.compute_logits(hidden), targets.reshape(-1), reduction=reduction)
 
 
-def autocast_for(device) -> contextlib.AbstractContextManager:
+def autocast_for(device, fp16: bool = False) -> contextlib.AbstractContextManager:
+    if fp16:
+        return torch.autocast(torch.device(device).type, dtype=torch.float16)
     if torch.device(device).type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -234,7 +237,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.out, self.parallel.distributed, self.dist.main, cfg.async_checkpoint)
         self.ckpt_path = self.checkpoints.path
         # FSDP's mixed-precision policy casts the weights itself; DDP and one process use autocast
-        self.autocast = autocast_for(self.device) if not self.parallel.fsdp else contextlib.nullcontext()
+        self.autocast = autocast_for(self.device, cfg.fp16) if not self.parallel.fsdp else contextlib.nullcontext()
         self.model = self.parallel.apply(build_model(self.model_cfg, self.device, cfg.seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, cfg, self.device)
@@ -391,7 +394,9 @@ class Trainer:
                                     f"{self.calc_memory['bytes'] / 2**30:.1f})" if "peak_memory_bytes" in record
                                     else "")
                                  + (f" | bubble {record['pp_bubble']:.0%} (formula {record['pp_bubble_formula']:.0%})"
-                                    if record.get("pp_bubble") is not None else "") + f" | {self.elapsed():.0f}s"
+                                    if record.get("pp_bubble") is not None else "")
+                                 + (f" | loss scale {record['loss_scale']:g} ({record['overflow_steps']} skipped)"
+                                    if "loss_scale" in record else "") + f" | {self.elapsed():.0f}s"
                                  + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
                                     if not last else ""))
                 loss_sum.zero_()

@@ -73,6 +73,8 @@ def runs(configs, data_dir, tmp_path_factory):
     for name, (world, model, dp, flags) in CASES.items():
         by_world[world].append(_cfg(configs[model], data_dir, outs[name], dp, **flags))
     by_world[2].append(_cfg(configs["two"], data_dir, trip, 1, tp=2, stop_at=7, resume=True))
+    outs["fsdp_fp16"] = root / "fsdp_fp16"
+    by_world[2].append(_cfg(configs["two"], data_dir, outs["fsdp_fp16"], 2, fp16=True))
     spawn(4, by_world[4])
     spawn(2, by_world[2])
     Trainer(_cfg(configs["two"], data_dir, trip, 1, resume=True)).run()
@@ -103,6 +105,15 @@ def test_dcp_checkpoint_resumes_across_layouts(runs):
     want, got = load_file(ref / "model.safetensors"), load_file(trip / "model.safetensors")
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=WEIGHT_ATOL, rtol=0, msg=key)
+
+
+def test_fsdp_in_fp16_follows_fp32_with_a_loss_scale(runs):
+    """FSDP2 with fp16 weights and compute (fp32 reduction and master weights) and dynamic loss scaling: the fp32
+    curve within fp16's rounding (5e-2), the scale logged every step."""
+    log = [json.loads(line) for line in (runs["fsdp_fp16"] / "train_log.jsonl").read_text().splitlines()
+           if '"loss"' in line]
+    assert [r["loss"] for r in log] == pytest.approx(train_losses(runs["single_two"]), abs=5e-2)
+    assert all(r["loss_scale"] == 2.0**16 and r["overflow_steps"] == 0 for r in log)
 
 
 def _model_cfg(data_dir, path):

@@ -18,6 +18,7 @@ from torch import nn
 
 from brrr.errors import BrrrError
 from brrr.kernels.dispatch import use_reference
+from brrr.train.loss_scaling import DynamicLossScale
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.mesh import Layout, Mesh, build_mesh, check_model
@@ -79,6 +80,7 @@ class Parallel:
         self.layout = self.mesh.layout
         self.distributed = self.mesh.device_mesh is not None
         self.pipeline: Pipeline | None = None
+        self.loss_scale = DynamicLossScale() if cfg.fp16 else None
         # step-boundary decisions (stop on a signal, out of time) are agreed over a CPU group: no device sync
         self._flags_group = dist.new_group(backend="gloo") if self.distributed else None
 
@@ -128,7 +130,7 @@ class Parallel:
                 for layer in layers:
                     layer.compile()
             if self.fsdp:
-                apply_fsdp(part, layers, self.mesh, self.device, cfg.reshard_after_forward)
+                apply_fsdp(part, layers, self.mesh, self.device, cfg.reshard_after_forward, cfg.fp16)
             elif layout.dp > 1:
                 apply_ddp(part, self.mesh)
         if self.pipeline is None:
@@ -151,7 +153,12 @@ class Parallel:
         (mean loss over the data-parallel ranks, global pre-clip gradient norm), both on the device."""
         pp_group = self.mesh.get("pp").get_group() if self.pipeline is not None else None
         clip = functools.partial(clip_grad_norm, pp_group=pp_group)
+        scale = 1.0
+        if self.loss_scale is not None:  # fp16
+            scale = self.loss_scale.scale
+            loss_fn, clip = self.loss_scale.scaled(loss_fn), self.loss_scale.unscaled_clip(clip)
         if self.pipeline is not None:
+            self.pipeline.loss_multiplier = scale
             total = sum(self.pipeline.run(x, y) for x, y in batches) / len(batches)
             norm = clip(params, grad_clip)
             optimizer.step()
@@ -160,7 +167,7 @@ class Parallel:
         else:
             with self.loss_context():
                 loss, norm = optimizer_step(loss_fn, optimizer, params, batches, grad_clip, autocast, clip=clip)
-            loss = _local(loss)
+            loss = _local(loss) / scale
         return self.mean_loss(loss), norm
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -213,9 +220,12 @@ class Parallel:
     def log_fields(self) -> dict:
         """Per-layout measurements for the step log since the last call: the pipeline bubble, the busiest
         rank's (the first stage waits longest in 1F1B's cool-down, the last in its warm-up)."""
+        fields = {}
+        if self.loss_scale is not None:
+            fields.update(loss_scale=self.loss_scale.scale, overflow_steps=self.loss_scale.overflows)
         if self.pipeline is None:
-            return {}
-        fields = self.pipeline.bubble()
+            return fields
+        fields.update(self.pipeline.bubble())
         if fields["pp_bubble"] is not None:
             fields["pp_bubble"] = self.max_over_ranks(fields["pp_bubble"])
         return fields

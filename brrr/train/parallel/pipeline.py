@@ -110,6 +110,7 @@ class Pipeline:
         self._classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
         self.schedule = None
         self.busy_s = self.wall_s = 0.0  # this rank's stage compute, and the pipeline steps' wall time
+        self.loss_multiplier = 1.0  # fp16's loss scale for the next step
 
     def _timed(self, run_chunk):
         """A stage's forward_one_chunk / backward_one_chunk that adds its compute time to busy_s (the loss of a
@@ -145,9 +146,13 @@ class Pipeline:
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
         cls = self._classes[self.schedule_name]
-        # the loss of one microbatch, scaled so the gradients sum to those of the step's mean loss
-        scale = self.microbatches * self.grad_accum
-        loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()) / scale  # noqa: E731
+        # the loss of one microbatch, divided so the gradients sum to those of the step's mean loss (and times
+        # fp16's loss scale)
+        divisor = self.microbatches * self.grad_accum
+
+        def loss_fn(logits, target):
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten()) * self.loss_multiplier / divisor
+
         self.schedule = cls(stages if self.schedule_name == "interleaved" else stages[0], self.microbatches,
                             loss_fn=loss_fn, scale_grads=False)
 
@@ -168,4 +173,4 @@ class Pipeline:
             self.schedule.eval(*args, target=target, losses=losses)
         if not self.has_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([x.detach() for x in losses]).sum() * self.grad_accum
+        return torch.stack([x.detach() for x in losses]).sum() * (self.grad_accum / self.loss_multiplier)

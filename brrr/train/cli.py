@@ -53,7 +53,7 @@ def register(sub):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds this run may take: steps are capped to fit after timing a few")
     p.add_argument("--stop-at", type=int, default=None, help="halt after this step (checkpoint + export)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/ (state.pt, or dcp/ from a torchrun launch)")
     p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     add_parallel_flags(p)
     p.set_defaults(func=cmd_train)
@@ -65,7 +65,8 @@ def add_parallel_flags(p):
     g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shard group size (-1: the ranks left over)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
+                   help="pipeline schedule (interleaved: 2 stages per rank)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches per micro-batch (default: --pp)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,

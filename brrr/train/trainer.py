@@ -403,6 +403,7 @@ class Trainer:
                 window_steps = 0
                 if stopping:
                     self.save_checkpoint()
+                    self.checkpoints.wait()  # an async save must land before the process exits
                     if self.dist.main:
                         print(f"interrupted: checkpoint of step {step} written to {self.ckpt_path}; continue with "
                               "the same command and --resume", file=sys.stderr, flush=True)

@@ -25,7 +25,8 @@ from brrr.train.parallel.mesh import Layout, Mesh, build_mesh, check_model
 from brrr.train.parallel.pipeline import Pipeline, check_pipeline
 from brrr.train.parallel.tensor_parallel import apply_tp
 
-__all__ = ["Checkpointer", "Layout", "Mesh", "Parallel", "load_model_weights"]
+__all__ = ["Checkpointer", "Layout", "Mesh", "Parallel", "checkpoint_activations", "clip_grad_norm", "decoder_layers",
+           "load_model_weights"]
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:

@@ -97,6 +97,21 @@ def test_layout_matches_one_process(runs, name):
     assert summary["tokens_seen"] == reference["tokens_seen"] == 10 * 2 * GLOBAL_MICRO_BATCH * 32
 
 
+def test_a_distributed_export_loads_in_transformers_and_brrr(runs):
+    """Rank 0 gathers the final checkpoint's shards (here FSDP x TP) into the HF directory one process writes."""
+    transformers = pytest.importorskip("transformers")
+    import brrr
+
+    out, ref = runs["fsdp_x_tp"], runs["single_two"]
+    assert json.loads((out / "config.json").read_text()) == json.loads((ref / "config.json").read_text())
+    ids = [0, 17, 42, 99, 250, 3, 7, 311]
+    with torch.no_grad():
+        ours = brrr.forward_logits(brrr.load_model(out), ids)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        ref_logits = theirs(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref_logits, atol=1e-4, rtol=0)
+
+
 def test_dcp_checkpoint_resumes_across_layouts(runs):
     """Steps 1-5 on 4 FSDP ranks (saved asynchronously), 6-7 on 2 TP ranks, 8-10 on one process: the
     uninterrupted curve."""

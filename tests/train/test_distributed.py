@@ -1,6 +1,6 @@
 """`brrr train` on 2 and 4 CPU processes (gloo) against one process with the same global batch: DDP, FSDP2 as
 ZeRO-3 and ZeRO-2, HSDP, TP (sequence parallel, vocab-parallel loss), FSDP x TP, and PP with GPipe, 1F1B and
-interleaved 1F1B (alone and with FSDP). Every layout gives the one-process loss curve and final weights within
+interleaved 1F1B (alone, with FSDP, with TP). Every layout gives the one-process loss curve and final weights within
 fp32 reduction-order tolerance: losses within 5e-5 absolute (they differ in the 6th digit: the layouts sum the
 same fp32 products in another order), weights within 1e-4. A DCP checkpoint written by 4 FSDP ranks resumes on 2
 ranks of TP and then on one process, continuing the uninterrupted curve; a layout the world or the model cannot
@@ -56,6 +56,7 @@ CASES = {
     "fsdp_x_tp": (4, "two", 2, dict(tp=2)),
     "fsdp_x_tp_tied": (4, "tied", 2, dict(tp=2)),
     "pp_x_fsdp": (4, "four", 2, dict(pp=2, microbatches=2)),
+    "pp_x_tp_interleaved": (4, "four", 1, dict(pp=2, tp=2, pp_schedule="interleaved", microbatches=2)),
 }
 
 

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from brrr.errors import BrrrError
 from brrr.kernels.dispatch import use_reference
 from brrr.train.loss_scaling import DynamicLossScale
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
@@ -73,9 +72,6 @@ class Parallel:
         check_model(layout, model_cfg, cfg.micro_batch, cfg.seq_len, microbatches if layout.pp > 1 else None)
         if layout.pp > 1:
             check_pipeline(cfg.pp_schedule, layout.pp, microbatches, model_cfg.num_layers)
-            if layout.tp > 1:
-                raise BrrrError("--pp with --tp is not supported yet (stages exchange plain tensors, TP "
-                                "activations are DTensors); use --pp with --dp-shard/--dp-replicate")
         self.cfg, self.device, self.microbatches = cfg, device, microbatches
         self.mesh: Mesh = build_mesh(layout, device)
         self.layout = self.mesh.layout
@@ -112,7 +108,7 @@ class Parallel:
         parts = [model]
         if layout.pp > 1:
             self.pipeline = Pipeline(model, self.mesh.get("pp"), cfg.pp_schedule, self.microbatches,
-                                     cfg.grad_accum, self.device)
+                                     cfg.grad_accum, cfg.seq_len, self.device)
             parts = self.pipeline.modules
         if self.distributed:
             # the fused gather-and-norm reads layer 0's norm weight from outside that layer's call, where FSDP has
@@ -122,6 +118,8 @@ class Parallel:
         if layout.tp > 1:
             for part in parts:
                 apply_tp(part, self.mesh)
+                if self.pipeline is not None:  # stages exchange TP's token shards
+                    part.tp_mesh = self.mesh.get("tp")
         for part in parts:
             layers = decoder_layers(part)
             if cfg.activation_checkpointing:  # all layers, or every N-th (memory traded for less recompute)
@@ -160,7 +158,8 @@ class Parallel:
             loss_fn, clip = self.loss_scale.scaled(loss_fn), self.loss_scale.unscaled_clip(clip)
         if self.pipeline is not None:
             self.pipeline.loss_multiplier = scale
-            total = sum(self.pipeline.run(x, y) for x, y in batches) / len(batches)
+            with self.loss_context():
+                total = sum(self.pipeline.run(x, y) for x, y in batches) / len(batches)
             norm = clip(params, grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -198,23 +197,14 @@ class Parallel:
     def _pipeline_eval(self, inputs, targets):
         """Evaluation batches are padded to the training shape the stages were built for (padded targets are
         ignored), run forward-only through the schedule, and the summed loss shared from the last stage."""
-        import torch.nn.functional as F
-
         rows, length = inputs.shape
         mb, seq = self.cfg.micro_batch, self.cfg.seq_len
         x = torch.zeros(mb, seq, dtype=inputs.dtype, device=inputs.device)
         y = torch.full((mb, seq), -100, dtype=targets.dtype, device=targets.device)
         x[:rows, :length], y[:rows, :length] = inputs, targets
-        schedule = self.pipeline.schedule
-        train_loss = schedule._loss_fn
-        schedule._loss_fn = lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="sum")
-        try:
-            losses: list = []
-            first = 0 in self.pipeline.stage_ids
-            schedule.eval(*((x,) if first else ()), target=y if self.pipeline.has_last else None, losses=losses)
-        finally:
-            schedule._loss_fn = train_loss
-        total = torch.stack([v.detach() for v in losses]).sum() if losses else torch.zeros((), device=x.device)
+        kernels = use_reference() if self.layout.tp > 1 else contextlib.nullcontext()
+        with self.loss_context(), kernels:
+            total = self.pipeline.eval_sum(x, y)
         dist.all_reduce(total, group=self.mesh.get("pp").get_group())
         return total
 

@@ -26,10 +26,13 @@ INTERLEAVED_CHUNKS = 2  # stages per rank with the interleaved schedule
 
 class PipelineStageModule(nn.Module):
     """Layers [first, last) of a LlamaForCausalLM; the embedding if it is the first stage, the final norm and LM
-    head if it is the last. Activations between stages: (h, residual), each [batch, seq, hidden]."""
+    head if it is the last. Activations between stages: (h, residual), each [tokens, hidden] of flattened
+    [batch, seq_len] tokens; under TP each rank sends its own token shard to the rank of the same TP coordinate in
+    the next stage (sequence parallelism's layout, so nothing is gathered at a stage boundary)."""
 
-    def __init__(self, causal_lm: nn.Module, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, causal_lm: nn.Module, layer_ids: list[int], first: bool, last: bool, seq_len: int):
         super().__init__()
+        self.seq_len, self.tp_mesh = seq_len, None  # apply_tp sets tp_mesh
         self.config = causal_lm.config
         inner = causal_lm.model
         inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
@@ -49,19 +52,37 @@ class PipelineStageModule(nn.Module):
         return self._meta[key]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        batch, seq = x.shape[:2]
-        meta, positions = self._meta_for(batch, seq, x.device)
+        """First stage: token ids [batch, seq_len]; later stages: the previous one's (h, residual). Returns the
+        next stage's inputs, or on the last stage the fp32 logits [tokens, vocab] (vocabulary-sharded under TP)."""
+        tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
+        tokens = x.numel() if self.first else x.shape[0] * tp
+        meta, positions = self._meta_for(tokens // self.seq_len, self.seq_len, x.device)
         inner = self.model
         if self.first:
             h, cos, sin = inner.embed(x.reshape(-1), positions)
         else:
-            h, residual = x.reshape(batch * seq, -1), residual.reshape(batch * seq, -1)
+            h, residual = self._sharded(x), self._sharded(residual)
             cos, sin = inner.rotary_emb(positions, h.dtype)
         for layer in inner.layers.values():
             h, residual = layer(h, cos, sin, meta, residual)
         if self.last:
-            return self.lm_head(inner.norm(h, residual)[0]).float().view(batch, seq, -1)
-        return h.view(batch, seq, -1), residual.view(batch, seq, -1)
+            return self.lm_head(inner.norm(h, residual)[0]).float()
+        return _local_shard(h), _local_shard(residual)
+
+    def _sharded(self, t: torch.Tensor) -> torch.Tensor:
+        """A received token shard as the TP layers' Shard(0) DTensor (the tensor itself without TP)."""
+        if self.tp_mesh is None:
+            return t
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(t, self.tp_mesh, [Shard(0)], run_check=False)
+
+
+def _local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What a stage sends: this rank's token shard (pipelining sends plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def stage_layers(num_layers: int, stages: int) -> list[list[int]]:
@@ -92,7 +113,8 @@ def check_pipeline(schedule: str, pp: int, microbatches: int, num_layers: int):
 class Pipeline:
     """This rank's stage modules and the schedule that runs one micro-batch through all of them."""
 
-    def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, grad_accum: int, device):
+    def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, grad_accum: int, seq_len: int,
+                 device):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -101,7 +123,7 @@ class Pipeline:
         layers = stage_layers(model.config.num_layers, n_stages)
         ids = [rank + k * pp for k in range(chunks)]  # the looped placement interleaved 1F1B expects
         self.modules = [PipelineStageModule(copy.deepcopy(model) if chunks > 1 else model, layers[s], s == 0,
-                                            s == n_stages - 1) for s in ids]
+                                            s == n_stages - 1, seq_len) for s in ids]
         self.stage_ids, self.n_stages, self.pp_mesh, self.device = ids, n_stages, pp_mesh, device
         self.microbatches, self.grad_accum, self.schedule_name = microbatches, grad_accum, schedule
         self.has_last = n_stages - 1 in ids
@@ -151,26 +173,43 @@ class Pipeline:
         divisor = self.microbatches * self.grad_accum
 
         def loss_fn(logits, target):
-            return F.cross_entropy(logits.flatten(0, 1), target.flatten()) * self.loss_multiplier / divisor
+            return F.cross_entropy(logits, target.flatten()) * self.loss_multiplier / divisor
 
         self.schedule = cls(stages if self.schedule_name == "interleaved" else stages[0], self.microbatches,
                             loss_fn=loss_fn, scale_grads=False)
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """One micro-batch through the pipeline (forward and, when train, backward). Returns this micro-batch's
-        mean loss on ranks holding the last stage, zero elsewhere."""
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch through the pipeline, forward and backward. Returns this micro-batch's mean loss on
+        ranks holding the last stage, zero elsewhere."""
         losses: list = []
         first = 0 in self.stage_ids
         args = (inputs,) if first else ()
         target = targets if self.has_last else None
-        if train:
-            self._sync()
-            start = time.perf_counter()
-            self.schedule.step(*args, target=target, losses=losses)
-            self._sync()
-            self.wall_s += time.perf_counter() - start
-        else:
-            self.schedule.eval(*args, target=target, losses=losses)
+        self._sync()
+        start = time.perf_counter()
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self._sync()
+        self.wall_s += time.perf_counter() - start
         if not self.has_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([x.detach() for x in losses]).sum() * (self.grad_accum / self.loss_multiplier)
+        return local_sum(losses) * (self.grad_accum / self.loss_multiplier)
+
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed next-token loss of one [micro_batch, seq_len] batch, forward only (targets -100 are skipped):
+        on ranks holding the last stage; zero elsewhere."""
+        schedule = self.schedule
+        train_loss = schedule._loss_fn
+        schedule._loss_fn = lambda logits, t: F.cross_entropy(logits, t.flatten(), reduction="sum")
+        try:
+            losses: list = []
+            schedule.eval(*((inputs,) if 0 in self.stage_ids else ()), target=targets if self.has_last else None,
+                          losses=losses, return_outputs=False)
+        finally:
+            schedule._loss_fn = train_loss
+        return local_sum(losses) if losses else torch.zeros((), device=self.device)
+
+
+def local_sum(losses: list) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return torch.stack([x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]).sum()

@@ -26,10 +26,12 @@ GLOBAL_MICRO_BATCH = 8  # sequences per micro-batch over all data-parallel ranks
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     """The tiny model (2 layers), a 4-layer one for interleaved pipelines (2 stages per rank), and one whose LM
-    head shares the embedding's weight (TP shards the shared table once)."""
+    head shares the embedding's weight (TP shards the shared table once), and a Qwen3 (per-head q/k norms, which
+    under TP see each rank's heads)."""
     d = tmp_path_factory.mktemp("dist_cfg")
     shapes = {"two": TINY_MODEL, "four": {**TINY_MODEL, "num_hidden_layers": 4},
-              "tied": {**TINY_MODEL, "tie_word_embeddings": True}}
+              "tied": {**TINY_MODEL, "tie_word_embeddings": True},
+              "qwen3": {**TINY_MODEL, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
     for name, shape in shapes.items():
         (d / f"{name}.json").write_text(json.dumps(shape))
     return {name: d / f"{name}.json" for name in shapes}
@@ -55,6 +57,7 @@ CASES = {
     "hsdp": (4, "two", 4, dict(dp_replicate=2)),
     "fsdp_x_tp": (4, "two", 2, dict(tp=2)),
     "fsdp_x_tp_tied": (4, "tied", 2, dict(tp=2)),
+    "fsdp_x_tp_qwen3": (4, "qwen3", 2, dict(tp=2)),
     "pp_x_fsdp": (4, "four", 2, dict(pp=2, microbatches=2)),
     "pp_x_tp_interleaved": (4, "four", 1, dict(pp=2, tp=2, pp_schedule="interleaved", microbatches=2)),
 }

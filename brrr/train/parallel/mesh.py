@@ -68,9 +68,6 @@ def check_model(layout: Layout, cfg: ModelConfig, micro_batch: int, seq_len: int
                             ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
             if size % tp:
                 raise BrrrError(f"--tp {tp} must divide the model's {field} ({size})")
-        if cfg.qk_norm:
-            raise BrrrError(f"--tp {tp}: models with per-head q/k norms (qk_norm, Qwen3) are not tensor-parallel "
-                            "in training yet; use --dp-shard")
         if (micro_batch * seq_len) % tp:
             raise BrrrError(f"--tp {tp} must divide the tokens of a micro-batch (--micro-batch {micro_batch} x "
                             f"--seq-len {seq_len}): sequence parallelism splits them")

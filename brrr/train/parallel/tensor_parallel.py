@@ -9,7 +9,8 @@ its input and one reduce-scatter of its output (the bytes of one all-reduce) in 
 The embedding is vocabulary-parallel (each rank owns vocab/tp rows; its masked partial rows are reduce-scattered
 onto the token shards) and the LM head column-parallel over the vocabulary, its logits left sharded for
 `loss_parallel`, which computes the cross-entropy without gathering [tokens, vocab].
-Attention reads `n_heads` / `n_kv` from its module to view q/k/v: they become this rank's local head counts.
+Attention reads `n_heads` / `n_kv` from its module to view q/k/v: they become this rank's local head counts; per-head
+q/k norms (Qwen3) take those heads as a Shard(1) DTensor, so their replicated weights' gradients sum over TP ranks.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def replicate_params(module: nn.Module, tp_mesh):
 def apply_tp(model: nn.Module, mesh: Mesh):
     """Shard `model` (a LlamaForCausalLM, or a pipeline stage of one) over mesh["tp"] in place."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, parallelize_module)
 
     tp_mesh, tp = mesh.get("tp"), mesh.layout.tp
     inner = model.model
@@ -60,6 +61,13 @@ def apply_tp(model: nn.Module, mesh: Mesh):
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
         })
+        if attn.q_norm is not None:  # per-head norms (Qwen3) see this rank's heads: Shard(1) of [tokens, heads, dim]
+            for norm in (attn.q_norm, attn.k_norm):
+                replicate_params(norm, tp_mesh)
+                parallelize_module(norm, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                     desired_input_layouts=(Shard(1),)))
+                parallelize_module(norm, tp_mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                                      desired_output_layouts=(Shard(1),)))
         replicate_params(layer.input_layernorm, tp_mesh)
         replicate_params(layer.post_attention_layernorm, tp_mesh)
     if inner.norm is not None:

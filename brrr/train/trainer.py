@@ -270,7 +270,8 @@ class Trainer:
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.parallel.dp_world
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak, self.gpu_name = peak_flops(self.device)
-        self.calc_memory = self.parallel.calc_train_memory(self.model_cfg)
+        # brrr calc train's per-GPU memory for this layout, logged beside the measured peak on CUDA
+        self.calc_memory = self.parallel.calc_train_memory(self.model_cfg) if self.device.type == "cuda" else None
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -330,9 +331,10 @@ class Trainer:
                   f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, "
                   f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}", flush=True)
             if self.parallel.distributed:
-                print(f"layout: {self.parallel.layout.describe()} on {self.dist.world} ranks (ZeRO-"
-                      f"{self.calc_memory['zero']}); brrr calc train predicts "
-                      f"{self.calc_memory['bytes'] / 2**30:.2f} GiB per GPU", flush=True)
+                print(f"layout: {self.parallel.layout.describe()} on {self.dist.world} ranks"
+                      + (f" (ZeRO-{self.calc_memory['zero']}); brrr calc train predicts "
+                         f"{self.calc_memory['bytes'] / 2**30:.2f} GiB per GPU" if self.calc_memory else ""),
+                      flush=True)
             if st["max_steps"] < cfg.warmup_steps:
                 peak = lr_at(st["max_steps"] - 1, cfg, st["max_steps"])
                 print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "

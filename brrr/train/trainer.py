@@ -254,6 +254,7 @@ class Trainer:
                     raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
                                     f"this run has {value!r}{note}")
             self.state = saved
+            self.parallel.restore(saved)
             self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
                 else saved["max_steps"]
         elif self.out.exists() and self.checkpoints.exists():
@@ -478,6 +479,7 @@ class Trainer:
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def save_checkpoint(self):
+        self.state.update(self.parallel.state())
         self.checkpoints.save(self.model, self.optimizer, self.state)
 
     def finish(self, halted: bool) -> dict:

@@ -56,3 +56,17 @@ def test_fp16_training_skips_overflowing_steps_and_logs_them(tiny_config, data_d
     assert 1 <= skipped <= 4 and log[-1]["loss_scale"] == 2.0 ** (21 - skipped)
     assert log[-1]["loss"] < log[0]["loss"] - 0.3
     assert all(math.isfinite(r["loss"]) for r in log)
+
+
+def test_a_resumed_fp16_run_keeps_its_loss_scale(tiny_config, data_dir, tmp_path):
+    common = dict(device="cpu", seq_len=32, micro_batch=8, max_steps=6, lr=3e-3, warmup_steps=2, log_every=1,
+                  eval_every=100, eval_windows=2, checkpoint_every=100, final_eval_windows=1, fp16=True)
+    first = Trainer(TrainConfig(str(tiny_config), str(data_dir), str(tmp_path), stop_at=3, **common))
+    first.parallel.loss_scale.scale = 2.0**21
+    first.run()
+    stopped = first.parallel.loss_scale
+    assert stopped.overflows >= 1
+    resumed = Trainer(TrainConfig(str(tiny_config), str(data_dir), str(tmp_path), resume=True, **common))
+    scale = resumed.parallel.loss_scale
+    assert (scale.scale, scale.finite_steps, scale.overflows) == (stopped.scale, stopped.finite_steps,
+                                                                  stopped.overflows)

@@ -221,6 +221,20 @@ class Parallel:
             fields["pp_bubble"] = self.max_over_ranks(fields["pp_bubble"])
         return fields
 
+    # -- what a checkpoint keeps of this object -----------------------------------------------------------------
+    def state(self) -> dict:
+        """For the trainer's checkpoint state: fp16's loss scale (a resume starts from it, not from 2^16)."""
+        if self.loss_scale is None:
+            return {}
+        return {"loss_scale": self.loss_scale.scale, "loss_scale_finite_steps": self.loss_scale.finite_steps,
+                "overflow_steps": self.loss_scale.overflows}
+
+    def restore(self, saved: dict):
+        if self.loss_scale is not None and "loss_scale" in saved:
+            self.loss_scale.scale = saved["loss_scale"]
+            self.loss_scale.finite_steps = saved["loss_scale_finite_steps"]
+            self.loss_scale.overflows = saved["overflow_steps"]
+
     # -- what `brrr calc train` predicts for this layout ----------------------------------------------------
     def calc_train_memory(self, model_cfg) -> dict:
         """Per-GPU bytes `brrr calc train` predicts for this layout (state + activations), and its ZeRO stage:

@@ -115,6 +115,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        # the first layer's norm fused into the embedding gather; parallel training turns it off (FSDP gathers
+        # layer 0's norm weight only inside that layer's call, TP's vocabulary-parallel plan hooks embed_tokens')
+        self.embed_fused = True
 
     def embed(self, input_ids, positions):
         """The stream entering the first layer, and the rotation every layer applies: (h, cos, sin)."""
@@ -123,7 +126,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         first = self.layers[0].input_layernorm
-        x, h = embed_rms_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)  # one gather-and-norm
+        if self.embed_fused:
+            x, h = embed_rms_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)  # one gather-and-norm
+        else:
+            x, h = None, self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
         h, residual = self.layers[0](h, cos, sin, meta, normed=x)
         for layer in self.layers[1:]:

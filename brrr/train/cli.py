@@ -48,16 +48,37 @@ def register(sub):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute layers in backward")
+    p.add_argument("--activation-checkpointing-every", type=int, default=1,
+                   help="with --activation-checkpointing: recompute every N-th layer only (selective)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds this run may take: steps are capped to fit after timing a few")
     p.add_argument("--stop-at", type=int, default=None, help="halt after this step (checkpoint + export)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/ (state.pt, or dcp/ from a torchrun launch)")
     p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_parallel_flags(p)
     p.set_defaults(func=cmd_train)
 
     from brrr.train.finetune_cli import register as register_finetune
 
     register_finetune(sub)
+
+
+def add_parallel_flags(p):
+    g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")
+    g.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (DDP; with --dp-shard: HSDP)")
+    g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shard group size (-1: the ranks left over)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
+                   help="pipeline schedule (interleaved: 2 stages per rank)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline microbatches per micro-batch (default: --pp)")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP: free gathered weights after forward (ZeRO-3); --no-...: keep them (ZeRO-2)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 compute with dynamic loss scaling (overflowing steps are skipped), instead of bf16")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write distributed checkpoints in the background while training continues")
 
 
 def _needs_subcommand(parser) -> int:
@@ -80,7 +101,22 @@ def cmd_data_build(args) -> int:
 def cmd_train(args) -> int:
     from brrr.train.trainer import Trainer, TrainConfig, config_fields
 
+    import os
+
+    import torch.distributed as dist
+
+    from brrr.errors import BrrrError
+
     cfg = TrainConfig(**{k: getattr(args, k) for k in config_fields()})
-    summary = Trainer(cfg).run()
-    print(json.dumps(summary, indent=2))
+    try:
+        summary = Trainer(cfg).run()
+    except BrrrError:
+        if int(os.environ.get("RANK", 0)) == 0:
+            raise
+        return 2  # every rank refuses the same layout; rank 0 alone says why
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(summary, indent=2))
     return 0

@@ -10,7 +10,6 @@ position, RNGs) is written atomically, so `--resume` continues bit for bit. At t
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -33,8 +32,9 @@ from brrr.kernels import AttnMeta
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.pretrained import check_device
-from brrr.train import checkpoint
 from brrr.train.data import TokenData
+from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_model_weights
+from brrr.train.parallel import checkpoint_activations as recompute_layers
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.shapes import resolve_config
 from brrr.train.tokenizer import tokenizer_config
@@ -75,10 +75,21 @@ class TrainConfig:
     stop_at: int | None = None  # halt after this step (checkpoint + export), to resume later
     resume: bool = False
     export_dtype: str = "auto"  # auto: bfloat16 when trained under bf16 autocast, else float32
+    # parallel layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x tp x pp = WORLD_SIZE
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the ranks the other dimensions leave
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None  # pipeline microbatches per micro-batch (default: pp)
+    reshard_after_forward: bool = True  # FSDP: True frees gathered weights after forward (ZeRO-3), False ZeRO-2
+    async_checkpoint: bool = False
+    activation_checkpointing_every: int = 1  # with activation_checkpointing: recompute every N-th layer only
+    fp16: bool = False  # fp16 compute with dynamic loss scaling (GPUs without bf16), instead of bf16
 
     def check(self):
         positive = ("seq_len", "micro_batch", "grad_accum", "max_steps", "eval_every", "eval_windows", "log_every",
-                    "checkpoint_every")
+                    "checkpoint_every", "activation_checkpointing_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise BrrrError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -148,31 +159,7 @@ def checkpoint_activations(model: nn.Module, selective: bool = False):
     and so the state dict, are unchanged: only the layers' forward is wrapped). selective: keep the outputs of
     the matmuls that contract a wide dimension and of attention, recompute only the cheap rest (norms, RoPE,
     activations, dropout, rank-r LoRA expansions): backward then re-runs almost no FLOPs, for more memory."""
-    from torch.utils.checkpoint import checkpoint as recompute
-
-    kwargs = {"use_reentrant": False}
-    if selective:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_wide_matmuls)
-    for layer in model.model.layers:
-        layer.forward = functools.partial(recompute, layer.forward, **kwargs)
-
-
-_WIDE_CONTRACTION = 256  # a matmul contracting fewer columns (a LoRA B of rank r) is cheaper to redo than to keep
-
-
-def _keep_wide_matmuls(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    aten = torch.ops.aten
-    if op in (aten.mm.default, aten.addmm.default):
-        a = args[1] if op is aten.addmm.default else args[0]
-        return CheckpointPolicy.MUST_SAVE if a.shape[-1] > _WIDE_CONTRACTION else CheckpointPolicy.PREFER_RECOMPUTE
-    if op in (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-              aten._scaled_dot_product_cudnn_attention.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    recompute_layers(decoder_layers(model), selective)
 
 
 class CausalLMLoss(nn.Module):
@@ -196,23 +183,26 @@ class CausalLMLoss(nn.Module):
         return F.cross_entropy(self.model.compute_logits(hidden), targets.reshape(-1), reduction=reduction)
 
 
-def autocast_for(device) -> contextlib.AbstractContextManager:
+def autocast_for(device, fp16: bool = False) -> contextlib.AbstractContextManager:
+    if fp16:
+        return torch.autocast(torch.device(device).type, dtype=torch.float16)
     if torch.device(device).type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float,
-                   autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def optimizer_step(loss_fn, optimizer, params, batches, grad_clip: float, autocast,
+                   clip=torch.nn.utils.clip_grad_norm_) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over micro-batches [(inputs, targets), ...] (or whatever tuples loss_fn takes):
-    (mean loss, pre-clip grad norm), both left on the device (reading them would wait for the GPU)."""
+    (mean loss, pre-clip grad norm), both left on the device (reading them would wait for the GPU). clip: the
+    layout's gradient clipping."""
     total = None
     for batch in batches:
         with autocast:
             loss = loss_fn(*batch)
         (loss / len(batches)).backward()
         total = loss.detach() if total is None else total + loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    norm = clip(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total / len(batches), norm
@@ -233,11 +223,7 @@ class Trainer:
         cfg.check()
         self.start = time.perf_counter()
         self.cfg, self.dist = cfg, Distributed.from_env()
-        if self.dist.world > 1:
-            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr train runs one process for now (the data is "
-                            "sharded by rank, but gradients are not synchronized yet); launch it without torchrun")
         self.out = Path(cfg.out)
-        self.ckpt_path = self.out / "checkpoint" / "state.pt"
         self.data = TokenData(cfg.data)
         self.model_cfg = resolve_config(cfg.model, self.data.vocab_size, self.data.special_tokens, cfg.seq_len)
         if cfg.device:
@@ -250,37 +236,46 @@ class Trainer:
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.autocast = autocast_for(self.device)
-        self.model = build_model(self.model_cfg, self.device, cfg.seed)
+        self.parallel = Parallel(cfg, self.model_cfg, self.device)  # torchrun's ranks -> a DeviceMesh
+        self.checkpoints = Checkpointer(self.out, self.parallel.distributed, self.dist.main, cfg.async_checkpoint)
+        self.ckpt_path = self.checkpoints.path
+        # FSDP's mixed-precision policy casts the weights itself; DDP and one process use autocast
+        self.autocast = autocast_for(self.device, cfg.fp16) if not self.parallel.fsdp else contextlib.nullcontext()
+        self.model = self.parallel.apply(build_model(self.model_cfg, self.device, cfg.seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, cfg, self.device)
         self.windows = TrainWindows(self.data.splits["train"], cfg.seq_len, cfg.micro_batch, cfg.seed,
-                                    self.dist.rank, self.dist.world)
+                                    self.parallel.dp_rank, self.parallel.dp_world)
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = checkpoint.load(self.ckpt_path, self.model, self.optimizer)
+            saved = self.checkpoints.load(self.model, self.optimizer)
             for key, value in self._resume_key().items():
                 if saved["config"].get(key) != value:
+                    note = " (--micro-batch x data-parallel ranks: keep it when the layout changes)" \
+                        if key == "micro_batch" else ""
                     raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}")
+                                    f"this run has {value!r}{note}")
             self.state = saved
+            self.parallel.restore(saved)
             self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
                 else saved["max_steps"]
-        elif self.out.exists() and self.ckpt_path.exists():
+        elif self.out.exists() and self.checkpoints.exists():
             raise BrrrError(f"{self.out} already holds a training run; pass --resume to continue it, "
                             "or choose another --out")
         self.loss = CausalLMLoss(self.model)
-        if cfg.activation_checkpointing:
-            checkpoint_activations(self.model)
         self.loss_fn = self.loss
-        if cfg.compile:  # fill the eager caches first (AttnMeta, RoPE frequencies), so the graph sees no mutation
+        # one process compiles the whole loss (distributed runs compile per layer); fill the eager caches first
+        # (AttnMeta, RoPE frequencies), so the graph sees no mutation
+        if cfg.compile and not self.parallel.compiles_blocks:
             self.loss.meta(cfg.micro_batch, cfg.seq_len, self.device)
             self.model.model.rotary_emb(torch.zeros(1, dtype=torch.long, device=self.device), torch.float32)
             self.loss_fn = torch.compile(self.loss)
-        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.dist.world
+        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * self.parallel.dp_world
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak, self.gpu_name = peak_flops(self.device)
+        # brrr calc train's per-GPU memory for this layout, logged beside the measured peak on CUDA
+        self.calc_memory = self.parallel.calc_train_memory(self.model_cfg) if self.device.type == "cuda" else None
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -289,9 +284,11 @@ class Trainer:
     def _resume_key(self) -> dict:
         """What must not change across a resume: the model, the data, and the batch geometry."""
         c = self.cfg
+        # the layout may change (the data position counts global micro-batches), the global batch may not:
+        # micro_batch is the sequences of one micro-batch over all data-parallel ranks
         return {"model": self.model_cfg.to_hf(), "tokenizer_sha256": self.data.manifest["tokenizer_sha256"],
-                "seq_len": c.seq_len, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed,
-                "world": self.dist.world}
+                "seq_len": c.seq_len, "micro_batch": c.micro_batch * self.parallel.dp_world,
+                "grad_accum": c.grad_accum, "seed": c.seed}
 
     # -- logging ---------------------------------------------------------------------------------------------
     def log(self, record: dict, line: str):
@@ -318,8 +315,7 @@ class Trainer:
                 chunk = starts[i: i + self.cfg.micro_batch]
                 rows = torch.from_numpy(val[chunk[:, None] + np.arange(length)].astype(np.int64))
                 rows = rows.to(self.device)
-                with self.autocast:
-                    total += self.loss(rows[:, :-1], rows[:, 1:], reduction="sum").double()
+                total += self.parallel.eval_loss_sum(self.loss, rows[:, :-1], rows[:, 1:], self.autocast).double()
                 n += rows[:, 1:].numel()
             if n:
                 sums[name], counts[name] = total.item(), n
@@ -344,6 +340,11 @@ class Trainer:
         self.model.train()
         if self.dist.main:
             print(self.describe(), flush=True)
+            if self.parallel.distributed:
+                print(f"layout: {self.parallel.layout.describe()} on {self.dist.world} ranks"
+                      + (f" (ZeRO-{self.calc_memory['zero']}); brrr calc train predicts "
+                         f"{self.calc_memory['bytes'] / 2**30:.2f} GiB per GPU" if self.calc_memory else ""),
+                      flush=True)
             if st["max_steps"] < cfg.warmup_steps:
                 peak = lr_at(st["max_steps"] - 1, cfg, st["max_steps"])
                 print(f"warning: --max-steps {st['max_steps']} ends inside the {cfg.warmup_steps} --warmup-steps: "
@@ -368,8 +369,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             batches = [self.windows.batch_at(st["position"] + i, self.device) for i in range(cfg.grad_accum)]
-            loss, norm = optimizer_step(self.loss_fn, self.optimizer, self.params, batches, cfg.grad_clip,
-                                        self.autocast)
+            loss, norm = self.parallel.step(optimizer_step, self.loss_fn, self.optimizer, self.params, batches,
+                                            cfg.grad_clip, self.autocast)
             st["step"], st["position"] = step + 1, st["position"] + cfg.grad_accum
             st["tokens_seen"] += self.tokens_per_step
             loss_sum += loss
@@ -378,8 +379,9 @@ class Trainer:
             step = st["step"]
             self._maybe_fix_budget(step)
             last = step == st["max_steps"]
-            halted = (cfg.stop_at is not None and step >= cfg.stop_at) or self._out_of_time()
-            stopping = bool(interrupted)  # Ctrl-C: checkpoint this step and stop, no evaluation or export
+            halted = (cfg.stop_at is not None and step >= cfg.stop_at) or self.parallel.any(self._out_of_time())
+            # Ctrl-C / SIGTERM: checkpoint this step and stop, no evaluation or export (all ranks at one step)
+            stopping = self.parallel.any(bool(interrupted))
             if step % cfg.log_every == 0 or last or halted or stopping:
                 if bad.item():
                     self._diverged(step, last_good)
@@ -387,23 +389,37 @@ class Trainer:
                 seconds = now - window_start
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
-                mfu = tok_s * self.flops_per_token / self.peak if self.peak else None
-                peak_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
+                mfu = tok_s * self.flops_per_token / (self.peak * self.dist.world) if self.peak else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
-                          "tokens_per_s": tok_s, "mfu": mfu, "tokens_seen": st["tokens_seen"],
-                          "epoch": self.windows.epoch(st["position"]), "peak_memory_gb": peak_gb,
+                          "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.dist.world, "mfu": mfu,
+                          "tokens_seen": st["tokens_seen"], "epoch": self.windows.epoch(st["position"]),
                           "elapsed_s": self.elapsed()}
+                if self.device.type == "cuda":  # the busiest rank's, beside brrr calc train's prediction
+                    record["peak_memory_bytes"] = self.parallel.max_over_ranks(
+                        torch.cuda.max_memory_allocated(self.device))
+                    record["peak_memory_gb"] = record["peak_memory_bytes"] / 1e9
+                    if self.calc_memory:
+                        record["calc_memory_bytes"] = self.calc_memory["bytes"]
+                record.update(self.parallel.log_fields())
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
                                  f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
+                                 + (f" ({tok_s / self.dist.world / 1e3:,.1f}k/GPU)" if self.dist.world > 1 else "")
                                  + (f" | MFU {mfu:.1%}" if mfu is not None else "")
-                                 + (f" | peak {peak_gb:.1f} GB" if peak_gb is not None else "")
-                                 + f" | {self.elapsed():.0f}s"
+                                 + (f" | mem {record['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes"
+                                    in record else "")
+                                 + (f" (calc {record['calc_memory_bytes'] / 2**30:.1f})" if "calc_memory_bytes"
+                                    in record else "")
+                                 + (f" | bubble {record['pp_bubble']:.0%} (formula {record['pp_bubble_formula']:.0%})"
+                                    if record.get("pp_bubble") is not None else "")
+                                 + (f" | loss scale {record['loss_scale']:g} ({record['overflow_steps']} skipped)"
+                                    if "loss_scale" in record else "") + f" | {self.elapsed():.0f}s"
                                  + (f" | ETA {_duration((st['max_steps'] - step) * seconds / window_steps)}"
                                     if not last else ""))
                 loss_sum.zero_()
                 window_steps = 0
                 if stopping:
                     self.save_checkpoint()
+                    self.wait_for_checkpoint()  # an async save must land before the process exits
                     if self.dist.main:
                         print(f"interrupted: checkpoint of step {step} written to {self.ckpt_path}; continue with "
                               "the same command and --resume", file=sys.stderr, flush=True)
@@ -427,6 +443,7 @@ class Trainer:
         return val
 
     def _diverged(self, step: int, last_good: int):
+        self.wait_for_checkpoint()  # an async save of the last good step still lands
         where = f"{self.ckpt_path} (step {last_good})" if self.ckpt_path.exists() else "none written yet"
         self.log({"step": step, "error": "non-finite loss or gradient norm"}, f"step {step}: loss is not finite")
         raise TrainingDiverged(f"the loss or gradient norm became NaN/inf between steps {last_good} and {step}; "
@@ -450,7 +467,7 @@ class Trainer:
             eval_s = token_eval_s * cfg.eval_windows * sources * cfg.seq_len
             self._reserve_s = 15 + self._final_eval_tokens() * token_eval_s  # final eval, export, slack
             left = cfg.time_budget - self.elapsed() - self._reserve_s
-            fits = int(left / (step_s + eval_s / cfg.eval_every))
+            fits = self.parallel.min_int(int(left / (step_s + eval_s / cfg.eval_every)))  # ranks agree
             st["max_steps"] = max(step + 1, min(st["max_steps"], step + fits))
             st["budget_fixed"] = True
             self.log({"step": step, "step_seconds": step_s, "max_steps": st["max_steps"]},
@@ -475,8 +492,12 @@ class Trainer:
 
     # -- outputs ---------------------------------------------------------------------------------------------
     def save_checkpoint(self):
-        if self.dist.main:
-            checkpoint.save(self.ckpt_path, self.model, self.optimizer, self.state)
+        self.state.update(self.parallel.state())
+        self.checkpoints.save(self.model, self.optimizer, self.state)
+
+    def wait_for_checkpoint(self):
+        """Until an async save in flight has landed."""
+        self.checkpoints.wait()
 
     def finish(self, halted: bool) -> dict:
         st = self.state
@@ -486,6 +507,7 @@ class Trainer:
                    "epochs": self.windows.epoch(st["position"]), "train_seconds": st["train_seconds"],
                    "device": str(self.device), "gpu": self.gpu_name,
                    **final, **{k.replace("val_loss", "val_ppl"): math.exp(v) for k, v in final.items()}}
+        self.wait_for_checkpoint()
         if self.dist.main:
             self.export()
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -497,7 +519,11 @@ class Trainer:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(self.cfg.export_dtype)
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        save_model(self.model, self.out, dtype)
+        model = self.model
+        if self.parallel.distributed:  # rank 0 gathers the final checkpoint's shards into a plain model
+            model = build_model(self.model_cfg, "cpu")
+            load_model_weights(model, self.ckpt_path)
+        save_model(model, self.out, dtype)
         shutil.copyfile(self.data.tokenizer_file, self.out / "tokenizer.json")
         context = self.model_cfg.max_position_embeddings
         (self.out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(context), indent=2) + "\n")
@@ -515,8 +541,8 @@ def _duration(seconds: float) -> str:
 
 @contextlib.contextmanager
 def _stop_on_ctrl_c():
-    """While training, the first Ctrl-C asks the loop to stop after the step it is in (which then writes a
-    checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
+    """While training, the first Ctrl-C (or SIGTERM / SIGUSR1) asks the loop to stop after the step it is in (which
+    then writes a checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
     interrupted: list = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield interrupted
@@ -526,14 +552,19 @@ def _stop_on_ctrl_c():
         if interrupted:
             raise KeyboardInterrupt
         interrupted.append(signum)
-        print("\nCtrl-C: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
-              file=sys.stderr, flush=True)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if os.environ.get("RANK", "0") == "0":  # torchrun signals every rank; one says so
+            print(f"\n{name}: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
+                  file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    # SIGTERM: what torchrun and cluster schedulers send before killing a job; SIGUSR1: a preemption warning
+    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield interrupted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def config_fields() -> list[str]:

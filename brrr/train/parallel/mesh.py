@@ -1,0 +1,129 @@
+"""The parallel layout of a training run: flags -> one DeviceMesh with named dimensions.
+
+World = pp x dp_replicate x dp_shard x tp (torchtitan's order: tensor parallel innermost, so its ranks share a
+host and its per-layer collectives stay on NVLink; pipeline outermost, whose point-to-point sends are the
+cheapest traffic). Every check here reads only the flags, WORLD_SIZE and the model config, so every rank reaches
+the same verdict before any collective: a bad layout raises on all ranks at once and none waits for the others.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: every rank the other dimensions leave
+    tp: int = 1
+    pp: int = 1
+
+    def resolve(self, world: int) -> "Layout":
+        """The layout with dp_shard filled in, checked against the world size."""
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise BrrrError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise BrrrError(f"--dp-shard must be >= 1 (or -1: the ranks left over), got {self.dp_shard}")
+        others = self.dp_replicate * self.tp * self.pp
+        shard = self.dp_shard
+        if shard == -1:
+            if world % others:
+                raise BrrrError(f"--dp-replicate {self.dp_replicate} x --tp {self.tp} x --pp {self.pp} = {others} "
+                                f"does not divide the world size {world} (WORLD_SIZE, torchrun's --nproc_per_node "
+                                f"x --nnodes)")
+            shard = world // others
+        if others * shard != world:
+            raise BrrrError(f"--dp-replicate {self.dp_replicate} x --dp-shard {shard} x --tp {self.tp} x --pp "
+                            f"{self.pp} = {others * shard}, but the world size is {world} (WORLD_SIZE, torchrun's "
+                            f"--nproc_per_node x --nnodes): the product must equal it")
+        return Layout(self.dp_replicate, shard, self.tp, self.pp)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        return " x ".join(f"{d} {getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "one process"
+
+
+def check_model(layout: Layout, cfg: ModelConfig, micro_batch: int, seq_len: int, microbatches: int | None = None):
+    """What the model's shape must allow for this layout: TP splits heads, KV heads, the MLP width and the
+    vocabulary; PP splits layers; sequence parallelism splits each micro-batch's tokens."""
+    tp = layout.tp
+    if tp > 1:
+        for field, size in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                            ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+            if size % tp:
+                raise BrrrError(f"--tp {tp} must divide the model's {field} ({size})")
+        if (micro_batch * seq_len) % tp:
+            raise BrrrError(f"--tp {tp} must divide the tokens of a micro-batch (--micro-batch {micro_batch} x "
+                            f"--seq-len {seq_len}): sequence parallelism splits them")
+    if layout.pp > 1:
+        if layout.pp > cfg.num_layers:
+            raise BrrrError(f"--pp {layout.pp} stages need at least that many layers; the model has "
+                            f"num_hidden_layers {cfg.num_layers}")
+        if cfg.tie_word_embeddings:
+            raise BrrrError("--pp > 1 needs untied embeddings (the first stage holds embed_tokens, the last "
+                            "lm_head); this model has tie_word_embeddings true")
+        if microbatches is not None and micro_batch % microbatches:
+            raise BrrrError(f"--microbatches {microbatches} must divide --micro-batch {micro_batch} (the pipeline "
+                            "splits each rank's micro-batch into them)")
+
+
+@dataclass
+class Mesh:
+    """This rank's place: the resolved layout, the DeviceMesh (None for one process) and the data-parallel
+    coordinates the data loader shards by."""
+    layout: Layout
+    device_mesh: object | None
+    rank: int
+    dp_rank: int
+    dp_mesh: object | None = None  # dp_replicate x dp_shard flattened
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def dp_world(self) -> int:
+        return self.layout.dp
+
+    def get(self, *names: str):
+        """The sub-mesh over `names` ("dp" is dp_replicate x dp_shard flattened)."""
+        if names == ("dp",):
+            return self.dp_mesh
+        return self.device_mesh[names if len(names) > 1 else names[0]]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def build_mesh(layout: Layout, device: torch.device) -> Mesh:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) and lay
+    the ranks out; a lone process gets no process group at all."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    layout = layout.resolve(world)
+    if world == 1:
+        return Mesh(layout, None, 0, 0)
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(getattr(layout, d) for d in DIMS)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh)

@@ -21,7 +21,8 @@ FORMAT_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "
                   "nf4": ("qweight", "absmax_q", "absmax_scales", "absmax_mean", "shape"), "fp8": ("qweight", "scales"),
                   "gptq": ("qweight", "qzeros", "scales", "g_idx"), "gptq_v2": ("qweight", "qzeros", "scales", "g_idx"),
                   "awq": ("qweight", "qzeros", "scales")}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")  # transformers 5 saves the chat template in its own file
 
 
 def save_quantized(model, config: dict, out_dir: str | Path, source_dir: str | Path | None = None,

@@ -205,3 +205,18 @@ def test_cli_quantize_lm_head(tiny_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "q")]) == 0
     assert json.loads(capsys.readouterr().out)["lm_head"] is True
     assert isinstance(load_model(tmp_path / "q", dtype=torch.float32).lm_head, QuantLinear)
+
+
+def test_quantized_directory_keeps_a_chat_template_saved_in_its_own_file(tmp_path):
+    """transformers 5 writes the chat template to chat_template.jinja: a quantized copy must keep it."""
+    from brrr.tokenizer import Tokenizer
+
+    src = hf_models.save(hf_models.build("llama3-rope"), tmp_path / "src")
+    hf_models.save_tokenizer(src, chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    if not (src / "chat_template.jinja").is_file():  # an older transformers kept it in tokenizer_config.json
+        (src / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    model = load_model(src, dtype=torch.float32)
+    save_quantized(model, quantize_model(model, "rtn-int8"), tmp_path / "q", source_dir=src)
+    text = Tokenizer.from_dir(tmp_path / "q").apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                  add_generation_prompt=False)
+    assert text == "<user>hi"

@@ -1,0 +1,284 @@
+"""Speculative decoding in the engine (n-gram proposer): greedy and seeded outputs token-identical to decoding without
+it under engine stress, the sampled distribution unchanged (chi-square), every block freed, rollback across block
+boundaries, the hidden states an EAGLE proposer is handed, and clear errors for bad configs."""
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from brrr import load_model
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine.block_manager import BlockManager
+from brrr.engine.spec.ngram import NgramProposer, lookup
+from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
+from brrr.engine.spec.verify import Speculator
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+from brrr.tokenizer import Tokenizer
+from tests import hf_models
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec-model")
+    hf_models.save_tokenizer(path, vocab=300)
+    tokenizer = Tokenizer.from_dir(path)
+    hf_models.save(hf_models.build("llama3-rope", vocab_size=tokenizer.vocab_size, max_position_embeddings=512), path)
+    return path, load_model(path, dtype=torch.float32), tokenizer
+
+
+def repetitive_prompts(count, vocab, seed=0):
+    """Prompts that repeat a short unit (so prompt lookup proposes, and is often right), a third of them behind one
+    shared prefix (prefix-cache hits), a few plain random ones."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    prompts = []
+    for i in range(count):
+        unit = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
+        body = (unit * 40)[:rng.randint(12, 90)] if i % 5 else [rng.randrange(vocab) for _ in range(rng.randint(5, 60))]
+        prompts.append((shared + body) if i % 3 == 0 else body)
+    return prompts
+
+
+def run(engine, requests, abort_at=None, each_step=None):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+        for rid, at in (abort_at or {}).items():
+            if at == step:
+                engine.abort(rid)
+        if each_step is not None:
+            each_step(engine)
+    bm = engine.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks, "a block was not freed"
+    return done
+
+
+def stress_engine(model, tokenizer, spec, **kw):
+    # 28 blocks of 8 tokens for 30 requests: preemption; a 48-token budget: chunked prefill and drafts cut short
+    config = dict(num_blocks=28, block_size=8, max_num_batched_tokens=48, max_num_seqs=10, speculative_config=spec)
+    return LLMEngine(model, tokenizer, EngineConfig(**{**config, **kw}))
+
+
+def texts(done):
+    return {rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] for rid, out in done.items()}
+
+
+def test_greedy_is_token_identical_under_preemption_chunking_prefix_hits_and_stops(setup):
+    _, model, tokenizer = setup
+    vocab = tokenizer.vocab_size
+    prompts = repetitive_prompts(30, vocab)
+    plain = [SamplingParams(max_tokens=8 + i % 5 * 8, temperature=0, ignore_eos=True) for i in range(30)]
+    first = run(stress_engine(model, tokenizer, None),
+                [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, plain))])
+    params = []
+    for i, sp in enumerate(plain):
+        out = first[str(i)].outputs[0]
+        extra = {}
+        if i % 4 == 1 and len(out.text) > 8:  # a stop string the output reaches mid-way
+            extra["stop"] = [out.text[len(out.text) // 2:len(out.text) // 2 + 2]]
+        if i % 4 == 2 and len(out.token_ids) > 6:  # a stop token likewise
+            extra["stop_token_ids"] = [out.token_ids[5]]
+        if i % 6 == 3:  # not speculated: they decode normally beside the speculating ones
+            extra["logprobs"] = 2
+        if i % 6 == 5:
+            extra["repetition_penalty"] = 1.2
+        params.append(SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True, **extra))
+    reqs = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    reqs.append(("n2", prompts[1], SamplingParams(max_tokens=12, temperature=0, n=2, ignore_eos=True)))
+    want = run(stress_engine(model, tokenizer, None), reqs)
+    engine = stress_engine(model, tokenizer, NGRAM)
+    got = run(engine, reqs)
+    assert texts(got) == texts(want)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert any(o.outputs[0].finish_reason == "stop" for o in got.values())
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[0] >= per_pos[-1] and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    # fewer steps than tokens: runs of accepted drafts land several tokens a step
+    assert stats["num_steps"] < want_steps(model, tokenizer, reqs)
+
+
+def want_steps(model, tokenizer, reqs):
+    engine = stress_engine(model, tokenizer, None)
+    run(engine, reqs)
+    return engine.stats()["num_steps"]
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_and_without_speculation(setup):
+    _, model, tokenizer = setup
+    prompts = repetitive_prompts(8, tokenizer.vocab_size, seed=1)
+    samplers = [dict(temperature=0.7), dict(temperature=1.0, top_k=20), dict(temperature=0.8, top_p=0.9),
+                dict(temperature=1.2, min_p=0.05)]
+    reqs = [(str(i), p, SamplingParams(max_tokens=24, seed=100 + i, ignore_eos=True, **samplers[i % 4]))
+            for i, p in enumerate(prompts)]
+    batched_engine = stress_engine(model, tokenizer, NGRAM)
+    batched = texts(run(batched_engine, reqs))
+    assert batched == texts(run(stress_engine(model, tokenizer, None), reqs))
+    for req in reqs[:3]:
+        assert texts(run(stress_engine(model, tokenizer, NGRAM), [req])) == {req[0]: batched[req[0]]}
+    stats = batched_engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+def test_sampled_distribution_matches_the_target_chi_square(tmp_path):
+    """A vocabulary of 8: the tokens each verified output position draws, over 800 unseeded samples with and without
+    speculation, pass a two-sample chi-square test at significance 0.001 per position."""
+    hf_models.save(hf_models.build("llama3-rope", vocab_size=8, initializer_range=0.3), tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    prompt = [1, 2, 3, 4] * 6
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, ignore_eos=True)
+    counts, stats = [], None
+    for spec in (None, NGRAM):
+        torch.manual_seed(0)
+        engine = LLMEngine(model, config=EngineConfig(num_blocks=2000, block_size=8, max_num_seqs=256,
+                                                      speculative_config=spec))
+        done = run(engine, [(str(i), prompt, params) for i in range(800)])
+        tokens = np.array([o.outputs[0].token_ids for o in done.values()])
+        counts.append([np.bincount(tokens[:, pos], minlength=8) for pos in range(1, 4)])
+        stats = engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    for pos in range(3):
+        table = np.array([counts[0][pos], counts[1][pos]])
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table).pvalue > 0.001, (pos, table)
+
+
+def test_rollback_across_block_boundaries_frees_blocks_and_aborts_free_everything(setup, monkeypatch):
+    _, model, tokenizer = setup
+    freed = []
+    truncate = BlockManager.truncate
+
+    def counting_truncate(self, seq, num_tokens):
+        before = len(seq.block_table)
+        truncate(self, seq, num_tokens)
+        freed.append(before - len(seq.block_table))
+
+    monkeypatch.setattr(BlockManager, "truncate", counting_truncate)
+
+    def check(engine):  # after every step: refcounts exact, no sequence holds a block past its next position
+        running = engine.scheduler.running
+        engine.block_manager.check_invariants(running)
+        for seq in running:
+            assert not seq.spec_tokens
+            if seq.num_uncomputed == 1:
+                assert len(seq.block_table) <= engine.block_manager.blocks_for(len(seq.token_ids))
+
+    prompts = repetitive_prompts(12, tokenizer.vocab_size, seed=2)
+    reqs = [(str(i), p, SamplingParams(max_tokens=30, temperature=0.9, seed=i, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    engine = stress_engine(model, tokenizer, {"method": "ngram", "num_speculative_tokens": 8}, block_size=4,
+                           num_blocks=80)
+    run(engine, reqs, abort_at={"3": 4, "7": 9}, each_step=check)
+    assert sum(freed) > 0, "no rejection crossed a block boundary"
+
+
+class RecordingProposer(Proposer):
+    """An EAGLE-shaped proposer: checks the hidden states it is handed against a full forward of the model, and
+    proposes by prompt lookup so that verified runs are partly accepted."""
+    needs_hidden = True
+
+    def __init__(self, model):
+        self.model, self.lookup, self.seen, self.calls = model, NgramProposer(), {}, 0
+
+    def propose(self, inputs, k):
+        for x in inputs:
+            length = len(x.token_ids)
+            n = length - self.seen.get(x.seq_id, 1)  # positions since the previous call (the first: all but the last)
+            assert x.hidden is not None and x.hidden.shape[0] == n >= 1, (x.hidden, n)
+            with torch.no_grad():
+                ids = torch.tensor(x.token_ids[:-1])
+                full = self.model(ids, torch.arange(length - 1), AttnMeta.causal([length - 1], ids.device))
+            torch.testing.assert_close(x.hidden, full[length - 1 - n:], atol=1e-4, rtol=1e-4)
+            self.seen[x.seq_id] = length
+            self.calls += 1
+        return self.lookup.propose(inputs, k)
+
+    def release(self, seq_id):
+        self.seen.pop(seq_id, None)
+        self.lookup.release(seq_id)
+
+
+def test_a_proposer_that_needs_hidden_states_gets_those_of_the_kept_positions(setup):
+    _, model, tokenizer = setup
+    prompts = repetitive_prompts(10, tokenizer.vocab_size, seed=3)
+    reqs = [(str(i), p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    engine = stress_engine(model, tokenizer, NGRAM, enable_prefix_caching=False)
+    proposer = RecordingProposer(engine.model)
+    engine.spec = Speculator(engine.config.speculative_config, proposer)
+    got = run(engine, reqs)
+    assert texts(got) == texts(run(stress_engine(model, tokenizer, None), reqs))
+    assert proposer.calls > 0 and engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_speculation_is_off_above_disable_by_batch_size(setup):
+    _, model, tokenizer = setup
+    engine = stress_engine(model, tokenizer, {**NGRAM, "disable_by_batch_size": 2}, num_blocks=200)
+    sizes = []
+    propose = engine.spec.proposer.propose
+
+    def recording(inputs, k):
+        sizes.append(len(engine.scheduler.running))
+        return propose(inputs, k)
+
+    engine.spec.proposer.propose = recording
+    prompts = repetitive_prompts(6, tokenizer.vocab_size, seed=4)
+    run(engine, [(str(i), p, SamplingParams(max_tokens=6 + 6 * i, temperature=0)) for i, p in enumerate(prompts)])
+    assert sizes and max(sizes) <= 2
+
+
+def test_ngram_lookup_takes_the_longest_then_most_recent_match():
+    t = np.array([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2, 3])
+    assert lookup(t, 1, 4, 3) == [9, 9, 1]
+    assert lookup(np.array([7, 1, 2, 8, 2, 5, 1, 2]), 1, 4, 2) == [8, 2]  # (1, 2) beats the more recent (2,)
+    assert lookup(np.array([7, 1, 2, 8, 2, 5, 1, 2]), 1, 1, 2) == [5, 1]
+    assert lookup(np.array([5, 6, 7]), 1, 4, 3) == []
+    assert lookup(np.array([1, 2, 1, 2]), 3, 4, 3) == []  # no match of 3 tokens
+    proposer = NgramProposer(1, 4)
+    tokens = [3, 1, 4, 1, 5, 3, 1]
+    assert proposer.propose([SpecInput(0, tokens)], 3) == [[4, 1, 5]]
+    tokens += [4]
+    assert proposer.propose([SpecInput(0, tokens)], 3) == [[1, 5, 3]]
+    proposer.release(0)
+    assert proposer.propose([SpecInput(0, [2, 2])], 3) == [[2]]
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "draft", "num_speculative_tokens": 2}, "model"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_field(config, field):
+    with pytest.raises(BrrrError, match=field):
+        EngineConfig(speculative_config=config)
+
+
+def test_llm_takes_a_speculative_config_and_refuses_a_bad_one_at_start(setup):
+    from brrr.engine import LLM
+
+    path, _, _ = setup
+    llm = LLM(str(path), dtype="float32", speculative_config=NGRAM, num_blocks=64)
+    assert isinstance(llm.engine.config.speculative_config, SpeculativeConfig)
+    out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    with pytest.raises(BrrrError, match="num_speculative_tokens"):
+        LLM(str(path), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 99})

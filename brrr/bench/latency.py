@@ -18,8 +18,8 @@ def register(bench_sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads on CPU (default: all cores but one, as brrr generate)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': '
-                        "the record adds acceptance, mean accepted length and the formula's predicted speedup")
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+                        ": the record adds acceptance, mean accepted length and the formula's predicted speedup")
     p.add_argument("--workload", choices=["random", "edit"], default="random",
                    help="random: random prompt tokens; edit: the prompt is a random passage written twice and its "
                         "start again, the shape of an edit request (the answer restates the prompt)")

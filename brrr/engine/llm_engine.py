@@ -127,7 +127,8 @@ class EngineCore:
         if ec.speculative_config is not None:
             from brrr.engine.spec import make_proposer
 
-            self.spec = Speculator(ec.speculative_config, make_proposer(ec.speculative_config, model))
+            self.spec = Speculator(ec.speculative_config,
+                                   make_proposer(ec.speculative_config, model, num_blocks, ec.block_size))
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
                                       ec.max_num_seqs, self.lora)

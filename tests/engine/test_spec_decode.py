@@ -318,3 +318,49 @@ def test_eagle_without_its_module_fails_clearly(setup):
     with pytest.raises(BrrrError, match="eagle"):
         LLMEngine(model, config=EngineConfig(num_blocks=16, speculative_config={
             "method": "eagle", "num_speculative_tokens": 2, "model": "/nonexistent"}))
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(setup, tmp_path_factory):
+    path, _, tokenizer = setup
+    small = tmp_path_factory.mktemp("draft-noisy")
+    # the target with noise on its output layer: a draft that agrees with it often, not always
+    noisy = hf_models.build("llama3-rope", vocab_size=tokenizer.vocab_size, max_position_embeddings=512)
+    noise = torch.randn(noisy.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        noisy.lm_head.weight.add_(0.08 * noise)
+    hf_models.save(noisy, small)
+    other_vocab = tmp_path_factory.mktemp("draft-vocab")
+    hf_models.save(hf_models.build("llama3-rope", vocab_size=tokenizer.vocab_size + 8, num_hidden_layers=1),
+                   other_vocab)
+    return path, small, other_vocab
+
+
+def test_draft_model_greedy_is_token_identical_and_rolls_its_cache_back(setup, draft_dirs):
+    _, model, tokenizer = setup
+    target_dir, small, _ = draft_dirs
+    prompts = repetitive_prompts(16, tokenizer.vocab_size, seed=6)
+    reqs = [(str(i), p, SamplingParams(max_tokens=8 + i % 4 * 8, temperature=0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    want = texts(run(stress_engine(model, tokenizer, None), reqs))
+    # the target as its own draft: every draft is accepted
+    same = stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 3, "model": str(target_dir)})
+    assert texts(run(same, reqs)) == want
+    stats = same.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    # a noisy copy: partly accepted, and its cache cut back after each rejection
+    engine = stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 3, "model": str(small)})
+    assert texts(run(engine, reqs)) == want
+    stats = engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    draft = engine.spec.proposer
+    assert not draft.seqs and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_draft_model_with_another_vocabulary_is_refused_at_start(setup, draft_dirs):
+    _, model, tokenizer = setup
+    _, _, other_vocab = draft_dirs
+    with pytest.raises(BrrrError, match="vocabulary"):
+        stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 2, "model": str(other_vocab)})
+    with pytest.raises(BrrrError, match="not found"):
+        stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 2, "model": "/nonexistent"})

@@ -46,8 +46,7 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise BrrrError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
+            raise BrrrError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         for key in ("method", "num_speculative_tokens"):
             if key not in d:
                 raise BrrrError(f"speculative_config.{key} is required")

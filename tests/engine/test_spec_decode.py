@@ -364,3 +364,21 @@ def test_draft_model_with_another_vocabulary_is_refused_at_start(setup, draft_di
         stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 2, "model": str(other_vocab)})
     with pytest.raises(BrrrError, match="not found"):
         stress_engine(model, tokenizer, {"method": "draft", "num_speculative_tokens": 2, "model": "/nonexistent"})
+
+
+def test_eagle_greedy_is_token_identical_under_engine_stress(setup, tmp_path):
+    """The EAGLE proposer (brrr/engine/spec/eagle.py, branch spec-eagle) through the engine: the hidden states the
+    engine hands it (chunked prefills, preemption, prefix hits, verified runs) keep greedy outputs identical."""
+    pytest.importorskip("brrr.engine.spec.eagle")
+    from brrr.models.eagle import new_head, save_head
+
+    _, model, tokenizer = setup
+    save_head(new_head(model, seed=1), tmp_path)
+    prompts = repetitive_prompts(16, tokenizer.vocab_size, seed=7)
+    reqs = [(str(i), p, SamplingParams(max_tokens=8 + i % 4 * 8, temperature=0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    want = texts(run(stress_engine(model, tokenizer, None), reqs))
+    engine = stress_engine(model, tokenizer, {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)})
+    assert texts(run(engine, reqs)) == want
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0

@@ -119,16 +119,21 @@ class EngineCore:
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
-        num_blocks = self._num_blocks()
+        # a draft model loads before the KV cache is sized: its weights count as memory in use, its cache per block
+        proposer, draft = None, None
+        if ec.speculative_config is not None:
+            from brrr.engine.spec import make_proposer
+            from brrr.engine.spec.draft import DraftModelProposer
+
+            proposer = make_proposer(ec.speculative_config, model)
+            draft = proposer if isinstance(proposer, DraftModelProposer) else None
+        num_blocks = self._num_blocks(draft.kv_bytes_per_block(ec.block_size) if draft else 0)
+        if draft is not None:
+            draft.allocate_cache(num_blocks, ec.block_size)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)
-        self.spec: Speculator | None = None
-        if ec.speculative_config is not None:
-            from brrr.engine.spec import make_proposer
-
-            self.spec = Speculator(ec.speculative_config,
-                                   make_proposer(ec.speculative_config, model, num_blocks, ec.block_size))
+        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
                                       ec.max_num_seqs, self.lora)
@@ -177,12 +182,13 @@ class EngineCore:
     def list_loras(self) -> set[int]:
         return set(self.lora.list_loras()) if self.lora else set()
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """extra_bytes_per_block: a draft model's cache, which holds as many tokens as the target's."""
         ec, model = self.config, self.model
         if ec.num_blocks:
             return ec.num_blocks
         p = next(model.parameters())
-        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype)
+        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype) + extra_bytes_per_block
         # Every sequence at full length: more blocks would only keep finished prompts cached, and a small model on
         # a big GPU would take the whole card for them (and starve other processes on it).
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
@@ -190,7 +196,7 @@ class EngineCore:
             blocks = ec.kv_cache_memory // per_block
         elif p.device.type == "cuda":
             blocks = min(useful, ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
-                                                                ec.gpu_memory_utilization))
+                                                                ec.gpu_memory_utilization, extra_bytes_per_block))
         else:  # CPU: a fixed budget
             blocks = min(CPU_KV_DEFAULT // per_block, useful)
         if blocks < 1:

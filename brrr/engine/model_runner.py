@@ -148,8 +148,10 @@ class ModelRunner:
 
     @staticmethod
     @torch.inference_mode()
-    def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
-        """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows."""
+    def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
+                           extra_bytes_per_block: int = 0) -> int:
+        """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows.
+        extra_bytes_per_block: what else each block of tokens costs (a draft model's own KV cache)."""
         device = next(model.parameters()).device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -162,7 +164,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = torch.cuda.memory_reserved(device)
-        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
+        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype) + extra_bytes_per_block
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)
 
     def _lora_rows(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> None:

@@ -22,10 +22,9 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     return SpeculativeConfig.from_dict(value)
 
 
-def make_proposer(config: SpeculativeConfig, target, num_blocks: int = 1024, block_size: int = 16) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target) -> Proposer:
     """The proposer `config.method` names, for the target model `target` (its config and device, which a draft
-    model or an EAGLE head must match); num_blocks/block_size: the target's KV pool, which a draft model's own
-    cache mirrors in token slots. Imports are lazy: a method's dependencies load only when it is used."""
+    model or an EAGLE head must match). Imports are lazy: a method's dependencies load only when it is used."""
     if config.method == "ngram":
         from brrr.engine.spec.ngram import NgramProposer
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -34,7 +33,7 @@ def make_proposer(config: SpeculativeConfig, target, num_blocks: int = 1024, blo
             from brrr.engine.spec.draft import DraftModelProposer
         except ImportError as e:
             raise BrrrError(f"speculative_config.method 'draft' is not available in this build ({e})") from e
-        return DraftModelProposer(config.model, target, num_blocks, block_size)
+        return DraftModelProposer(config.model, target)
     if config.method == "eagle":
         try:
             from brrr.engine.spec.eagle import EagleProposer

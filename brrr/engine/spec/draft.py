@@ -10,7 +10,7 @@ import torch
 
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
-from brrr.engine.model_runner import ModelRunner
+from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.sampler import SampleRow
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
@@ -38,13 +38,22 @@ def load_draft(path: str, target):
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, path: str, target, num_blocks: int, block_size: int = 16):
+    def __init__(self, path: str, target):
+        """The draft loads now; its cache once the engine has sized the target's (`allocate_cache`)."""
         self.model = load_draft(path, target)
         self.max_len = self.model.config.max_context
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, block_size, num_blocks, cuda_graphs=False)
+        self.block_manager: BlockManager | None = None
+        self.runner: ModelRunner | None = None
         self.seqs: dict[int, Sequence] = {}  # seq_id -> the draft's own view: tokens, computed positions, blocks
         self.committed: dict[int, int] = {}  # seq_id -> committed tokens at its previous propose
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool)."""
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(self.model, block_size, num_blocks, cuda_graphs=False)
 
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
         active = [x for x in inputs if self._sync(x, k)]

@@ -44,10 +44,15 @@ def _requests():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec-cuda")
     hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=512), path)
-    return load_model(path, dtype=torch.float32, device="cuda")
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir, dtype=torch.float32, device="cuda")
 
 
 def test_speculative_outputs_equal_plain_decoding_on_reference_ops(model):
@@ -66,3 +71,13 @@ def test_speculative_outputs_match_plain_decoding_on_triton_kernels(model):
     same = sum(got[k] == want[k] for k in want)
     assert same >= 0.9 * len(want), f"{same}/{len(want)} requests identical"
     assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_draft_model_on_cuda_the_target_as_its_own_draft_accepts_everything(model, model_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with use_reference():
+        want, _ = _outputs(model, None, _requests())
+        got, stats = _outputs(model, {"method": "draft", "num_speculative_tokens": 3, "model": str(model_dir)},
+                              _requests())
+    assert got == want
+    assert stats["spec_decode_num_draft_tokens"] > 0

@@ -73,7 +73,7 @@ def test_speculative_outputs_match_plain_decoding_on_triton_kernels(model):
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_draft_model_on_cuda_the_target_as_its_own_draft_accepts_everything(model, model_dir):
+def test_draft_model_on_cuda_outputs_equal_plain_decoding(model, model_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
     with use_reference():
         want, _ = _outputs(model, None, _requests())

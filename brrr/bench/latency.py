@@ -108,7 +108,7 @@ def cmd_latency(args) -> int:
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                   "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload}
         if speculative is not None:
-            record.update(spec_record(speculative, before, engine.stats()))
+            record.update(spec_record(speculative, before, engine.stats(), batch))
         if threads is not None:
             record["cpu_threads"] = threads
         if gpu:
@@ -124,7 +124,7 @@ def cmd_latency(args) -> int:
     return 0
 
 
-def spec_record(speculative, before: dict, after: dict) -> dict:
+def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:
     """Acceptance over one measured batch (vLLM's definitions): acceptance rate = accepted / draft tokens; mean
     accepted length = tokens per verified run (1 + accepted drafts); alpha fitted to that mean; the formula's
     speedup at that alpha for a proposer of no cost (n-gram: c = 0; a draft model's c is its step-time ratio, which
@@ -147,8 +147,9 @@ def spec_record(speculative, before: dict, after: dict) -> dict:
               "mean_accepted_length": round(mean_len, 3),
               "acceptance_per_pos": [round(a / runs, 4) if runs else None for a in per_pos],
               "alpha_fitted": round(alpha, 4),
-              # what the formula's S assumes every step does; steps with no draft (nothing matched) lower it
-              "tokens_per_step": round(delta("generation_tokens") / max(1, delta("num_steps")), 3)}
+              # per sequence per engine step: what the formula's S assumes every step makes; steps without a draft
+              # (nothing matched) and the prefill step lower it
+              "tokens_per_seq_step": round(delta("generation_tokens") / max(1, delta("num_steps")) / batch, 3)}
     if speculative.method == "ngram":
         record["predicted_speedup_c0"] = round(expected_speedup(alpha, k, 0.0), 3)
     return record

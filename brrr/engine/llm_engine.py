@@ -308,8 +308,10 @@ class EngineCore:
                 groups.append((seq, result.tokens[at:at + 1], result.logprobs[at:at + 1]))
             else:
                 groups[-1][1].append(result.tokens[at])
+                groups[-1][2].append(result.logprobs[at])
             at += 1
-        groups = [(seq, self.spec.accept(seq.spec_tokens, tokens) if seq.spec_tokens else tokens, lps)
+        # a run's logprobs are those of the tokens the target drew at each position: the emitted ones
+        groups = [(seq, self.spec.accept(seq.spec_tokens, tokens), lps) if seq.spec_tokens else (seq, tokens, lps)
                   for seq, tokens, lps in groups]
         runs = {seq.seq_id: len(tokens) for seq, tokens, _ in groups if seq.spec_tokens}
         for seq, n in batch.items:
@@ -326,7 +328,7 @@ class EngineCore:
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             if seq.spec_tokens:
-                record = self._append_tokens(seq, tokens)
+                record = self._append_tokens(seq, tokens, logprobs)
                 self._roll_back(seq, len(tokens))
             else:
                 record = self._append_token(seq, tokens[0], logprobs[0])
@@ -432,6 +434,8 @@ class EngineCore:
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
+        if ahead and seq.spec_tokens and (params.has_penalties or params.min_tokens):
+            history = history + seq.spec_tokens[:ahead]  # verified position `ahead`: after the drafts before it
         if params.structured_outputs is not None and seq.guide is None:  # its first token: each sample its own
             seq.guide = grammars(self.tokenizer, self.model.config.vocab_size,
                                  self.eos_token_ids).matcher(params.structured_outputs)
@@ -481,15 +485,17 @@ class EngineCore:
             record.first_scheduled_time, record.num_cached_tokens = req.first_scheduled_time, req.num_cached_tokens
         return record
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> EngineOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> EngineOutput:
         """A verified run's tokens, one at a time: a stop token, max_tokens or the context cuts the run there."""
         record = None
-        for token in tokens:
-            step = self._append_token(seq, token, None)
+        for token, entry in zip(tokens, logprobs):
+            step = self._append_token(seq, token, entry)
             if record is None:
                 record = step
             else:
                 record.new_token_ids += step.new_token_ids
+                if step.new_logprobs is not None:
+                    record.new_logprobs += step.new_logprobs
                 record.finish_reason = step.finish_reason
             if seq.finished:
                 break

@@ -10,7 +10,7 @@ from scipy.stats import chi2_contingency
 
 from brrr import load_model
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine, SamplingParams, StructuredOutputsParams
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.spec.ngram import NgramProposer, lookup
 from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
@@ -90,10 +90,12 @@ def test_greedy_is_token_identical_under_preemption_chunking_prefix_hits_and_sto
             extra["stop"] = [out.text[len(out.text) // 2:len(out.text) // 2 + 2]]
         if i % 4 == 2 and len(out.token_ids) > 6:  # a stop token likewise
             extra["stop_token_ids"] = [out.token_ids[5]]
-        if i % 6 == 3:  # not speculated: they decode normally beside the speculating ones
+        if i % 6 == 3:  # speculated: each position scored as if the drafts before it were kept
             extra["logprobs"] = 2
         if i % 6 == 5:
-            extra["repetition_penalty"] = 1.2
+            extra.update(repetition_penalty=1.2, frequency_penalty=0.7, min_tokens=4)
+        if i % 10 == 7:  # not speculated: it decodes normally beside the speculating ones
+            extra["structured_outputs"] = StructuredOutputsParams(regex="[a-z ]{0,200}")
         params.append(SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True, **extra))
     reqs = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     reqs.append(("n2", prompts[1], SamplingParams(max_tokens=12, temperature=0, n=2, ignore_eos=True)))
@@ -101,6 +103,11 @@ def test_greedy_is_token_identical_under_preemption_chunking_prefix_hits_and_sto
     engine = stress_engine(model, tokenizer, NGRAM)
     got = run(engine, reqs)
     assert texts(got) == texts(want)
+    for rid, out in want.items():  # logprobs: the same entries, up to the rounding of another attention path
+        for a, b in zip(out.outputs, got[rid].outputs):
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert any(o.outputs[0].finish_reason == "stop" for o in got.values())
@@ -382,3 +389,39 @@ def test_eagle_greedy_is_token_identical_under_engine_stress(setup, tmp_path):
     assert texts(run(engine, reqs)) == want
     stats = engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
+
+
+class OracleProposer(Proposer):
+    """Proposes the continuation a plain run produced: every draft is right, so every position of every run is
+    used, and any position scored with the wrong history (penalties, min_tokens) would change the output."""
+
+    def __init__(self, expected: dict[tuple, list[int]]):
+        self.expected = expected
+
+    def propose(self, inputs, k):
+        drafts = []
+        for x in inputs:
+            prompt = next(p for p in self.expected if tuple(x.token_ids[:len(p)]) == p)
+            done = len(x.token_ids) - len(prompt)
+            drafts.append(self.expected[prompt][done:done + k])
+        return drafts
+
+
+def test_penalties_min_tokens_and_logprobs_are_speculated_exactly(setup):
+    _, model, tokenizer = setup
+    prompts = repetitive_prompts(8, tokenizer.vocab_size, seed=8)
+    reqs = [(str(i), p, SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.8,
+                                       presence_penalty=0.3, min_tokens=12, logprobs=1, ignore_eos=i % 2 == 0,
+                                       stop_token_ids=[3, 4, 5], temperature=0 if i % 2 else 0.9, seed=i))
+            for i, p in enumerate(prompts)]
+    want = run(stress_engine(model, tokenizer, None), reqs)
+    engine = stress_engine(model, tokenizer, NGRAM)
+    oracle = {tuple(p): want[str(i)].outputs[0].token_ids for i, p in enumerate(prompts)}
+    engine.spec = Speculator(engine.config.speculative_config, OracleProposer(oracle))
+    got = run(engine, reqs)
+    assert texts(got) == texts(want)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 50
+    for rid, out in want.items():
+        for x, y in zip(out.outputs[0].logprobs, got[rid].outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)

@@ -20,12 +20,11 @@ from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
 
 def speculatable(params: SamplingParams) -> bool:
     """Requests whose every verified position the sampler can score before the drafts are known to be kept.
-    Not speculated (they decode normally in the same batch): logprobs (one entry per token would need reading every
-    position), penalties and min_tokens (position i's logits depend on the drafts before it being kept),
-    structured_outputs (the grammar would have to advance through the drafts and back), n > 1 (its samples fork
-    from one prompt whose hidden states an EAGLE head would read once)."""
-    return (params.logprobs is None and not params.has_penalties and not params.min_tokens
-            and params.structured_outputs is None and params.n == 1)
+    Logprobs, penalties and min_tokens are: position i is scored as if the drafts before it were kept (its history
+    includes them), which is the only case in which its token is used. Not speculated (they decode normally in the
+    same batch): structured_outputs (the grammar would have to advance through the drafts and back), n > 1 (its
+    samples fork from one prompt whose hidden states an EAGLE head would read once)."""
+    return params.structured_outputs is None and params.n == 1
 
 
 class Speculator:

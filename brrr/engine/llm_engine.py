@@ -21,7 +21,7 @@ from brrr.engine.sampler import PendingTokens, SampleRow, h2d, logprob_entries
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
-from brrr.engine.spec.verify import Speculator, speculatable
+from brrr.engine.spec.verify import Speculator
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
@@ -152,7 +152,7 @@ class EngineCore:
         tokens the host has not read yet)."""
         running = self.scheduler.running
         return (self.spec is not None and self.spec.enabled(len(running))
-                and any(speculatable(seq.request.params) for seq in running))
+                and any(self.spec.speculates(seq) for seq in running))
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most drafts seq may verify: a run emits drafts + 1 tokens, within max_tokens and the context."""
@@ -359,7 +359,7 @@ class EngineCore:
         at its next propose): a prefill chunk's every row, a decode's one, a verified run's accepted prefix."""
         start = 0
         for seq, n in batch.items:
-            if not seq.finished and speculatable(seq.request.params):
+            if not seq.finished and self.spec.speculates(seq):
                 self.spec.keep_hidden(seq.seq_id, hidden[start:start + runs.get(seq.seq_id, n)])
             start += n
 

@@ -131,6 +131,7 @@ def test_seeded_sampling_is_the_same_alone_in_a_batch_and_without_speculation(se
                 dict(temperature=1.2, min_p=0.05)]
     reqs = [(str(i), p, SamplingParams(max_tokens=24, seed=100 + i, ignore_eos=True, **samplers[i % 4]))
             for i, p in enumerate(prompts)]
+    reqs.append(("n3", prompts[0], SamplingParams(max_tokens=16, n=3, seed=7, temperature=0.8, ignore_eos=True)))
     batched_engine = stress_engine(model, tokenizer, NGRAM)
     batched = texts(run(batched_engine, reqs))
     assert batched == texts(run(stress_engine(model, tokenizer, None), reqs))

@@ -18,13 +18,13 @@ from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
 
 
-def speculatable(params: SamplingParams) -> bool:
+def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:
     """Requests whose every verified position the sampler can score before the drafts are known to be kept.
     Logprobs, penalties and min_tokens are: position i is scored as if the drafts before it were kept (its history
     includes them), which is the only case in which its token is used. Not speculated (they decode normally in the
-    same batch): structured_outputs (the grammar would have to advance through the drafts and back), n > 1 (its
-    samples fork from one prompt whose hidden states an EAGLE head would read once)."""
-    return params.structured_outputs is None and params.n == 1
+    same batch): structured_outputs (the grammar would have to advance through the drafts and back), and n > 1 for
+    a proposer that reads hidden states (the samples fork from one prompt, whose hidden states it reads once)."""
+    return params.structured_outputs is None and (params.n == 1 or not needs_hidden)
 
 
 class Speculator:
@@ -42,6 +42,9 @@ class Speculator:
     def needs_hidden(self) -> bool:
         return self.proposer.needs_hidden
 
+    def speculates(self, seq: Sequence) -> bool:
+        return speculatable(seq.request.params, self.needs_hidden)
+
     def enabled(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
@@ -55,7 +58,7 @@ class Speculator:
             return
         seqs, limits = [], []
         for seq in running:
-            if seq.num_uncomputed != 1 or not speculatable(seq.request.params):
+            if seq.num_uncomputed != 1 or not self.speculates(seq):
                 continue
             limit = min(self.k, room(seq))
             if limit > 0:

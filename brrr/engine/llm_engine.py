@@ -439,8 +439,11 @@ class EngineCore:
         if params.structured_outputs is not None and seq.guide is None:  # its first token: each sample its own
             seq.guide = grammars(self.tokenizer, self.model.config.vocab_size,
                                  self.eos_token_ids).matcher(params.structured_outputs)
+        guide = seq.guide
+        if ahead and seq.spec_tokens and guide is not None:  # a verified position: the grammar past the drafts
+            guide = guide.advanced(seq.spec_tokens[:ahead])
         return SampleRow(params, seq.seed, seq.num_output_tokens + ahead,
-                         seq.request.prompt_token_ids, history, self._stop_ids(params), seq.guide)
+                         seq.request.prompt_token_ids, history, self._stop_ids(params), guide)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)

@@ -94,7 +94,7 @@ def test_greedy_is_token_identical_under_preemption_chunking_prefix_hits_and_sto
             extra["logprobs"] = 2
         if i % 6 == 5:
             extra.update(repetition_penalty=1.2, frequency_penalty=0.7, min_tokens=4)
-        if i % 10 == 7:  # not speculated: it decodes normally beside the speculating ones
+        if i % 10 == 7:  # a grammar: its drafts cut to what it allows, each position masked past the drafts
             extra["structured_outputs"] = StructuredOutputsParams(regex="[a-z ]{0,200}")
         params.append(SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True, **extra))
     reqs = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -408,16 +408,24 @@ class OracleProposer(Proposer):
         return drafts
 
 
-def test_penalties_min_tokens_and_logprobs_are_speculated_exactly(setup):
+def test_penalties_min_tokens_logprobs_and_grammars_are_speculated_exactly(setup):
     _, model, tokenizer = setup
     prompts = repetitive_prompts(8, tokenizer.vocab_size, seed=8)
     reqs = [(str(i), p, SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.8,
                                        presence_penalty=0.3, min_tokens=12, logprobs=1, ignore_eos=i % 2 == 0,
                                        stop_token_ids=[3, 4, 5], temperature=0 if i % 2 else 0.9, seed=i))
             for i, p in enumerate(prompts)]
+    guided = repetitive_prompts(4, tokenizer.vocab_size, seed=9)
+    grammars = [StructuredOutputsParams(regex="(ab|ba|[a-z]){3,60}"), StructuredOutputsParams(choice=["yes", "no"]),
+                StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+                StructuredOutputsParams(regex="[0-9 ]+")]
+    reqs += [(f"g{i}", p, SamplingParams(max_tokens=30, structured_outputs=g, logprobs=1, seed=i,
+                                         temperature=0 if i % 2 else 1.0))
+             for i, (p, g) in enumerate(zip(guided, grammars))]
+    prompts = prompts + guided
     want = run(stress_engine(model, tokenizer, None), reqs)
     engine = stress_engine(model, tokenizer, NGRAM)
-    oracle = {tuple(p): want[str(i)].outputs[0].token_ids for i, p in enumerate(prompts)}
+    oracle = {tuple(p): want[rid].outputs[0].token_ids for (rid, _, _), p in zip(reqs, prompts)}
     engine.spec = Speculator(engine.config.speculative_config, OracleProposer(oracle))
     got = run(engine, reqs)
     assert texts(got) == texts(want)

@@ -22,9 +22,10 @@ def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:
     """Requests whose every verified position the sampler can score before the drafts are known to be kept.
     Logprobs, penalties and min_tokens are: position i is scored as if the drafts before it were kept (its history
     includes them), which is the only case in which its token is used. Not speculated (they decode normally in the
-    same batch): structured_outputs (the grammar would have to advance through the drafts and back), and n > 1 for
-    a proposer that reads hidden states (the samples fork from one prompt, whose hidden states it reads once)."""
-    return params.structured_outputs is None and (params.n == 1 or not needs_hidden)
+    same batch): n > 1 for a proposer that reads hidden states (the samples fork from one prompt, whose hidden
+    states it reads once). A grammar's drafts are cut to what it allows, and position i is masked from a copy of
+    the matcher moved past the drafts before it."""
+    return params.n == 1 or not needs_hidden
 
 
 class Speculator:
@@ -68,7 +69,10 @@ class Speculator:
             return
         inputs = [SpecInput(seq.seq_id, seq.token_ids, self._take_hidden(seq.seq_id)) for seq in seqs]
         for seq, limit, draft in zip(seqs, limits, self.proposer.propose(inputs, self.k)):
-            seq.spec_tokens = list(draft[:limit])
+            draft = list(draft[:limit])
+            if seq.guide is not None:  # a draft the grammar forbids would be rejected anyway: not worth a slot
+                draft = draft[:seq.guide.valid_prefix(draft)]
+            seq.spec_tokens = draft
 
     def accept(self, drafts: list[int], targets: list[int]) -> list[int]:
         """The tokens a verified run emits: the drafts up to the first that differs from the target's token there,

@@ -434,3 +434,24 @@ def test_penalties_min_tokens_logprobs_and_grammars_are_speculated_exactly(setup
     for rid, out in want.items():
         for x, y in zip(out.outputs[0].logprobs, got[rid].outputs[0].logprobs):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_the_server_engines_warm_up_speculates_and_its_counters_start_after_it(setup):
+    from brrr.engine.engine_process import engine_stats
+    from brrr.engine.engine_process_warmup import warm_up
+
+    _, model, tokenizer = setup
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, max_num_batched_tokens=256,
+                                                      speculative_config=NGRAM))
+    warm_up(engine, full=True)  # the plan a CUDA server runs (on CPU it runs only part)
+    baseline = engine_stats(engine)
+    assert baseline["num_free_blocks"] == baseline["num_blocks"]
+    prompts = repetitive_prompts(3, tokenizer.vocab_size, seed=10)
+    run(engine, [(str(i), p, SamplingParams(max_tokens=12, temperature=0)) for i, p in enumerate(prompts)])
+    stats, total = engine_stats(engine, baseline), engine.stats()
+    for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert stats[key] == total[key] - baseline[key] >= 0
+    assert stats["spec_decode_num_accepted_tokens_per_pos"] == [
+        a - b for a, b in zip(total["spec_decode_num_accepted_tokens_per_pos"],
+                              baseline["spec_decode_num_accepted_tokens_per_pos"])]
+    assert 0 < stats["spec_decode_num_draft_tokens"] < total["spec_decode_num_draft_tokens"]

@@ -455,3 +455,22 @@ def test_the_server_engines_warm_up_speculates_and_its_counters_start_after_it(s
         a - b for a, b in zip(total["spec_decode_num_accepted_tokens_per_pos"],
                               baseline["spec_decode_num_accepted_tokens_per_pos"])]
     assert 0 < stats["spec_decode_num_draft_tokens"] < total["spec_decode_num_draft_tokens"]
+
+
+def test_bench_latency_reports_acceptance_beside_the_formula(setup, tmp_path):
+    import json
+
+    from brrr.cli import main
+
+    path, _, _ = setup
+    out = tmp_path / "latency.jsonl"
+    assert main(["bench", "latency", "--model", str(path), "--dtype", "float32", "--batch", "1,2", "--prompt-len",
+                 "48", "--new-tokens", "24", "--workload", "edit", "--cpu-threads", "1", "--out", str(out),
+                 "--speculative-config", json.dumps(NGRAM)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in records] == [1, 2]
+    for r in records:
+        assert r["speculative_config"]["num_speculative_tokens"] == 4 and r["decode_tok_s"] > 0
+        assert r["spec_num_draft_tokens"] > 0 and 0 <= r["acceptance_rate"] <= 1
+        assert r["mean_accepted_length"] == round(1 + r["spec_num_accepted_tokens"] / r["spec_num_drafts"], 3)
+        assert len(r["acceptance_per_pos"]) == 4 and r["predicted_speedup_c0"] >= 1

@@ -337,8 +337,9 @@ class EngineCore:
             records.append(record)
         if hidden is not None:
             self._keep_hidden(batch, runs, hidden)
-        for seq, _ in batch.items:
-            seq.spec_tokens = []
+        if self.spec is not None:  # drafts live one step (a decode the budget left out drops its own too)
+            for seq in self.scheduler.running:
+                seq.spec_tokens = []
         for request_id, entries in prompt_entries.items():  # a prompt chunk that samples nothing yet
             records.append(self._reported(self.requests[request_id], EngineOutput(request_id,
                                                                                   new_prompt_logprobs=entries)))

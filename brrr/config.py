@@ -276,8 +276,18 @@ class EngineConfig:
     max_loras: int = 1  # adapters a step may mix: device slots
     max_lora_rank: int = 16  # the largest adapter rank accepted; slots are padded to it
     max_cpu_loras: int | None = None  # loaded adapters kept on the host (default: max_loras)
+    # speculative decoding (docs/speculative.md): a SpeculativeConfig or its dict, vLLM's keys; None: off
+    speculative_config: object = None
 
     def __post_init__(self):
+        if self.speculative_config is not None:
+            from brrr.engine.spec.proposer import SpeculativeConfig  # lazy: brrr.engine imports this module
+
+            if isinstance(self.speculative_config, dict):
+                self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            elif not isinstance(self.speculative_config, SpeculativeConfig):
+                raise BrrrError("EngineConfig.speculative_config must be a dict or a SpeculativeConfig, got "
+                                f"{type(self.speculative_config).__name__}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -17,6 +17,12 @@ def register(bench_sub) -> None:
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="on CUDA (the record says what ran)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads on CPU (default: all cores but one, as brrr generate)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+                        ": the record adds acceptance, mean accepted length and the formula's predicted speedup")
+    p.add_argument("--workload", choices=["random", "edit"], default="random",
+                   help="random: random prompt tokens; edit: the prompt is a random passage written twice and its "
+                        "start again, the shape of an edit request (the answer restates the prompt)")
     p.add_argument("--out", default=None, help="append the JSON records to this file")
     p.set_defaults(func=cmd_latency)
 
@@ -29,7 +35,19 @@ def emit(record: dict, out: str | None) -> None:
             f.write(line + "\n")
 
 
-def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0):
+def prompt_ids(gen, vocab: int, prompt_len: int, workload: str) -> list[int]:
+    """random: prompt_len random tokens. edit: a random passage, the passage again, then its first quarter (the
+    model, or a random one's repetitive output, continues what it has seen: prompt lookup's best case)."""
+    import torch
+
+    if workload == "random":
+        return torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+    passage = torch.randint(0, vocab, (max(1, prompt_len * 4 // 9),), generator=gen).tolist()
+    return (passage * 2 + passage[: len(passage) // 4])[:prompt_len]
+
+
+def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0,
+              workload: str = "random"):
     """Returns (ttft_s, decode_s) for `batch` requests of equal shape started together."""
     import torch
 
@@ -38,7 +56,7 @@ def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"lat-{seed}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
+        engine.add_request(f"lat-{seed}-{i}", prompt_ids(gen, vocab, prompt_len, workload), params)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -58,8 +76,10 @@ def cmd_latency(args) -> int:
     from brrr.cli import cpu_threads
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
+    from brrr.engine.spec import parse_speculative_config
     from brrr.loader import resolve_dtype
 
+    speculative = parse_speculative_config(args.speculative_config)
     cfg = model_config(args.model)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, cfg, device)
@@ -75,15 +95,20 @@ def cmd_latency(args) -> int:
     max_len = args.prompt_len + args.new_tokens
     engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
                                                  num_blocks=max(batches) * -(-max_len // 16) + 8,
-                                                 cuda_graphs=graphs))
-    run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99)  # warm-up
+                                                 cuda_graphs=graphs, speculative_config=speculative))
+    run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99,
+              workload=args.workload)  # warm-up
     for batch in batches:
-        ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch)
+        before = engine.stats()
+        ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch,
+                                   workload=args.workload)
         tok_s = batch * (args.new_tokens - 1) / decode_s
         record = {"bench": "latency", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
                   "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": "on" if graphs else "off",
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                  "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1)}
+                  "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload}
+        if speculative is not None:
+            record.update(spec_record(speculative, before, engine.stats(), batch))
         if threads is not None:
             record["cpu_threads"] = threads
         if gpu:
@@ -97,6 +122,37 @@ def cmd_latency(args) -> int:
     if args.peer == "transformers":
         peer_transformers(model, cfg, batches, args, gpu)
     return 0
+
+
+def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:
+    """Acceptance over one measured batch (vLLM's definitions): acceptance rate = accepted / draft tokens; mean
+    accepted length = tokens per verified run (1 + accepted drafts); alpha fitted to that mean; the formula's
+    speedup at that alpha for a proposer of no cost (n-gram: c = 0; a draft model's c is its step-time ratio, which
+    `brrr calc spec` takes), to set beside the measured tok/s ratio of a run without --speculative-config."""
+    from brrr.analysis.spec_decode import expected_speedup, fit_alpha
+
+    def delta(key):
+        return after[key] - before[key]
+
+    k = speculative.num_speculative_tokens
+    runs, drafts, accepted = (delta("spec_decode_num_drafts"), delta("spec_decode_num_draft_tokens"),
+                              delta("spec_decode_num_accepted_tokens"))
+    per_pos = [a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                                     before["spec_decode_num_accepted_tokens_per_pos"])]
+    mean_len = 1 + accepted / runs if runs else 1.0
+    alpha = fit_alpha(mean_len, k)
+    record = {"speculative_config": {k_: v for k_, v in vars(speculative).items() if v is not None},
+              "spec_num_drafts": runs, "spec_num_draft_tokens": drafts, "spec_num_accepted_tokens": accepted,
+              "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+              "mean_accepted_length": round(mean_len, 3),
+              "acceptance_per_pos": [round(a / runs, 4) if runs else None for a in per_pos],
+              "alpha_fitted": round(alpha, 4),
+              # per sequence per engine step: what the formula's S assumes every step makes; steps without a draft
+              # (nothing matched) and the prefill step lower it
+              "tokens_per_seq_step": round(delta("generation_tokens") / max(1, delta("num_steps")) / batch, 3)}
+    if speculative.method == "ngram":
+        record["predicted_speedup_c0"] = round(expected_speedup(alpha, k, 0.0), 3)
+    return record
 
 
 def peer_transformers(model, cfg, batches, args, gpu) -> None:

@@ -144,6 +144,14 @@ class BlockManager:
         seq.block_table[index] = dst
         return src, dst
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past the first `num_tokens` positions (rejected draft tokens' slots). Only uncommitted
+        positions are cut: hashed blocks are full and computed, so they lie below num_tokens."""
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1

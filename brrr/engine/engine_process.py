@@ -38,6 +38,7 @@ log = logging.getLogger("brrr.engine")
 # Counters the warm-up moves; reported relative to where it left them, so metrics count only real requests.
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
             "num_steps")
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 PARENT_CHECK_SECONDS = 1.0  # while idle, how often the engine process checks that the server still exists
 
 
@@ -81,8 +82,13 @@ class EngineInfo:
 
 def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:
     stats = engine.stats()
-    for key in COUNTERS if baseline else ():
-        stats[key] -= baseline[key]
+    for key in COUNTERS + SPEC_COUNTERS if baseline else ():
+        if key in stats:  # the spec_decode_* counters exist when speculative decoding is on
+            stats[key] -= baseline[key]
+    if baseline and "spec_decode_num_accepted_tokens_per_pos" in stats:
+        stats["spec_decode_num_accepted_tokens_per_pos"] = [
+            a - b for a, b in zip(stats["spec_decode_num_accepted_tokens_per_pos"],
+                                  baseline["spec_decode_num_accepted_tokens_per_pos"])]
     stats["num_free_blocks"] = engine.block_manager.num_free_blocks
     stats["num_unfinished_requests"] = len(engine.requests)
     stats["num_unfinished_seqs"] = engine.scheduler.num_unfinished

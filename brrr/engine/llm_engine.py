@@ -21,6 +21,7 @@ from brrr.engine.sampler import PendingTokens, SampleRow, h2d, logprob_entries
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
+from brrr.engine.spec.verify import Speculator
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
@@ -118,10 +119,21 @@ class EngineCore:
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
-        num_blocks = self._num_blocks()
+        # a draft model loads before the KV cache is sized: its weights count as memory in use, its cache per block
+        proposer, draft = None, None
+        if ec.speculative_config is not None:
+            from brrr.engine.spec import make_proposer
+            from brrr.engine.spec.draft import DraftModelProposer
+
+            proposer = make_proposer(ec.speculative_config, model)
+            draft = proposer if isinstance(proposer, DraftModelProposer) else None
+        num_blocks = self._num_blocks(draft.kv_bytes_per_block(ec.block_size) if draft else 0)
+        if draft is not None:
+            draft.allocate_cache(num_blocks, ec.block_size)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
-                                   ec.max_loras if ec.enable_lora else None)
+                                   ec.max_loras if ec.enable_lora else None, on_release=self._released)
+        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
                                       ec.max_num_seqs, self.lora)
@@ -130,6 +142,22 @@ class EngineCore:
         # a decode step launched, tokens unread: its PendingTokens, or a GuidedStep until a guided step samples
         self._ahead: tuple[ScheduledBatch, PendingTokens | GuidedStep] | None = None
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
+
+    def _released(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
+
+    def _speculating(self) -> bool:
+        """Whether the next step may verify drafts: then no decode step is launched ahead of it (the drafts follow
+        tokens the host has not read yet)."""
+        running = self.scheduler.running
+        return (self.spec is not None and self.spec.enabled(len(running))
+                and any(self.spec.speculates(seq) for seq in running))
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The most drafts seq may verify: a run emits drafts + 1 tokens, within max_tokens and the context."""
+        left = seq.request.params.max_tokens - seq.num_output_tokens - 1
+        return min(left, self.max_model_len - len(seq.token_ids))
 
     def _lora_manager(self, model) -> LoraManager:
         ec, p = self.config, next(model.parameters())
@@ -154,12 +182,13 @@ class EngineCore:
     def list_loras(self) -> set[int]:
         return set(self.lora.list_loras()) if self.lora else set()
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """extra_bytes_per_block: a draft model's cache, which holds as many tokens as the target's."""
         ec, model = self.config, self.model
         if ec.num_blocks:
             return ec.num_blocks
         p = next(model.parameters())
-        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype)
+        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype) + extra_bytes_per_block
         # Every sequence at full length: more blocks would only keep finished prompts cached, and a small model on
         # a big GPU would take the whole card for them (and starve other processes on it).
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
@@ -167,7 +196,7 @@ class EngineCore:
             blocks = ec.kv_cache_memory // per_block
         elif p.device.type == "cuda":
             blocks = min(useful, ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
-                                                                ec.gpu_memory_utilization))
+                                                                ec.gpu_memory_utilization, extra_bytes_per_block))
         else:  # CPU: a fixed budget
             blocks = min(CPU_KV_DEFAULT // per_block, useful)
         if blocks < 1:
@@ -230,6 +259,12 @@ class EngineCore:
             if isinstance(ahead[1], GuidedStep):
                 ahead[1].wait()  # its matchers are not touched again before the mask thread is done with them
         explicit = batch is not None  # a caller's own batch: run just that, nothing queued behind it
+        if not explicit and self.spec is not None:
+            try:
+                self.spec.propose(self.scheduler.running, self._draft_room)
+            except Exception as e:  # a failing proposer fails the requests it was proposing for, not the engine
+                log.exception("proposer failed")
+                return self._fail({s.request for s in self.scheduler.running}, f"{type(e).__name__}: {e}")
         batch = batch if batch is not None else self.scheduler.schedule()
         if not batch.items:
             return []
@@ -244,26 +279,44 @@ class EngineCore:
             return self._finish_decode(batch, pending)
         sample_plan, prompt_rows, forks, row = [], [], [], 0
         for seq, n in batch.items:
-            if seq.num_computed_tokens + n == len(seq.token_ids):  # this chunk reaches the end: sample
-                sample_plan.append((row + n - 1, seq))
+            drafts = len(seq.spec_tokens)
+            if drafts:  # a verified run: every position is sampled, each keyed by its own output index
+                sample_plan += [(row + i, seq, i) for i in range(drafts + 1)]
+            elif seq.num_computed_tokens + n == len(seq.token_ids):  # this chunk reaches the end: sample
+                sample_plan.append((row + n - 1, seq, 0))
                 if seq.request.params.n > 1 and len(seq.request.seqs) == 1:  # the prompt completes: fork
                     children = self.scheduler.make_forks(seq)
                     forks.append((seq, children))
-                    sample_plan += [(row + n - 1, child) for child in children]
+                    sample_plan += [(row + n - 1, child, 0) for child in children]
             wanted = self._prompt_logprob_rows(seq, n, row)
             if wanted is not None:
                 prompt_rows.append(wanted)
             row += n
         logit_rows = [r for _, first, count, _ in prompt_rows for r in range(first, first + count)]
-        rows = [(r, self._sample_row(s)) for r, s in sample_plan]
+        rows = [(r, self._sample_row(s, ahead=i)) for r, s, i in sample_plan]
+        want_hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            result, prompt_lp = self.runner.execute(batch, rows, logit_rows)
+            result, prompt_lp, hidden = self.runner.execute(batch, rows, logit_rows, want_hidden)
             prompt_entries = self._prompt_logprobs(prompt_rows, prompt_lp) if prompt_rows else {}
         except Exception as e:  # one bad step must not take the engine down: fail its requests, keep serving
             log.exception("step failed; aborting the %d requests in it", len(batch.items))
             return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
         self.num_steps += 1
+        groups, at = [], 0  # (seq, its tokens, their logprobs): a verified run keeps its accepted prefix
+        for _, seq, i in sample_plan:
+            if i == 0:
+                groups.append((seq, result.tokens[at:at + 1], result.logprobs[at:at + 1]))
+            else:
+                groups[-1][1].append(result.tokens[at])
+                groups[-1][2].append(result.logprobs[at])
+            at += 1
+        # a run's logprobs are those of the tokens the target drew at each position: the emitted ones
+        groups = [(seq, self.spec.accept(seq.spec_tokens, tokens), lps) if seq.spec_tokens else (seq, tokens, lps)
+                  for seq, tokens, lps in groups]
+        runs = {seq.seq_id: len(tokens) for seq, tokens, _ in groups if seq.spec_tokens}
         for seq, n in batch.items:
+            if seq.seq_id in runs:  # committed after its tokens are appended (`_roll_back`)
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
@@ -271,29 +324,61 @@ class EngineCore:
         for parent, children in forks:
             self.scheduler.admit_forks(parent, children)
         now, records = time.monotonic(), []
-        for (_, seq), token, logprobs in zip(sample_plan, result.tokens, result.logprobs):
+        for seq, tokens, logprobs in groups:
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
-            record = self._append_token(seq, token, logprobs)
+            if seq.spec_tokens:
+                record = self._append_tokens(seq, tokens, logprobs)
+                self._roll_back(seq, len(tokens))
+            else:
+                record = self._append_token(seq, tokens[0], logprobs[0])
             if seq.index == 0 and prompt_entries:
                 record.new_prompt_logprobs = prompt_entries.pop(seq.request.request_id, None)
             records.append(record)
+        if hidden is not None:
+            self._keep_hidden(batch, runs, hidden)
+        if self.spec is not None:  # drafts live one step (a decode the budget left out drops its own too)
+            for seq in self.scheduler.running:
+                seq.spec_tokens = []
         for request_id, entries in prompt_entries.items():  # a prompt chunk that samples nothing yet
             records.append(self._reported(self.requests[request_id], EngineOutput(request_id,
                                                                                   new_prompt_logprobs=entries)))
         return records
+
+    def _roll_back(self, seq: Sequence, kept: int) -> None:
+        """After a verified run: its last committed token and the accepted drafts (`kept` positions) stay in the KV
+        cache; the rejected drafts' slots are dropped, and their blocks freed when the run crossed a block
+        boundary. A run a stop cut short has finished and freed everything already."""
+        if seq.finished:
+            return
+        seq.num_computed_tokens += kept
+        self.block_manager.truncate(seq, len(seq.token_ids))
+        self.block_manager.commit_computed(seq, seq.request.cache_key)
+
+    def _keep_hidden(self, batch: ScheduledBatch, runs: dict[int, int], hidden: torch.Tensor) -> None:
+        """Each running sequence's hidden states for the positions this step computed and kept (EAGLE reads them
+        at its next propose): a prefill chunk's every row, a decode's one, a verified run's accepted prefix."""
+        start = 0
+        for seq, n in batch.items:
+            if not seq.finished and self.spec.speculates(seq):
+                self.spec.keep_hidden(seq.seq_id, hidden[start:start + runs.get(seq.seq_id, n)])
+            start += n
 
     def _pipelinable(self, batch: ScheduledBatch) -> bool:
         """Decode rows that need nothing from the host but their own state: no logprobs (read on the host), no
         penalties or min_tokens (they read the output so far, which would lag a step behind). A grammar's mask
         follows the previous token, which the host has not seen when the next step is launched: guided steps launch
         their forward ahead and their sampling after (`_launch_next`)."""
+        if self.spec is not None and self.spec.needs_hidden and self._speculating():
+            return False  # the proposer reads this step's hidden states, which a captured graph does not keep
         return self.runner.can_launch(batch) and all(
             seq.request.params.logprobs is None and not seq.request.params.has_penalties
             and not seq.request.params.min_tokens and seq.request.params.n == 1 for seq, _ in batch.items)
 
     def _launch_next(self, batch: ScheduledBatch, pending: PendingTokens) -> None:
         """Queue the step the scheduler plans after `batch` (if any) before `batch`'s tokens reach the host."""
+        if self._speculating():  # the next step proposes from this step's tokens: it waits for them
+            return
         nxt = self.scheduler.schedule_next_decode(batch)
         if nxt is None:
             return
@@ -350,11 +435,16 @@ class EngineCore:
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the GPU would wait on.
         history = seq.output_ids if params.has_penalties or params.min_tokens else []
+        if ahead and seq.spec_tokens and (params.has_penalties or params.min_tokens):
+            history = history + seq.spec_tokens[:ahead]  # verified position `ahead`: after the drafts before it
         if params.structured_outputs is not None and seq.guide is None:  # its first token: each sample its own
             seq.guide = grammars(self.tokenizer, self.model.config.vocab_size,
                                  self.eos_token_ids).matcher(params.structured_outputs)
+        guide = seq.guide
+        if ahead and seq.spec_tokens and guide is not None:  # a verified position: the grammar past the drafts
+            guide = guide.advanced(seq.spec_tokens[:ahead])
         return SampleRow(params, seq.seed, seq.num_output_tokens + ahead,
-                         seq.request.prompt_token_ids, history, self._stop_ids(params), seq.guide)
+                         seq.request.prompt_token_ids, history, self._stop_ids(params), guide)
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
@@ -399,6 +489,22 @@ class EngineCore:
             record.first_scheduled_time, record.num_cached_tokens = req.first_scheduled_time, req.num_cached_tokens
         return record
 
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> EngineOutput:
+        """A verified run's tokens, one at a time: a stop token, max_tokens or the context cuts the run there."""
+        record = None
+        for token, entry in zip(tokens, logprobs):
+            step = self._append_token(seq, token, entry)
+            if record is None:
+                record = step
+            else:
+                record.new_token_ids += step.new_token_ids
+                if step.new_logprobs is not None:
+                    record.new_logprobs += step.new_logprobs
+                record.finish_reason = step.finish_reason
+            if seq.finished:
+                break
+        return record
+
     def _append_token(self, seq: Sequence, token: int, logprobs) -> EngineOutput:
         req, params = seq.request, seq.request.params
         seq.token_ids.append(token)
@@ -437,7 +543,7 @@ class EngineCore:
                 "kv_cache_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps, **(self.spec.stats() if self.spec is not None else {})}
 
 
 class LLMEngine(EngineCore):

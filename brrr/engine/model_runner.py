@@ -148,8 +148,10 @@ class ModelRunner:
 
     @staticmethod
     @torch.inference_mode()
-    def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
-        """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows."""
+    def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
+                           extra_bytes_per_block: int = 0) -> int:
+        """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows.
+        extra_bytes_per_block: what else each block of tokens costs (a draft model's own KV cache)."""
         device = next(model.parameters()).device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -162,7 +164,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = torch.cuda.memory_reserved(device)
-        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype)
+        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype) + extra_bytes_per_block
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)
 
     def _lora_rows(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> None:
@@ -192,7 +194,10 @@ class ModelRunner:
         for i, (seq, n) in enumerate(batch.items):
             start = seq.num_computed_tokens + ahead
             if not ahead:
-                ids += seq.token_ids[start:start + n]
+                chunk = seq.token_ids[start:start + n]
+                if len(chunk) < n:  # a speculating decode: its draft tokens follow its last token
+                    chunk += seq.spec_tokens[:n - len(chunk)]
+                ids += chunk
             seqlens.append(n)
             context_lens.append(start + n)
             tables[i, : len(seq.block_table)] = seq.block_table
@@ -203,17 +208,19 @@ class ModelRunner:
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]],
-                logit_rows: list[int] = ()) -> tuple[SampleResult, torch.Tensor | None]:
+    def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]], logit_rows: list[int] = (),
+                want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
         """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
-        log-probabilities the caller wants (prompt_logprobs). Returns the samples and those log-probs."""
+        log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
+        want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; a captured graph
+        keeps only logits, so such steps run eagerly)."""
         self._copy_blocks(batch.copies)
         rows = [r for r, _ in sample_rows]
-        if not logit_rows and self.can_launch(batch):
+        if not logit_rows and not want_hidden and self.can_launch(batch):
             logits = self._replay(batch)
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
                 logits = logits.index_select(0, h2d(rows, self.device, torch.long))
-            return sample(logits, [row for _, row in sample_rows]), None
+            return sample(logits, [row for _, row in sample_rows]), None, None
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
         # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.
@@ -234,4 +241,4 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows_t))
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
-        return result, extra
+        return result, extra, hidden if want_hidden else None

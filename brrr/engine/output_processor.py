@@ -137,7 +137,16 @@ class OutputProcessor:
                         sample.delta_lp = rec.new_logprobs
         reason = rec.finish_reason if rec.error is None else "abort"
         if sample.decoder is not None and new:
-            reason = self._detokenize(sample, new, reason, params)
+            reason, keep = self._detokenize(sample, new, reason, params)
+            if keep < len(new):  # a speculative run went past the stop string: its tokens end where the text does
+                cut = len(new) - keep
+                del sample.token_ids[-cut:]
+                if state.stream:
+                    del sample.delta_ids[-cut:]  # `new` itself, or a list that ends with it
+                if sample.logprobs is not None and rec.new_logprobs:
+                    del sample.logprobs[-cut:]
+                    if state.stream:
+                        del sample.delta_lp[-cut:]
             if reason == "stop_string":
                 reason = "stop"
                 stopped.append((rec.request_id, rec.index))
@@ -146,21 +155,22 @@ class OutputProcessor:
             state.num_finished += 1
 
     @staticmethod
-    def _detokenize(sample: _Sample, new: list[int], reason: str | None, params) -> str | None:
+    def _detokenize(sample: _Sample, new: list[int], reason: str | None, params) -> tuple[str | None, int]:
         """Append the new tokens' text and look for stop strings. Returns the finish reason, "stop_string" when a
-        stop string ended the sample here."""
-        before = len(sample.text)
+        stop string ended the sample here, and how many of the new tokens it keeps: a speculative run brings
+        several, and is read one token at a time, as the same tokens one per step would be."""
         # a stop token's text is not part of the output
-        for token in new[:-1] if reason == "stop" else new:
+        for i, token in enumerate(new[:-1] if reason == "stop" else new):
+            before = len(sample.text)
             sample.text += sample.decoder.push(token)
-        for stop in params.stop:
-            at = sample.text.find(stop, max(0, before - len(stop) + 1))
-            if at != -1:
-                sample.text = sample.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
-                return "stop_string"
+            for stop in params.stop:
+                at = sample.text.find(stop, max(0, before - len(stop) + 1))
+                if at != -1:
+                    sample.text = sample.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
+                    return "stop_string", i + 1
         if reason in ("stop", "length", "grammar"):
             sample.text += sample.decoder.flush()  # an incomplete UTF-8 tail held back for a token that won't come
-        return reason
+        return reason, len(new)
 
     def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
         request = state.request

@@ -33,8 +33,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int | None = None, max_loras: int | None = None):
+                 max_model_len: int | None = None, max_loras: int | None = None, on_release=None):
         self.block_manager = block_manager
+        # called with a sequence that lost its blocks (preempted or finished): a proposer drops its state for it
+        self.on_release = on_release
         self.max_loras = max_loras  # distinct adapters the running sequences may use (the device slots)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = max_model_len
@@ -121,6 +123,7 @@ class Scheduler:
                 batch.copies.append(copy)
             batch.items.append((seq, 1))
             budget -= 1
+        budget = self._schedule_drafts(batch, budget)
         for seq in self.running:  # prefills already under way
             if seq.num_uncomputed > 1 and budget > 0:
                 n = min(seq.num_uncomputed, budget)
@@ -155,6 +158,25 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _schedule_drafts(self, batch: ScheduledBatch, budget: int) -> int:
+        """Speculating decodes verify their draft tokens in the same step: (seq, 1 + drafts) instead of (seq, 1).
+        Drafts take only what every decode's own token left over (budget and free blocks) and never preempt: a
+        draft cut short costs a little speed, a preemption costs a recompute. Returns the budget left."""
+        bm = self.block_manager
+        for i, (seq, n) in enumerate(batch.items):
+            if not seq.spec_tokens:
+                continue
+            room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - len(seq.token_ids)
+            d = min(len(seq.spec_tokens), budget, room)
+            seq.spec_tokens = seq.spec_tokens[:d]
+            if d == 0:
+                continue
+            while len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + d):
+                seq.block_table.append(bm.allocate_block())
+            batch.items[i] = (seq, n + d)
+            budget -= d
+        return budget
+
     def running_adapters(self) -> set[int]:
         """The adapter ids the running sequences use: they hold device slots."""
         return {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request is not None}
@@ -162,6 +184,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -173,6 +197,8 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     @property

@@ -31,6 +31,9 @@ class Sequence:
     # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so
     # a preempted sequence's recomputed prefill, which appends nothing it had, leaves it where it was
     guide: GuidedMatcher | None = None
+    # speculative decoding: the draft tokens proposed for this step, verified after token_ids[-1] (never committed
+    # to token_ids: the step keeps the accepted prefix)
+    spec_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

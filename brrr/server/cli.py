@@ -53,6 +53,9 @@ def register(sub) -> None:
                    help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(docs/speculative.md)")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when serving on CPU (default: all cores but one, which the HTTP side gets)")
     g.add_argument("--engine-in-thread", action="store_true",
@@ -80,6 +83,7 @@ def cmd_serve(args) -> int:
                         "pip install fastapi uvicorn pydantic prometheus-client") from None
     from brrr.config import EngineConfig
     from brrr.engine.engine_process import EngineSpec
+    from brrr.engine.spec import parse_speculative_config
     from brrr.hub import resolve_model
     from brrr.pretrained import check_device
 
@@ -99,7 +103,8 @@ def cmd_serve(args) -> int:
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
                           enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
-                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                          speculative_config=parse_speculative_config(args.speculative_config))
     spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,
                       log_level=args.log_level)
     llm = _start_engine(spec, in_thread=args.engine_in_thread)

@@ -51,9 +51,22 @@ class _EngineCollector:
             family = GaugeMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
             family.add_metric(label, value)
             yield family
+        if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's spec_decode_* names)
+            counters += (
+                ("spec_decode_num_drafts", "Verified runs with at least one draft token.", s["spec_decode_num_drafts"]),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                 s["spec_decode_num_draft_tokens"]),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["spec_decode_num_accepted_tokens"]))
         for name, doc, value in counters:
             family = CounterMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
             family.add_metric(label, value)
+            yield family
+        if "spec_decode_num_accepted_tokens_per_pos" in s:
+            family = CounterMetricFamily("brrr:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the run.",
+                                         labels=["model_name", "position"])
+            for position, value in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric(label + [str(position)], value)
             yield family
 
 

@@ -114,6 +114,16 @@ class GuidedMatcher:
         """False when the grammar does not allow `token` (the matcher is then dead: `error` says why)."""
         return self.matcher.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar allows in a row from here (the matcher does not move)."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def advanced(self, tokens: list[int]) -> "GuidedMatcher":
+        """A copy moved past `tokens` (allowed ones): where a speculative run's later positions stand."""
+        copy = GuidedMatcher(self.matcher.deep_copy())
+        copy.matcher.consume_tokens(tokens)
+        return copy
+
     @property
     def finished(self) -> bool:
         return self.matcher.is_stopped()

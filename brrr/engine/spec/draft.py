@@ -1,0 +1,108 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer proposes k tokens greedily, one batched step
+per token, over its own paged KV cache (a ModelRunner and a BlockManager of its own, as many token slots as the
+target's pool). Its cache follows each sequence's committed tokens: after a rejection it is cut back to the
+positions whose tokens the target kept, so only the correction token and what follows are computed again."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from brrr.config import EngineConfig
+from brrr.engine.block_manager import BlockManager
+from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
+from brrr.engine.sampler import SampleRow
+from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.sequence import Sequence
+from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.errors import BrrrError
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def load_draft(path: str, target):
+    """The draft model on the target's device and dtype; BrrrError when its vocabulary is not the target's (its
+    token ids would mean other tokens)."""
+    from brrr.loader import load_model
+    from brrr.models.serving import prepare_for_serving
+
+    if not Path(path).expanduser().is_dir():
+        raise BrrrError(f"speculative_config.model: draft model directory not found: {path}")
+    p = next(target.parameters())
+    draft = load_model(Path(path).expanduser(), dtype=p.dtype, device=p.device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise BrrrError(f"speculative_config.model: the draft's vocabulary ({draft.config.vocab_size} tokens) differs "
+                        f"from the target's ({target.config.vocab_size}); a draft must share the target's tokenizer")
+    return prepare_for_serving(draft, EngineConfig())
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, path: str, target):
+        """The draft loads now; its cache once the engine has sized the target's (`allocate_cache`)."""
+        self.model = load_draft(path, target)
+        self.max_len = self.model.config.max_context
+        self.block_manager: BlockManager | None = None
+        self.runner: ModelRunner | None = None
+        self.seqs: dict[int, Sequence] = {}  # seq_id -> the draft's own view: tokens, computed positions, blocks
+        self.committed: dict[int, int] = {}  # seq_id -> committed tokens at its previous propose
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool)."""
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(self.model, block_size, num_blocks, cuda_graphs=False)
+
+    def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
+        active = [x for x in inputs if self._sync(x, k)]
+        drafts = {x.seq_id: [] for x in inputs}
+        seqs = [self.seqs[x.seq_id] for x in active]
+        for _ in range(k):
+            if not seqs:
+                break
+            batch = ScheduledBatch([(s, len(s.token_ids) - s.num_computed_tokens) for s in seqs])
+            rows, row = [], 0
+            for _, n in batch.items:
+                row += n
+                rows.append((row - 1, SampleRow(GREEDY)))
+            tokens = self.runner.execute(batch, rows)[0].tokens
+            for seq, token in zip(seqs, tokens):
+                seq.num_computed_tokens = len(seq.token_ids)
+                seq.token_ids.append(token)
+                drafts[seq.seq_id].append(token)
+        return [drafts[x.seq_id] for x in inputs]
+
+    def _sync(self, x: SpecInput, k: int) -> bool:
+        """Bring the draft's view of x up to its committed tokens, keeping the KV of every position whose token is
+        unchanged, and reserve slots for k steps. False: it sits this step out (no room), holding nothing."""
+        if len(x.token_ids) + k > self.max_len:
+            self.release(x.seq_id)
+            return False
+        seq = self.seqs.get(x.seq_id)
+        if seq is None:
+            seq = self.seqs[x.seq_id] = Sequence(x.seq_id, None, 0, [])
+            self.committed[x.seq_id] = 0
+        same = self.committed[x.seq_id]  # tokens committed before the last propose never change
+        limit = min(len(seq.token_ids), len(x.token_ids))
+        while same < limit and seq.token_ids[same] == x.token_ids[same]:
+            same += 1
+        del seq.token_ids[same:]
+        seq.token_ids += x.token_ids[same:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, same, len(x.token_ids) - 1)
+        self.committed[x.seq_id] = len(x.token_ids)
+        bm = self.block_manager
+        bm.truncate(seq, seq.num_computed_tokens)
+        need = bm.blocks_for(len(x.token_ids) + k - 1) - len(seq.block_table)
+        if need > bm.num_free_blocks:
+            self.release(x.seq_id)
+            return False
+        seq.block_table += [bm.allocate_block() for _ in range(need)]
+        return True
+
+    def release(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        self.committed.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)

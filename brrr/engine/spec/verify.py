@@ -1,0 +1,107 @@
+"""The engine's side of speculative decoding: which sequences speculate, their drafts, the acceptance of a verified
+run, the hidden states an EAGLE proposer reads, and the counters vLLM reports (docs/speculative.md).
+
+Acceptance. The target samples every verified position i with the ordinary sampler, keyed like any token of the
+sequence (seed, output index), giving y_0..y_d; the run keeps the drafts while draft_i == y_i and then y_a (the
+target's token at the first mismatch, or the bonus token after all d). Every proposer here is deterministic (its
+q is one-hot on x), for which the rejection rule is: accept x with probability min(1, p(x)/q(x)) = p(x), else draw
+from norm(max(0, p - q)) = p without x. Drawing y ~ p with the sampler's Gumbel noise and accepting iff y == x is
+exactly that rule (P(y = x) = p(x); y given y != x is p without x, renormalized), so the output has the target's
+distribution, and a seeded request gives the very tokens it gives without speculation. Greedy is the case T = 0.
+"""
+from __future__ import annotations
+
+import torch
+
+from brrr.engine.sampling_params import SamplingParams
+from brrr.engine.sequence import Sequence
+from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
+
+
+def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:
+    """Requests whose every verified position the sampler can score before the drafts are known to be kept.
+    Logprobs, penalties and min_tokens are: position i is scored as if the drafts before it were kept (its history
+    includes them), which is the only case in which its token is used. Not speculated (they decode normally in the
+    same batch): n > 1 for a proposer that reads hidden states (the samples fork from one prompt, whose hidden
+    states it reads once). A grammar's drafts are cut to what it allows, and position i is masked from a copy of
+    the matcher moved past the drafts before it."""
+    return params.n == 1 or not needs_hidden
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config, self.proposer = config, proposer
+        self.k = config.num_speculative_tokens
+        # hidden states the target computed and kept since each sequence's last propose (EAGLE): seq_id -> rows
+        self._hidden: dict[int, list[torch.Tensor]] = {}
+        # vLLM's counters (spec_decode_*): verified runs with at least one draft, drafts, accepted drafts, and
+        # accepted drafts by position in the run
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.proposer.needs_hidden
+
+    def speculates(self, seq: Sequence) -> bool:
+        return speculatable(seq.request.params, self.needs_hidden)
+
+    def enabled(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, running: list[Sequence], room) -> None:
+        """Set spec_tokens on every running decode that speculates this step. room(seq): the most draft tokens its
+        max_tokens and the context still allow (a run emits drafts + 1 tokens)."""
+        for seq in running:
+            seq.spec_tokens = []
+        if not self.enabled(len(running)):
+            return
+        seqs, limits = [], []
+        for seq in running:
+            if seq.num_uncomputed != 1 or not self.speculates(seq):
+                continue
+            limit = min(self.k, room(seq))
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return
+        inputs = [SpecInput(seq.seq_id, seq.token_ids, self._take_hidden(seq.seq_id)) for seq in seqs]
+        for seq, limit, draft in zip(seqs, limits, self.proposer.propose(inputs, self.k)):
+            draft = list(draft[:limit])
+            if seq.guide is not None:  # a draft the grammar forbids would be rejected anyway: not worth a slot
+                draft = draft[:seq.guide.valid_prefix(draft)]
+            seq.spec_tokens = draft
+
+    def accept(self, drafts: list[int], targets: list[int]) -> list[int]:
+        """The tokens a verified run emits: the drafts up to the first that differs from the target's token there,
+        then the target's token (len(targets) == len(drafts) + 1)."""
+        a = 0
+        while a < len(drafts) and drafts[a] == targets[a]:
+            a += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += a
+        for i in range(a):
+            self.accepted_per_pos[i] += 1
+        return targets[:a + 1]
+
+    def keep_hidden(self, seq_id: int, rows: torch.Tensor) -> None:
+        self._hidden.setdefault(seq_id, []).append(rows)
+
+    def _take_hidden(self, seq_id: int) -> torch.Tensor | None:
+        if not self.needs_hidden:
+            return None
+        rows = self._hidden.pop(seq_id, [])
+        return torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None)
+
+    def release(self, seq: Sequence) -> None:
+        seq.spec_tokens = []
+        self._hidden.pop(seq.seq_id, None)
+        self.proposer.release(seq.seq_id)
+
+    def stats(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}

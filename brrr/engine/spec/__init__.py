@@ -1,0 +1,29 @@
+"""Speculative decoding: proposers (n-gram prompt lookup, a draft model, EAGLE heads) behind one interface
+(proposer.py); the engine verifies their drafts (brrr/engine/spec/verify.py, docs/speculative.md)."""
+from __future__ import annotations
+
+from brrr.engine.spec.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpecInput, SpeculativeConfig
+from brrr.errors import BrrrError
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "Proposer", "SpecInput", "SpeculativeConfig", "make_proposer"]
+
+
+def make_proposer(config: SpeculativeConfig, target) -> Proposer:
+    """The proposer `config.method` names, for the target model `target` (its config and device, which a draft
+    model or an EAGLE head must match). Imports are lazy: a method's dependencies load only when it is used."""
+    if config.method == "ngram":
+        from brrr.engine.spec.ngram import NgramProposer
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft":
+        try:
+            from brrr.engine.spec.draft import DraftModelProposer
+        except ImportError as e:
+            raise BrrrError(f"speculative_config.method 'draft' is not available in this build ({e})") from e
+        return DraftModelProposer(config.model, target)
+    if config.method == "eagle":
+        try:
+            from brrr.engine.spec.eagle import EagleProposer
+        except ImportError as e:
+            raise BrrrError(f"speculative_config.method 'eagle' is not available in this build ({e})") from e
+        return EagleProposer(config.model, target)
+    raise BrrrError(f"speculative_config.method {config.method!r} is unknown")

@@ -21,6 +21,7 @@ import math
 
 from brrr.analysis.formats import weight_format
 from brrr.analysis.hardware import GPU
+from brrr.analysis.model import prefill_flops_per_token
 from brrr.analysis.serve import decode_step
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
@@ -118,3 +119,13 @@ def spec_plan(acceptance: float | None = None, rates: list[float] | None = None,
     best = max(rows, key=lambda r: r["speedup"])
     return {"acceptance": acceptance, "position_rates": rates, "cost_ratio": cost, "rows": rows, "best_k": best["k"],
             "best_speedup": best["speedup"]}
+
+
+def eagle_training_flops_per_token(target: ModelConfig, seq_len: int) -> float:
+    """`brrr train-draft` FLOPs per token: the frozen target's forward (its logits are the soft labels), then the
+    head's forward and backward (2x) with its fc, except that the shared LM head's weight takes no gradient (its
+    backward is the input gradient alone: 1x)."""
+    head = eagle_head_config(target)
+    head_forward = prefill_flops_per_token(head, seq_len) + 2 * 2 * target.hidden_size ** 2
+    lm_head = 2 * target.hidden_size * target.vocab_size
+    return prefill_flops_per_token(target, seq_len) + 3 * head_forward - lm_head

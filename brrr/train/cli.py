@@ -59,6 +59,10 @@ def register(sub):
 
     register_finetune(sub)
 
+    from brrr.train.draft_cli import register as register_draft
+
+    register_draft(sub)
+
 
 def _needs_subcommand(parser) -> int:
     parser.print_help()

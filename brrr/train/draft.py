@@ -36,6 +36,8 @@ from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.trainer import Distributed, Trainer, TrainConfig, autocast_for, make_optimizer, peak_flops
 
 CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
+ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
+ACCEPTANCE_PROMPTS, ACCEPTANCE_STEPS = 16, 16  # held-out prompts, and verify steps on each
 
 
 @dataclass
@@ -206,17 +208,35 @@ class DraftTrainer(Trainer):
         self.log({"step": step, **val, "final": final, "elapsed_s": self.elapsed()}, line)
         return val
 
+    def _acceptance_prompts(self) -> list[list[int]]:
+        """Up to ACCEPTANCE_PROMPTS held-out prompts of half a window each, spread over the validation split."""
+        val = self.data.splits["val"]
+        length = min(self.cfg.seq_len, self.model_cfg.max_context) // 2
+        if length < 2 or len(val) < length:
+            return []
+        starts = np.linspace(0, len(val) - length, ACCEPTANCE_PROMPTS).astype(np.int64)
+        return [val[s:s + length].astype(np.int64).tolist() for s in np.unique(starts)]
+
     def save_checkpoint(self):
         checkpoint.save(self.ckpt_path, self.model, self.optimizer, self.state)
 
     def finish(self, halted: bool) -> dict:
         st = self.state
         final = self._eval_and_log(st["step"], self.cfg.final_eval_windows, final=True)
+        self.model.eval()
+        prompts = self._acceptance_prompts()
+        room = self.model_cfg.max_context - max(map(len, prompts), default=0)
+        acceptance = measure_acceptance(self.target, self.model, prompts,
+                                        steps=min(ACCEPTANCE_STEPS, room // (ACCEPTANCE_K + 1)))
+        self.log({"step": st["step"], "acceptance": acceptance},
+                 f"greedy speculative decoding of held-out text, k={acceptance['k']}: mean accepted length "
+                 f"{acceptance['mean_acceptance_length'] or 0:.2f}, acceptance per position "
+                 + " ".join(f"{r:.2f}" for r in acceptance["acceptance_per_position"]))
         summary = {"target": self.cfg.model, "head_params": sum(p.numel() for p in self.params),
                    "steps": st["step"], "max_steps": st["max_steps"], "halted": halted,
                    "tokens_seen": st["tokens_seen"], "epochs": self.windows.epoch(st["position"]),
                    "train_seconds": st["train_seconds"],
-                   "device": str(self.device), "gpu": self.gpu_name, **final}
+                   "device": str(self.device), "gpu": self.gpu_name, **final, "acceptance": acceptance}
         self.export()
         (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.log_file.close()
@@ -232,3 +252,45 @@ def _check_tokenizer(target_dir: Path, data: TokenData) -> None:
     if file.is_file() and hashlib.sha256(file.read_bytes()).hexdigest() != data.manifest["tokenizer_sha256"]:
         raise BrrrError(f"--data {data.path} was tokenized with another tokenizer than the target's ({file}): "
                         "the head must see the target's own tokens; build the data with the target's tokenizer")
+
+
+@torch.no_grad()
+def measure_acceptance(target: nn.Module, head: nn.Module, prompts: list[list[int]], k: int = ACCEPTANCE_K,
+                       steps: int = ACCEPTANCE_STEPS) -> dict:
+    """Greedy speculative decoding of each prompt for `steps` verify steps, the target recomputing every sequence
+    whole (no engine): the head drafts k tokens, the target's greedy tokens accept the longest matching prefix and
+    add one of their own. Returns vLLM's figures: acceptance per position (accepted at position i / drafts) and
+    the mean acceptance length (1 + accepted / drafts)."""
+    from brrr.engine.spec.eagle import EagleProposer
+    from brrr.engine.spec.proposer import SpecInput
+
+    if not prompts or steps < 1:
+        return {"k": k, "drafts": 0, "acceptance_per_position": [], "mean_acceptance_length": None}
+    device = target.model.embed_tokens.weight.device
+    proposer = EagleProposer(head, target)
+    seqs = [list(p) for p in prompts]
+    hidden = [_features(target, [s], device)[0][:-1] for s in seqs]
+    accepted_at = [0] * k
+    for _ in range(steps):
+        drafts = proposer.propose([SpecInput(i, s, h) for i, (s, h) in enumerate(zip(seqs, hidden))], k)
+        feats = _features(target, [s + d for s, d in zip(seqs, drafts)], device)
+        for i, (s, d, f) in enumerate(zip(seqs, drafts, feats)):
+            n = len(s)
+            greedy = target.compute_logits(f[n - 1:]).argmax(-1).tolist()  # the target's token after each prefix
+            a = 0
+            while a < len(d) and d[a] == greedy[a]:
+                accepted_at[a] += 1
+                a += 1
+            s.extend(d[:a] + [greedy[a]])
+            hidden[i] = f[n - 1:n + a]  # features of the positions now committed, through the new last-but-one
+    drafts_made = steps * len(seqs)
+    return {"k": k, "drafts": drafts_made, "acceptance_per_position": [a / drafts_made for a in accepted_at],
+            "mean_acceptance_length": 1 + sum(accepted_at) / drafts_made}
+
+
+def _features(target: nn.Module, seqs: list[list[int]], device) -> list[torch.Tensor]:
+    """The target's final hidden states for every position of each sequence (one varlen forward)."""
+    lengths = [len(s) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    return list(target(ids, positions, AttnMeta.causal(lengths, device)).split(lengths))

@@ -49,6 +49,10 @@ def test_training_raises_agreement_with_the_target(head_run):
     assert last["val_top1"] > first["val_top1"] + 0.2, (first["val_top1"], last["val_top1"])
     summary = json.loads((head_run / "train_summary.json").read_text())
     assert summary["steps"] == 80 and summary["val_top1"] == last["val_top1"]
+    acc = summary["acceptance"]  # greedy speculative decoding of held-out prompts with the trained head, k = 8
+    rates = acc["acceptance_per_position"]
+    assert len(rates) == 8 and rates[0] > 0.2 and all(a >= b for a, b in zip(rates, rates[1:]))
+    assert acc["mean_acceptance_length"] == pytest.approx(1 + sum(rates))
 
 
 def test_saved_head_reloads_with_the_same_agreement(head_run, target_dir, data_dir):

@@ -289,7 +289,7 @@ def _rates(text: str) -> list[float]:
 
 
 def cmd_spec(args) -> int:
-    from brrr.analysis.spec import MAX_K, cost_ratio, spec_plan
+    from brrr.analysis.spec_decode import MAX_K, cost_ratio, spec_plan
 
     if args.k is not None and not 1 <= args.k <= MAX_K:
         raise BrrrError(f"-k {args.k} must be in [1, {MAX_K}]")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brrr.analysis.spec import eagle_training_flops_per_token
+from brrr.analysis.spec_decode import eagle_training_flops_per_token
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint

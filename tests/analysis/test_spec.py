@@ -4,8 +4,8 @@ import random
 import pytest
 
 from brrr.analysis.hardware import get_gpu
-from brrr.analysis.spec import (cost_ratio, expected_tokens, expected_tokens_from_rates, position_rates, spec_plan,
-                                speedup)
+from brrr.analysis.spec_decode import (cost_ratio, expected_speedup, position_rates, spec_plan, tokens_from_rates,
+                                       tokens_per_run)
 from brrr.errors import BrrrError
 from brrr.presets import preset_config
 from tests.analysis.test_cli import calc
@@ -15,19 +15,19 @@ from tests.analysis.test_cli import calc
 @pytest.mark.parametrize("c", [0.0, 0.05, 0.5])
 def test_limits(k, c):
     # a -> 0: every draft rejected, one token per verify that cost 1 + k c target steps
-    assert speedup(expected_tokens(1e-12, k), k, c) == pytest.approx(1 / (1 + k * c))
-    assert expected_tokens(0.0, k) == 1
+    assert expected_speedup(1e-12, k, c) == pytest.approx(1 / (1 + k * c))
+    assert tokens_per_run(0.0, k) == 1
     # a = 1: every draft accepted, k + 1 tokens per verify
-    assert expected_tokens(1.0, k) == k + 1
-    assert speedup(expected_tokens(1.0, k), k, c) == pytest.approx((k + 1) / (1 + k * c))
+    assert tokens_per_run(1.0, k) == k + 1
+    assert expected_speedup(1.0, k, c) == pytest.approx((k + 1) / (1 + k * c))
     # continuity at a = 1 of the closed form
-    assert expected_tokens(1 - 1e-9, k) == pytest.approx(k + 1, rel=1e-6)
+    assert tokens_per_run(1 - 1e-9, k) == pytest.approx(k + 1, rel=1e-6)
 
 
 def test_closed_form_is_the_sum_of_position_rates():
     for a in (0.1, 0.5, 0.9):
         for k in range(1, 9):
-            assert expected_tokens(a, k) == pytest.approx(expected_tokens_from_rates(position_rates(a, k), k))
+            assert tokens_per_run(a, k) == pytest.approx(tokens_from_rates(position_rates(a, k), k))
 
 
 def test_monte_carlo_matches_expected_tokens():
@@ -44,7 +44,7 @@ def test_monte_carlo_matches_expected_tokens():
             total += accepted + 1
         mean = total / trials
         # tokens per step lie in [1, k + 1]: their standard deviation is at most k / 2; allow 5 standard errors
-        assert abs(mean - expected_tokens(a, k)) < 5 * (k / 2) / trials**0.5, (a, k, mean)
+        assert abs(mean - tokens_per_run(a, k)) < 5 * (k / 2) / trials**0.5, (a, k, mean)
 
 
 def test_best_k_and_bad_input():

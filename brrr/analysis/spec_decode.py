@@ -1,19 +1,14 @@
-"""Speculative decoding arithmetic: expected tokens per verify step and the speedup over plain decoding.
-
-A proposer drafts k tokens; the target scores them (and one more position) in one verify step and keeps the
-longest accepted prefix plus one token of its own, so every verify step yields between 1 and k + 1 tokens.
-With r_i the probability that draft position i is accepted (and with it every earlier one: the per-position
-acceptance vLLM reports, accepted tokens at position i / drafts), the expected tokens per verify step are
-    E = 1 + r_1 + ... + r_k.
-When each draft token is accepted independently with probability a, r_i = a^i and
-    E = (1 - a^(k+1)) / (1 - a)            (k + 1 at a = 1).
-One verify step costs about one target decode step while decoding is memory-bound (k + 1 tokens read the weights
-once), and the k draft steps cost k c of it (c: one draft step / one target step), so
-    S = E / (1 + k c) = (1 - a^(k+1)) / ((1 - a)(1 + k c)).
-c comes from the roofline (brrr.analysis.serve.decode_step) of two model shapes, or of the target's EAGLE head:
-one decoder layer of the target's shape, the fc that mixes [embedding, feature] (2H -> H) and the target's
-LM head, which the head shares. docs/speculative.md derives all of it and works an example.
-"""
+"""Speculative decoding's arithmetic (docs/speculative.md derives it). With each draft token accepted independently
+with probability alpha, a run of k drafts emits 1 + (accepted prefix) tokens; its expectation is
+  E[tokens per run] = (1 - alpha^(k+1)) / (1 - alpha),
+and with c the cost of one draft token relative to one target decode step (a verify step of k+1 tokens costing about
+one decode step while decoding is memory-bound), the speedup over plain decoding is
+  S = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c)).
+With per-position acceptance r_i instead (accepted drafts at position i / runs, as vLLM reports it; r_i = alpha^i
+for independent drafts), E = 1 + r_1 + ... + r_k and S = E / (1 + k c).
+`brrr calc spec` tabulates both over k; c is given, or comes from the roofline (brrr.analysis.serve.decode_step) of
+a draft model's shape, or of the target's EAGLE head: one decoder layer of the target's shape, the fc that mixes
+[embedding, feature] (2H -> H) and the target's LM head, which the head shares and reads on every draft step."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +20,34 @@ from brrr.analysis.model import prefill_flops_per_token
 from brrr.analysis.serve import decode_step
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+
+
+def tokens_per_run(alpha: float, k: int) -> float:
+    """Expected tokens a verified run of k drafts emits (the bonus/correction token included)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """S = (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)): tokens per run over the run's cost in decode steps."""
+    return tokens_per_run(alpha, k) / (1.0 + k * c)
+
+
+def fit_alpha(mean_tokens_per_run: float, k: int) -> float:
+    """The per-token acceptance alpha whose expected tokens per run is the measured mean (bisection: monotone)."""
+    target = min(max(mean_tokens_per_run, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if tokens_per_run(mid, k) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# -- brrr calc spec: per-position rates, the draft/target cost ratio on the roofline, the table over k --------
 
 MAX_K = 16  # the engine's MAX_SPECULATIVE_TOKENS
 
@@ -50,24 +73,11 @@ def position_rates(acceptance: float, k: int) -> list[float]:
     return [acceptance ** i for i in range(1, k + 1)]
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """E = (1 - a^(k+1)) / (1 - a): tokens one verify step yields, the target's own token included."""
-    if acceptance == 1:
-        return float(k + 1)
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
-def expected_tokens_from_rates(rates: list[float], k: int) -> float:
+def tokens_from_rates(rates: list[float], k: int) -> float:
     """E = 1 + r_1 + ... + r_k."""
     if k > len(rates):
         raise BrrrError(f"k={k} needs {k} per-position acceptance rates, {len(rates)} given")
     return 1 + sum(rates[:k])
-
-
-def speedup(tokens: float, k: int, cost_ratio: float) -> float:
-    """S = E / (1 + k c): tokens per verify step over the time of one verify step plus k draft steps, in target
-    decode steps."""
-    return tokens / (1 + k * cost_ratio)
 
 
 def eagle_head_config(target: ModelConfig) -> ModelConfig:
@@ -114,8 +124,8 @@ def spec_plan(acceptance: float | None = None, rates: list[float] | None = None,
     for k in ks:
         if not 1 <= k <= MAX_K:
             raise BrrrError(f"-k {k} must be in [1, {MAX_K}]")
-        e = expected_tokens(acceptance, k) if rates is None else expected_tokens_from_rates(rates, k)
-        rows.append({"k": k, "expected_tokens": e, "speedup": speedup(e, k, cost)})
+        e = tokens_per_run(acceptance, k) if rates is None else tokens_from_rates(rates, k)
+        rows.append({"k": k, "expected_tokens": e, "speedup": e / (1 + k * cost)})
     best = max(rows, key=lambda r: r["speedup"])
     return {"acceptance": acceptance, "position_rates": rates, "cost_ratio": cost, "rows": rows, "best_k": best["k"],
             "best_speedup": best["speedup"]}

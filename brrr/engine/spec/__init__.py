@@ -5,7 +5,21 @@ from __future__ import annotations
 from brrr.engine.spec.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpecInput, SpeculativeConfig
 from brrr.errors import BrrrError
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "Proposer", "SpecInput", "SpeculativeConfig", "make_proposer"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "Proposer", "SpecInput", "SpeculativeConfig", "make_proposer",
+           "parse_speculative_config"]
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """`--speculative-config '<json>'` (vLLM's flag): the config, None when not given, BrrrError when malformed."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BrrrError(f"--speculative-config is not valid JSON ({e}): {text!r}") from None
+    return SpeculativeConfig.from_dict(value)
 
 
 def make_proposer(config: SpeculativeConfig, target) -> Proposer:

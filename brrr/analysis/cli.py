@@ -299,6 +299,8 @@ def cmd_spec(args) -> int:
             raise BrrrError("give --cost-ratio, or --target and --draft to derive it, not both")
         c = args.cost_ratio
     elif args.target and args.draft:
+        if args.batch_size < 1 or args.context < 1:
+            raise BrrrError(f"--batch-size ({args.batch_size}) and --context ({args.context}) must be >= 1")
         draft = None if args.draft == "eagle" else load_model(args.draft)
         costs = cost_ratio(load_model(args.target), draft, _gpu(args), args.batch_size, args.context, args.weights)
         c = costs["cost_ratio"]

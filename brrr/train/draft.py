@@ -143,14 +143,7 @@ class DraftTrainer(Trainer):
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = checkpoint.load(self.ckpt_path, self.model, self.optimizer)
-            for key, value in self._resume_key().items():
-                if saved["config"].get(key) != value:
-                    raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}")
-            self.state = saved
-            self.state["max_steps"] = max(cfg.max_steps, saved["step"]) if not saved["budget_fixed"] \
-                else saved["max_steps"]
+            self.restore_checkpoint(self.model)
         self.loss = self.loss_fn = EagleLoss(self.model, self.target)
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
         self.flops_per_token = eagle_training_flops_per_token(self.model_cfg, cfg.seq_len)

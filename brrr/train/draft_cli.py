@@ -12,7 +12,7 @@ def register(sub):
     d = DraftConfig("", "", "")
     p = sub.add_parser("train-draft", help="train an EAGLE draft head for speculative decoding on a data directory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", required=True, dest="model", help="the target model's HF directory (frozen)")
+    p.add_argument("--target", required=True, dest="model", metavar="DIR", help="the target model's HF directory (frozen)")
     p.add_argument("--data", required=True, help="directory made by `brrr data build` with the target's tokenizer")
     p.add_argument("--out", required=True, help="output: the head's directory, plus checkpoint/ and train_log.jsonl")
     for name, help_text in (

@@ -259,14 +259,7 @@ class Trainer:
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = checkpoint.load(self.ckpt_path, self.model, self.optimizer)
-            for key, value in self._resume_key().items():
-                if saved["config"].get(key) != value:
-                    raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}")
-            self.state = saved
-            self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
-                else saved["max_steps"]
+            self.restore_checkpoint(self.model)
         elif self.out.exists() and self.ckpt_path.exists():
             raise BrrrError(f"{self.out} already holds a training run; pass --resume to continue it, "
                             "or choose another --out")
@@ -285,6 +278,18 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
             self.log_file = open(self.out / "train_log.jsonl", "a")
+
+    def restore_checkpoint(self, trained) -> None:
+        """--resume: `trained` (what checkpoints hold) and the optimizer from ckpt_path, after checking the run's
+        resume key against the checkpoint's; a budget-fixed step count is kept, else --max-steps may extend it."""
+        saved = checkpoint.load(self.ckpt_path, trained, self.optimizer)
+        for key, value in self._resume_key().items():
+            if saved["config"].get(key) != value:
+                raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
+                                f"this run has {value!r}")
+        self.state = saved
+        self.state["max_steps"] = max(self.cfg.max_steps, saved["step"]) if not saved["budget_fixed"] \
+            else saved["max_steps"]
 
     def _resume_key(self) -> dict:
         """What must not change across a resume: the model, the data, and the batch geometry."""

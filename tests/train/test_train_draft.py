@@ -85,3 +85,16 @@ def test_bad_input(target_dir, data_dir, tmp_path, head_run):
         DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(head_run), device="cpu"))
     with pytest.raises(BrrrError, match="exceeds the target's context"):
         DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path / "o2"), device="cpu", seq_len=4096))
+
+
+def test_stop_and_resume_gives_the_same_head(head_run, target_dir, data_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = dict(HEAD_RUN, stop_at=40)
+    DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **cfg)).run()
+    DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **HEAD_RUN, resume=True)).run()
+    want, got = load_file(head_run / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(BrrrError, match="--resume: the checkpoint was trained with seq_len"):
+        DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **{**HEAD_RUN, "seq_len": 16},
+                                 resume=True))

@@ -88,7 +88,8 @@ class EagleProposer(Proposer):
 
     def _forward(self, states, token_ids, features, lengths, positions) -> torch.Tensor:
         """One head forward: for sequence i, lengths[i] new positions starting at positions[i] (cache index
-        positions[i] - start), reading tokens token_ids[i] and features; returns the predicted features."""
+        positions[i] - start), reading token_ids (a list, or the previous step's drafts still on the device: no
+        sync between draft steps) and features; returns the predicted features."""
         slots, pos = [], []
         for st, n, p in zip(states, lengths, positions):
             self._reserve(st, p - st.start + n)
@@ -106,8 +107,9 @@ class EagleProposer(Proposer):
                         context_lens=[p - st.start + n for st, n, p in zip(states, lengths, positions)],
                         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
                         block_tables=tables.to(self.device), kv_caches=[(self.k_cache, self.v_cache)])
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        embeds = self.target.model.embed_tokens(ids).to(self.dtype)
+        if not isinstance(token_ids, torch.Tensor):
+            token_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.target.model.embed_tokens(token_ids).to(self.dtype)
         positions_t = torch.tensor(pos, dtype=torch.long, device=self.device)
         return self.head(embeds, features.to(self.device, self.dtype), positions_t, meta)
 
@@ -142,7 +144,7 @@ class EagleProposer(Proposer):
             drafts.append(token)
             if step == k - 1:
                 break
-            feature = self._forward(states, token.tolist(), feature, [1] * len(live), [p + step for p in positions])
+            feature = self._forward(states, token, feature, [1] * len(live), [p + step for p in positions])
         rows = torch.stack(drafts, 1).tolist() if drafts else [[] for _ in live]
         for i, row in zip(live, rows):
             out[i] = row

@@ -33,22 +33,23 @@ def head(target):
 
 def features(target, tokens):
     """The target's final hidden states for every position of one sequence."""
-    ids = torch.tensor(tokens)
+    device = target.model.embed_tokens.weight.device
+    ids = torch.tensor(tokens, device=device)
     with torch.no_grad():
-        return target(ids, torch.arange(len(tokens)), AttnMeta.causal([len(tokens)], "cpu"))
+        return target(ids, torch.arange(len(tokens), device=device), AttnMeta.causal([len(tokens)], device))
 
 
 def reference_drafts(target, head, tokens, k, start=0):
     """The head recomputed from scratch over (t_{p+1}, f_p) for p = start .. L-2, then k greedy drafts, each
     appending (draft, predicted feature) and running the whole sequence again."""
-    f = features(target, tokens)
+    f, device = features(target, tokens), target.model.embed_tokens.weight.device
     toks, feats = list(tokens[start + 1:]), [f[p] for p in range(start, len(tokens) - 1)]
     drafts = []
     with torch.no_grad():
         for _ in range(k):
             m = len(toks)
-            out = head(target.model.embed_tokens(torch.tensor(toks)), torch.stack(feats),
-                       torch.arange(start, start + m), AttnMeta.causal([m], "cpu"))
+            out = head(target.model.embed_tokens(torch.tensor(toks, device=device)), torch.stack(feats),
+                       torch.arange(start, start + m, device=device), AttnMeta.causal([m], device))
             d = int(target.compute_logits(out[-1:]).argmax(-1))
             drafts.append(d)
             toks.append(d)

@@ -288,6 +288,15 @@ def _rates(text: str) -> list[float]:
             from None
 
 
+def _is_eagle_head(path: str) -> bool:
+    """A directory `brrr train-draft` wrote: its cost is the target's head shape, whatever its config says."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text()).get("architectures") == ["EagleHead"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def cmd_spec(args) -> int:
     from brrr.analysis.spec_decode import MAX_K, cost_ratio, spec_plan
 
@@ -301,7 +310,7 @@ def cmd_spec(args) -> int:
     elif args.target and args.draft:
         if args.batch_size < 1 or args.context < 1:
             raise BrrrError(f"--batch-size ({args.batch_size}) and --context ({args.context}) must be >= 1")
-        draft = None if args.draft == "eagle" else load_model(args.draft)
+        draft = None if args.draft == "eagle" or _is_eagle_head(args.draft) else load_model(args.draft)
         costs = cost_ratio(load_model(args.target), draft, _gpu(args), args.batch_size, args.context, args.weights)
         c = costs["cost_ratio"]
     else:
@@ -402,7 +411,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="mark this k in the table (the table covers k = 1..8, or up to k)")
     p.add_argument("--cost-ratio", type=float, default=None, help="c: one draft step's time / one target step's")
     p.add_argument("--target", default=None, help="target model (preset or HF dir): derive c on the roofline")
-    p.add_argument("--draft", default=None, help="draft model (preset or HF dir), or 'eagle' for the target's head")
+    p.add_argument("--draft", default=None,
+                   help="draft model (preset or HF dir), or 'eagle' (or an EAGLE head's dir) for the target's head")
     p.add_argument("--batch-size", type=int, default=1, help="decode batch for the roofline step times")
     p.add_argument("--context", type=int, default=4096, help="context for the roofline step times")
     p.add_argument("--weights", default="bf16", help=f"weight format: {', '.join(WEIGHT_FORMATS)}")

@@ -78,3 +78,11 @@ def test_cli(capsys):
     assert code == 0 and "EAGLE head" in out and "best k" in out
     with pytest.raises(BrrrError, match="cost ratio"):
         calc(["spec", "--acceptance", "0.8"], capsys)
+
+
+def test_cli_takes_an_eagle_head_directory_as_the_draft(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["EagleHead"]}')
+    _, by_dir = calc(["spec", "--acceptance", "0.7", "--target", "llama-3.1-8b", "--draft", str(tmp_path), "--json"],
+                     capsys)
+    _, by_name = calc(["spec", "--acceptance", "0.7", "--target", "llama-3.1-8b", "--draft", "eagle", "--json"], capsys)
+    assert by_dir["cost_ratio"] == by_name["cost_ratio"]

@@ -329,7 +329,8 @@ def cmd_spec(args) -> int:
     items = []
     if costs:
         items.append(f"c = draft step / target step on {r['gpu']} (roofline, batch {args.batch_size}, context "
-                     f"{args.context}, {args.weights}): {_ms(costs['draft_step_s'])} / {_ms(costs['target_step_s'])}"
+                     f"{args.context}, {args.weights}): {costs['draft_step_s'] * 1e6:,.2f} us / "
+                     f"{costs['target_step_s'] * 1e6:,.2f} us"
                      f" = {c:.4f}" + (" (EAGLE head: 1 target layer + fc + LM head)" if draft is None else ""))
     source = f"a = {rates[0]}" if one else "per-position acceptance " + ", ".join(f"{x:g}" for x in rates)
     items.append(f"{source}, c = {c:.4f}: E = 1 + r_1 + ... + r_k tokens per verify, S = E / (1 + k c)")

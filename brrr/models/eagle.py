@@ -13,6 +13,7 @@ brrr's decoder layer is used unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -88,8 +89,6 @@ def new_head(target: nn.Module, seed: int = 0) -> EagleHead:
 
 
 def _layer_config(cfg: ModelConfig) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, num_layers=1)
 
 

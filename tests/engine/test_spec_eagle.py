@@ -2,6 +2,7 @@
 proposer's cached, batched, truncating drafts equal a plain recomputation of the head over each whole sequence."""
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import brrr
 from brrr.engine.spec.eagle import BLOCK_SIZE, EagleProposer
@@ -110,8 +111,7 @@ def test_features_resent_or_missing(target, head):
 
 def test_head_saves_loads_and_refuses_another_target(target, head, tmp_path, tmp_path_factory):
     save_head(head, tmp_path / "head")
-    assert not any("embed" in k or "lm_head" in k for k in
-                   __import__("safetensors.torch").torch.load_file(tmp_path / "head" / "model.safetensors"))
+    assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "head" / "model.safetensors"))
     loaded = load_head(tmp_path / "head", target)
     seq = tokens(6, 15)
     inp = [SpecInput(0, seq, features(target, seq)[:-1])]

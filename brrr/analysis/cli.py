@@ -1,4 +1,4 @@
-"""`brrr calc`: model / serve / train / roofline arithmetic as rich tables, or JSON with --json.
+"""`brrr calc`: model / serve / train / spec / roofline arithmetic as rich tables, or JSON with --json.
 
 brrr/cli.py wires it: `from brrr.analysis.cli import register; register(subparsers)`. Each leaf parser sets
 func(args) -> exit code; BrrrError propagates to the main CLI, which prints it and exits 2.
@@ -280,6 +280,69 @@ def cmd_roofline(args) -> int:
     return 0
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate or comma-separated per-position rates, got {text!r}") \
+            from None
+
+
+def _is_eagle_head(path: str) -> bool:
+    """A directory `brrr train-draft` wrote: its cost is the target's head shape, whatever its config says."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text()).get("architectures") == ["EagleHead"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def cmd_spec(args) -> int:
+    from brrr.analysis.spec_decode import MAX_K, cost_ratio, spec_plan
+
+    if args.k is not None and not 1 <= args.k <= MAX_K:
+        raise BrrrError(f"-k {args.k} must be in [1, {MAX_K}]")
+    costs = None
+    if args.cost_ratio is not None:
+        if args.target or args.draft:
+            raise BrrrError("give --cost-ratio, or --target and --draft to derive it, not both")
+        c = args.cost_ratio
+    elif args.target and args.draft:
+        if args.batch_size < 1 or args.context < 1:
+            raise BrrrError(f"--batch-size ({args.batch_size}) and --context ({args.context}) must be >= 1")
+        draft = None if args.draft == "eagle" or _is_eagle_head(args.draft) else load_model(args.draft)
+        costs = cost_ratio(load_model(args.target), draft, _gpu(args), args.batch_size, args.context, args.weights)
+        c = costs["cost_ratio"]
+    else:
+        raise BrrrError("give the draft/target cost ratio: --cost-ratio C, or --target MODEL --draft MODEL|eagle")
+    rates = args.acceptance
+    one = len(rates) == 1
+    r = spec_plan(acceptance=rates[0] if one else None, rates=None if one else rates, cost=c,
+                  ks=range(1, max(8, args.k or 0) + 1))
+    if costs:
+        r.update(costs, target=args.target, draft=args.draft, gpu=_gpu(args).name, batch=args.batch_size,
+                 context=args.context)
+    if args.k is not None:
+        r["k"] = args.k
+    if args.json:
+        return _emit_json(r)
+    items = []
+    if costs:
+        items.append(f"c = draft step / target step on {r['gpu']} (roofline, batch {args.batch_size}, context "
+                     f"{args.context}, {args.weights}): {costs['draft_step_s'] * 1e6:,.2f} us / "
+                     f"{costs['target_step_s'] * 1e6:,.2f} us"
+                     f" = {c:.4f}" + (" (EAGLE head: 1 target layer + fc + LM head)" if draft is None else ""))
+    source = f"a = {rates[0]}" if one else "per-position acceptance " + ", ".join(f"{x:g}" for x in rates)
+    items.append(f"{source}, c = {c:.4f}: E = 1 + r_1 + ... + r_k tokens per verify, S = E / (1 + k c)")
+    items.append(_table("speculative decoding", ["k", "E (tokens / verify)", "speedup S", ""],
+                        [[row["k"], f"{row['expected_tokens']:.3f}", f"{row['speedup']:.3f}x",
+                          " ".join(m for m, on in (("best", row["k"] == r["best_k"]), ("-k", row["k"] == args.k))
+                                   if on)] for row in r["rows"]]))
+    items.append(f"best k = {r['best_k']}: {r['best_speedup']:.3f}x")
+    _print(items)
+    return 0
+
+
 def _common(p: argparse.ArgumentParser, model: bool = True):
     if model:
         p.add_argument("model", metavar="MODEL", help=f"HF model directory or preset: {', '.join(PRESETS)}")
@@ -289,7 +352,7 @@ def _common(p: argparse.ArgumentParser, model: bool = True):
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    calc = subparsers.add_parser("calc", help="performance arithmetic: params, FLOPs, KV, serving, training, roofline",
+    calc = subparsers.add_parser("calc", help="performance arithmetic: params, FLOPs, KV, serving, training, speculative decoding, roofline",
                                  description="Performance arithmetic (formulas: docs/arithmetic.md).")
     sub = calc.add_subparsers(dest="calc_command", required=True)
 
@@ -337,6 +400,24 @@ def register(subparsers) -> argparse.ArgumentParser:
     lora.add_argument("--selective-checkpointing", action="store_true",
                       help="with --lora-r: keep matmul outputs, recompute the rest")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("spec", help="speculative decoding: tokens per verify and speedup by k, and the best k",
+                       description="E = 1 + r_1 + ... + r_k (r_i = a^i for one rate a), S = E / (1 + k c); "
+                                   "docs/speculative.md derives both.")
+    _common(p, model=False)
+    p.add_argument("--acceptance", type=_rates, required=True, metavar="A[,A2,...]",
+                   help="acceptance rate a of each draft token, or per-position rates r_1,r_2,... (accepted at "
+                        "position i / drafts, as `brrr bench` and vLLM report them)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None,
+                   help="mark this k in the table (the table covers k = 1..8, or up to k)")
+    p.add_argument("--cost-ratio", type=float, default=None, help="c: one draft step's time / one target step's")
+    p.add_argument("--target", default=None, help="target model (preset or HF dir): derive c on the roofline")
+    p.add_argument("--draft", default=None,
+                   help="draft model (preset or HF dir), or 'eagle' (or an EAGLE head's dir) for the target's head")
+    p.add_argument("--batch-size", type=int, default=1, help="decode batch for the roofline step times")
+    p.add_argument("--context", type=int, default=4096, help="context for the roofline step times")
+    p.add_argument("--weights", default="bf16", help=f"weight format: {', '.join(WEIGHT_FORMATS)}")
+    p.set_defaults(func=cmd_spec)
 
     p = sub.add_parser("roofline", help="the GPU's roofline with named ops placed on it (--plot PNG)")
     _common(p, model=False)

@@ -62,6 +62,10 @@ def register(sub):
 
     register_finetune(sub)
 
+    from brrr.train.draft_cli import register as register_draft
+
+    register_draft(sub)
+
 
 def add_parallel_flags(p):
     g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")

@@ -15,7 +15,6 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +27,9 @@ from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_state, trainable_parameters
 from brrr.pretrained import check_device
 from brrr.train import checkpoint
-from brrr.train.parallel import Parallel
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
 from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
-                                make_optimizer, peak_flops)
+                                make_optimizer, one_process_layout, peak_flops)
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -196,10 +194,7 @@ class Finetuner(Trainer):
         self.model = load_base(self.model_path, self.device, dtype, cfg.qlora)
         self.model_cfg = self.model.config
         # the trainer's loop runs its steps through a layout: here always one process (no torchrun for finetune yet)
-        self.parallel = Parallel(SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=1, pp=1, pp_schedule="1f1b",
-                                                 microbatches=None, micro_batch=cfg.micro_batch,
-                                                 seq_len=cfg.seq_len, fp16=False), self.model_cfg, self.device)
-        self.calc_memory = None
+        self.parallel = one_process_layout(cfg.micro_batch, cfg.seq_len, self.model_cfg, self.device)
         if self.device.type == "cuda":  # brrr calc train --lora-r's prediction, logged beside the measured peak
             predicted = finetune_memory(self.model_cfg, cfg.lora_r, cfg.target_modules, cfg.qlora, cfg.use_dora,
                                         cfg.lora_dropout > 0, cfg.micro_batch, cfg.seq_len,
@@ -275,9 +270,6 @@ class Finetuner(Trainer):
 
     def save_checkpoint(self):
         checkpoint.save(self.ckpt_path, self.trainable, self.optimizer, self.state)
-
-    def wait_for_checkpoint(self):  # the adapter's checkpoint is written synchronously
-        pass
 
     def export(self):
         save_adapter(self.out, lora_state(self.model, self.base_name))

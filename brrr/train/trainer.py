@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from brrr.kernels import AttnMeta
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.pretrained import check_device
+from brrr.train import checkpoint
 from brrr.train.data import TokenData
 from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_model_weights
 from brrr.train.parallel import checkpoint_activations as recompute_layers
@@ -154,6 +156,14 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device) -> torch.optim.Ad
                              fused=torch.device(device).type == "cuda")
 
 
+def one_process_layout(micro_batch: int, seq_len: int, model_cfg, device) -> Parallel:
+    """The layout of a run that is one process by construction (brrr finetune, brrr train-draft): the trainer's
+    loop steps through it as through any other."""
+    flags = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=1, pp=1, pp_schedule="1f1b", microbatches=None,
+                            micro_batch=micro_batch, seq_len=seq_len, fp16=False)
+    return Parallel(flags, model_cfg, device)
+
+
 def checkpoint_activations(model: nn.Module, selective: bool = False):
     """Recompute each decoder layer in backward instead of keeping its activations (the parameters' names,
     and so the state dict, are unchanged: only the layers' forward is wrapped). selective: keep the outputs of
@@ -219,6 +229,9 @@ def peak_flops(device) -> tuple[float | None, str]:
 
 
 class Trainer:
+    checkpoints: Checkpointer | None = None  # a layout's (sharded, maybe async) checkpoints; None: a state file
+    calc_memory: dict | None = None  # brrr calc train's per-GPU bytes for this run, logged beside the peak
+
     def __init__(self, cfg: TrainConfig):
         cfg.check()
         self.start = time.perf_counter()
@@ -249,17 +262,7 @@ class Trainer:
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = self.checkpoints.load(self.model, self.optimizer)
-            for key, value in self._resume_key().items():
-                if saved["config"].get(key) != value:
-                    note = " (--micro-batch x data-parallel ranks: keep it when the layout changes)" \
-                        if key == "micro_batch" else ""
-                    raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}{note}")
-            self.state = saved
-            self.parallel.restore(saved)
-            self.state["max_steps"] = max(cfg.max_steps, self.state["step"]) if not saved["budget_fixed"] \
-                else saved["max_steps"]
+            self.restore_checkpoint(self.model)
         elif self.out.exists() and self.checkpoints.exists():
             raise BrrrError(f"{self.out} already holds a training run; pass --resume to continue it, "
                             "or choose another --out")
@@ -280,6 +283,23 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
             self.log_file = open(self.out / "train_log.jsonl", "a")
+
+    def restore_checkpoint(self, trained) -> None:
+        """--resume: `trained` (what checkpoints hold) and the optimizer, after checking the run's resume key
+        against the checkpoint's; a budget-fixed step count is kept, else --max-steps may extend it. A layout's
+        sharded checkpoint (`self.checkpoints`), or a one-process run's state file (finetune, train-draft)."""
+        saved = (self.checkpoints.load(trained, self.optimizer) if self.checkpoints is not None
+                 else checkpoint.load(self.ckpt_path, trained, self.optimizer))
+        for key, value in self._resume_key().items():
+            if saved["config"].get(key) != value:
+                note = " (--micro-batch x data-parallel ranks: keep it when the layout changes)" \
+                    if key == "micro_batch" and self.checkpoints is not None else ""
+                raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
+                                f"this run has {value!r}{note}")
+        self.state = saved
+        self.parallel.restore(saved)
+        self.state["max_steps"] = max(self.cfg.max_steps, saved["step"]) if not saved["budget_fixed"] \
+            else saved["max_steps"]
 
     def _resume_key(self) -> dict:
         """What must not change across a resume: the model, the data, and the batch geometry."""
@@ -496,8 +516,9 @@ class Trainer:
         self.checkpoints.save(self.model, self.optimizer, self.state)
 
     def wait_for_checkpoint(self):
-        """Until an async save in flight has landed."""
-        self.checkpoints.wait()
+        """Until an async save in flight has landed (one-process subclasses save synchronously)."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
     def finish(self, halted: bool) -> dict:
         st = self.state

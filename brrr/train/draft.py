@@ -1,0 +1,291 @@
+"""`brrr train-draft`: fit an EAGLE head (brrr/models/eagle.py) to a frozen target on a `brrr data build` directory.
+
+Each window of tokens x_0 .. x_T runs through the frozen target once (no gradient): its features f_0 .. f_{T-1}
+and, through its LM head, its next-token distributions p_1 .. p_T. The head reads (x_{j+1}, f_j) at positions
+j = 0 .. T-2 and predicts f_{j+1}; EAGLE-1's loss on each position is
+    smooth_l1(f'_{j+1}, f_{j+1}) + 0.1 * CE(p_{j+2}, softmax(lm_head(f'_{j+1})))
+(feature regression, plus the cross-entropy of the head's token distribution against the target's: the target's
+own predictions, not the data's next tokens, are what speculative decoding has to match).
+brrr train's loop runs it (brrr/train/trainer.py: warmup + cosine, AdamW, clipping, bf16 autocast on CUDA and fp32
+on CPU, logging, atomic checkpoints, exact --resume, --time-budget); only the head trains. Evaluation reports the
+loss and the head's top-1 agreement with the target on the validation split: the acceptance rate of its first
+greedy draft token. The output directory is the head (config.json + model.safetensors), which
+`speculative_config={"method": "eagle", "model": OUT}` loads against the same target.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brrr.analysis.spec_decode import eagle_training_flops_per_token
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint
+from brrr.pretrained import check_device
+from brrr.train import checkpoint
+from brrr.train.data import TokenData
+from brrr.train.sampler import TrainWindows, eval_windows
+from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, make_optimizer, one_process_layout,
+                                peak_flops)
+
+CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
+ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
+ACCEPTANCE_PROMPTS, ACCEPTANCE_STEPS = 16, 16  # held-out prompts, and verify steps on each
+
+
+@dataclass
+class DraftConfig(TrainConfig):
+    # the trainer's fields (model: the target's HF model directory) with defaults for a one-layer head
+    seq_len: int = 512
+    micro_batch: int = 8
+    max_steps: int = 2000
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    eval_every: int = 200
+    eval_windows: int = 32
+    final_eval_windows: int | None = 128
+
+    def check(self):
+        super().check()
+        if self.compile or self.activation_checkpointing:
+            raise BrrrError("--compile and --activation-checkpointing are not supported by brrr train-draft")
+
+
+class EagleLoss(nn.Module):
+    """EAGLE-1's loss of the head over [B, T] windows of a frozen target (module: the head; the target is held
+    outside it, so only the head's parameters are the module's)."""
+
+    def __init__(self, head: nn.Module, target: nn.Module):
+        super().__init__()
+        self.head = head
+        self.target = [target]  # a list: not a submodule (not trained, not checkpointed)
+        self._meta: dict = {}
+
+    def _metas(self, batch: int, t: int, device):
+        key = (batch, t, str(device))
+        if key not in self._meta:
+            self._meta[key] = (AttnMeta.causal([t] * batch, device), torch.arange(t, device=device).repeat(batch),
+                               AttnMeta.causal([t - 1] * batch, device),
+                               torch.arange(t - 1, device=device).repeat(batch))
+        return self._meta[key]
+
+    def parts(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-position smooth L1, cross-entropy and top-1 agreement (the head's argmax is the target's), each
+        [B * (T - 1)]."""
+        target = self.target[0]
+        b, t = inputs.shape
+        if t < 2:
+            raise BrrrError(f"--seq-len {t} is too short: a window needs 2 tokens for the head to predict one")
+        meta, positions, head_meta, head_positions = self._metas(b, t, inputs.device)
+        with torch.no_grad():
+            feats = target(inputs.reshape(-1), positions, meta).view(b, t, -1)
+            labels = feats[:, 1:].reshape(b * (t - 1), -1)
+            p = torch.softmax(target.compute_logits(labels), dim=-1)
+            embeds = target.model.embed_tokens(targets[:, :-1].reshape(-1))
+        pred = self.head(embeds, feats[:, :-1].reshape(b * (t - 1), -1), head_positions, head_meta)
+        logq = torch.log_softmax(draft_logits(target, pred), dim=-1)
+        return {"smooth_l1": F.smooth_l1_loss(pred.float(), labels.float(), reduction="none").mean(-1),
+                "ce": -(p * logq).sum(-1), "top1": (logq.argmax(-1) == p.argmax(-1)).float()}
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        parts = self.parts(inputs, targets)
+        return parts["smooth_l1"].mean() + CE_WEIGHT * parts["ce"].mean()
+
+
+class DraftTrainer(Trainer):
+    """brrr train's loop with the head as the trained model and EagleLoss as the loss."""
+
+    def __init__(self, cfg: DraftConfig):
+        from brrr.loader import load_model
+
+        cfg.check()
+        self.start = time.perf_counter()
+        self.cfg, self.dist = cfg, Distributed.from_env()
+        if self.dist.world > 1:
+            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr train-draft runs one process")
+        self.out = Path(cfg.out)
+        self.ckpt_path = self.out / "checkpoint" / "state.pt"
+        if self.ckpt_path.exists() and not cfg.resume:
+            raise BrrrError(f"{self.out} already holds a train-draft run; pass --resume to continue it, "
+                            "or choose another --out")
+        target_dir = Path(cfg.model)
+        if not (target_dir / "config.json").is_file():
+            raise BrrrError(f"--target {target_dir}: not a model directory (no config.json)")
+        self.data = TokenData(cfg.data)
+        _check_tokenizer(target_dir, self.data)
+        self.device = check_device(cfg.device) if cfg.device else \
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        self.autocast = autocast_for(self.device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.target = load_model(target_dir, dtype=dtype, device=self.device)
+        self.model_cfg = self.target.config
+        if self.data.vocab_size > self.model_cfg.vocab_size:
+            raise BrrrError(f"--data vocabulary ({self.data.vocab_size}) is larger than the target's vocab_size "
+                            f"({self.model_cfg.vocab_size}): the data was not built for this target")
+        if cfg.seq_len > self.model_cfg.max_context:
+            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the target's context ({self.model_cfg.max_context})")
+        self.model = new_head(self.target, cfg.seed)  # fp32 master weights; autocast runs it in bf16 on CUDA
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
+        self.windows = TrainWindows(self.data.splits["train"], cfg.seq_len, cfg.micro_batch, cfg.seed)
+        self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
+                      "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
+        self.parallel = one_process_layout(cfg.micro_batch, cfg.seq_len, self.model_cfg, self.device)
+        if cfg.resume:
+            self.restore_checkpoint(self.model)
+        self.loss = self.loss_fn = EagleLoss(self.model, self.target)
+        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
+        self.flops_per_token = eagle_training_flops_per_token(self.model_cfg, cfg.seq_len)
+        self.peak, self.gpu_name = peak_flops(self.device)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        self.log_file = open(self.out / "train_log.jsonl", "a")
+
+    def _resume_key(self) -> dict:
+        c = self.cfg
+        return {"target": target_fingerprint(self.target), "tokenizer_sha256": self.data.manifest["tokenizer_sha256"],
+                "seq_len": c.seq_len, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed}
+
+    def describe(self) -> str:
+        n, st = sum(p.numel() for p in self.params), self.state
+        return (f"training an EAGLE head for {self.cfg.model}: {n / 1e6:.2f}M parameters on {self.device} "
+                f"({self.gpu_name}); {self.data.manifest['splits']['train']['tokens']:,} train tokens, "
+                f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}")
+
+    def before_first_step(self):
+        if self.state["step"] == 0:  # the untrained head's figures: the bar training must clear
+            self._eval_and_log(0, self.cfg.eval_windows)
+
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None) -> dict[str, float]:
+        """Mean loss, its parts, and top-1 agreement with the target over validation windows."""
+        self.model.eval()
+        val = self.data.splits["val"]
+        sums = {"smooth_l1": 0.0, "ce": 0.0, "top1": 0.0}
+        count = 0
+        for start, end in self.data.source_ranges("val").values():
+            starts, length = eval_windows(start, end, self.cfg.seq_len, max_windows)
+            if length < 3:
+                continue
+            for i in range(0, len(starts), self.cfg.micro_batch):
+                chunk = starts[i: i + self.cfg.micro_batch]
+                rows = torch.from_numpy(val[chunk[:, None] + np.arange(length)].astype(np.int64)).to(self.device)
+                with self.autocast:
+                    parts = self.loss.parts(rows[:, :-1], rows[:, 1:])
+                for k in sums:
+                    sums[k] += parts[k].double().sum().item()
+                count += parts["top1"].numel()
+        self.model.train()
+        if not count:
+            return {}
+        out = {f"val_{k}": v / count for k, v in sums.items()}
+        out["val_loss"] = out["val_smooth_l1"] + CE_WEIGHT * out["val_ce"]
+        return out
+
+    def _eval_and_log(self, step: int, windows: int | None, final: bool = False) -> dict:
+        val = self.evaluate(windows)
+        line = (f"{'final ' if final else ''}eval @ {step}: loss {val['val_loss']:.4f} (smooth L1 "
+                f"{val['val_smooth_l1']:.4f}, CE {val['val_ce']:.4f}) | top-1 agreement with the target "
+                f"{val['val_top1']:.1%}" if val else f"eval @ {step}: the validation split is empty")
+        self.log({"step": step, **val, "final": final, "elapsed_s": self.elapsed()}, line)
+        return val
+
+    def _acceptance_prompts(self) -> list[list[int]]:
+        """Up to ACCEPTANCE_PROMPTS held-out prompts of half a window each, spread over the validation split."""
+        val = self.data.splits["val"]
+        length = min(self.cfg.seq_len, self.model_cfg.max_context) // 2
+        if length < 2 or len(val) < length:
+            return []
+        starts = np.linspace(0, len(val) - length, ACCEPTANCE_PROMPTS).astype(np.int64)
+        return [val[s:s + length].astype(np.int64).tolist() for s in np.unique(starts)]
+
+    def save_checkpoint(self):
+        checkpoint.save(self.ckpt_path, self.model, self.optimizer, self.state)
+
+    def finish(self, halted: bool) -> dict:
+        st = self.state
+        final = self._eval_and_log(st["step"], self.cfg.final_eval_windows, final=True)
+        self.model.eval()
+        prompts = self._acceptance_prompts()
+        room = self.model_cfg.max_context - max(map(len, prompts), default=0)
+        acceptance = measure_acceptance(self.target, self.model, prompts,
+                                        steps=min(ACCEPTANCE_STEPS, room // (ACCEPTANCE_K + 1)))
+        self.log({"step": st["step"], "acceptance": acceptance},
+                 f"greedy speculative decoding of held-out text, k={acceptance['k']}: mean accepted length "
+                 f"{acceptance['mean_acceptance_length'] or 0:.2f}, acceptance per position "
+                 + " ".join(f"{r:.2f}" for r in acceptance["acceptance_per_position"]))
+        summary = {"target": self.cfg.model, "head_params": sum(p.numel() for p in self.params),
+                   "steps": st["step"], "max_steps": st["max_steps"], "halted": halted,
+                   "tokens_seen": st["tokens_seen"], "epochs": self.windows.epoch(st["position"]),
+                   "train_seconds": st["train_seconds"],
+                   "device": str(self.device), "gpu": self.gpu_name, **final, "acceptance": acceptance}
+        self.export()
+        (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.log_file.close()
+        return summary
+
+    def export(self):
+        save_head(self.model, self.out, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+
+
+def _check_tokenizer(target_dir: Path, data: TokenData) -> None:
+    """The data must be tokenized by the target's tokenizer (when the target ships one)."""
+    file = target_dir / "tokenizer.json"
+    if file.is_file() and hashlib.sha256(file.read_bytes()).hexdigest() != data.manifest["tokenizer_sha256"]:
+        raise BrrrError(f"--data {data.path} was tokenized with another tokenizer than the target's ({file}): "
+                        "the head must see the target's own tokens; build the data with the target's tokenizer")
+
+
+@torch.no_grad()
+def measure_acceptance(target: nn.Module, head: nn.Module, prompts: list[list[int]], k: int = ACCEPTANCE_K,
+                       steps: int = ACCEPTANCE_STEPS) -> dict:
+    """Greedy speculative decoding of each prompt for `steps` verify steps, the target recomputing every sequence
+    whole (no engine): the head drafts k tokens, the target's greedy tokens accept the longest matching prefix and
+    add one of their own. Returns vLLM's figures: acceptance per position (accepted at position i / drafts) and
+    the mean acceptance length (1 + accepted / drafts)."""
+    from brrr.engine.spec.eagle import EagleProposer
+    from brrr.engine.spec.proposer import SpecInput
+
+    if not prompts or steps < 1:
+        return {"k": k, "drafts": 0, "acceptance_per_position": [], "mean_acceptance_length": None}
+    device = target.model.embed_tokens.weight.device
+    proposer = EagleProposer(head, target)
+    seqs = [list(p) for p in prompts]
+    hidden = [_features(target, [s], device)[0][:-1] for s in seqs]
+    accepted_at = [0] * k
+    for _ in range(steps):
+        drafts = proposer.propose([SpecInput(i, s, h) for i, (s, h) in enumerate(zip(seqs, hidden))], k)
+        feats = _features(target, [s + d for s, d in zip(seqs, drafts)], device)
+        for i, (s, d, f) in enumerate(zip(seqs, drafts, feats)):
+            n = len(s)
+            greedy = target.compute_logits(f[n - 1:]).argmax(-1).tolist()  # the target's token after each prefix
+            a = 0
+            while a < len(d) and d[a] == greedy[a]:
+                accepted_at[a] += 1
+                a += 1
+            s.extend(d[:a] + [greedy[a]])
+            hidden[i] = f[n - 1:n + a]  # features of the positions now committed, through the new last-but-one
+    drafts_made = steps * len(seqs)
+    return {"k": k, "drafts": drafts_made, "acceptance_per_position": [a / drafts_made for a in accepted_at],
+            "mean_acceptance_length": 1 + sum(accepted_at) / drafts_made}
+
+
+def _features(target: nn.Module, seqs: list[list[int]], device) -> list[torch.Tensor]:
+    """The target's final hidden states for every position of each sequence (one varlen forward)."""
+    lengths = [len(s) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    return list(target(ids, positions, AttnMeta.causal(lengths, device)).split(lengths))

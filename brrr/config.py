@@ -276,9 +276,11 @@ class EngineConfig:
     max_loras: int = 1  # adapters a step may mix: device slots
     max_lora_rank: int = 16  # the largest adapter rank accepted; slots are padded to it
     max_cpu_loras: int | None = None  # loaded adapters kept on the host (default: max_loras)
+    tensor_parallel_size: int = 1  # GPUs (CPU processes) the model is sharded over (brrr/distributed/)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,153 @@
+"""Rank 0 of a tensor-parallel engine: the runner the engine core uses when tensor_parallel_size > 1, and the
+loader that starts the workers and loads rank 0's shard (`load_tensor_parallel`).
+
+The scheduler, the block manager and the sampler run once, here. Each step, rank 0 flattens the scheduled batch,
+sends it to the workers, and every rank runs the same forward over its own shard and its own KV cache (the same
+block ids on every rank: the block manager's decisions hold for all of them); the vocabulary-parallel lm_head
+gathers the logits, and rank 0 samples them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from brrr.config import EngineConfig, ModelConfig
+from brrr.engine.model_runner import ModelRunner
+from brrr.engine.sampler import SampleResult, SampleRow, sample
+from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.staging import stage
+from brrr.errors import BrrrError
+from brrr.kernels import AttnMeta
+
+
+@dataclass
+class StepInputs:
+    """One step as every rank runs it: block copies, then the flattened batch, then the rows whose logits to read."""
+    copies: list
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seqlens: list[int]
+    context_lens: list[int]
+    tables: np.ndarray
+    rows: np.ndarray
+
+
+def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
+    """Logits of `step.rows` (every rank calls this with the same step: its collectives pair up)."""
+    runner._copy_blocks(step.copies)
+    cu = np.zeros(len(step.seqlens) + 1, dtype=np.int32)
+    np.cumsum(step.seqlens, out=cu[1:])
+    ids, positions, slots, cu_t, context, tables, rows = stage(
+        runner.device, step.ids, step.positions, step.slots, cu, np.array(step.context_lens, dtype=np.int32),
+        step.tables, step.rows)
+    meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=step.seqlens, context_lens=step.context_lens, slot_mapping=slots,
+                    block_tables=tables, kv_caches=runner.kv_caches, context_lens_t=context)
+    hidden = runner.model(ids, positions, meta)
+    return runner.model.compute_logits(hidden.index_select(0, rows))
+
+
+class TensorParallelRunner(ModelRunner):
+    """The ModelRunner of rank 0: the same KV cache and step, with the workers running each step beside it.
+    Steps run eagerly (no CUDA graphs yet), so the engine never takes the launch-ahead decode path."""
+
+    def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, lora=None):
+        workers = getattr(model, "tp_workers", None)
+        if workers is None:
+            raise BrrrError("tensor_parallel_size > 1 needs a sharded model: load it with "
+                            "LLM(model, tensor_parallel_size=N) or brrr serve --tensor-parallel-size N")
+        if lora is not None:
+            raise BrrrError("LoRA adapters are not sharded yet: serve them with tensor_parallel_size 1")
+        super().__init__(model, block_size, num_blocks, max_model_len, cuda_graphs=False, lora=None)
+        self.workers = workers
+        workers.send_all(("cache", (block_size, num_blocks)))
+
+    def can_launch(self, batch: ScheduledBatch) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]],
+                logit_rows: list[int] = ()) -> tuple[SampleResult, torch.Tensor | None]:
+        rows = [r for r, _ in sample_rows]
+        ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
+        # a table width that is a multiple of 16 on every step: see ModelRunner.execute
+        tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
+        step = StepInputs(list(batch.copies), np.array(ids, dtype=np.int64), positions, slots, seqlens, context_lens,
+                          tables, np.array(rows + list(logit_rows), dtype=np.int64))
+        self.workers.send_all(("step", step))
+        try:
+            logits = forward_step(self, step)
+        except Exception as e:  # a collective broke: a peer died or timed out
+            self.workers.fail(f"a tensor-parallel collective failed ({type(e).__name__}: {e})")
+            raise BrrrError(self.workers.down) from None
+        result = sample(logits[: len(rows)], [row for _, row in sample_rows])
+        extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
+        return result, extra
+
+    def shard_shapes(self) -> list[dict[str, tuple[tuple[int, ...], int]]]:
+        """Each rank's parameters: {name: (shape, bytes)}, rank 0 first."""
+        own = {n: (tuple(p.shape), p.nbytes) for n, p in self.model.named_parameters()}
+        self.workers.send_all(("shards", None))
+        return [own] + [self.workers.receive(rank, "shards", 60) for rank in range(1, self.workers.world)]
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+
+def load_tensor_parallel(path: Path, n: int, dtype, device: torch.device, config: EngineConfig):
+    """(rank 0's shard model, the engine config to build the engine with): N is checked against the config first,
+    then the N-1 workers start and every rank loads its own slices. On CUDA the KV cache is sized once for all ranks
+    (each profiles the same forward; the smallest fits them all)."""
+    from brrr.distributed.sharding import Partition, check_tensor_parallel, load_shard
+    from brrr.distributed.tp_worker import WorkerGroup, connect, rank_device
+    from brrr.loader import resolve_dtype, weight_files
+    from brrr.models.serving import prepare_for_serving
+    from brrr.quant.checkpoint import quantization_config
+
+    cfg = ModelConfig.from_dir(path)
+    check_tensor_parallel(cfg, n, device)
+    if quantization_config(path):
+        raise BrrrError("tensor_parallel_size > 1: quantized checkpoints are not sharded yet; serve the "
+                        "unquantized model, or this one with tensor_parallel_size 1")
+    if config.enable_lora:
+        raise BrrrError("tensor_parallel_size > 1 with enable_lora: LoRA adapters are not sharded yet")
+    dtype = resolve_dtype(dtype, cfg, device)
+    files = weight_files(path)
+    workers = WorkerGroup(n, path, files, dtype, device, config.pack_projections)
+    try:
+        device = rank_device(device, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        comm = connect(workers.store_path, 0, n, device)
+        model = load_shard(path, files, Partition(cfg, 0, n), comm, dtype, device)
+        workers.wait_ready()
+        model = prepare_for_serving(model, config)
+        if device.type == "cuda" and config.num_blocks is None and config.kv_cache_memory is None:
+            args = (config.block_size, config.max_num_batched_tokens, config.gpu_memory_utilization)
+            workers.send_all(("profile", args))
+            blocks = [ModelRunner.profile_num_blocks(model, *args)]
+            blocks += [workers.receive(rank, "blocks", 600) for rank in range(1, n)]
+            config = dataclasses.replace(config, num_blocks=max(1, min(blocks)))
+    except BaseException:
+        workers.shutdown()
+        raise
+    model.tp_workers = workers
+    return model, config
+
+
+def load_pretrained(model: str | Path | None, dtype, device, config: EngineConfig):
+    """`brrr.load` for a tensor-parallel engine: (Pretrained holding rank 0's shard, the engine config to use)."""
+    from brrr.hub import resolve_model
+    from brrr.pretrained import Pretrained, check_device, stop_token_ids
+    from brrr.tokenizer import Tokenizer
+
+    device = check_device(device)
+    path = resolve_model(model)
+    tokenizer = Tokenizer.from_dir(path)
+    net, config = load_tensor_parallel(path, config.tensor_parallel_size, dtype, device, config)
+    return Pretrained(path, net, tokenizer, stop_token_ids(path, net.full_config, tokenizer)), config

@@ -1,0 +1,157 @@
+"""Tensor-parallel serving on CPU (gloo, fp32): TP = 2 and 4 give TP = 1's greedy tokens under engine stress, with
+log-probs within 1e-4; each rank holds only its slices; bad N fails before any weight loads; a killed worker
+fails the engine's requests with a clear error instead of hanging."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from brrr import LLM, BrrrError, SamplingParams
+from brrr.config import ModelConfig
+from brrr.distributed.sharding import check_tensor_parallel
+from tests import hf_models
+
+VOCAB = 321  # not a multiple of 2 or 4: the vocabulary-parallel shards are padded
+# fp32 sums in another order (the all-reduce adds the ranks' partial products): a few ulps of the logits
+LOGPROB_TOLERANCE = 1e-4
+# a pool of 16 blocks of 4 tokens for 20 requests that each need up to 5: preemptions; a 24-token budget: prompts
+# prefill in chunks; prompts that share a 12-token start: prefix-cache hits
+STRESS = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=24, max_num_seqs=8)
+
+
+def _model_dir(tmp_path_factory, family: str):
+    path = tmp_path_factory.mktemp(f"tp-{family}")
+    hf_models.save_tokenizer(path)
+    return hf_models.save(hf_models.build(family, vocab_size=VOCAB), path, sharded=True)  # several files
+
+
+def _prompts():
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    return [shared + [20 + i, 30 + i] if i % 2 else [1 + i, 5, 40 + i] * (1 + i % 3) for i in range(20)]
+
+
+def _run(llm):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def _close(a, b):
+    return all(x.keys() == y.keys() and all(abs(x[t] - y[t]) <= LOGPROB_TOLERANCE for t in x)
+               for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _model_dir(tmp_path_factory, "llama3-rope")  # 4 heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    return _run(LLM(str(llama), **STRESS))
+
+
+@pytest.fixture(scope="module")
+def tp2(llama):
+    llm = LLM(str(llama), tensor_parallel_size=2, **STRESS)
+    yield llm
+    llm.engine.runner.shutdown()
+
+
+def test_tp2_gives_the_greedy_tokens_of_one_rank_under_stress(tp2, reference):
+    tokens, logprobs = _run(tp2)
+    assert tokens == reference[0]
+    assert _close(logprobs, reference[1])
+    stats = tp2.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_steps"] > 20
+
+
+def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
+    path = _model_dir(tmp_path_factory, "mqa")  # 1 KV head for 4 ranks: each rank holds a copy
+    want = _run(LLM(str(path), **STRESS))
+    llm = LLM(str(path), tensor_parallel_size=4, **STRESS)
+    try:
+        tokens, logprobs = _run(llm)
+        shards = llm.engine.runner.shard_shapes()
+    finally:
+        llm.engine.runner.shutdown()
+    assert tokens == want[0] and _close(logprobs, want[1])
+    assert [s["model.layers.0.self_attn.k_proj.weight"][0] for s in shards] == [(16, 64)] * 4
+
+
+def test_each_rank_holds_only_its_slices(tp2, llama):
+    cfg = ModelConfig.from_dir(llama)
+    shards = tp2.engine.runner.shard_shapes()
+    d, hidden, vocab_rows = cfg.head_dim, cfg.hidden_size, -(-VOCAB // 2)
+    want = {"model.embed_tokens.weight": (vocab_rows, hidden), "lm_head.weight": (vocab_rows, hidden),
+            "model.layers.1.self_attn.q_proj.weight": (cfg.num_heads // 2 * d, hidden),
+            "model.layers.1.self_attn.k_proj.weight": (cfg.num_kv_heads // 2 * d, hidden),
+            "model.layers.1.self_attn.o_proj.weight": (hidden, cfg.num_heads // 2 * d),
+            "model.layers.1.mlp.gate_proj.weight": (cfg.intermediate_size // 2, hidden),
+            "model.layers.1.mlp.down_proj.weight": (hidden, cfg.intermediate_size // 2),
+            "model.norm.weight": (hidden,)}
+    full = 0
+    for f in sorted(llama.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            full += sum(h.get_tensor(n).nbytes for n in h.keys())
+    norms = sum(b for n, (_, b) in shards[0].items() if "norm" in n)
+    for shard in shards:
+        assert {n: shard[n][0] for n in want} == want
+        # half of every sharded tensor (plus the vocabulary's padding row), all of the norms
+        assert sum(b for _, b in shard.values()) == (full - norms) // 2 + 2 * hidden * 4 // 2 + norms
+    # rank 0 holds the first half of q_proj's rows, exactly the checkpoint's values
+    index = json.loads((llama / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with safe_open(str(llama / index[name]), "pt") as h:
+        first = h.get_tensor(name)[: cfg.num_heads // 2 * d]
+    assert torch.equal(tp2.engine.model.get_parameter(name), first)
+
+
+@pytest.mark.parametrize("overrides, n, message", [
+    (dict(num_attention_heads=4, num_key_value_heads=4), 3, r"tensor-parallel-size.* = 3 must divide the model's 4 "
+                                                            "attention heads"),
+    (dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=132), 8,
+     r"= 8 must divide the model's intermediate size 132"),
+    (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48), 2,
+     r"= 2 must divide the model's 3 KV heads, or be a multiple of them"),
+])
+def test_bad_tensor_parallel_size_fails_before_any_weight_loads(tmp_path, overrides, n, message):
+    # a config and a tokenizer, no weights at all: the error must come from the check, not from loading
+    config = hf_models.build("llama3-rope", **overrides).config
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    hf_models.save_tokenizer(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(BrrrError, match=message):
+        LLM(str(tmp_path), dtype="float32", device="cpu", tensor_parallel_size=n)
+    assert time.monotonic() - start < 10  # no worker was started
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch, llama):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(BrrrError, match=r"--tensor-parallel-size .* = 4 exceeds the 2 CUDA GPU\(s\)"):
+        check_tensor_parallel(ModelConfig.from_dir(llama), 4, torch.device("cuda"))
+
+
+def test_a_killed_worker_fails_the_engine_cleanly(llama):
+    llm = LLM(str(llama), tensor_parallel_size=2, **STRESS)
+    runner = llm.engine.runner
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    worker = runner.workers.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    start = time.monotonic()
+    outs = llm.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    for out in outs:
+        assert out.outputs[0].finish_reason == "abort"
+        assert "tensor-parallel worker rank 1" in out.error and "the engine is down" in out.error
+    assert not llm.engine.has_unfinished_requests()
+    runner.shutdown()
+    assert all(not p.is_alive() for p in runner.workers.procs)

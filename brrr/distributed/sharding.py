@@ -194,10 +194,15 @@ def build_shard(part: Partition, comm: Collectives, dtype: torch.dtype, device: 
 
 
 @torch.no_grad()
-def load_shard(path: Path, files: list[Path], part: Partition, comm: Collectives, dtype: torch.dtype,
+def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Collectives, dtype: torch.dtype,
                device: torch.device):
-    """Build this rank's model and fill it from the checkpoint, reading only its slices."""
+    """Build this rank's model and fill it from the checkpoint, reading only its slices; path None: random weights
+    of the config's shape (benchmarks, as `brrr.bench.random_model`), seeded per rank."""
     model = build_shard(part, comm, dtype, device)
+    if path is None:
+        from brrr.bench.random_model import randomize
+
+        return randomize(model, seed=part.rank).requires_grad_(False).eval()
     filled: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -99,26 +99,28 @@ class TensorParallelRunner(ModelRunner):
         self.workers.shutdown()
 
 
-def load_tensor_parallel(path: Path, n: int, dtype, device: torch.device, config: EngineConfig):
-    """(rank 0's shard model, the engine config to build the engine with): N is checked against the config first,
-    then the N-1 workers start and every rank loads its own slices. On CUDA the KV cache is sized once for all ranks
-    (each profiles the same forward; the smallest fits them all)."""
+def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torch.device, config: EngineConfig):
+    """(rank 0's shard model, the engine config to build the engine with). source: a model directory, or a
+    ModelConfig for random weights of its shape (benchmarks). N is checked against the config first, then the N-1
+    workers start and every rank loads its own slices. On CUDA the KV cache is sized once for all ranks (each
+    profiles the same forward; the smallest fits them all)."""
     from brrr.distributed.sharding import Partition, check_tensor_parallel, load_shard
     from brrr.distributed.tp_worker import WorkerGroup, connect, rank_device
     from brrr.loader import resolve_dtype, weight_files
     from brrr.models.serving import prepare_for_serving
     from brrr.quant.checkpoint import quantization_config
 
-    cfg = ModelConfig.from_dir(path)
+    path = None if isinstance(source, ModelConfig) else Path(source)
+    cfg = source if path is None else ModelConfig.from_dir(path)
     check_tensor_parallel(cfg, n, device)
-    if quantization_config(path):
+    if path is not None and quantization_config(path):
         raise BrrrError("tensor_parallel_size > 1: quantized checkpoints are not sharded yet; serve the "
                         "unquantized model, or this one with tensor_parallel_size 1")
     if config.enable_lora:
         raise BrrrError("tensor_parallel_size > 1 with enable_lora: LoRA adapters are not sharded yet")
     dtype = resolve_dtype(dtype, cfg, device)
-    files = weight_files(path)
-    workers = WorkerGroup(n, path, files, dtype, device, config.pack_projections)
+    files = [] if path is None else weight_files(path)
+    workers = WorkerGroup(n, cfg, path, files, dtype, device, config.pack_projections)
     try:
         device = rank_device(device, 0)
         if device.type == "cuda":

@@ -52,11 +52,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def worker_main(rank: int, world: int, store_path: str, path: str, files: list[str], dtype: torch.dtype,
-                device: str, pack_projections: bool | None, conn) -> None:
+def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, files: list[str],
+                dtype: torch.dtype, device: str, pack_projections: bool | None, conn) -> None:
+    """path None: random weights of cfg's shape (benchmarks)."""
     try:
-        _serve(rank, world, store_path, Path(path), [Path(f) for f in files], dtype, torch.device(device),
-               pack_projections, conn)
+        _serve(rank, world, store_path, cfg, path and Path(path), [Path(f) for f in files], dtype,
+               torch.device(device), pack_projections, conn)
     except EOFError:  # rank 0 is gone: nothing left to serve
         return
     except BaseException:
@@ -67,8 +68,8 @@ def worker_main(rank: int, world: int, store_path: str, path: str, files: list[s
         os._exit(1)
 
 
-def _serve(rank, world, store_path, path, files, dtype, device, pack_projections, conn) -> None:
-    from brrr.config import EngineConfig, ModelConfig
+def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projections, conn) -> None:
+    from brrr.config import EngineConfig
     from brrr.distributed.sharding import Partition, load_shard
     from brrr.distributed.tp_runner import forward_step
     from brrr.engine.model_runner import ModelRunner
@@ -77,8 +78,10 @@ def _serve(rank, world, store_path, path, files, dtype, device, pack_projections
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # the ranks share the host's cores: intra-op threads beyond a share only contend
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     comm = connect(store_path, rank, world, device)
-    part = Partition(ModelConfig.from_dir(path), rank, world)
+    part = Partition(cfg, rank, world)
     model = load_shard(path, files, part, comm, dtype, device)
     model = prepare_for_serving(model, EngineConfig(pack_projections=pack_projections))
     conn.send(("ready", None))
@@ -102,8 +105,8 @@ def _serve(rank, world, store_path, path, files, dtype, device, pack_projections
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: their processes and pipes, liveness, shutdown."""
 
-    def __init__(self, world: int, path: Path, files: list[Path], dtype: torch.dtype, device: torch.device,
-                 pack_projections: bool | None):
+    def __init__(self, world: int, cfg, path: Path | None, files: list[Path], dtype: torch.dtype,
+                 device: torch.device, pack_projections: bool | None):
         self.world, self.device, self.down = world, device, None
         self._dir = tempfile.TemporaryDirectory(prefix="brrr-tp-")
         self.store_path = os.path.join(self._dir.name, "store")
@@ -112,7 +115,7 @@ class WorkerGroup:
         for rank in range(1, world):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"brrr-tp-rank{rank}", daemon=True,
-                               args=(rank, world, self.store_path, str(path), [str(f) for f in files], dtype,
+                               args=(rank, world, self.store_path, cfg, path and str(path), [str(f) for f in files], dtype,
                                      str(device), pack_projections, theirs))
             proc.start()
             theirs.close()

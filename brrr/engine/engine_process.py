@@ -186,13 +186,19 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
 
     from brrr.pretrained import load
 
-    pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
+    config = spec.config
+    if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+        from brrr.distributed.tp_runner import load_pretrained
+
+        pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
+    else:
+        pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
     from brrr.engine.llm_engine import LLMEngine
 
-    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, spec.config,
+    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
                                                pretrained.eos_token_ids)
 
 

@@ -41,9 +41,10 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
     if cfg.intermediate_size % n:
         raise BrrrError(f"{FLAG} = {n} must divide the model's intermediate size {cfg.intermediate_size}")
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if n > count:
-            raise BrrrError(f"{FLAG} = {n} exceeds the {count} CUDA GPU(s) on this machine (one rank per GPU)")
+        count, first = torch.cuda.device_count(), device.index or 0
+        if first + n > count:
+            raise BrrrError(f"{FLAG} = {n} exceeds the {count - first} CUDA GPU(s) from cuda:{first} on this machine "
+                            "(one rank per GPU)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,7 +134,7 @@ def test_bad_tensor_parallel_size_fails_before_any_weight_loads(tmp_path, overri
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch, llama):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(BrrrError, match=r"--tensor-parallel-size .* = 4 exceeds the 2 CUDA GPU\(s\)"):
+    with pytest.raises(BrrrError, match=r"--tensor-parallel-size .* = 4 exceeds the 2 CUDA GPU\(s\) from cuda:0"):
         check_tensor_parallel(ModelConfig.from_dir(llama), 4, torch.device("cuda"))
 
 

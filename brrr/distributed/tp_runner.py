@@ -17,11 +17,12 @@ import torch
 
 from brrr.config import EngineConfig, ModelConfig
 from brrr.engine.model_runner import ModelRunner
-from brrr.engine.sampler import SampleResult, SampleRow, sample
+from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.staging import stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.graph_inputs import stage_decode_inputs
 
 
 @dataclass
@@ -35,6 +36,27 @@ class StepInputs:
     context_lens: list[int]
     tables: np.ndarray
     rows: np.ndarray
+
+
+@dataclass
+class GraphInputs:
+    """A decode step replayed through the captured graph of `size` rows (`rows` of them real), as every rank
+    replays it: the static buffers' contents in `ModelRunner._replay`'s layout, and the longest context (which of
+    the size's graphs)."""
+    size: int
+    rows: int
+    width: int
+    host: np.ndarray
+    longest: int
+
+
+def replay_step(runner: ModelRunner, step: GraphInputs) -> torch.Tensor:
+    """Logits [rows, vocab] of a captured decode step (every rank replays it: the collectives inside pair up)."""
+    stage_decode_inputs(h2d(step.host, runner.device), step.size, step.rows, step.width, runner.g_ids,
+                        runner.g_pos, runner.g_slots, runner.g_ctx, runner.g_tables)
+    graph, logits, _ = runner.graph_for(step.size, step.longest)
+    graph.replay()
+    return logits[: step.rows]
 
 
 def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
@@ -52,8 +74,10 @@ def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
 
 
 class TensorParallelRunner(ModelRunner):
-    """The ModelRunner of rank 0: the same KV cache and step, with the workers running each step beside it.
-    Steps run eagerly (no CUDA graphs yet), so the engine never takes the launch-ahead decode path."""
+    """The ModelRunner of rank 0: the same KV cache and step, with the workers running each step beside it. On
+    CUDA every rank captures the decode graphs with the NCCL collectives inside, and a decode step replays them on
+    every rank. Each step's inputs come from the host (the workers have not seen the sampled tokens), so the
+    engine never takes the launch-ahead decode path (`can_launch` is False)."""
 
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora=None):
@@ -66,6 +90,15 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, block_size, num_blocks, max_model_len, cuda_graphs=False, lora=None)
         self.workers = workers
         workers.send_all(("cache", (block_size, num_blocks)))
+        cfg = model.config
+        if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
+            self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
+
+    def capture_cuda_graphs(self, max_batch: int, max_blocks: int, capture=None) -> None:
+        """Every rank captures the same graphs in the same order. capture: as ModelRunner's (picklable: the workers
+        run it too)."""
+        self.workers.send_all(("capture", (max_batch, max_blocks, capture)))
+        super().capture_cuda_graphs(max_batch, max_blocks, capture)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
         return False
@@ -74,20 +107,43 @@ class TensorParallelRunner(ModelRunner):
     def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]],
                 logit_rows: list[int] = ()) -> tuple[SampleResult, torch.Tensor | None]:
         rows = [r for r, _ in sample_rows]
+        if not logit_rows and super().can_launch(batch):
+            logits = self._replay_step(self._graph_inputs(batch))
+            if rows != list(range(len(batch.items))):
+                logits = logits.index_select(0, h2d(rows, self.device, torch.long))
+            return sample(logits, [row for _, row in sample_rows]), None
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # a table width that is a multiple of 16 on every step: see ModelRunner.execute
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
         step = StepInputs(list(batch.copies), np.array(ids, dtype=np.int64), positions, slots, seqlens, context_lens,
                           tables, np.array(rows + list(logit_rows), dtype=np.int64))
-        self.workers.send_all(("step", step))
-        try:
-            logits = forward_step(self, step)
-        except Exception as e:  # a collective broke: a peer died or timed out
-            self.workers.fail(f"a tensor-parallel collective failed ({type(e).__name__}: {e})")
-            raise BrrrError(self.workers.down) from None
+        logits = self._run("step", step, forward_step)
         result = sample(logits[: len(rows)], [row for _, row in sample_rows])
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
         return result, extra
+
+    def _graph_inputs(self, batch: ScheduledBatch) -> GraphInputs:
+        """The decode step's static-buffer contents, laid out as `ModelRunner._replay` stages them."""
+        b = len(batch.items)
+        g = next(size for size in sorted(self.graphs) if size >= b)
+        ids, positions, slots, _, context_lens, tables = self._flatten(batch)
+        host = np.zeros((4, g), dtype=np.int64)
+        host[0, :b] = ids
+        host[1:, :b] = positions, slots, context_lens
+        host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1  # padded rows: the spare block, 1 token
+        return GraphInputs(g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens))
+
+    def _replay_step(self, step: GraphInputs) -> torch.Tensor:
+        return self._run("replay", step, replay_step)
+
+    def _run(self, kind: str, step, run) -> torch.Tensor:
+        """Send the step to the workers, run it here; a broken collective takes the group down."""
+        self.workers.send_all((kind, step))
+        try:
+            return run(self, step)
+        except Exception as e:  # a collective broke: a peer died or timed out
+            self.workers.fail(f"a tensor-parallel collective failed ({type(e).__name__}: {e})")
+            raise BrrrError(self.workers.down) from None
 
     def shard_shapes(self) -> list[dict[str, tuple[tuple[int, ...], int]]]:
         """Each rank's parameters: {name: (shape, bytes)}, rank 0 first."""

@@ -71,6 +71,39 @@ def test_tp2_gives_the_greedy_tokens_of_one_rank_under_stress(tp2, reference):
     assert stats["num_steps"] > 20
 
 
+class EagerReplay:
+    """Stands in for torch.cuda.CUDAGraph on CPU (as in test_graph_inputs.py): replay() recomputes the captured
+    step, collectives included, into the same output tensor."""
+
+    def __init__(self, step):
+        self.step, self.logits = step, step()
+
+    def replay(self):
+        self.logits.copy_(self.step())
+
+    def pool(self):
+        return None
+
+
+def eager_capture(step, pool):  # module level: the workers unpickle it
+    graph = EagerReplay(step)
+    return graph, graph.logits
+
+
+def test_decode_graphs_replay_on_every_rank(tp2, reference):
+    runner = tp2.engine.runner
+    runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    replays, real = [], runner._replay_step
+    runner._replay_step = lambda step: replays.append(step.rows) or real(step)
+    try:
+        tokens, logprobs = _run(tp2)
+    finally:
+        del runner._replay_step
+    assert len(replays) > 10 and max(replays) > 1  # decode steps of several rows went through the graphs
+    assert tokens == reference[0] and _close(logprobs, reference[1])
+
+
 def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
     path = _model_dir(tmp_path_factory, "mqa")  # 1 KV head for 4 ranks: each rank holds a copy
     want = _run(LLM(str(path), **STRESS))

@@ -73,8 +73,7 @@ def cmd_latency(args) -> int:
         torch.set_num_threads(threads)
     # what runs, not what was asked: the runner captures graphs on CUDA only, and never for dynamic NTK RoPE
     tp = args.tensor_parallel_size
-    # (tensor-parallel steps run eagerly: no graphs yet)
-    graphs = args.cuda_graphs == "on" and device.type == "cuda" and cfg.rope.type != "dynamic" and tp == 1
+    graphs = args.cuda_graphs == "on" and device.type == "cuda" and cfg.rope.type != "dynamic"
     max_len = args.prompt_len + args.new_tokens
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
                           num_blocks=max(batches) * -(-max_len // 16) + 8, cuda_graphs=graphs,

@@ -49,6 +49,12 @@ class TensorParallelRunner(ModelRunner):
         self.workers.send_all(("capture", (max_batch, max_blocks, capture)))
         super().capture_cuda_graphs(max_batch, max_blocks, capture)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is down (a worker died or a collective failed), or None: the engine process's loop stops
+        on it, so the server's /health reports 503."""
+        return self.workers.down
+
     def can_launch(self, batch: ScheduledBatch) -> bool:
         return False
 

@@ -125,6 +125,9 @@ class EngineLoop:
                     self.outputs.send(("step", records, stats))
                     if self.trace is not None:
                         self.trace.append((start, stepped, time.perf_counter(), stats))
+                failure = getattr(self.engine.runner, "failure", None)  # tensor-parallel workers gone
+                if failure:  # the step's requests have their error; the server now reports the engine gone (503)
+                    raise BrrrError(failure)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             log.info("the server closed its end of the engine pipe; the engine stops")
         except BaseException as e:  # a bug: tell the server why before going away

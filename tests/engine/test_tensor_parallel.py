@@ -1,6 +1,8 @@
 """Tensor-parallel serving on CPU (gloo, fp32): TP = 2 and 4 give TP = 1's greedy tokens under engine stress, with
-log-probs within 1e-4; each rank holds only its slices; bad N fails before any weight loads; a killed worker
-fails the engine's requests with a clear error instead of hanging."""
+log-probs within 1e-4, eagerly and through (stand-in) decode graphs; each rank holds only its slices; bad N fails
+before any weight loads; a killed worker fails the engine's requests with a clear error instead of hanging, and
+takes a served engine down (health 503)."""
+import asyncio
 import json
 import os
 import signal
@@ -188,3 +190,31 @@ def test_a_killed_worker_fails_the_engine_cleanly(llama):
     assert not llm.engine.has_unfinished_requests()
     runner.shutdown()
     assert all(not p.is_alive() for p in runner.workers.procs)
+
+
+def test_a_killed_worker_makes_the_server_engine_unhealthy(llama):
+    from brrr.config import EngineConfig
+    from brrr.distributed.tp_runner import load_pretrained
+    from brrr.engine.async_llm import AsyncLLM
+    from brrr.engine.llm_engine import EngineCore
+
+    config = {k: v for k, v in STRESS.items() if k not in ("dtype", "device")}
+    pretrained, config = load_pretrained(str(llama), "float32", "cpu", EngineConfig(tensor_parallel_size=2, **config))
+    engine = EngineCore(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids)
+    llm = AsyncLLM(engine)
+    try:
+        os.kill(engine.runner.workers.procs[0].pid, signal.SIGKILL)
+        engine.runner.workers.procs[0].join(10)
+
+        async def one():
+            return [out async for out in llm.generate([1, 2, 3], SamplingParams(max_tokens=4))][-1]
+
+        out = asyncio.run(asyncio.wait_for(one(), 30))
+        assert "tensor-parallel worker rank 1" in out.error
+        deadline = time.monotonic() + 10
+        while llm.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.healthy and "tensor-parallel worker rank 1" in llm.failure
+    finally:
+        llm.shutdown()
+        engine.runner.shutdown()

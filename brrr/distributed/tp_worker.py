@@ -120,8 +120,8 @@ class WorkerGroup:
         for rank in range(1, world):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"brrr-tp-rank{rank}", daemon=True,
-                               args=(rank, world, self.store_path, cfg, path and str(path), [str(f) for f in files], dtype,
-                                     str(device), pack_projections, theirs))
+                               args=(rank, world, self.store_path, cfg, path and str(path), [str(f) for f in files],
+                                     dtype, str(device), pack_projections, theirs))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -164,7 +164,8 @@ class WorkerGroup:
         while not conn.poll(0.5):
             waited += 0.5
             if proc.exitcode is not None or waited > timeout_s:
-                what = f"exited with code {proc.exitcode}" if proc.exitcode is not None else f"sent nothing in {timeout_s:.0f} s"
+                what = (f"exited with code {proc.exitcode}" if proc.exitcode is not None
+                        else f"sent nothing in {timeout_s:.0f} s")
                 self.fail(f"tensor-parallel worker rank {rank} {what}")
                 raise BrrrError(self.down)
         try:

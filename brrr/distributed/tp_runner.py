@@ -145,7 +145,13 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
             workers.send_all(("profile", args))
             blocks = [ModelRunner.profile_num_blocks(model, *args)]
             blocks += [workers.receive(rank, "blocks", 600) for rank in range(1, n)]
-            config = dataclasses.replace(config, num_blocks=max(1, min(blocks)))
+            if min(blocks) < 1:
+                raise BrrrError(f"no memory left for the KV cache on tensor-parallel rank {blocks.index(min(blocks))}; "
+                                "lower max_num_batched_tokens or raise gpu_memory_utilization")
+            # as EngineCore caps its own: every sequence at full length, no more (the rest would only keep old prompts)
+            max_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
+            useful = config.max_num_seqs * -(-max_len // config.block_size)
+            config = dataclasses.replace(config, num_blocks=min(blocks + [useful]))
     except BaseException:
         workers.shutdown()
         raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import tempfile
 import traceback
 import weakref
@@ -55,6 +56,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, files: list[str],
                 dtype: torch.dtype, device: str, pack_projections: bool | None, conn) -> None:
     """path None: random weights of cfg's shape (benchmarks)."""
+    # Ctrl-C reaches the whole process group: rank 0 decides when to stop (a server drains first), then says so
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _serve(rank, world, store_path, cfg, path and Path(path), [Path(f) for f in files], dtype,
                torch.device(device), pack_projections, conn)

@@ -25,10 +25,11 @@ LOGPROB_TOLERANCE = 1e-4
 STRESS = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=24, max_num_seqs=8)
 
 
-def _model_dir(tmp_path_factory, family: str):
+def _model_dir(tmp_path_factory, family: str, **overrides):
     path = tmp_path_factory.mktemp(f"tp-{family}")
     hf_models.save_tokenizer(path)
-    return hf_models.save(hf_models.build(family, vocab_size=VOCAB), path, sharded=True)  # several files
+    model = hf_models.build(family, vocab_size=VOCAB, **overrides)
+    return hf_models.save(model, path, sharded=True)  # several files
 
 
 def _prompts():
@@ -117,6 +118,21 @@ def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
         llm.engine.runner.shutdown()
     assert tokens == want[0] and _close(logprobs, want[1])
     assert [s["model.layers.0.self_attn.k_proj.weight"][0] for s in shards] == [(16, 64)] * 4
+
+
+def test_tp2_with_biases_and_tied_embeddings(tmp_path_factory):
+    # q/k/v and gate/up biases sliced with their rows, o_proj/down_proj biases added once after the all-reduce;
+    # lm_head is the embedding's own vocabulary shard
+    path = _model_dir(tmp_path_factory, "llama-attn-bias", tie_word_embeddings=True)
+    want = _run(LLM(str(path), **STRESS))
+    llm = LLM(str(path), tensor_parallel_size=2, **STRESS)
+    try:
+        tokens, logprobs = _run(llm)
+    finally:
+        llm.engine.runner.shutdown()
+    assert tokens == want[0] and _close(logprobs, want[1])
+    model = llm.engine.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_each_rank_holds_only_its_slices(tp2, llama):

@@ -116,7 +116,7 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
     workers start and every rank loads its own slices. On CUDA the KV cache is sized once for all ranks (each
     profiles the same forward; the smallest fits them all)."""
     from brrr.distributed.sharding import Partition, check_tensor_parallel, load_shard
-    from brrr.distributed.tp_worker import WorkerGroup, connect, rank_device
+    from brrr.distributed.tp_worker import WorkerGroup, rank_device
     from brrr.loader import resolve_dtype, weight_files
     from brrr.models.serving import prepare_for_serving
     from brrr.quant.checkpoint import quantization_config
@@ -136,7 +136,7 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
         device = rank_device(device, 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        comm = connect(workers.store_path, 0, n, device)
+        comm = workers.connect(device)
         model = load_shard(path, files, Partition(cfg, 0, n), comm, dtype, device)
         workers.wait_ready()
         model = prepare_for_serving(model, config)

@@ -14,6 +14,7 @@ import datetime
 import os
 import signal
 import tempfile
+import threading
 import traceback
 import weakref
 from pathlib import Path
@@ -135,6 +136,26 @@ class WorkerGroup:
         for rank in range(1, self.world):
             self.receive(rank, "ready", START_TIMEOUT_S)
 
+    def connect(self, device: torch.device):
+        """Rank 0's Collectives. The rendezvous waits for every worker, so it runs in a thread while this one watches
+        them: a worker that fails before joining is reported now, not after the store's timeout."""
+        done: dict = {}
+
+        def join():
+            try:
+                done["comm"] = connect(self.store_path, 0, self.world, device)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                done["error"] = e
+
+        thread = threading.Thread(target=join, name="brrr-tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+            self.check_alive()
+        if "error" in done:
+            raise done["error"]
+        return done["comm"]
+
     def check_alive(self) -> None:
         """BrrrError (and the group shut down) if any worker has exited; once down, always."""
         if self.down is None:
@@ -146,10 +167,22 @@ class WorkerGroup:
             raise BrrrError(self.down)
 
     def fail(self, reason: str) -> None:
-        """Take the group down: every later step raises `reason`; the other workers are stopped."""
+        """Take the group down: every later step raises `reason` (with the first worker error that came back, if
+        any); the other workers are stopped."""
         if self.down is None:
-            self.down = f"{reason}; the engine is down (restart it)"
+            self.down = f"{reason}{self._worker_error()}; the engine is down (restart it)"
             self.shutdown()
+
+    def _worker_error(self) -> str:
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                while conn.poll(0):
+                    got, payload = conn.recv()
+                    if got == "error":
+                        return f" (rank {rank}: {payload.strip().splitlines()[-1]})"
+            except (EOFError, OSError):
+                continue
+        return ""
 
     def send_all(self, message) -> None:
         self.check_alive()
@@ -178,6 +211,9 @@ class WorkerGroup:
             raise BrrrError(self.down) from None
         if got == "error":
             self.fail(f"tensor-parallel worker rank {rank} failed:\n{payload}")
+            raise BrrrError(self.down)
+        if got != kind:
+            self.fail(f"tensor-parallel worker rank {rank} answered {got!r} where {kind!r} was due")
             raise BrrrError(self.down)
         return payload
 

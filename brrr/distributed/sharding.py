@@ -7,16 +7,14 @@ runs on the rank's own heads: its q heads and the KV heads they read (split acro
 rank when there are fewer KV heads than ranks). The shard is the reference model built with the local head and
 intermediate counts (a `ModelConfig` with those numbers), its three communicating module kinds swapped in, so
 `prepare_for_serving` and the `ModelRunner` (KV cache of the local KV heads) work on it unchanged.
-Weights load sharded: each rank reads only its slices of the safetensors (`get_slice` on the memory map).
+Weights load sharded (shard_loader.py): each rank reads only its slices of the safetensors.
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from brrr.config import ModelConfig
@@ -192,44 +190,3 @@ def build_shard(part: Partition, comm: Collectives, dtype: torch.dtype, device: 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.full_config = cfg
     return model
-
-
-@torch.no_grad()
-def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Collectives, dtype: torch.dtype,
-               device: torch.device):
-    """Build this rank's model and fill it from the checkpoint, reading only its slices; path None: random weights
-    of the config's shape (benchmarks, as `brrr.bench.random_model`), seeded per rank."""
-    model = build_shard(part, comm, dtype, device)
-    if path is None:
-        from brrr.bench.random_model import randomize
-
-        return randomize(model, seed=part.rank).requires_grad_(False).eval()
-    filled: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                try:
-                    target = model.checkpoint_target(name)
-                except AttributeError:
-                    raise BrrrError(f"{file}: tensor {name!r} does not belong to a {part.cfg.architecture}") from None
-                if target is None:
-                    continue
-                where, view = part.slice_of(name), f.get_slice(name)
-                if where is None:
-                    tensor = view[:]
-                else:
-                    dim, start, stop = where
-                    stop = max(start, min(stop, view.get_shape()[dim]))  # the vocabulary's padding rows stay zero
-                    tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-                    if stop - start < target.shape[0]:
-                        target[stop - start:].zero_()
-                dest = target[: tensor.shape[0]] if where is not None and where[0] == 0 else target
-                if dest.shape != tensor.shape:
-                    raise BrrrError(f"{file}: tensor {name!r} slice has shape {tuple(tensor.shape)}, rank "
-                                    f"{part.rank} of {part.world} expects {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                filled.add(name)
-    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
-    if missing:
-        raise BrrrError(f"checkpoint in {path} is missing tensors: {', '.join(missing[:5])}")
-    return model.requires_grad_(False).eval()

@@ -115,7 +115,9 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
     ModelConfig for random weights of its shape (benchmarks). N is checked against the config first, then the N-1
     workers start and every rank loads its own slices. On CUDA the KV cache is sized once for all ranks (each
     profiles the same forward; the smallest fits them all)."""
-    from brrr.distributed.sharding import Partition, check_tensor_parallel, load_shard
+    from brrr.distributed.quant_sharding import check_quantized
+    from brrr.distributed.shard_loader import load_shard
+    from brrr.distributed.sharding import Partition, check_tensor_parallel
     from brrr.distributed.tp_worker import WorkerGroup, rank_device
     from brrr.loader import resolve_dtype, weight_files
     from brrr.models.serving import prepare_for_serving
@@ -124,9 +126,9 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
     path = None if isinstance(source, ModelConfig) else Path(source)
     cfg = source if path is None else ModelConfig.from_dir(path)
     check_tensor_parallel(cfg, n, device)
-    if path is not None and quantization_config(path):
-        raise BrrrError("tensor_parallel_size > 1: quantized checkpoints are not sharded yet; serve the "
-                        "unquantized model, or this one with tensor_parallel_size 1")
+    qc = None if path is None else quantization_config(path)
+    if qc:
+        check_quantized(qc, Partition(cfg, 0, n))
     if config.enable_lora:
         raise BrrrError("tensor_parallel_size > 1 with enable_lora: LoRA adapters are not sharded yet")
     dtype = resolve_dtype(dtype, cfg, device)

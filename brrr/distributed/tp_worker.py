@@ -74,7 +74,8 @@ def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, f
 
 def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projections, conn) -> None:
     from brrr.config import EngineConfig
-    from brrr.distributed.sharding import Partition, load_shard
+    from brrr.distributed.shard_loader import load_shard
+    from brrr.distributed.sharding import Partition
     from brrr.distributed.tp_step import forward_step, replay_step
     from brrr.engine.model_runner import ModelRunner
     from brrr.models.serving import prepare_for_serving

@@ -234,3 +234,26 @@ def test_a_killed_worker_makes_the_server_engine_unhealthy(llama):
     finally:
         llm.shutdown()
         engine.runner.shutdown()
+
+
+@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4", "fp8"])
+def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
+    from brrr.loader import load_model
+    from brrr.quant.checkpoint import save_quantized
+    from brrr.quant.methods import quantize_model
+
+    model = load_model(llama, dtype=torch.float32)
+    # group 32: each rank's 32 o_proj and 64 down_proj input columns hold whole groups
+    save_quantized(model, quantize_model(model, method, group_size=32), tmp_path, source_dir=llama)
+    want = _run(LLM(str(tmp_path), **STRESS))
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **STRESS)
+    try:
+        tokens, logprobs = _run(llm)
+        shards = llm.engine.runner.shard_shapes()
+    finally:
+        llm.engine.runner.shutdown()
+    assert tokens == want[0] and _close(logprobs, want[1])
+    assert not any(name.endswith("proj.weight") for shard in shards for name in shard)  # no float projections
+    if method == "rtn-int4":  # at TP 4 a rank's o_proj input (one head, 16 columns) splits an int4 group
+        with pytest.raises(BrrrError, match=r"attention output width \(16\) must be a multiple of the int4 group"):
+            LLM(str(tmp_path), tensor_parallel_size=4, **STRESS)

@@ -43,6 +43,20 @@ def _run(llm):
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
+def _compare_with_one_rank(path, n):
+    """Run the stress workload at TP 1 and TP n; assert equal greedy tokens and close log-probs. Returns the TP n
+    engine's rank-0 model and every rank's parameter shapes."""
+    want = _run(LLM(str(path), **STRESS))
+    llm = LLM(str(path), tensor_parallel_size=n, **STRESS)
+    try:
+        tokens, logprobs = _run(llm)
+        shards = llm.engine.runner.shard_shapes()
+    finally:
+        llm.engine.runner.shutdown()
+    assert tokens == want[0] and _close(logprobs, want[1])
+    return llm.engine.model, shards
+
+
 def _close(a, b):
     return all(x.keys() == y.keys() and all(abs(x[t] - y[t]) <= LOGPROB_TOLERANCE for t in x)
                for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b))
@@ -109,14 +123,7 @@ def test_decode_graphs_replay_on_every_rank(tp2, reference):
 
 def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
     path = _model_dir(tmp_path_factory, "mqa")  # 1 KV head for 4 ranks: each rank holds a copy
-    want = _run(LLM(str(path), **STRESS))
-    llm = LLM(str(path), tensor_parallel_size=4, **STRESS)
-    try:
-        tokens, logprobs = _run(llm)
-        shards = llm.engine.runner.shard_shapes()
-    finally:
-        llm.engine.runner.shutdown()
-    assert tokens == want[0] and _close(logprobs, want[1])
+    _, shards = _compare_with_one_rank(path, 4)
     assert [s["model.layers.0.self_attn.k_proj.weight"][0] for s in shards] == [(16, 64)] * 4
 
 
@@ -124,14 +131,7 @@ def test_tp2_with_biases_and_tied_embeddings(tmp_path_factory):
     # q/k/v and gate/up biases sliced with their rows, o_proj/down_proj biases added once after the all-reduce;
     # lm_head is the embedding's own vocabulary shard
     path = _model_dir(tmp_path_factory, "llama-attn-bias", tie_word_embeddings=True)
-    want = _run(LLM(str(path), **STRESS))
-    llm = LLM(str(path), tensor_parallel_size=2, **STRESS)
-    try:
-        tokens, logprobs = _run(llm)
-    finally:
-        llm.engine.runner.shutdown()
-    assert tokens == want[0] and _close(logprobs, want[1])
-    model = llm.engine.model
+    model, _ = _compare_with_one_rank(path, 2)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -245,14 +245,7 @@ def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
     model = load_model(llama, dtype=torch.float32)
     # group 32: each rank's 32 o_proj and 64 down_proj input columns hold whole groups
     save_quantized(model, quantize_model(model, method, group_size=32), tmp_path, source_dir=llama)
-    want = _run(LLM(str(tmp_path), **STRESS))
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **STRESS)
-    try:
-        tokens, logprobs = _run(llm)
-        shards = llm.engine.runner.shard_shapes()
-    finally:
-        llm.engine.runner.shutdown()
-    assert tokens == want[0] and _close(logprobs, want[1])
+    _, shards = _compare_with_one_rank(tmp_path, 2)
     assert not any(name.endswith("proj.weight") for shard in shards for name in shard)  # no float projections
     if method == "rtn-int4":  # at TP 4 a rank's o_proj input (one head, 16 columns) splits an int4 group
         with pytest.raises(BrrrError, match=r"attention output width \(16\) must be a multiple of the int4 group"):

@@ -250,3 +250,44 @@ def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
     if method == "rtn-int4":  # at TP 4 a rank's o_proj input (one head, 16 columns) splits an int4 group
         with pytest.raises(BrrrError, match=r"attention output width \(16\) must be a multiple of the int4 group"):
             LLM(str(tmp_path), tensor_parallel_size=4, **STRESS)
+
+
+def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference):
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "brrr", "serve", "--model", str(llama), "--port", str(port),
+                             "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--log-level", "warning", "--no-access-log"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "BRRR_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "brrr serve did not come up"
+            time.sleep(0.2)
+        prompt = _prompts()[0]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert len(got["logprobs"]["token_logprobs"]) == 6
+        want = [max(step.values()) for step in reference[1][0]]  # greedy: the chosen token's log-prob is the top one
+        assert all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(got["logprobs"]["token_logprobs"], want))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # the engine process and its worker stopped with it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

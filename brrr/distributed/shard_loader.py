@@ -28,7 +28,11 @@ def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Coll
     skip = shard_quantized(model, qc, files, part, comm, dtype, device) if qc else set()
     filled: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
+        except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
+            raise BrrrError(f"cannot read {file}: {e} (the file may be truncated or corrupt)") from None
+        with handle as f:
             for name in f.keys():
                 if name in skip:
                     continue
@@ -45,7 +49,7 @@ def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Coll
                     dim, start, stop = where
                     stop = max(start, min(stop, view.get_shape()[dim]))  # the vocabulary's padding rows stay zero
                     tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-                    if stop - start < target.shape[0]:
+                    if dim == 0 and stop - start < target.shape[0]:
                         target[stop - start:].zero_()
                 dest = target[: tensor.shape[0]] if where is not None and where[0] == 0 else target
                 if dest.shape != tensor.shape:

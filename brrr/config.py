@@ -278,6 +278,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # loaded adapters kept on the host (default: max_loras)
     # speculative decoding (docs/speculative.md): a SpeculativeConfig or its dict, vLLM's keys; None: off
     speculative_config: object = None
+    tensor_parallel_size: int = 1  # GPUs (CPU processes) the model is sharded over (brrr/distributed/)
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -288,7 +289,12 @@ class EngineConfig:
             elif not isinstance(self.speculative_config, SpeculativeConfig):
                 raise BrrrError("EngineConfig.speculative_config must be a dict or a SpeculativeConfig, got "
                                 f"{type(self.speculative_config).__name__}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
+        if (self.speculative_config is not None and self.speculative_config.method == "eagle"
+                and self.tensor_parallel_size > 1):
+            raise BrrrError("speculative_config.method 'eagle' reads the target's hidden states, which tensor "
+                            "parallelism does not gather: use 'ngram' or 'draft' with tensor_parallel_size > 1")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")

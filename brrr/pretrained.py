@@ -80,7 +80,12 @@ def load(model: str | Path | None = None, dtype=None, device: str | None = None)
     path = resolve_model(model)
     net = load_model(path, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(path)
-    eos = set(net.config.eos_token_ids)
+    return Pretrained(path, net, tokenizer, stop_token_ids(path, net.config, tokenizer))
+
+
+def stop_token_ids(path: Path, cfg, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The model's EOS ids: its config's, generation_config.json's and the tokenizer's."""
+    eos = set(cfg.eos_token_ids)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         try:
@@ -90,4 +95,4 @@ def load(model: str | Path | None = None, dtype=None, device: str | None = None)
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return Pretrained(path, net, tokenizer, tuple(sorted(eos)))
+    return tuple(sorted(eos))

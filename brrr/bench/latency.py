@@ -15,6 +15,8 @@ def register(bench_sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--peer", choices=["none", "transformers"], default="none")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="on CUDA (the record says what ran)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs (CPU processes), one rank each")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads on CPU (default: all cores but one, as brrr generate)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -90,12 +92,19 @@ def cmd_latency(args) -> int:
         threads = cpu_threads(args.cpu_threads)
         torch.set_num_threads(threads)
     # what runs, not what was asked: the runner captures graphs on CUDA only, and never for dynamic NTK RoPE
+    tp = args.tensor_parallel_size
     graphs = args.cuda_graphs == "on" and device.type == "cuda" and cfg.rope.type != "dynamic"
-    model = random_model(cfg, dtype, device)
     max_len = args.prompt_len + args.new_tokens
-    engine = LLMEngine(model, None, EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
-                                                 num_blocks=max(batches) * -(-max_len // 16) + 8,
-                                                 cuda_graphs=graphs, speculative_config=speculative))
+    config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
+                          num_blocks=max(batches) * -(-max_len // 16) + 8, cuda_graphs=graphs,
+                          speculative_config=speculative, tensor_parallel_size=tp)
+    if tp > 1:
+        from brrr.distributed.tp_runner import load_tensor_parallel
+
+        model, config = load_tensor_parallel(cfg, tp, dtype, device, config)  # random weights, each rank its shard
+    else:
+        model = random_model(cfg, dtype, device)
+    engine = LLMEngine(model, None, config)
     run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99,
               workload=args.workload)  # warm-up
     for batch in batches:
@@ -106,6 +115,7 @@ def cmd_latency(args) -> int:
         record = {"bench": "latency", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
                   "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": "on" if graphs else "off",
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                  "tensor_parallel_size": tp,
                   "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload}
         if speculative is not None:
             record.update(spec_record(speculative, before, engine.stats(), batch))
@@ -115,11 +125,13 @@ def cmd_latency(args) -> int:
             # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
             step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,
                                                str(dtype).removeprefix("torch.").replace("bfloat16", "bf16"))
-            roofline = batch * gpu.bandwidth / step_bytes
+            roofline = batch * gpu.bandwidth * tp / step_bytes  # each GPU reads its 1/tp of the bytes
             record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
                           roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))
         emit(record, args.out)
-    if args.peer == "transformers":
+    if tp > 1:
+        engine.runner.shutdown()
+    if args.peer == "transformers" and tp == 1:
         peer_transformers(model, cfg, batches, args, gpu)
     return 0
 

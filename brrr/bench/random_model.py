@@ -28,7 +28,14 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0):
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    gen = torch.Generator(device).manual_seed(seed)
+    return randomize(model, seed)
+
+
+@torch.no_grad()
+def randomize(model, seed: int = 0):
+    """Fill a model's parameters as transformers initializes a Llama (norms 1, biases 0); also a tensor-parallel
+    shard's, which each rank fills on its own device."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)

@@ -20,6 +20,8 @@ def register(bench_sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs, one rank each")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_throughput)
 
@@ -53,11 +55,17 @@ def cmd_throughput(args) -> int:
     dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
     short = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
     gpu = measure()
-    model = random_model(cfg, dtype, "cuda")
-    engine = LLMEngine(model, None, EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                                 max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 8,
-                                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                                 cuda_graphs=args.cuda_graphs == "on"))
+    tp = args.tensor_parallel_size
+    config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
+                          cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
+    if tp > 1:
+        from brrr.distributed.tp_runner import load_tensor_parallel
+
+        model, config = load_tensor_parallel(cfg, tp, dtype, torch.device("cuda"), config)  # each rank its shard
+    else:
+        model = random_model(cfg, dtype, "cuda")
+    engine = LLMEngine(model, None, config)
     # A rehearsal of the workload's shapes (long prompts, chunked prefill, sampled decodes) with its own random
     # stream: Triton compiles and autotunes a kernel the first time it meets a shape, seconds that would otherwise
     # land in the timed run.
@@ -81,11 +89,15 @@ def cmd_throughput(args) -> int:
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - start
-    model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule), len(schedule)
+    if tp > 1:
+        engine.runner.shutdown()
+    # each of the tp GPUs reads and computes 1/tp of a step (the all-reduces are not in the model: they are the gap)
+    model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule) / tp, len(schedule)
     out_tokens = engine.generation_tokens_total - generated0
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
-          "cuda_graphs": args.cuda_graphs, "num_requests": args.num_requests, "lengths": [args.min_len, args.max_len],
+          "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "num_requests": args.num_requests,
+          "lengths": [args.min_len, args.max_len],
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
           "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],
           "seconds": round(seconds, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / seconds, 1),

@@ -131,6 +131,9 @@ class EngineLoop:
                     self.outputs.send(("step", records, stats))
                     if self.trace is not None:
                         self.trace.append((start, stepped, time.perf_counter(), stats))
+                failure = getattr(self.engine.runner, "failure", None)  # tensor-parallel workers gone
+                if failure:  # the step's requests have their error; the server now reports the engine gone (503)
+                    raise BrrrError(failure)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             log.info("the server closed its end of the engine pipe; the engine stops")
         except BaseException as e:  # a bug: tell the server why before going away
@@ -192,13 +195,19 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
 
     from brrr.pretrained import load
 
-    pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
+    config = spec.config
+    if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+        from brrr.distributed.tp_runner import load_pretrained
+
+        pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
+    else:
+        pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
     from brrr.engine.llm_engine import LLMEngine
 
-    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, spec.config,
+    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
                                                pretrained.eos_token_ids)
 
 

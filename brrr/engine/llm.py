@@ -13,8 +13,14 @@ class LLM:
     def __init__(self, model=None, dtype="auto", device=None, **engine_args):
         from brrr.pretrained import load
 
-        self.pretrained = load(model, dtype=dtype, device=device)
-        self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, EngineConfig(**engine_args),
+        config = EngineConfig(**engine_args)
+        if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+            from brrr.distributed.tp_runner import load_pretrained
+
+            self.pretrained, config = load_pretrained(model, dtype, device, config)
+        else:
+            self.pretrained = load(model, dtype=dtype, device=device)
+        self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, config,
                                 self.pretrained.eos_token_ids)
         self._counter = 0
         if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):

@@ -135,8 +135,11 @@ class EngineCore:
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)
         self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
-            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                      ec.max_num_seqs, self.lora)
+            runner_class = ModelRunner
+            if ec.tensor_parallel_size > 1:  # rank 0 of a sharded model: the workers run each step beside it
+                from brrr.distributed.tp_runner import TensorParallelRunner as runner_class
+            self.runner = runner_class(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                       ec.max_num_seqs, self.lora)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         # a decode step launched, tokens unread: its PendingTokens, or a GuidedStep until a guided step samples

@@ -49,6 +49,8 @@ def register(sub) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many GPUs, one worker process each (vLLM's flag)")
     g.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -104,7 +106,8 @@ def cmd_serve(args) -> int:
                           kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
                           enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                          speculative_config=parse_speculative_config(args.speculative_config))
+                          speculative_config=parse_speculative_config(args.speculative_config),
+                          tensor_parallel_size=args.tensor_parallel_size)
     spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,
                       log_level=args.log_level)
     llm = _start_engine(spec, in_thread=args.engine_in_thread)

@@ -1,0 +1,62 @@
+"""One step of a tensor-parallel engine as every rank runs it: rank 0 (tp_runner.py) builds it from the scheduled
+batch and sends it; the workers (tp_worker.py) receive it; both run it over their own shard and KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from brrr.engine.model_runner import ModelRunner
+from brrr.engine.sampler import h2d
+from brrr.engine.staging import stage
+from brrr.kernels import AttnMeta
+from brrr.kernels.graph_inputs import stage_decode_inputs
+
+
+@dataclass
+class StepInputs:
+    """One step as every rank runs it: block copies, then the flattened batch, then the rows whose logits to read."""
+    copies: list
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seqlens: list[int]
+    context_lens: list[int]
+    tables: np.ndarray
+    rows: np.ndarray
+
+
+@dataclass
+class GraphInputs:
+    """A decode step replayed through the captured graph of `size` rows (`rows` of them real), as every rank
+    replays it: the static buffers' contents in `ModelRunner._replay`'s layout, and the longest context (which of
+    the size's graphs)."""
+    size: int
+    rows: int
+    width: int
+    host: np.ndarray
+    longest: int
+
+
+def replay_step(runner: ModelRunner, step: GraphInputs) -> torch.Tensor:
+    """Logits [rows, vocab] of a captured decode step (every rank replays it: the collectives inside pair up)."""
+    stage_decode_inputs(h2d(step.host, runner.device), step.size, step.rows, step.width, runner.g_ids,
+                        runner.g_pos, runner.g_slots, runner.g_ctx, runner.g_tables)
+    graph, logits, _ = runner.graph_for(step.size, step.longest)
+    graph.replay()
+    return logits[: step.rows]
+
+
+def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
+    """Logits of `step.rows` (every rank calls this with the same step: its collectives pair up)."""
+    runner._copy_blocks(step.copies)
+    cu = np.zeros(len(step.seqlens) + 1, dtype=np.int32)
+    np.cumsum(step.seqlens, out=cu[1:])
+    ids, positions, slots, cu_t, context, tables, rows = stage(
+        runner.device, step.ids, step.positions, step.slots, cu, np.array(step.context_lens, dtype=np.int32),
+        step.tables, step.rows)
+    meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=step.seqlens, context_lens=step.context_lens, slot_mapping=slots,
+                    block_tables=tables, kv_caches=runner.kv_caches, context_lens_t=context)
+    hidden = runner.model(ids, positions, meta)
+    return runner.model.compute_logits(hidden.index_select(0, rows))

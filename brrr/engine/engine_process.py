@@ -131,7 +131,7 @@ class EngineLoop:
                     self.outputs.send(("step", records, stats))
                     if self.trace is not None:
                         self.trace.append((start, stepped, time.perf_counter(), stats))
-                failure = getattr(self.engine.runner, "failure", None)  # tensor-parallel workers gone
+                failure = self.engine.runner.failure  # tensor-parallel workers gone
                 if failure:  # the step's requests have their error; the server now reports the engine gone (503)
                     raise BrrrError(failure)
         except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -39,6 +39,10 @@ def _cuda_capture(step, pool):
 
 
 class ModelRunner:
+    # Why the runner can take no more steps (a tensor-parallel worker died), or None. The engine process's loop
+    # stops on it, so the server's /health answers 503.
+    failure: str | None = None
+
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None):
         """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot."""

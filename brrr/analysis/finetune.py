@@ -16,7 +16,10 @@ from brrr.analysis.train import activation_bytes_per_token_per_layer
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# NF4's blocks (brrr/quant/formats.py stores with these): one absmax per NF4_BLOCK weights, one fp32 scale per
+# NF4_SCALE_BLOCK int8 absmaxes. Here, torch-free, so calc reads them without importing the format code.
+NF4_BLOCK, NF4_SCALE_BLOCK = 64, 256
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALE_BLOCK)
 ADAPTER_BYTES_PER_PARAM = 16
 LOSS_CHUNK = 256
 # bytes per token per vocabulary entry while a logits chunk is differentiated: bf16 logits, their fp32 copy, the

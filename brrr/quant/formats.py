@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from brrr.analysis.finetune import NF4_BLOCK, NF4_SCALE_BLOCK
 from brrr.errors import BrrrError
 from brrr.kernels.quant.layouts import int4_params, int4_round
 
 GROUP_SIZES = (32, 64, 128)
 NF4_LEVELS = torch.tensor([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
                            0.0795803, 0.1609302, 0.2461123, 0.3379152, 0.4407098, 0.5626170, 0.7229568, 1.0])
-NF4_BLOCK, NF4_SCALE_BLOCK = 64, 256
 FP8_MAX = 448.0
 
 

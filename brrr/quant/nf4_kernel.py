@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.dispatch import use_triton
-from brrr.quant.formats import NF4_BLOCK, NF4_SCALE_BLOCK, _nf4_levels, dequantize_nf4
+from brrr.analysis.finetune import NF4_BLOCK, NF4_SCALE_BLOCK
+from brrr.quant.formats import _nf4_levels, dequantize_nf4
 
 try:
     import triton

@@ -29,12 +29,11 @@ from brrr.analysis.spec_decode import eagle_training_flops_per_token
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint
-from brrr.pretrained import check_device
 from brrr.train import checkpoint
 from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, make_optimizer, one_process_layout,
-                                peak_flops)
+                                peak_flops, training_device)
 
 CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
 ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
@@ -122,12 +121,7 @@ class DraftTrainer(Trainer):
             raise BrrrError(f"--target {target_dir}: not a model directory (no config.json)")
         self.data = TokenData(cfg.data)
         _check_tokenizer(target_dir, self.data)
-        self.device = check_device(cfg.device) if cfg.device else \
-            torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
+        self.device = training_device(cfg.device)
         self.autocast = autocast_for(self.device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.target = load_model(target_dir, dtype=dtype, device=self.device)

@@ -25,11 +25,10 @@ from brrr.analysis.finetune import LOSS_CHUNK, finetune_memory, lora_training_fl
 from brrr.errors import BrrrError
 from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_state, trainable_parameters
-from brrr.pretrained import check_device
 from brrr.train import checkpoint
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
 from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
-                                make_optimizer, one_process_layout, peak_flops)
+                                make_optimizer, one_process_layout, peak_flops, training_device)
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -170,11 +169,7 @@ class Finetuner(Trainer):
         if self.ckpt_path.exists() and not cfg.resume:
             raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
                             "or choose another --out")
-        self.device = check_device(cfg.device)
-        if self.device.type == "cuda":
-            if self.device.index is None:  # indexed: the loss and the memory readings key by it
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
+        self.device = training_device(cfg.device)
         self.autocast = autocast_for(self.device)
         self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
         dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,

@@ -156,6 +156,20 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device) -> torch.optim.Ad
                              fused=torch.device(device).type == "cuda")
 
 
+def training_device(spec: str | None, local_rank: int = 0) -> torch.device:
+    """The device a training process runs on, made current: --device (a bare "cuda" is this rank's GPU), else
+    this rank's GPU when there is one, else the CPU. Indexed, since the loss and the memory readings key by it."""
+    if spec:
+        device = check_device(spec)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def one_process_layout(micro_batch: int, seq_len: int, model_cfg, device) -> Parallel:
     """The layout of a run that is one process by construction (brrr finetune, brrr train-draft): the trainer's
     loop steps through it as through any other."""
@@ -239,16 +253,7 @@ class Trainer:
         self.out = Path(cfg.out)
         self.data = TokenData(cfg.data)
         self.model_cfg = resolve_config(cfg.model, self.data.vocab_size, self.data.special_tokens, cfg.seq_len)
-        if cfg.device:
-            self.device = check_device(cfg.device)
-            if self.device.type == "cuda" and self.device.index is None:  # "cuda": this rank's GPU
-                self.device = torch.device("cuda", self.dist.local_rank)
-        elif torch.cuda.is_available():
-            self.device = torch.device("cuda", self.dist.local_rank)
-        else:
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = training_device(cfg.device, self.dist.local_rank)
         self.parallel = Parallel(cfg, self.model_cfg, self.device)  # torchrun's ranks -> a DeviceMesh
         self.checkpoints = Checkpointer(self.out, self.parallel.distributed, self.dist.main, cfg.async_checkpoint)
         self.ckpt_path = self.checkpoints.path

@@ -76,7 +76,9 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     return model
 
 
-def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
+def checkpoint_entries(model, file: Path, skip=frozenset()):
+    """(name, the parameter it fills, the open file) for each tensor of the safetensors `file` that goes into
+    `model` (memory-mapped; derived and tied tensors skipped). Errors name the file and the tensor."""
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
     except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
@@ -89,17 +91,21 @@ def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
                 target = model.checkpoint_target(name)
             except AttributeError:
                 raise BrrrError(f"{file}: tensor {name!r} does not belong to a {model.config.architecture}") from None
-            if target is None:
-                continue
-            try:
-                tensor = f.get_tensor(name)
-            except Exception as e:
-                raise BrrrError(f"{file}: cannot read tensor {name!r}: {e}") from None
-            if target.shape != tensor.shape:
-                raise BrrrError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                f"the config implies {tuple(target.shape)}")
-            target.data.copy_(tensor)
-            filled.add(name)
+            if target is not None:
+                yield name, target, f
+
+
+def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
+    for name, target, f in checkpoint_entries(model, file, skip):
+        try:
+            tensor = f.get_tensor(name)
+        except Exception as e:
+            raise BrrrError(f"{file}: cannot read tensor {name!r}: {e}") from None
+        if target.shape != tensor.shape:
+            raise BrrrError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"the config implies {tuple(target.shape)}")
+        target.data.copy_(tensor)
+        filled.add(name)
 
 
 def save_model(model, out_dir: str | Path, dtype: torch.dtype | None = None):

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from brrr.distributed.quant_sharding import shard_quantized
 from brrr.distributed.sharding import Collectives, Partition, build_shard
 from brrr.errors import BrrrError
+from brrr.loader import checkpoint_entries
 from brrr.quant.checkpoint import quantization_config
 
 
@@ -28,35 +28,22 @@ def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Coll
     skip = shard_quantized(model, qc, files, part, comm, dtype, device) if qc else set()
     filled: set[str] = set()
     for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")  # memory-mapped
-        except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers
-            raise BrrrError(f"cannot read {file}: {e} (the file may be truncated or corrupt)") from None
-        with handle as f:
-            for name in f.keys():
-                if name in skip:
-                    continue
-                try:
-                    target = model.checkpoint_target(name)
-                except AttributeError:
-                    raise BrrrError(f"{file}: tensor {name!r} does not belong to a {part.cfg.architecture}") from None
-                if target is None:
-                    continue
-                where, view = part.slice_of(name), f.get_slice(name)
-                if where is None:
-                    tensor = view[:]
-                else:
-                    dim, start, stop = where
-                    stop = max(start, min(stop, view.get_shape()[dim]))  # the vocabulary's padding rows stay zero
-                    tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-                    if dim == 0 and stop - start < target.shape[0]:
-                        target[stop - start:].zero_()
-                dest = target[: tensor.shape[0]] if where is not None and where[0] == 0 else target
-                if dest.shape != tensor.shape:
-                    raise BrrrError(f"{file}: tensor {name!r} slice has shape {tuple(tensor.shape)}, rank "
-                                    f"{part.rank} of {part.world} expects {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                filled.add(name)
+        for name, target, f in checkpoint_entries(model, file, skip):
+            where, view = part.slice_of(name), f.get_slice(name)
+            if where is None:
+                tensor = view[:]
+            else:
+                dim, start, stop = where
+                stop = max(start, min(stop, view.get_shape()[dim]))  # the vocabulary's padding rows stay zero
+                tensor = view[start:stop] if dim == 0 else view[:, start:stop]
+                if dim == 0 and stop - start < target.shape[0]:
+                    target[stop - start:].zero_()
+            dest = target[: tensor.shape[0]] if where is not None and where[0] == 0 else target
+            if dest.shape != tensor.shape:
+                raise BrrrError(f"{file}: tensor {name!r} slice has shape {tuple(tensor.shape)}, rank "
+                                f"{part.rank} of {part.world} expects {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled.add(name)
     missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
     if missing:
         raise BrrrError(f"checkpoint in {path} is missing tensors: {', '.join(missing[:5])}")

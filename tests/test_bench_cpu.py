@@ -39,6 +39,8 @@ def test_bench_guided_splits_out_the_guided_paths_work(capsys):
     """`brrr bench guided` on the default model: step times for both kinds and, for the guided one, its parts."""
     assert main(["bench", "guided", "--batch", "2", "--steps", "4", "--rounds", "1", "--cpu-threads", "1"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["guided"] for r in records] == [False, True]
-    assert all(r["step_ms"] > 0 and r["steps_measured"] > 0 for r in records)
-    assert all(records[1][k] > 0 for k in ("mask_fill_ms", "mask_apply_ms", "advance_ms"))
+    timed, parts, summary = records[:2], records[2], records[3]
+    assert [r["guided"] for r in timed] == [False, True]
+    assert all(r["step_ms"] > 0 and r["steps_measured"] > 0 and "mask_fill_ms" not in r for r in timed)
+    assert parts["steps"] > 0 and all(parts[k] > 0 for k in ("mask_fill_ms", "mask_apply_ms", "advance_ms"))
+    assert summary["guided_vs_unguided_throughput"] == round(timed[0]["step_ms"] / timed[1]["step_ms"], 3)

@@ -1,7 +1,8 @@
 """`brrr bench guided`: what grammar-guided decoding adds to a decode step. B json_schema requests against the same
-B requests unguided, interleaved rounds, the per-step wall time over steps where all B rows decode; on every fourth
-guided step (not timed), cProfile, from the outside, splits out the host's mask fill (the part on the engine's
-thread: the fill itself runs on the mask thread, overlapped), the mask's application and the matchers' advance."""
+B requests unguided, interleaved rounds, the per-step wall time over steps where all B rows decode. A last guided
+round, not timed, wraps the three guided parts in clocks to split them out per step: the mask fill (on the engine's
+mask thread, overlapped with the forward), the mask's application and the matchers' advance. (A profiler such as
+cProfile slows the host enough to stall the pipeline, and the step it times is then not the step a server runs.)"""
 from __future__ import annotations
 
 import statistics
@@ -21,7 +22,11 @@ _ITEM = {"type": "object", "properties": {
               "required": ["name", "zip"], "additionalProperties": False}},
     "required": ["id", "kind", "score", "tags", "owner"], "additionalProperties": False}
 _SCHEMA = {"type": "array", "items": _ITEM, "minItems": 40}
-_PARTS = {"mask_fill_ms": "fill_bitmask", "mask_apply_ms": "apply_token_bitmask", "advance_ms": "accept"}
+# each part: where the engine calls its function from, (module, attribute) (the fill: the mask thread of a pipelined
+# step, or the sampler of a step that fills its own masks)
+_PARTS = {"mask_fill_ms": [("brrr.engine.llm_engine", "fill_bitmask"), ("brrr.engine.sampler", "fill_bitmask")],
+          "mask_apply_ms": [("brrr.engine.sampler", "apply_token_bitmask")],
+          "advance_ms": [("brrr.engine.guided.backend", "GuidedMatcher.accept")]}
 
 
 def register(bench_sub) -> None:
@@ -39,44 +44,58 @@ def register(bench_sub) -> None:
 
 
 def _run(engine, batch: int, steps: int, guided: bool) -> dict:
-    import cProfile
-    import pstats
-
     from brrr.engine import SamplingParams, StructuredOutputsParams
 
     spec = StructuredOutputsParams(json=_SCHEMA) if guided else None
     for i in range(batch):
         engine.add_request(str(i), "def main(", SamplingParams(max_tokens=steps + 4, seed=i, ignore_eos=True,
                                                                structured_outputs=spec), stream=False)
-    # Guided runs profile every fourth full step; that step and the next (which may wait on the work the profiler
-    # slowed) are not timed. No synchronization here: decode steps are pipelined (each step() returns once the
-    # previous step's tokens are read), and a wait for an idle GPU after every step would time the pipeline's
-    # drain and refill instead of the steady state a server sees.
-    times, profile, profiled, full_steps, after_profile = [], cProfile.Profile(), 0, 0, False
+    # No synchronization here: decode steps are pipelined (each step() returns once the previous step's tokens are
+    # read), and a wait for an idle GPU after every step would time the pipeline's drain and refill instead of the
+    # steady state a server sees.
+    times = []
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
         full = len(running) == batch and all(s.num_uncomputed == 1 for s in running)
-        profiling = full and guided and full_steps % 4 == 3
-        full_steps += full
-        if profiling:
-            profile.enable()
         start = time.perf_counter()
         engine.step()
-        if profiling:
-            profile.disable()
-            profiled += 1
-        elif full and not after_profile:
+        if full:
             times.append(time.perf_counter() - start)
-        after_profile = profiling
-    record = {"guided": guided, "batch": batch, "steps_measured": len(times),
-              "step_ms": round(statistics.median(times) * 1e3, 3) if times else 0.0}
-    if profiled:  # cumulative time of each part's function, per profiled step
-        stats = pstats.Stats(profile).stats
-        for key, name in _PARTS.items():
-            total = sum(v[3] for (_, _, fn), v in stats.items() if fn == name)
-            record[key] = round(total / profiled * 1e3, 3)
-    record["tok_s"] = round(batch / (record["step_ms"] / 1e3), 1) if times else 0.0
-    return record
+    step_ms = statistics.median(times) * 1e3 if times else 0.0
+    return {"guided": guided, "batch": batch, "steps_measured": len(times), "step_ms": round(step_ms, 3),
+            "tok_s": round(batch / (step_ms / 1e3), 1) if times else 0.0}
+
+
+def _parts(engine, batch: int, steps: int) -> dict:
+    """A guided round with each part's function wrapped in a clock: its total time over the round per step where all
+    rows decode."""
+    import importlib
+
+    spent = dict.fromkeys(_PARTS, 0.0)
+    originals = []
+    for key, places in _PARTS.items():
+        for module, attr in places:
+            owner = importlib.import_module(module)
+            if "." in attr:
+                cls, attr = attr.split(".")
+                owner = getattr(owner, cls)
+            fn = getattr(owner, attr)
+
+            def timed(*a, _fn=fn, _key=key, **kw):
+                start = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    spent[_key] += time.perf_counter() - start  # float += under the GIL: safe across threads
+
+            originals.append((owner, attr, fn))
+            setattr(owner, attr, timed)
+    try:
+        n = max(1, _run(engine, batch, steps, True)["steps_measured"])
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    return {"guided": True, "batch": batch, "steps": n, **{k: round(v / n * 1e3, 3) for k, v in spent.items()}}
 
 
 def _preset(args):
@@ -134,6 +153,13 @@ def cmd_guided(args) -> int:
         emit(rec, args.out)
     plain = statistics.median(r["step_ms"] for r in records if not r["guided"])
     guided = statistics.median(r["step_ms"] for r in records if r["guided"])
-    print(f"decode step, median over rounds: guided {guided:.3f} ms vs unguided {plain:.3f} ms "
-          f"({(guided / plain - 1) * 100:+.1f}%)")
+    parts = _parts(engine, args.batch, args.steps)
+    parts.update(device=str(device), threads=torch.get_num_threads())
+    emit(parts, args.out)
+    summary = {"summary": "guided", "batch": args.batch, "guided_step_ms": guided, "unguided_step_ms": plain,
+               "guided_vs_unguided_throughput": round(plain / guided, 3), "device": str(device)}
+    emit(summary, args.out)
+    print(f"decode step, median over rounds: guided {guided:.3f} ms vs unguided {plain:.3f} ms: guided throughput "
+          f"{plain / guided:.2f}x unguided; per guided step (a clocked round): mask fill {parts['mask_fill_ms']} ms "
+          f"(mask thread), apply {parts['mask_apply_ms']} ms, advance {parts['advance_ms']} ms")
     return 0

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 from brrr.analysis.finetune import LOSS_CHUNK, finetune_memory, lora_training_flops_per_token
 from brrr.errors import BrrrError
 from brrr.lora import LoraConfig, load_adapter, save_adapter
-from brrr.lora.layers import apply_lora, load_lora_state, lora_state, trainable_parameters
+from brrr.lora.layers import apply_lora, load_lora_state, lora_modules, lora_state, trainable_parameters
 from brrr.train import checkpoint
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
 from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
@@ -190,16 +190,18 @@ class Finetuner(Trainer):
         self.model_cfg = self.model.config
         # the trainer's loop runs its steps through a layout: here always one process (no torchrun for finetune yet)
         self.parallel = one_process_layout(cfg.micro_batch, cfg.seq_len, self.model_cfg, self.device)
-        if self.device.type == "cuda":  # brrr calc train --lora-r's prediction, logged beside the measured peak
-            predicted = finetune_memory(self.model_cfg, cfg.lora_r, cfg.target_modules, cfg.qlora, cfg.use_dora,
-                                        cfg.lora_dropout > 0, cfg.micro_batch, cfg.seq_len,
-                                        cfg.activation_checkpointing)
-            self.calc_memory = {"bytes": predicted["total"], "zero": 0}
         torch.manual_seed(cfg.seed)
         if adapter:
             load_lora_state(self.model, adapter)
         else:
             apply_lora(self.model, self.lora)
+        # brrr calc train --lora-r's prediction for the projections actually adapted (an --adapter's targets may be
+        # a PEFT regex), logged beside the measured peak on CUDA
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(self.model)})
+        predicted = finetune_memory(self.model_cfg, self.lora.r, kinds, cfg.qlora, self.lora.use_dora,
+                                    self.lora.lora_dropout > 0, cfg.micro_batch, cfg.seq_len,
+                                    cfg.activation_checkpointing)
+        self.calc_memory = {"bytes": predicted["total"], "zero": 0} if self.device.type == "cuda" else None
         self.windows = SFTBatches(self.train_rows, cfg.micro_batch, cfg.seed)
         self.trainable = TrainableState(self.model)
         self.params = list(self.trainable.params.values())

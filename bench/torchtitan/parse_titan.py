@@ -85,7 +85,7 @@ def main(argv=None):
     console = console_steps(log_text)
     version = re.search(r"torchtitan version: (\S+)", log_text)
     peak_line = re.search(r"Peak FLOPS used for computing MFU: ([\d.e+]+)", log_text)
-    gpu_line = re.search(r"CUDA capacity: (.+?) with", log_text)
+    gpu_line = re.search(r"[A-Z]+ capacity: (.+?) with [\d.]+GiB memory", log_text)
     record = {"peer": "torchtitan", "version": version.group(1) if version else None, "model": args.model,
               "titan_flavor": args.flavor, "nproc": args.nproc, "layout": f"FSDP2 x {args.nproc}" if args.nproc > 1
               else "one process (bf16 autocast)", "seq_len": args.seq_len, "local_batch": args.local_batch,

@@ -128,6 +128,9 @@ def cmd_latency(args) -> int:
             roofline = batch * gpu.bandwidth * tp / step_bytes  # each GPU reads its 1/tp of the bytes
             record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
                           roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))
+            if tp > 1:  # a decode step all-reduces twice per layer (attention's o_proj, the MLP's down_proj)
+                one = engine.runner.time_all_reduce(batch)
+                record.update(all_reduce_us=round(one, 2), all_reduce_us_per_layer=round(2 * one, 2))
         emit(record, args.out)
     if tp > 1:
         engine.runner.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -119,6 +120,21 @@ class Collectives:
         self.group.allreduce([t]).wait()
         return t
 
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`t` as rank `src` holds it, on every rank (in place)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.group.broadcast([t], opts).wait()
+        return t
+
+    def close(self, clean: bool = True) -> None:
+        """Release the group. clean: every rank is closing after its last collective (NCCL flushes, then
+        destroys); else a peer is gone, and its communicators are aborted instead of waiting on it."""
+        try:
+            self.group.shutdown() if clean else self.group.abort()
+        except Exception:  # already torn down, or a backend without the call: exiting releases it
+            pass
+
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` side by side along the last dimension, in rank order."""
         t = t.contiguous()
@@ -188,5 +204,5 @@ def build_shard(part: Partition, comm: Collectives, dtype: torch.dtype, device: 
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; both hold the same vocabulary rows
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.full_config = cfg
+    model.full_config, model.tp_comm = cfg, comm
     return model

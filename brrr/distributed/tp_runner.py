@@ -9,13 +9,14 @@ gathers the logits, and rank 0 samples them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from brrr.config import EngineConfig, ModelConfig
-from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, replay_step
+from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, replay_step, time_all_reduce
 from brrr.engine.model_runner import ModelRunner
 from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
@@ -25,8 +26,9 @@ from brrr.errors import BrrrError
 class TensorParallelRunner(ModelRunner):
     """The ModelRunner of rank 0: the same KV cache and step, with the workers running each step beside it. On
     CUDA every rank captures the decode graphs with the NCCL collectives inside, and a decode step replays them on
-    every rank. Each step's inputs come from the host (the workers have not seen the sampled tokens), so the
-    engine never takes the launch-ahead decode path (`can_launch` is False)."""
+    every rank. Steady decoding launches ahead as on one GPU: the step's positions, slots and block tables go to the
+    workers from the host, and its input ids, the tokens rank 0 has just sampled on its GPU, are broadcast to them
+    on the GPU before the graph (the host never waits for them)."""
 
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora=None):
@@ -55,9 +57,6 @@ class TensorParallelRunner(ModelRunner):
         on it, so the server's /health reports 503."""
         return self.workers.down
 
-    def can_launch(self, batch: ScheduledBatch) -> bool:
-        return False
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]], logit_rows: list[int] = (),
                 want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, None]:
@@ -66,8 +65,8 @@ class TensorParallelRunner(ModelRunner):
         if want_hidden:
             raise BrrrError("hidden states are not gathered across tensor-parallel ranks (EAGLE needs them)")
         rows = [r for r, _ in sample_rows]
-        if not logit_rows and super().can_launch(batch):
-            logits = self._replay_step(self._graph_inputs(batch))
+        if not logit_rows and self.can_launch(batch):
+            logits = self._replay(batch)
             if rows != list(range(len(batch.items))):
                 logits = logits.index_select(0, h2d(rows, self.device, torch.long))
             return sample(logits, [row for _, row in sample_rows]), None, None
@@ -81,25 +80,40 @@ class TensorParallelRunner(ModelRunner):
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
         return result, extra, None
 
-    def _graph_inputs(self, batch: ScheduledBatch) -> GraphInputs:
-        """The decode step's static-buffer contents, laid out as `ModelRunner._replay` stages them."""
+    def _graph_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> GraphInputs:
+        """The decode step's static-buffer contents, laid out as `ModelRunner._replay` stages them. ahead: each
+        sequence is one token further than the host has recorded, and its id is not known here (ids 0)."""
         b = len(batch.items)
         g = next(size for size in sorted(self.graphs) if size >= b)
-        ids, positions, slots, _, context_lens, tables = self._flatten(batch)
+        ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ahead)
         host = np.zeros((4, g), dtype=np.int64)
-        host[0, :b] = ids
+        host[0, :b] = 0 if ahead else ids
         host[1:, :b] = positions, slots, context_lens
         host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1  # padded rows: the spare block, 1 token
-        return GraphInputs(g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens))
+        return GraphInputs(g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens),
+                           ahead)
 
-    def _replay_step(self, step: GraphInputs) -> torch.Tensor:
-        return self._run("replay", step, replay_step)
+    def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """ModelRunner._replay on every rank (the launch-ahead path's forward included)."""
+        step = self._graph_inputs(batch, ahead=ids_from is not None)
+        return self._run("replay", step, functools.partial(replay_step, ids_from=ids_from))
 
     def _run(self, kind: str, step, run) -> torch.Tensor:
         """Send the step to the workers, run it here; a broken collective takes the group down."""
         self.workers.send_all((kind, step))
+        return self._run_local(run, step)
+
+    def time_all_reduce(self, rows: int, iters: int = 200) -> float:
+        """Microseconds per NCCL all-reduce of [rows, hidden] inside a CUDA graph (rank 0's clock; CUDA only)."""
+        self.workers.send_all(("time_all_reduce", (rows, iters)))
+        mine = self._run_local(time_all_reduce, rows, iters)
+        for rank in range(1, self.workers.world):
+            self.workers.receive(rank, "all_reduce_us", 60)
+        return mine
+
+    def _run_local(self, fn, *args):
         try:
-            return run(self, step)
+            return fn(self, *args)
         except Exception as e:  # a collective broke: a peer died or timed out
             self.workers.fail(f"a tensor-parallel collective failed ({type(e).__name__}: {e})")
             raise BrrrError(self.workers.down) from None

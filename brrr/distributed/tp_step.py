@@ -37,12 +37,17 @@ class GraphInputs:
     width: int
     host: np.ndarray
     longest: int
+    ahead: bool = False  # launched before the host read the previous step: the ids are on rank 0's GPU only
 
 
-def replay_step(runner: ModelRunner, step: GraphInputs) -> torch.Tensor:
-    """Logits [rows, vocab] of a captured decode step (every rank replays it: the collectives inside pair up)."""
+def replay_step(runner: ModelRunner, step: GraphInputs, ids_from=None) -> torch.Tensor:
+    """Logits [rows, vocab] of a captured decode step (every rank replays it: the collectives inside pair up).
+    ids_from (rank 0, a step launched ahead): the device tokens and rows its ids are gathered from, as in
+    `ModelRunner._replay`; rank 0 then broadcasts them to the workers, on the GPU, ahead of the graph."""
     stage_decode_inputs(h2d(step.host, runner.device), step.size, step.rows, step.width, runner.g_ids,
-                        runner.g_pos, runner.g_slots, runner.g_ctx, runner.g_tables)
+                        runner.g_pos, runner.g_slots, runner.g_ctx, runner.g_tables, ids_from)
+    if step.ahead:
+        runner.model.tp_comm.broadcast(runner.g_ids[: step.size], src=0)
     graph, logits, _ = runner.graph_for(step.size, step.longest)
     graph.replay()
     return logits[: step.rows]
@@ -60,3 +65,24 @@ def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
                     block_tables=tables, kv_caches=runner.kv_caches, context_lens_t=context)
     hidden = runner.model(ids, positions, meta)
     return runner.model.compute_logits(hidden.index_select(0, rows))
+
+
+def time_all_reduce(runner: ModelRunner, rows: int, iters: int) -> float:
+    """Microseconds per all-reduce of a decode step's activations [rows, hidden], measured as the decode graphs run
+    them: `iters` of them captured back to back in one CUDA graph on every rank (every rank calls this together)."""
+    comm, model = runner.model.tp_comm, runner.model
+    x = torch.zeros(rows, model.full_config.hidden_size, dtype=next(model.parameters()).dtype, device=runner.device)
+    for _ in range(3):  # NCCL sets up its buffers for this size outside the capture
+        comm.all_reduce(x)
+    torch.cuda.synchronize(runner.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            comm.all_reduce(x)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters

@@ -76,7 +76,7 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
     from brrr.config import EngineConfig
     from brrr.distributed.shard_loader import load_shard
     from brrr.distributed.sharding import Partition
-    from brrr.distributed.tp_step import forward_step, replay_step
+    from brrr.distributed.tp_step import forward_step, replay_step, time_all_reduce
     from brrr.engine.model_runner import ModelRunner
     from brrr.models.serving import prepare_for_serving
 
@@ -93,7 +93,8 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
     runner = None
     while True:
         kind, payload = conn.recv()
-        if kind == "stop":
+        if kind == "stop":  # rank 0 closes its end of the group at the same time
+            comm.close()
             return
         if kind == "step":
             with torch.inference_mode():
@@ -108,6 +109,8 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
             runner = ModelRunner(model, block_size, num_blocks, cuda_graphs=False)
         elif kind == "profile":  # the same forward rank 0 profiles with: its collectives need every rank
             conn.send(("blocks", ModelRunner.profile_num_blocks(model, *payload)))
+        elif kind == "time_all_reduce":
+            conn.send(("all_reduce_us", time_all_reduce(runner, *payload)))
         elif kind == "shards":
             conn.send(("shards", {n: (tuple(p.shape), p.nbytes) for n, p in model.named_parameters()}))
 
@@ -131,7 +134,9 @@ class WorkerGroup:
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        # rank 0's Collectives once connected, and whether the group ends cleanly (every rank closing together)
+        self._group = {"comm": None, "clean": True}
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._group)
 
     def wait_ready(self) -> None:
         for rank in range(1, self.world):
@@ -155,6 +160,7 @@ class WorkerGroup:
             self.check_alive()
         if "error" in done:
             raise done["error"]
+        self._group["comm"] = done["comm"]
         return done["comm"]
 
     def check_alive(self) -> None:
@@ -172,6 +178,7 @@ class WorkerGroup:
         any); the other workers are stopped."""
         if self.down is None:
             self.down = f"{reason}{self._worker_error()}; the engine is down (restart it)"
+            self._group["clean"] = False
             self.shutdown()
 
     def _worker_error(self) -> str:
@@ -223,12 +230,20 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(procs, conns) -> None:
+def _stop(procs, conns, group: dict) -> None:
+    """Stop the workers, and release rank 0's end of the group. Left to process exit, NCCL's teardown of a group
+    whose peers are gone can wait on them for minutes; so every rank closes it explicitly, together when the
+    engine stops normally (a worker closes on "stop"), or aborting it when a peer has failed."""
     for conn in conns:
         try:
             conn.send(("stop", None))
         except OSError:
             pass
+    if group["comm"] is not None:
+        closing = threading.Thread(target=group["comm"].close, args=(group["clean"],), daemon=True)
+        closing.start()
+        closing.join(30)  # a peer that never closes its end: give up waiting, exit anyway
+        group["comm"] = None
     for proc in procs:
         proc.join(5)
         if proc.is_alive():  # blocked in a collective with a dead peer

@@ -111,13 +111,20 @@ def test_decode_graphs_replay_on_every_rank(tp2, reference):
     runner = tp2.engine.runner
     runner.capture_cuda_graphs(8, 64, capture=eager_capture)
     assert sorted(runner.graphs) == [1, 2, 4, 8]
-    replays, real = [], runner._replay_step
-    runner._replay_step = lambda step: replays.append(step.rows) or real(step)
+    replays, real = [], runner._replay
+    runner._replay = lambda batch, ids_from=None: replays.append((len(batch.items), ids_from is not None)) or real(
+        batch, ids_from)
     try:
         tokens, logprobs = _run(tp2)
+        # without logprobs (read on the host) steady decoding launches ahead: ids broadcast from rank 0's tokens
+        plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        ahead_tokens = [o.outputs[0].token_ids for o in tp2.generate(_prompts(), plain, use_tqdm=False)]
     finally:
-        del runner._replay_step
-    assert len(replays) > 10 and max(replays) > 1  # decode steps of several rows went through the graphs
+        del runner._replay
+    assert ahead_tokens == reference[0]
+    assert len(replays) > 10 and max(rows for rows, _ in replays) > 1  # decode steps of several rows: graphs
+    # steps launched ahead (their ids broadcast from rank 0's sampled tokens) and steps staged from the host
+    assert {ahead for _, ahead in replays} == {True, False}
     assert tokens == reference[0] and _close(logprobs, reference[1])
 
 

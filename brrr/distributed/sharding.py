@@ -130,10 +130,14 @@ class Collectives:
     def close(self, clean: bool = True) -> None:
         """Release the group. clean: every rank is closing after its last collective (NCCL flushes, then
         destroys); else a peer is gone, and its communicators are aborted instead of waiting on it."""
+        group, self.group = self.group, None
+        if group is None:
+            return
         try:
-            self.group.shutdown() if clean else self.group.abort()
-        except Exception:  # already torn down, or a backend without the call: exiting releases it
+            group.shutdown() if clean else group.abort()
+        except Exception:  # already torn down, or a backend without the call
             pass
+        del group  # destroyed here, not during interpreter exit, where NCCL's threads outlive what they use
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` side by side along the last dimension, in rank order."""

@@ -131,7 +131,7 @@ class WorkerGroup:
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, stop_processes, self.procs, self.conns)
 
     def wait_ready(self) -> None:
         for rank in range(1, self.world):
@@ -223,7 +223,8 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(procs, conns) -> None:
+def stop_processes(procs, conns) -> None:
+    """Tell each process to stop, join it, terminate (then kill) one that does not stop within 5 s."""
     for conn in conns:
         try:
             conn.send(("stop", None))

@@ -551,6 +551,7 @@ class EngineCore:
 
 class LLMEngine(EngineCore):
     """The engine core and the output processor in one process: `step()` gives `RequestOutput`s."""
+    core = EngineCore  # the class whose step/enqueue/abort give the core's records (what the engine loop calls)
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_token_ids=()):
         super().__init__(model, tokenizer, config, eos_token_ids)

@@ -81,9 +81,11 @@ def parse_disaggregate(value) -> Disaggregation | None:
 
 def check_combination(config) -> None:
     """The EngineConfig options disaggregation does not support, refused naming both flags."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     for field, flag, why in UNSUPPORTED:
-        value = getattr(config, field)
-        if value not in (None, False, 1):
+        if getattr(config, field) != defaults[field]:
             raise BrrrError(f"{FLAG} cannot be combined with {flag}: {why}")
 
 

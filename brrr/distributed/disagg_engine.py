@@ -81,7 +81,8 @@ class DisaggEngineCore(EngineCore):
         if request.params.n > 1:
             return None
         blocks = self.block_manager.blocks_for(len(request.prompt_token_ids))
-        fits = [i for i in self.instances.alive() if blocks <= i.num_blocks]
+        # an instance that exited while this engine idled is dropped at the next poll: route around it already
+        fits = [i for i in self.instances.alive() if blocks <= i.num_blocks and i.proc.exitcode is None]
         return min(fits, key=lambda i: i.outstanding) if fits else None
 
     def abort(self, request_id: str, index: int | None = None) -> bool:

@@ -47,13 +47,17 @@ def scatter_blocks(kv_caches, block_ids: list[int], buf: torch.Tensor) -> None:
 def send_kv(group, buf: torch.Tensor) -> None:
     """Send one transfer to the decode instance; returns once it is delivered (or raises after the timeout)."""
     group.send([buf], DECODE_RANK, 0).wait(TIMEOUT)
+    if buf.is_cuda:  # delivered, not only queued, before the caller frees the blocks
+        torch.cuda.current_stream(buf.device).synchronize()
 
 
 def receive_kv(group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Receive one transfer from the prefill instance; raises if it breaks (gloo: the peer's socket closed) or takes
-    longer than the timeout. On CUDA, waiting with a timeout blocks until the data is in place."""
+    longer than the timeout."""
     buf = torch.empty(shape, dtype=dtype, device=device)
     group.recv([buf], PREFILL_RANK, 0).wait(TIMEOUT)
+    if buf.is_cuda:  # in place before the engine's thread scatters it (on its own stream)
+        torch.cuda.current_stream(buf.device).synchronize()
     return buf
 
 

@@ -130,6 +130,8 @@ def cmd_serve(args) -> int:
                          enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=lora_modules)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
+        if config.disaggregate is not None:
+            where += f", prefill instances on {', '.join(map(str, config.disaggregate.prefill))}"
         note = "" if args.model else f" ({DEFAULT_MODEL_NOTE})"
         print(f"brrr serve: {name!r} from {spec.model} on {info.device} ({where}){note}; {info.num_blocks} KV "
               f"blocks of {info.block_size} tokens, context {info.max_model_len}; warm-up "

@@ -103,6 +103,10 @@ class DisaggEngineCore(EngineCore):
             request.finish_time = time.monotonic()
         return True
 
+    def has_unfinished_requests(self) -> bool:
+        # a cancelled request's KV still in flight: stepping on until it lands gives its blocks back
+        return bool(self.requests) or self.in_transfer > 0
+
     def _forget(self, request_id: str) -> Routed:
         routed = self.routed.pop(request_id)
         routed.instance.outstanding -= routed.phase != "pull"

@@ -22,7 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_connections
 
+import torch
+
 from brrr.distributed.disagg_instances import PrefillInstance, PrefillInstances
+from brrr.distributed.disagg_transfer import kv_shape, scatter_blocks
 from brrr.engine.llm_engine import EngineCore, LLMEngine, grammars
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput
@@ -31,6 +34,8 @@ from brrr.errors import BrrrError
 
 log = logging.getLogger("brrr.engine")
 IDLE_WAIT_S = 0.002  # nothing to decode: how long a step waits for an instance's message before returning
+# an instance with prompts to compute that answers nothing for this long is hung: it is stopped, its requests fail
+PREFILL_SILENCE_S = 120.0
 DISAGG_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")
 
 
@@ -70,6 +75,9 @@ class DisaggEngineCore(EngineCore):
         self.requests[request.request_id] = request
         self.routed[request.request_id] = Routed(request, instance)
         instance.outstanding += 1
+        if not instance.prefilling:  # busy from now: its silence counts from here
+            instance.heard = time.monotonic()
+        instance.prefilling += 1
         try:  # the instance needs only the ids (and no sequences yet)
             instance.send(("add", Request(request.request_id, None, request.prompt_token_ids, request.params,
                                           request.arrival_time)))
@@ -110,6 +118,7 @@ class DisaggEngineCore(EngineCore):
     def _forget(self, request_id: str) -> Routed:
         routed = self.routed.pop(request_id)
         routed.instance.outstanding -= routed.phase != "pull"
+        routed.instance.prefilling -= routed.phase == "prefill"
         if routed.phase == "ready":
             self.ready.remove(request_id)
         return routed
@@ -136,6 +145,7 @@ class DisaggEngineCore(EngineCore):
             try:
                 while why is None and instance.conn.poll(0):
                     message = instance.conn.recv()
+                    instance.heard = time.monotonic()
                     if message[0] == "error":
                         why = f"{instance.name} failed: {message[1].strip().splitlines()[-1]}"
                     else:
@@ -151,6 +161,10 @@ class DisaggEngineCore(EngineCore):
                 else:
                     records += self._landed(request_id, buf, seconds)
             why = why or instance.exit_reason()
+            silent = time.monotonic() - instance.heard
+            if why is None and instance.prefilling and silent > PREFILL_SILENCE_S:
+                why = (f"{instance.name} answered nothing for {silent:.0f} s with {instance.prefilling} prompt(s) to "
+                       "compute (hung)")
             if why is not None:
                 records += self._lose(instance, why)
         return records
@@ -173,6 +187,7 @@ class DisaggEngineCore(EngineCore):
             self.requests.pop(request_id, None)
             request.finish_time = now
         else:  # "prefilled"
+            instance.prefilling -= 1
             routed.num_blocks, routed.prompt_len = rest
             routed.first_tokens = [t for rec in recs for t in rec.new_token_ids]
             routed.phase = "ready"
@@ -195,18 +210,13 @@ class DisaggEngineCore(EngineCore):
             routed.phase = "pull"
             routed.instance.outstanding -= 1
             self.in_transfer += 1
-            k = self.runner.kv_caches[0][0]
-            from brrr.distributed.disagg_transfer import kv_shape
-
             try:
                 routed.instance.pull(routed.request.request_id, kv_shape(self.runner.kv_caches, routed.num_blocks),
-                                     k.dtype)
+                                     self.runner.dtype)
             except OSError:
                 pass  # gone: the receive fails, and the instance is dropped at the next poll
 
     def _landed(self, request_id: str, buf, seconds: float) -> list[EngineOutput]:
-        from brrr.distributed.disagg_transfer import scatter_blocks
-
         self.in_transfer -= 1
         routed = self.routed.pop(request_id)
         if routed.aborted:
@@ -214,8 +224,6 @@ class DisaggEngineCore(EngineCore):
             return []
         scatter_blocks(self.runner.kv_caches, routed.blocks, buf)
         if buf.is_cuda:  # received on the transfer thread's stream, read here on this one
-            import torch
-
             buf.record_stream(torch.cuda.current_stream(buf.device))
         request = routed.request
         seq = self.scheduler.add_prefilled(request, request.prompt_token_ids + routed.first_tokens, routed.blocks)
@@ -290,8 +298,6 @@ class DisaggLLMEngine(LLMEngine, DisaggEngineCore):
 def load_disaggregated(model, dtype, device, config, core: bool = False):
     """(Pretrained on the decode device, the engine): the flag checked against the machine first, the prefill
     instances started (they load while this process loads the decode instance's copy), then joined."""
-    import torch
-
     from brrr.distributed.disagg_config import check_devices, instance_device
     from brrr.hub import resolve_model
     from brrr.pretrained import check_device, load

@@ -40,6 +40,8 @@ class PrefillInstance:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, shape, dtype) to receive, in pull order
         self.done: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, buffer or None, seconds, error or None)
         self.outstanding = 0  # requests sent here and not yet answered or pulled (the router's load measure)
+        self.prefilling = 0  # of those, the ones not answered yet
+        self.heard = 0.0  # time.monotonic() of its last message, or of when it last became busy
 
     @property
     def name(self) -> str:

@@ -3,6 +3,7 @@ prompt's KV blocks to the decode instance, which gives one co-located instance's
 killed prefill instance fails the requests it holds with its exit reason while the decode instance finishes the
 others (and prefills new ones itself); bad flags fail before any weight loads."""
 import os
+import re
 import signal
 import time
 
@@ -12,10 +13,12 @@ import torch
 from brrr import LLM, BrrrError, SamplingParams
 from brrr.config import EngineConfig
 from brrr.distributed.disagg_config import check_devices, parse_disaggregate
+from brrr.engine.sampling_params import StructuredOutputsParams
 from tests import hf_models
 
 VOCAB = 321
 LOGPROB_TOLERANCE = 1e-4
+GRAMMAR = "(ab|ba)+c"
 # a 16-block pool of 4-token blocks for 20 requests: the decode instance preempts (and recomputes), requests wait
 # for room before their KV is pulled; a 24-token budget: prompts prefill in chunks; shared starts: prefix hits
 STRESS = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=24, max_num_seqs=8)
@@ -35,12 +38,17 @@ def _prompts():
 
 def _params():
     """Mostly greedy with log-probs; one request its first token ends (max_tokens 1, answered by the prefill
-    instance alone), one with prompt log-probs, one with two samples (prefilled on the decode instance)."""
+    instance alone), one with prompt log-probs, one with two samples (prefilled on the decode instance), one seeded
+    sample with penalties (they read the first token), one under a grammar (its matcher past the first token)."""
     greedy = dict(temperature=0, ignore_eos=True, logprobs=3)
     params = [SamplingParams(max_tokens=6, **greedy) for _ in range(20)]
     params[3] = SamplingParams(max_tokens=1, **greedy)
     params[4] = SamplingParams(max_tokens=5, prompt_logprobs=2, **greedy)
     params[5] = SamplingParams(max_tokens=4, n=2, temperature=0.8, seed=3, ignore_eos=True)
+    params[6] = SamplingParams(max_tokens=6, temperature=0.9, seed=11, presence_penalty=1.5, repetition_penalty=1.3,
+                               ignore_eos=True)
+    params[7] = SamplingParams(max_tokens=12, temperature=1.0, seed=5,
+                               structured_outputs=StructuredOutputsParams(regex=GRAMMAR))
     return params
 
 
@@ -63,7 +71,9 @@ def _same(outs, want):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return _run(LLM(str(model_dir), **STRESS))
+    outs = _run(LLM(str(model_dir), **STRESS))
+    assert re.fullmatch(GRAMMAR, outs[7].outputs[0].text)
+    return outs
 
 
 def test_two_prefill_instances_and_a_decode_instance_give_one_instances_tokens(model_dir, reference):
@@ -108,6 +118,31 @@ def test_a_killed_prefill_instance_fails_its_requests_and_decoding_goes_on(model
         # with no prefill instance left, the decode instance prefills new prompts itself
         out = llm.generate([prompts[6]], params[6], use_tqdm=False)[0]
         assert out.error is None and out.outputs[0].token_ids == reference[6].outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_a_hung_prefill_instance_is_stopped_and_fails_its_requests(model_dir, reference, monkeypatch):
+    from brrr.distributed import disagg_engine
+
+    monkeypatch.setattr(disagg_engine, "PREFILL_SILENCE_S", 1.0)
+    llm = LLM(str(model_dir), disaggregate="prefill=0,decode=1", **STRESS)
+    engine, prompts, params = llm.engine, _prompts(), _params()
+    instance = engine.instances.instances[0]
+    try:
+        engine.add_request("decoding", prompts[0], params[0], stream=False)
+        while not engine.scheduler.running:
+            engine.step()
+        os.kill(instance.proc.pid, signal.SIGSTOP)  # alive, silent
+        engine.add_request("stuck", prompts[1], params[1], stream=False)
+        finished, start = {}, time.monotonic()
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+            assert time.monotonic() - start < 20
+        assert finished["decoding"].outputs[0].token_ids == reference[0].outputs[0].token_ids
+        assert "prefill instance 0" in finished["stuck"].error and "answered nothing for" in finished["stuck"].error
+        instance.proc.join(5)
+        assert instance.proc.exitcode == -signal.SIGKILL  # stopped for good, not left frozen
     finally:
         engine.shutdown()
 

@@ -147,6 +147,38 @@ def test_a_hung_prefill_instance_is_stopped_and_fails_its_requests(model_dir, re
         engine.shutdown()
 
 
+def test_a_transfer_that_never_comes_times_out(model_dir, reference, monkeypatch):
+    import datetime
+
+    from brrr.distributed import disagg_transfer
+
+    monkeypatch.setattr(disagg_transfer, "TIMEOUT", datetime.timedelta(seconds=1))
+    llm = LLM(str(model_dir), disaggregate="prefill=0,decode=1", **STRESS)
+    engine, prompts, params = llm.engine, _prompts(), _params()
+    instance = engine.instances.instances[0]
+    try:
+        engine.add_request("decoding", prompts[0], params[0], stream=False)
+        while not engine.scheduler.running:
+            engine.step()
+        engine._pull = lambda: None  # hold the next request at "ready" ...
+        engine.add_request("stuck", prompts[1], params[1], stream=False)
+        while "stuck" not in engine.ready:
+            engine.step()
+        os.kill(instance.proc.pid, signal.SIGSTOP)  # ... freeze its instance, then pull: the send never comes
+        del engine._pull
+        finished, start = {}, time.monotonic()
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+            assert time.monotonic() - start < 20
+        assert finished["decoding"].outputs[0].token_ids == reference[0].outputs[0].token_ids
+        error = finished["stuck"].error
+        assert "the KV transfer from prefill instance 0" in error and "Timed out" in error
+        assert not engine.in_transfer and engine.stats()["prefill_instances_alive"] == 0
+        engine.block_manager.check_invariants([])
+    finally:
+        engine.shutdown()
+
+
 def test_aborted_requests_free_their_blocks_on_both_sides(model_dir):
     llm = LLM(str(model_dir), disaggregate="prefill=0,decode=1", **STRESS)
     engine = llm.engine

@@ -70,7 +70,7 @@ class DisaggEngineCore(EngineCore):
         instance = self._instance_for(request)
         if instance is None:
             return super().enqueue(request)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.routed:  # (a cancelled one in flight)
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.routed[request.request_id] = Routed(request, instance)
@@ -198,9 +198,9 @@ class DisaggEngineCore(EngineCore):
 
     def _pull(self) -> None:
         """Pull ready requests, oldest first, while this pool and batch have room (for the prompt's blocks and the
-        next token's)."""
+        next token's), and no sequence preempted here waits for room (it is older)."""
         bm, sched = self.block_manager, self.scheduler
-        while self.ready:
+        while self.ready and not sched.waiting:
             routed = self.routed[self.ready[0]]
             if (bm.num_free_blocks < bm.blocks_for(routed.prompt_len + 1)
                     or len(sched.running) + self.in_transfer >= self.config.max_num_seqs):

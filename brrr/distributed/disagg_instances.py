@@ -37,8 +37,10 @@ class PrefillInstance:
         self.group = None
         self.layout: dict = {}
         self.lost: str | None = None  # why this instance is out of service
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, shape, dtype) to receive, in pull order
-        self.done: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, buffer or None, seconds, error or None)
+        # (request_id, shape, dtype, when pulled) to receive, in pull order
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # (request_id, buffer or None, seconds from the pull, error or None)
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding = 0  # requests sent here and not yet answered or pulled (the router's load measure)
         self.prefilling = 0  # of those, the ones not answered yet
         self.heard = 0.0  # time.monotonic() of its last message, or of when it last became busy
@@ -69,8 +71,9 @@ class PrefillInstance:
         self.conn.send(message)
 
     def pull(self, request_id: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        pulled = time.perf_counter()
         self.conn.send(("pull", request_id))
-        self.jobs.put((request_id, shape, dtype))
+        self.jobs.put((request_id, shape, dtype, pulled))
 
     def start_receiving(self, decode_device: torch.device) -> None:
         threading.Thread(target=self._receive, args=(decode_device,), name=f"brrr-kv-from-prefill{self.index}",
@@ -85,16 +88,15 @@ class PrefillInstance:
                 job = self.jobs.get()
                 if job is None:
                     return
-                request_id, shape, dtype = job
-                start = time.perf_counter()
+                request_id, shape, dtype, pulled = job
                 if broken is None:
                     try:
                         buf = receive_kv(self.group, shape, dtype, device)
-                        self.done.put((request_id, buf, time.perf_counter() - start, None))
+                        self.done.put((request_id, buf, time.perf_counter() - pulled, None))
                         continue
                     except Exception as e:  # noqa: BLE001 - a broken channel: every later pull fails too
                         broken = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-                self.done.put((request_id, None, time.perf_counter() - start, broken))
+                self.done.put((request_id, None, time.perf_counter() - pulled, broken))
 
     def stop_receiving(self) -> None:
         self.jobs.put(None)

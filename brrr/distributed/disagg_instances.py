@@ -9,6 +9,7 @@ the engine's thread through `done`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -141,10 +142,11 @@ class PrefillInstances:
                     done["error"] = e
 
             thread = threading.Thread(target=join, name="brrr-disagg-rendezvous", daemon=True)
-            thread.start()
-            while thread.is_alive():
-                thread.join(0.5)
-                self._check_started(inst)
+            with _nccl_errors_left_to_us():
+                thread.start()
+                while thread.is_alive():
+                    thread.join(0.5)
+                    self._check_started(inst)
             if "error" in done:
                 raise done["error"]
             inst.group = done["group"]
@@ -180,6 +182,23 @@ class PrefillInstances:
     def shutdown(self) -> None:
         """Stop and join every instance (terminated if it does not stop within a few seconds)."""
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _nccl_errors_left_to_us():
+    """torch's NCCL watchdog, by default, ends the whole process when an operation of the group fails or times out: the
+    decode instance must outlive a prefill instance, so its channels are made without that (their failures are
+    handled here: timeouts on receives, the channel aborted when its instance goes). The setting is read when a group
+    is made; the environment is restored after."""
+    key, before = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
 
 
 def _stop(instances: list[PrefillInstance]) -> None:

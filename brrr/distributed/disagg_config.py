@@ -55,13 +55,15 @@ def parse_disaggregate(value) -> Disaggregation | None:
         raise BrrrError(f"{FLAG} must be a string such as 'prefill=0,decode=1' or a dict, got {type(value).__name__}")
     for role, ids in items:
         if role not in ROLES:
-            raise BrrrError(f"{FLAG}: unknown role {role!r}; the roles are prefill and decode (e.g. prefill=0,decode=1)")
+            raise BrrrError(f"{FLAG}: unknown role {role!r}; the roles are prefill and decode "
+                            "(e.g. prefill=0,decode=1)")
         if role in roles:
             raise BrrrError(f"{FLAG}: {role} is given twice")
         try:
             roles[role] = [int(i) for i in ids]
         except (TypeError, ValueError):
-            raise BrrrError(f"{FLAG}: {role} takes device ids (integers >= 0), got {', '.join(map(str, ids))!r}") from None
+            got = ", ".join(map(str, ids))
+            raise BrrrError(f"{FLAG}: {role} takes device ids (integers >= 0), got {got!r}") from None
         if not roles[role] or min(roles[role]) < 0:
             raise BrrrError(f"{FLAG}: {role} takes one or more device ids (integers >= 0)")
         if len(set(roles[role])) != len(roles[role]):

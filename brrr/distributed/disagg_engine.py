@@ -181,7 +181,8 @@ class DisaggEngineCore(EngineCore):
             if rec.new_prompt_logprobs:  # a recompute here (after a preemption) must not report them again
                 request.num_prompt_logprobs += len(rec.new_prompt_logprobs)
             if rec.first_scheduled_time is not None:
-                request.first_scheduled_time, request.num_cached_tokens = rec.first_scheduled_time, rec.num_cached_tokens
+                request.first_scheduled_time = rec.first_scheduled_time
+                request.num_cached_tokens = rec.num_cached_tokens
         if kind == "finished":  # its first token ended it (or the instance refused it)
             self._forget(request_id)
             self.requests.pop(request_id, None)

@@ -186,10 +186,10 @@ class PrefillInstances:
 
 @contextlib.contextmanager
 def _nccl_errors_left_to_us():
-    """torch's NCCL watchdog, by default, ends the whole process when an operation of the group fails or times out: the
-    decode instance must outlive a prefill instance, so its channels are made without that (their failures are
-    handled here: timeouts on receives, the channel aborted when its instance goes). The setting is read when a group
-    is made; the environment is restored after."""
+    """torch's NCCL watchdog, by default, ends the whole process when an operation of the group fails or times
+    out: the decode instance must outlive a prefill instance, so its channels are made without that (their failures
+    are handled here: timeouts on receives, the channel aborted when its instance goes). The setting is read when a
+    group is made; the environment is restored after."""
     key, before = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ[key] = "0"
     try:

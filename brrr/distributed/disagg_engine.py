@@ -16,6 +16,7 @@ reason and is dropped; the decode instance keeps decoding the rest. With none le
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -53,10 +54,12 @@ class Routed:
 
 class DisaggEngineCore(EngineCore):
     def __init__(self, model, tokenizer=None, config=None, eos_token_ids=(), instances: PrefillInstances = None):
-        super().__init__(model, tokenizer, config, eos_token_ids)
         if instances is None:
             raise BrrrError("a disaggregated engine needs its prefill instances: build it with "
                             "LLM(model, disaggregate=...) or brrr serve --disaggregate")
+        # the decode instance is an engine of its own; the flag is this class's (a plain core refuses it)
+        super().__init__(model, tokenizer, dataclasses.replace(config, disaggregate=None), eos_token_ids)
+        self.config = config
         self.instances = instances
         instances.check_layout(self.runner.kv_caches, self.block_manager.block_size)
         self.routed: dict[str, Routed] = {}

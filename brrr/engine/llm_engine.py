@@ -115,6 +115,9 @@ class EngineCore:
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         self.eos_token_ids = tuple(eos_token_ids)
         cfg, ec = model.config, self.config
+        if ec.disaggregate is not None:  # the prefill instances are started with the engine, not here
+            raise BrrrError("disaggregate needs its prefill instances: LLM(model, disaggregate=...) or brrr serve "
+                            "--disaggregate")
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)

@@ -234,3 +234,12 @@ def test_more_gpus_than_present_and_a_device_index_are_refused(monkeypatch):
         check_devices(d, torch.device("cuda"))
     with pytest.raises(BrrrError, match=r"--disaggregate .*use --device cuda \(not cuda:1\)"):
         check_devices(parse_disaggregate("prefill=0,decode=1"), torch.device("cuda", 1))
+
+
+def test_a_plain_engine_refuses_the_flag_rather_than_ignoring_it(model_dir):
+    from brrr.engine import LLMEngine
+    from brrr.pretrained import load
+
+    pretrained = load(model_dir, dtype="float32", device="cpu")
+    with pytest.raises(BrrrError, match="disaggregate needs its prefill instances"):
+        LLMEngine(pretrained.model, pretrained.tokenizer, EngineConfig(disaggregate="prefill=0,decode=1"))

@@ -37,7 +37,6 @@ log = logging.getLogger("brrr.engine")
 IDLE_WAIT_S = 0.002  # nothing to decode: how long a step waits for an instance's message before returning
 # an instance with prompts to compute that answers nothing for this long is hung: it is stopped, its requests fail
 PREFILL_SILENCE_S = 120.0
-DISAGG_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")
 
 
 @dataclass

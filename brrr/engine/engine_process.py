@@ -197,15 +197,12 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
 
     from brrr.pretrained import load
 
-    config = spec.config
+    config, engine = spec.config, None
     if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes of their own
         from brrr.distributed.disagg_engine import load_disaggregated
 
         pretrained, engine = load_disaggregated(spec.model, spec.dtype, spec.device, config, core=core)
-        if next(pretrained.model.parameters()).device.type == "cpu":
-            torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
-        return engine
-    if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+    elif config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
         from brrr.distributed.tp_runner import load_pretrained
 
         pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
@@ -214,10 +211,8 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
-    from brrr.engine.llm_engine import LLMEngine
-
-    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
-                                               pretrained.eos_token_ids)
+    return engine or (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
+                                                         pretrained.eos_token_ids)
 
 
 def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connection, parent_pid: int) -> None:

@@ -279,6 +279,9 @@ class EngineConfig:
     # speculative decoding (docs/speculative.md): a SpeculativeConfig or its dict, vLLM's keys; None: off
     speculative_config: object = None
     tensor_parallel_size: int = 1  # GPUs (CPU processes) the model is sharded over (brrr/distributed/)
+    # prefill and decode on separate instances (brrr/distributed/disagg_*.py): "prefill=0,decode=1" or a
+    # Disaggregation; None: co-located
+    disaggregate: object = None
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -293,6 +296,11 @@ class EngineConfig:
                 and self.tensor_parallel_size > 1):
             raise BrrrError("speculative_config.method 'eagle' reads the target's hidden states, which tensor "
                             "parallelism does not gather: use 'ngram' or 'draft' with tensor_parallel_size > 1")
+        if self.disaggregate is not None:
+            from brrr.distributed.disagg_config import check_combination, parse_disaggregate
+
+            self.disaggregate = parse_disaggregate(self.disaggregate)
+            check_combination(self)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
                      "tensor_parallel_size"):
             value = getattr(self, name)

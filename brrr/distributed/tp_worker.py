@@ -136,7 +136,7 @@ class WorkerGroup:
             self.conns.append(ours)
         # rank 0's Collectives once connected, and whether the group ends cleanly (every rank closing together)
         self._group = {"comm": None, "clean": True}
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._group)
+        self._finalizer = weakref.finalize(self, stop_processes, self.procs, self.conns, self._group)
 
     def wait_ready(self) -> None:
         for rank in range(1, self.world):
@@ -230,16 +230,17 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(procs, conns, group: dict) -> None:
-    """Stop the workers, and release rank 0's end of the group. Left to process exit, NCCL's teardown of a group
-    whose peers are gone can wait on them for minutes; so every rank closes it explicitly, together when the
-    engine stops normally (a worker closes on "stop"), or aborting it when a peer has failed."""
+def stop_processes(procs, conns, group: dict | None = None) -> None:
+    """Tell each process to stop, join it, terminate (then kill) one that does not stop within 5 s. group: this
+    process's end of a process group shared with them ({"comm": Collectives, "clean": bool}), released here: left to
+    process exit, NCCL's teardown of a group whose peers are gone can wait on them for minutes, so every rank closes
+    it explicitly, together when stopping normally (a worker closes on "stop"), aborting it after a failure."""
     for conn in conns:
         try:
             conn.send(("stop", None))
         except OSError:
             pass
-    if group["comm"] is not None:
+    if group is not None and group["comm"] is not None:
         closing = threading.Thread(target=group["comm"].close, args=(group["clean"],), daemon=True)
         closing.start()
         closing.join(30)  # a peer that never closes its end: give up waiting, exit anyway

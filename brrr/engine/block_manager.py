@@ -158,6 +158,11 @@ class BlockManager:
         child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks allocated for no sequence yet (a disaggregated transfer that did not land)."""
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # tail first: the tail is evicted before the shared head
             self._release(block_id)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from brrr.config import EngineConfig
-from brrr.engine.llm_engine import EngineCore
+from brrr.engine.llm_engine import EngineCore, LLMEngine
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
@@ -39,6 +39,7 @@ log = logging.getLogger("brrr.engine")
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
             "num_steps")
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+DISAGG_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")
 PARENT_CHECK_SECONDS = 1.0  # while idle, how often the engine process checks that the server still exists
 
 
@@ -82,8 +83,8 @@ class EngineInfo:
 
 def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:
     stats = engine.stats()
-    for key in COUNTERS + SPEC_COUNTERS if baseline else ():
-        if key in stats:  # the spec_decode_* counters exist when speculative decoding is on
+    for key in COUNTERS + SPEC_COUNTERS + DISAGG_COUNTERS if baseline else ():
+        if key in stats:  # the spec_decode_* and kv_transfer* counters exist when their feature is on
             stats[key] -= baseline[key]
     if baseline and "spec_decode_num_accepted_tokens_per_pos" in stats:
         stats["spec_decode_num_accepted_tokens_per_pos"] = [
@@ -104,9 +105,10 @@ class EngineLoop:
         self.engine, self.commands, self.outputs = engine, commands, outputs
         self.baseline, self.parent_pid = baseline, parent_pid
         # the core's records, also from an LLMEngine (whose own step() would assemble outputs in this process)
-        self.step = EngineCore.step.__get__(engine)
-        self.abort = EngineCore.abort.__get__(engine)
-        self.enqueue = EngineCore.enqueue.__get__(engine)
+        core = engine.core if isinstance(engine, LLMEngine) else type(engine)
+        self.step = core.step.__get__(engine)
+        self.abort = core.abort.__get__(engine)
+        self.enqueue = core.enqueue.__get__(engine)
         self.failed: list[EngineOutput] = []  # requests the engine refused, sent with the next message
         # BRRR_ENGINE_TRACE=FILE (benchmarks): one line per step, written at shutdown: when it started, when the
         # step returned, when its message was sent, and the engine's counters after it
@@ -195,8 +197,12 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
 
     from brrr.pretrained import load
 
-    config = spec.config
-    if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+    config, engine = spec.config, None
+    if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes of their own
+        from brrr.distributed.disagg_engine import load_disaggregated
+
+        pretrained, engine = load_disaggregated(spec.model, spec.dtype, spec.device, config, core=core)
+    elif config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
         from brrr.distributed.tp_runner import load_pretrained
 
         pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
@@ -205,10 +211,8 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
-    from brrr.engine.llm_engine import LLMEngine
-
-    return (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
-                                               pretrained.eos_token_ids)
+    return engine or (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
+                                                         pretrained.eos_token_ids)
 
 
 def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connection, parent_pid: int) -> None:

@@ -14,14 +14,19 @@ class LLM:
         from brrr.pretrained import load
 
         config = EngineConfig(**engine_args)
-        if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
-            from brrr.distributed.tp_runner import load_pretrained
+        if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes
+            from brrr.distributed.disagg_engine import load_disaggregated
 
-            self.pretrained, config = load_pretrained(model, dtype, device, config)
+            self.pretrained, self.engine = load_disaggregated(model, dtype, device, config)
         else:
-            self.pretrained = load(model, dtype=dtype, device=device)
-        self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, config,
-                                self.pretrained.eos_token_ids)
+            if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
+                from brrr.distributed.tp_runner import load_pretrained
+
+                self.pretrained, config = load_pretrained(model, dtype, device, config)
+            else:
+                self.pretrained = load(model, dtype=dtype, device=device)
+            self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, config,
+                                    self.pretrained.eos_token_ids)
         self._counter = 0
         if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):
             # the quantized matmuls' prefill shapes are tuned at start-up, as `brrr serve`'s engine does: timing

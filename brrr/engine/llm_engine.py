@@ -115,6 +115,9 @@ class EngineCore:
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         self.eos_token_ids = tuple(eos_token_ids)
         cfg, ec = model.config, self.config
+        if ec.disaggregate is not None:  # the prefill instances are started with the engine, not here
+            raise BrrrError("disaggregate needs its prefill instances: LLM(model, disaggregate=...) or brrr serve "
+                            "--disaggregate")
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
@@ -551,6 +554,7 @@ class EngineCore:
 
 class LLMEngine(EngineCore):
     """The engine core and the output processor in one process: `step()` gives `RequestOutput`s."""
+    core = EngineCore  # the class whose step/enqueue/abort give the core's records (what the engine loop calls)
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_token_ids=()):
         super().__init__(model, tokenizer, config, eos_token_ids)

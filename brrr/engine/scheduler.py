@@ -57,6 +57,16 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
+    def add_prefilled(self, request: Request, token_ids: list[int], block_table: list[int]) -> Sequence:
+        """A sequence whose prompt another instance computed (disaggregated prefill): the prompt's KV is in
+        `block_table` already, so it joins the running batch to decode its last token."""
+        seq = self._new_sequence(request, 0, token_ids)
+        seq.block_table, seq.num_computed_tokens, seq.status = block_table, len(token_ids) - 1, Status.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
+        return seq
+
     def make_forks(self, parent: Sequence) -> list[Sequence]:
         """The request's other n - 1 samples, sampled from the parent's last prompt row in the step that completes
         the prompt; `admit_forks` places them once that step has run."""

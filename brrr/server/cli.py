@@ -51,6 +51,10 @@ def register(sub) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many GPUs, one worker process each (vLLM's flag)")
+    g.add_argument("--disaggregate", default=None, metavar="prefill=IDS,decode=ID",
+                   help="prefill and decode on separate GPUs (DistServe): e.g. prefill=0,decode=1; each prefill "
+                        "instance gets its own process and model copy and sends each prompt's KV blocks to the "
+                        "decode instance (on CPU the ids name process slots; docs/tensor-parallel.md)")
     g.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -107,7 +111,11 @@ def cmd_serve(args) -> int:
                           enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                           speculative_config=parse_speculative_config(args.speculative_config),
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
+    if config.disaggregate is not None:  # the GPUs named exist: before the engine process starts loading
+        from brrr.distributed.disagg_config import check_devices
+
+        check_devices(config.disaggregate, check_device(args.device))
     spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,
                       log_level=args.log_level)
     llm = _start_engine(spec, in_thread=args.engine_in_thread)
@@ -122,6 +130,8 @@ def cmd_serve(args) -> int:
                          enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=lora_modules)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
+        if config.disaggregate is not None:
+            where += f", prefill instances on {', '.join(map(str, config.disaggregate.prefill))}"
         note = "" if args.model else f" ({DEFAULT_MODEL_NOTE})"
         print(f"brrr serve: {name!r} from {spec.model} on {info.device} ({where}){note}; {info.num_blocks} KV "
               f"blocks of {info.block_size} tokens, context {info.max_model_len}; warm-up "

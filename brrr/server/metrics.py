@@ -57,6 +57,19 @@ class _EngineCollector:
                 ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
                  s["spec_decode_num_draft_tokens"]),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["spec_decode_num_accepted_tokens"]))
+        if "kv_transfers" in s:  # disaggregated prefill/decode: the prompts' KV moved to the decode instance
+            counters += (
+                ("kv_transfers", "Prompts whose KV blocks came from a prefill instance.", s["kv_transfers"]),
+                ("kv_transfer_bytes", "Bytes of KV blocks received from prefill instances.", s["kv_transfer_bytes"]),
+                ("kv_transfer_seconds", "Seconds from each pull to its KV in place, summed.",
+                 s["kv_transfer_seconds"]))
+            gauges = (("prefill_instances_alive", "Prefill instances in service.", s["prefill_instances_alive"]),
+                      ("num_requests_prefilling", "Requests at a prefill instance or waiting for their KV pull.",
+                       s["num_requests_prefilling"]))
+            for name, doc, value in gauges:
+                family = GaugeMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
+                family.add_metric(label, value)
+                yield family
         for name, doc, value in counters:
             family = CounterMetricFamily(f"brrr:{name}", doc, labels=["model_name"])
             family.add_metric(label, value)

@@ -157,16 +157,17 @@ def test_a_transfer_that_never_comes_times_out(model_dir, reference, monkeypatch
     engine, prompts, params = llm.engine, _prompts(), _params()
     instance = engine.instances.instances[0]
     try:
+        finished = {}  # "decoding" may finish while "stuck" is still on its way to "ready"
         engine.add_request("decoding", prompts[0], params[0], stream=False)
         while not engine.scheduler.running:
-            engine.step()
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
         engine._pull = lambda: None  # hold the next request at "ready" ...
         engine.add_request("stuck", prompts[1], params[1], stream=False)
         while "stuck" not in engine.ready:
-            engine.step()
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
         os.kill(instance.proc.pid, signal.SIGSTOP)  # ... freeze its instance, then pull: the send never comes
         del engine._pull
-        finished, start = {}, time.monotonic()
+        start = time.monotonic()
         while engine.has_unfinished_requests():
             finished.update((out.request_id, out) for out in engine.step() if out.finished)
             assert time.monotonic() - start < 20

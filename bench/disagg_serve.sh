@@ -30,7 +30,8 @@ mkdir -p "$OUT"
 
 if [ "$MODE" = checkpoint ]; then
   python - "$PRESET" "$CKPT" <<'PY'
-import shutil, sys, torch
+import json, shutil, sys, torch
+from pathlib import Path
 from brrr.bench.random_model import model_config, random_model
 from brrr.default_model import default_model_dir
 from brrr.loader import save_model
@@ -38,6 +39,10 @@ preset, out = sys.argv[1:]
 save_model(random_model(model_config(preset), torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu"), out)
 for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(default_model_dir() / name, out)
+# the special ids of the tokenizer it ships with, not the preset's (Llama 3's EOS 128001 is not in this vocabulary)
+config, ours = Path(out) / "config.json", json.loads((default_model_dir() / "config.json").read_text())
+config.write_text(json.dumps({**json.loads(config.read_text()), "bos_token_id": ours["bos_token_id"],
+                              "eos_token_id": ours["eos_token_id"]}, indent=2))
 PY
   exit $?
 fi

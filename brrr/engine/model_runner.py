@@ -33,7 +33,9 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 def _cuda_capture(step, pool):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the engine's other threads (a disaggregated engine's KV transfers, the mask thread) may call
+    # CUDA while this one captures; in the default global mode such a call breaks the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         logits = step()
     return graph, logits
 

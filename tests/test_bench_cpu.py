@@ -61,3 +61,5 @@ def test_bench_engine_stats_sees_the_shared_prefix(tmp_path, capsys):
 def test_bench_lora_says_it_measures_a_gpu(capsys):
     assert main(["bench", "lora", "--sections", "kernels"]) == 2
     assert "brrr bench lora measures a GPU" in capsys.readouterr().err
+    assert main(["bench", "lora", "--batch", "0"]) == 2
+    assert "--batch must be >= 1, got 0" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 
-from brrr.bench.latency import emit
+from brrr.bench.latency import emit, require_at_least
 
 
 def register(bench_sub) -> None:
@@ -32,6 +32,7 @@ def cmd_engine_stats(args) -> int:
 
     from brrr.engine import LLM, SamplingParams
 
+    require_at_least(requests=(args.requests, 1))
     llm = LLM(args.model, num_blocks=args.num_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     engine, rng = llm.engine, random.Random(0)

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from brrr.bench.latency import emit
+from brrr.bench.latency import emit, require_at_least
 
 VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft-qlora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -210,6 +210,8 @@ def register(bench_sub) -> None:
 
 
 def cmd_finetune(args) -> int:
+    require_at_least(steps=(args.steps, 1), warmup=(args.warmup, 0), seq_len=(args.seq_len, 1), r=(args.r, 1),
+                     timeout=(args.timeout, 1))
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)), flush=True)
         return 0

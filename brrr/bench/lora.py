@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from brrr.bench.latency import emit
+from brrr.bench.latency import emit, require_at_least
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -155,6 +155,8 @@ def cmd_lora(args) -> int:
     from brrr.bench.random_model import model_config, random_model
     from brrr.errors import BrrrError
 
+    require_at_least(num_adapters=(args.num_adapters, 1), rank=(args.rank, 1), batch=(args.batch, 1),
+                     prompt_len=(args.prompt_len, 1), warm_steps=(args.warm_steps, 0), steps=(args.steps, 1))
     if not torch.cuda.is_available():
         raise BrrrError("brrr bench lora measures a GPU; torch sees no CUDA device")
     cfg, gpu = model_config(args.model), measure()

@@ -26,7 +26,7 @@ import os
 import platform
 import time
 
-from brrr.bench.latency import emit
+from brrr.bench.latency import emit, require_at_least
 
 # Each mode keeps its own defaults: many small shapes fit one GPU; a layout is measured one model at a time.
 ALONE = {"model": ["smollm2-135m:16", "llama-3.2-1b:8"], "micro_batch": 8, "seq_len": 2048}
@@ -64,6 +64,8 @@ def cmd_train(args) -> int:
 
     from brrr.errors import BrrrError
 
+    require_at_least(steps=(args.steps, 1), warmup=(args.warmup, 0), micro_batch=(args.micro_batch, 1),
+                     seq_len=(args.seq_len, 1))
     torchrun = "WORLD_SIZE" in os.environ
     defaults = UNDER_TORCHRUN if torchrun else ALONE
     specs = []

@@ -157,6 +157,8 @@ def test_bench_finetune_runs_a_variant_in_its_own_process(tiny_dir, tmp_path, ca
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["bench"] == "finetune_speed" and record["variant"] == "brrr-lora" and record["tokens_per_s"] > 0
     assert json.loads(capsys.readouterr().out.splitlines()[0]) == record
+    assert main(["bench", "finetune", "--timeout", "nan"]) == 2
+    assert "--timeout must be >= 1, got nan" in capsys.readouterr().err
 
 
 def test_a_brrr_quantized_nf4_checkpoint_is_a_qlora_base(tmp_path, tiny_dir):

@@ -25,9 +25,11 @@ def test_under_torchrun_rank_0_writes_the_layouts_record(tmp_path):
     assert record["micro_batch_per_rank"] == 2 and record["seq_len"] == 16 and record["mfu"] is None  # CPU
 
 
-def test_alone_layout_flags_need_torchrun(capsys):
+def test_alone_layout_flags_need_torchrun_and_counts_are_checked(capsys):
     assert main(["bench", "train", "--model", "llama-3.2-1b", "--tp", "2"]) == 2
     assert "--tp set a multi-GPU layout: launch with torchrun" in capsys.readouterr().err
+    assert main(["bench", "train", "--steps", "0"]) == 2
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="alone, bench train measures the GPU")

@@ -44,3 +44,22 @@ def test_bench_guided_splits_out_the_guided_paths_work(capsys):
     assert all(r["step_ms"] > 0 and r["steps_measured"] > 0 and "mask_fill_ms" not in r for r in timed)
     assert parts["steps"] > 0 and all(parts[k] > 0 for k in ("mask_fill_ms", "mask_apply_ms", "advance_ms"))
     assert summary["guided_vs_unguided_throughput"] == round(timed[0]["step_ms"] / timed[1]["step_ms"], 3)
+
+
+def test_bench_engine_stats_sees_the_shared_prefix(tmp_path, capsys):
+    """`brrr bench engine-stats` on the default model: the second request with the shared 96-token prefix hits the
+    first one's cached blocks."""
+    out = tmp_path / "stats.jsonl"
+    assert main(["bench", "engine-stats", "--requests", "4", "--out", str(out)]) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == record
+    assert record["bench"] == "engine_stats" and record["requests"] == 4 and record["generation_tokens"] > 0
+    assert record["prefix_cache_hits"] >= 6 and 0 < record["peak_block_utilization"] <= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_lora_says_it_measures_a_gpu(capsys):
+    assert main(["bench", "lora", "--sections", "kernels"]) == 2
+    assert "brrr bench lora measures a GPU" in capsys.readouterr().err
+    assert main(["bench", "lora", "--batch", "0"]) == 2
+    assert "--batch must be >= 1, got 0" in capsys.readouterr().err

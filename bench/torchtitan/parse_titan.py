@@ -6,7 +6,7 @@
 Steps 1..warmup (compilation, allocator growth) are dropped. Throughput is local tokens per step over the mean
 step time of the rest (torchtitan's `time_metrics/end_to_end(s)`, the wall time between two log lines at
 log_freq 1), averaged over ranks; "mfu" is torchtitan's own definition, "mfu_brrr_flops" the same tokens/s with
-brrr's FLOP count and peak (bench/train_distributed.py's definition). Memory: the largest per-step peak over ranks
+brrr's FLOP count and peak (`brrr bench train`'s definition). Memory: the largest per-step peak over ranks
 and timed steps, both torchtitan's figures (max_active ~ brrr's max_memory_allocated, max_reserved what its
 console line prints).
 """
@@ -49,7 +49,7 @@ def tensorboard_ranks(tb_dir: str) -> dict[str, dict[str, dict[int, float]]]:
 
 def brrr_flops(model: str, seq_len: int, gpu_name: str | None) -> tuple[float | None, float | None]:
     """brrr's training FLOPs per token (no recompute counted) and the datasheet bf16 peak of this GPU, as
-    bench/train_distributed.py takes them (its peak is brrr.analysis.hardware's datasheet entry for the CUDA name)."""
+    `brrr bench train` takes them (its peak is brrr.analysis.hardware's datasheet entry for the CUDA name)."""
     try:
         sys.path.insert(0, os.getcwd())
         from brrr.analysis.hardware import _known_spec

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# torchtitan 0.2.2 training brrr's llama-3.1-8b or llama-3.2-1b shape under torchrun, the peer of
-# bench/train_distributed.py (issue 41); appends one JSON record to OUTFILE (parse_titan.py). Runs from the bundle
+# torchtitan 0.2.2 training brrr's llama-3.1-8b or llama-3.2-1b shape under torchrun, the peer of `brrr bench train`
+# under torchrun (issue 41); appends one JSON record to OUTFILE (parse_titan.py). Runs from the bundle
 # prepare.sh builds (wheels, tokenizer, text beside this script: no network needed), with brrr's repo root as the
 # working directory (the parser reads brrr's FLOP count from there):
 #   bash BUNDLE/run_titan.sh NPROC MODEL OUTFILE [torchtitan flags, e.g. --training.steps 20]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 
 BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput", "brrr.bench.kernels",
-                 "brrr.bench.guided"]
+                 "brrr.bench.guided", "brrr.bench.engine_stats", "brrr.bench.finetune", "brrr.bench.lora",
+                 "brrr.bench.train"]
 
 
 def register_bench_module(module: str) -> None:

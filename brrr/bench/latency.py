@@ -29,6 +29,15 @@ def register(bench_sub) -> None:
     p.set_defaults(func=cmd_latency)
 
 
+def require_at_least(**flags: tuple) -> None:
+    """flag_name=(value, least): a BrrrError naming the first flag below its least (None: left to its default)."""
+    from brrr.errors import BrrrError
+
+    for name, (value, least) in flags.items():
+        if value is not None and not value >= least:  # `not >=` also refuses NaN
+            raise BrrrError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+
+
 def emit(record: dict, out: str | None) -> None:
     line = json.dumps(record)
     print(line, flush=True)

@@ -133,24 +133,32 @@ def test_checkpointing_modes_give_the_same_gradients(tiny_dir, mode):
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
-def test_finetune_speed_bench_runs_each_variant(tiny_dir):
-    """bench/finetune_speed.py's variants on a tiny model on the CPU (its numbers only mean something on a GPU)."""
+def test_bench_finetune_runs_each_variant(tiny_dir):
+    """`brrr bench finetune`'s variants on a tiny model on the CPU (its numbers only mean something on a GPU)."""
     import argparse
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "finetune_speed.py"
-    spec = importlib.util.spec_from_file_location("finetune_speed", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from brrr.bench.finetune import run_variant
+
     args = argparse.Namespace(model=str(tiny_dir), seq_len=32, r=4, alpha=8.0, dropout=0.05, steps=1, warmup=1)
     trainable = set()
     for variant in ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora"):
-        record = bench.run_variant(variant, args)
+        record = run_variant(variant, args)
         assert record["tokens_per_s"] > 0 and record["final_loss"] > 0, variant
         assert record["predicted"]["checkpointing"] == ("selective" if variant.endswith("selective") else "full")
         trainable.add(record["trainable_params"])
     assert trainable == {record["predicted"]["adapter_params"]}  # brrr and PEFT train the same adapter
+
+
+def test_bench_finetune_runs_a_variant_in_its_own_process(tiny_dir, tmp_path, capsys):
+    """The command line: each variant in a child `brrr bench finetune --variant` process, its record appended."""
+    out = tmp_path / "ft.jsonl"
+    assert main(["bench", "finetune", "--model", str(tiny_dir), "--seq-len", "16", "--r", "4", "--steps", "1",
+                 "--warmup", "1", "--variants", "brrr-lora", "--out", str(out)]) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["bench"] == "finetune_speed" and record["variant"] == "brrr-lora" and record["tokens_per_s"] > 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0]) == record
+    assert main(["bench", "finetune", "--timeout", "nan"]) == 2
+    assert "--timeout must be >= 1, got nan" in capsys.readouterr().err
 
 
 def test_a_brrr_quantized_nf4_checkpoint_is_a_qlora_base(tmp_path, tiny_dir):

@@ -46,10 +46,10 @@ def train_losses(out) -> list[float]:
             if '"loss"' in line]
 
 
-def torchrun(world: int, args: list[str], **popen) -> subprocess.Popen:
-    """`torchrun --nproc_per_node world -m brrr train ARGS` as a child process."""
+def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",), **popen) -> subprocess.Popen:
+    """`torchrun --nproc_per_node world -m brrr COMMAND ARGS` as a child process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port",
-           str(free_port()), "-m", "brrr", "train", *args]
+           str(free_port()), "-m", "brrr", *command, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen)

@@ -1,7 +1,7 @@
-"""Multi-LoRA serving on a GPU: decode throughput of a batch mixing adapters against the base model alone on the
-same requests, and the LoRA kernels' device time per layer against their memory roofline.
+"""`brrr bench lora`: multi-LoRA serving on a GPU: decode throughput of a batch mixing adapters against the base
+model alone on the same requests, and the LoRA kernels' device time per layer against their memory roofline.
 
-    python bench/lora_serving.py --model llama-3.1-8b --num-adapters 8 --rank 16 --batch 64 --out FILE
+    brrr bench lora --model llama-3.1-8b --num-adapters 8 --rank 16 --batch 64 --out FILE
 
 Random weights of the preset's shape (brrr.bench.random_model) and random rank-r adapters on all 7 projections,
 written in PEFT's format and loaded through the engine's own path. Three engine runs on the same requests:
@@ -10,29 +10,23 @@ alone) and `lora-mixed` (request i runs adapter i % num_adapters). Decode tok/s 
 sequence decodes; `graph_step_us` is the device time of the captured decode step at that batch size."""
 from __future__ import annotations
 
-import argparse
 import gc
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from brrr.analysis.hardware import measure
-from brrr.bench.latency import emit
-from brrr.bench.random_model import model_config, random_model
-from brrr.bench.timing import step_kernels
-from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, LoRARequest, SamplingParams
-from brrr.kernels.graph_timing import graph_time_us, replay_time_us
-from brrr.kernels.lora import lora_apply, lora_rows
-from brrr.lora import LoraAdapter, LoraConfig, save_adapter
-from brrr.lora.serving import projection_shapes
+from brrr.bench.latency import emit, require_at_least
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapters(cfg, n: int, rank: int, root: Path) -> list[LoRARequest]:
+def write_adapters(cfg, n: int, rank: int, root: Path) -> list:
+    import torch
+
+    from brrr.engine import LoRARequest
+    from brrr.lora import LoraAdapter, LoraConfig, save_adapter
+    from brrr.lora.serving import projection_shapes
+
     shapes = projection_shapes(cfg)
     requests = []
     for i in range(n):
@@ -47,6 +41,13 @@ def write_adapters(cfg, n: int, rank: int, root: Path) -> list[LoRARequest]:
 
 def decode_run(model, cfg, args, loras: list | None, enable_lora: bool) -> dict:
     """Prefill `batch` requests, then time decode steps in which all of them decode."""
+    import torch
+
+    from brrr.bench.timing import step_kernels
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.kernels.graph_timing import replay_time_us
+
     engine = LLMEngine(model, None, EngineConfig(
         num_blocks=args.batch * -(-(args.prompt_len + args.warm_steps + args.steps + 32) // 16) + 64,
         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch), enable_lora=enable_lora,
@@ -89,6 +90,11 @@ def kernel_records(cfg, args, gpu) -> list[dict]:
     adapters: device time, bytes it must move (the active adapters' A and B, x, y read and written) and the fraction
     of the copy roofline; beside it the module's own bf16 GEMM. The `layer` record sums a layer's modules and adds
     what a step does once (group the rows, zero the shrink buffer of every module)."""
+    import torch
+
+    from brrr.kernels.graph_timing import graph_time_us
+    from brrr.kernels.lora import lora_apply, lora_rows
+
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
         cfg.intermediate_size
     modules = {"qkv_proj": (h, (q, kv, kv)), "o_proj": (q, (h,)), "gate_up_proj": (h, (inter, inter)),
@@ -127,8 +133,9 @@ def kernel_records(cfg, args, gpu) -> list[dict]:
     return records
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("lora", help="multi-LoRA decode tok/s vs the base model, and the LoRA kernels' roofline",
+                             description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
@@ -138,7 +145,20 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--sections", nargs="+", default=["kernels", "decode"], choices=["kernels", "decode"])
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    p.set_defaults(func=cmd_lora)
+
+
+def cmd_lora(args) -> int:
+    import torch
+
+    from brrr.analysis.hardware import measure
+    from brrr.bench.random_model import model_config, random_model
+    from brrr.errors import BrrrError
+
+    require_at_least(num_adapters=(args.num_adapters, 1), rank=(args.rank, 1), batch=(args.batch, 1),
+                     prompt_len=(args.prompt_len, 1), warm_steps=(args.warm_steps, 0), steps=(args.steps, 1))
+    if not torch.cuda.is_available():
+        raise BrrrError("brrr bench lora measures a GPU; torch sees no CUDA device")
     cfg, gpu = model_config(args.model), measure()
     common = {"model": args.model, "machine": gpu.name, "measured_bandwidth": round(gpu.bandwidth)}
     if "kernels" in args.sections:
@@ -170,6 +190,3 @@ def main() -> int:
           "target": 0.8, **common}, args.out)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,28 +1,38 @@
-"""One engine run on a shared-prefix workload: block utilization, prefix hit rate, preemptions, step mix.
-Prints one JSON record (DESIGN.md's benchmark convention).
+"""`brrr bench engine-stats`: one engine run on a shared-prefix workload (half the requests open with the same
+96-token "system prompt"): block utilization, prefix-cache hit rate, preemptions and how many steps mix prefill
+with decode, for the KV-cache and batching settings given. Prints one JSON record.
 
-    python bench/engine_stats.py [--model DIR] [--requests 64] [--num-blocks 96]
+    brrr bench engine-stats [--model DIR] [--requests 64] [--num-blocks 96]
 """
-import argparse
-import json
-import platform
+from __future__ import annotations
+
 import random
 import time
 
-import torch
-
-from brrr.engine import LLM, SamplingParams
+from brrr.bench.latency import emit, require_at_least
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--num-blocks", type=int, default=96)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    args = ap.parse_args()
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("engine-stats", help="block utilization, prefix hit rate, preemptions on a shared-prefix "
+                             "workload", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model directory (default: the shipped default model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=96)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--out", default=None, help="append the JSON record to this file too")
+    p.set_defaults(func=cmd_engine_stats)
+
+
+def cmd_engine_stats(args) -> int:
+    import platform
+
+    import torch
+
+    from brrr.engine import LLM, SamplingParams
+
+    require_at_least(requests=(args.requests, 1))
     llm = LLM(args.model, num_blocks=args.num_blocks, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     engine, rng = llm.engine, random.Random(0)
@@ -41,7 +51,7 @@ def main():
         usage.append(engine.block_manager.usage)
     stats = engine.stats()
     seconds = time.perf_counter() - start
-    print(json.dumps({
+    emit({
         "bench": "engine_stats", "machine": platform.machine() + " " + (torch.cuda.get_device_name()
                                                                       if torch.cuda.is_available() else "cpu"),
         "model": str(llm.pretrained.path.name), "requests": args.requests, "num_blocks": args.num_blocks,
@@ -53,8 +63,5 @@ def main():
         "preemptions": stats["num_preemptions"], "prompt_tokens_computed": stats["prompt_tokens"],
         "generation_tokens": stats["generation_tokens"], "seconds": round(seconds, 2),
         "output_tok_s": round(stats["generation_tokens"] / seconds, 1),
-    }))
-
-
-if __name__ == "__main__":
-    main()
+    }, args.out)
+    return 0

@@ -1,5 +1,6 @@
-"""LoRA / QLoRA SFT speed and memory on one GPU: brrr (the step `brrr finetune` runs) beside PEFT + transformers on
-the same shape, batch and sequence length, and beside `brrr calc train --lora-r`'s predicted peak.
+"""`brrr bench finetune`: LoRA / QLoRA SFT speed and memory on one GPU: brrr (the step `brrr finetune` runs)
+beside PEFT + transformers on the same shape, batch and sequence length, and beside `brrr calc train --lora-r`'s
+predicted peak.
 
 Every variant runs in its own process (so each peak is its own): random weights of a preset shape (nothing is
 downloaded), one packed row of --seq-len tokens per micro-batch (micro-batch 1: one document, all tokens trained),
@@ -12,30 +13,32 @@ activation checkpointing, bf16 autocast, fused AdamW on the adapters only, r/alp
                 gradient_checkpointing_enable(use_reentrant=False)
   peft-qlora    the same with bitsandbytes' Linear4bit (nf4, double quant) in place of the projections; skipped,
                 with the reason in its record, where bitsandbytes is not installed
+PEFT, transformers and bitsandbytes are imported only by the peft-* variants.
 Tokens/s is timed over --steps optimizer steps after --warmup; peak memory is torch.cuda.max_memory_allocated from
 the end of model building to the end of the timed steps (the build's own peak is reported apart).
 
-  python bench/finetune_speed.py --model llama-3.1-8b --seq-len 2048 --out bench/results/finetune_speed_h100.jsonl
+  brrr bench finetune --model llama-3.1-8b --seq-len 2048 --out bench/results/finetune_speed_h100.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+from brrr.bench.latency import emit, require_at_least
 
 VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft-qlora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def brrr_setup(args, qlora: bool, selective: bool = False):
+    import torch
+
     from brrr.bench.random_model import model_config, random_model
     from brrr.kernels import AttnMeta
     from brrr.lora import LoraConfig
@@ -63,6 +66,8 @@ def brrr_setup(args, qlora: bool, selective: bool = False):
 
 
 def peft_setup(args, qlora: bool):
+    import torch
+
     import peft
     import transformers
 
@@ -101,6 +106,7 @@ def _to_bnb_nf4(model):
     """Each decoder projection -> bitsandbytes' Linear4bit (nf4, double quantization, bf16 compute), freeing the
     bf16 weight as it goes."""
     import bitsandbytes as bnb
+    import torch
 
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] not in TARGETS or not isinstance(module, torch.nn.Linear):
@@ -117,6 +123,8 @@ def _to_bnb_nf4(model):
 
 
 def run_variant(variant: str, args) -> dict:
+    import torch
+
     from brrr.analysis.finetune import finetune_memory
     from brrr.train.trainer import autocast_for, optimizer_step
 
@@ -161,13 +169,17 @@ def run_variant(variant: str, args) -> dict:
             "torch": torch.__version__, "python": platform.python_version(), **_versions(variant)}
 
 
-def _device() -> torch.device:
+def _device():
     """The GPU (a CPU run only checks that a variant runs: its numbers mean nothing)."""
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _sync(device):
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -180,8 +192,9 @@ def _versions(variant: str) -> dict:
     return {"peft": peft.__version__, "transformers": transformers.__version__}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("finetune", help="LoRA / QLoRA SFT tokens/s and peak memory, brrr beside PEFT",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b", help="a preset (brrr.presets) or a model directory")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--r", type=int, default=16)
@@ -193,10 +206,15 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=60, help="seconds per variant")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child process's one variant
     p.add_argument("--out", default=None, help="append the JSON records to this file too")
-    args = p.parse_args(argv)
+    p.set_defaults(func=cmd_finetune)
+
+
+def cmd_finetune(args) -> int:
+    require_at_least(steps=(args.steps, 1), warmup=(args.warmup, 0), seq_len=(args.seq_len, 1), r=(args.r, 1),
+                     timeout=(args.timeout, 1))
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)), flush=True)
-        return
+        return 0
     records = []
     for variant in args.variants:
         if variant == "peft-qlora" and not _has_bitsandbytes():
@@ -206,11 +224,7 @@ def main(argv=None):
         else:
             record = _child(variant, args)
         records.append(record)
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(record, args.out)
     by = {r["variant"]: r for r in records if "tokens_per_s" in r}
     for mine in ("brrr-lora", "brrr-lora-selective"):
         if mine in by and "peft-lora" in by:
@@ -219,6 +233,7 @@ def main(argv=None):
     if "brrr-qlora" in by and by["brrr-qlora"]["peak_memory_gb"] is not None:
         print(f"QLoRA peak memory: {by['brrr-qlora']['peak_memory_gb']:.2f} GB (target <= 10 GB; predicted "
               f"{by['brrr-qlora']['predicted_peak_gb']:.2f} GB)")
+    return 0 if all("error" not in r for r in records) else 1
 
 
 def _has_bitsandbytes() -> bool:
@@ -230,11 +245,14 @@ def _has_bitsandbytes() -> bool:
 
 
 def _child(variant: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--variant", variant, "--model", args.model, "--seq-len", str(args.seq_len),
-           "--r", str(args.r), "--alpha", str(args.alpha), "--dropout", str(args.dropout), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+    cmd = [sys.executable, "-m", "brrr", "bench", "finetune", "--variant", variant, "--model", args.model,
+           "--seq-len", str(args.seq_len), "--r", str(args.r), "--alpha", str(args.alpha), "--dropout",
+           str(args.dropout), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    # the child imports this brrr, wherever the parent found it (a checkout on PYTHONPATH or an install)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"bench": "finetune_speed", "variant": variant, "model": args.model,
                 "error": f"did not finish in {args.timeout:.0f} s"}
@@ -244,6 +262,3 @@ def _child(variant: str, args) -> dict:
                 "error": (done.stderr or done.stdout)[-2000:]}
     return json.loads(lines[-1])
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,40 @@
+"""`brrr bench train`: under torchrun (here two CPU processes) rank 0 writes one record for the layout; alone it
+measures a GPU, and refuses layout flags that only torchrun can honour."""
+import json
+
+import pytest
+import torch
+
+from brrr.cli import main
+from tests.train.conftest import TINY_MODEL
+from tests.train.distributed_helpers import torchrun
+
+
+def test_under_torchrun_rank_0_writes_the_layouts_record(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_MODEL, "vocab_size": 256}))
+    out = tmp_path / "train.jsonl"
+    proc = torchrun(2, ["--model", str(config), "--micro-batch", "2", "--seq-len", "16", "--steps", "2", "--warmup",
+                        "1", "--out", str(out)], command=("bench", "train"))
+    stdout, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [json.loads(line) for line in stdout.splitlines() if line.startswith("{")] == [record]
+    assert record["bench"] == "train_distributed" and record["gpus"] == 2 and record["dp_shard"] == 2
+    assert record["tokens_per_step"] == 2 * 16 * 2 and record["tokens_per_s"] > 0 and record["final_loss"] > 0
+    assert record["micro_batch_per_rank"] == 2 and record["seq_len"] == 16 and record["mfu"] is None  # CPU
+
+
+def test_alone_layout_flags_need_torchrun_and_counts_are_checked(capsys):
+    assert main(["bench", "train", "--model", "llama-3.2-1b", "--tp", "2"]) == 2
+    assert "--tp set a multi-GPU layout: launch with torchrun" in capsys.readouterr().err
+    assert main(["bench", "train", "--steps", "0"]) == 2
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="alone, bench train measures the GPU")
+def test_alone_on_cpu_it_says_it_measures_a_gpu(capsys):
+    assert main(["bench", "train", "--model", "smollm2-135m:x"]) == 2
+    assert "the micro-batch after ':' must be a positive integer" in capsys.readouterr().err
+    assert main(["bench", "train", "--model", "smollm2-135m:2"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 # Issue 5's H200 serving benchmark: for each shape, a random-weight bf16 checkpoint (brrr.bench.random_model) with
 # the default model's tokenizer, `brrr serve` (its engine in a process of its own, warmed up before /health answers),
 # `brrr bench serve` at rising request rates (goodput: p99 TTFT <= 500 ms, p99 TPOT <= 50 ms), then the offline LLM
-# on the same requests as the saturation run (bench/serve_overhead.py: HTTP/offline output tok/s, target >= 0.9).
+# on the same requests as the saturation run (brrr bench serve-overhead: HTTP/offline output tok/s, target >= 0.9).
 #   OUT=dir bash bench/serve_h200.sh [presets...]      (default: llama-3.2-1b llama-3.1-8b)
 # The workload is issue 5's; the variables below only exist to smoke-test the script off the GPU, e.g.
 #   OUT=/tmp/x NUM_PROMPTS=8 INPUT_LEN=32 OUTPUT_LEN=8 RATES=inf bash bench/serve_h200.sh smollm2-135m
@@ -85,5 +85,5 @@ PY
   done
   kill -TERM $pid; wait $pid; pid=
   spy=; [ "${PYSPY:-0}" = 1 ] && spy="py-spy record -r 250 -f raw --idle --nonblocking -o $OUT/$preset-pyspy-offline.txt --"
-  $spy python bench/serve_overhead.py --result "$OUT/$preset-rate-inf.json" --model "$dir" $ENGINE ${TRACE:+--trace $OUT/$preset-offline-trace.jsonl} | tee -a "$OUT/overhead.jsonl"
+  $spy python -m brrr bench serve-overhead --result "$OUT/$preset-rate-inf.json" --model "$dir" $ENGINE ${TRACE:+--trace $OUT/$preset-offline-trace.jsonl} | tee -a "$OUT/overhead.jsonl"
 done

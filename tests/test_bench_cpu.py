@@ -63,3 +63,17 @@ def test_bench_lora_says_it_measures_a_gpu(capsys):
     assert "brrr bench lora measures a GPU" in capsys.readouterr().err
     assert main(["bench", "lora", "--batch", "0"]) == 2
     assert "--batch must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_serve_overhead_replays_a_serve_runs_requests_offline(tmp_path, capsys):
+    """`brrr bench serve-overhead`: the offline LLM generates exactly the requests the `bench serve` run describes
+    (ignore_eos: every request its full output_len), and the record sets the two throughputs side by side."""
+    run = {"dataset": "random", "num_prompts": 4, "input_len": 16, "output_len": 6, "range_ratio": 0.0,
+           "prefix_len": 0, "num_prefixes": 0, "seed": 0, "endpoint": "/v1/completions", "num_warmups": 1,
+           "ignore_eos": True, "model": "brrr-default", "request_rate": "inf", "max_concurrency": None,
+           "output_throughput": 100.0, "total_output_tokens": 24}
+    (tmp_path / "serve.json").write_text(json.dumps(run))
+    assert main(["bench", "serve-overhead", "--result", str(tmp_path / "serve.json"), "--cpu-threads", "1"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["offline_generated_tokens"] == record["http_generated_tokens"] == 24
+    assert record["http_over_offline"] == pytest.approx(100.0 / record["offline_output_tok_s"])

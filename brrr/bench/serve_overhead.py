@@ -1,9 +1,10 @@
-"""Server overhead: the offline `LLM`'s output tok/s on exactly the requests a `brrr bench serve` run sent, beside
-that run's output tok/s through HTTP. Issue 5's bar: at saturation (--request-rate inf) HTTP >= 90% of offline.
+"""`brrr bench serve-overhead`: the offline `LLM`'s output tok/s on exactly the requests a `brrr bench serve` run
+sent, beside that run's output tok/s through HTTP. Issue 5's bar: at saturation (--request-rate inf) HTTP >= 90% of
+offline.
 
     brrr serve --model M &                                   # same engine settings as below
     brrr bench serve --request-rate inf --num-prompts 256 --save-result serve.json
-    python bench/serve_overhead.py --result serve.json --model M
+    brrr bench serve-overhead --result serve.json --model M
 
 Prints one JSON record: both throughputs, their ratio, the workload and the machine.
 """
@@ -14,16 +15,11 @@ import json
 import platform
 import time
 
-import torch
-
-from brrr.bench.datasets import pseudo_text, synthetic_prompts
-from brrr.engine import LLM, SamplingParams
-from brrr.engine.engine_process import engine_stats, write_trace
-from brrr.engine.engine_process_warmup import warm_up
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("serve-overhead", help="HTTP vs offline output tok/s on a `bench serve` run's requests",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--result", required=True, help="JSON written by `brrr bench serve --save-result`")
     p.add_argument("--model", default=None, help="the model the server ran (default: brrr's default model)")
     p.add_argument("--dtype", default="auto")
@@ -34,7 +30,16 @@ def main() -> None:
                    help="torch threads on CPU (default: all cores but one, as brrr serve's engine has)")
     p.add_argument("--trace", default=None,
                    help="write one line per engine step (as BRRR_ENGINE_TRACE does for the server's engine)")
-    args = p.parse_args()
+    p.set_defaults(func=cmd_serve_overhead)
+
+
+def cmd_serve_overhead(args) -> int:
+    import torch
+
+    from brrr.bench.datasets import pseudo_text, synthetic_prompts
+    from brrr.engine import LLM, SamplingParams
+    from brrr.engine.engine_process import engine_stats, write_trace
+    from brrr.engine.engine_process_warmup import warm_up
 
     run = json.loads(open(args.result).read())
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -90,7 +95,4 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
     }))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -55,7 +55,7 @@ def replay_step(runner: ModelRunner, step: GraphInputs, ids_from=None) -> torch.
 
 def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
     """Logits of `step.rows` (every rank calls this with the same step: its collectives pair up)."""
-    runner._copy_blocks(step.copies)
+    runner.copy_blocks(step.copies)
     cu = np.zeros(len(step.seqlens) + 1, dtype=np.int32)
     np.cumsum(step.seqlens, out=cu[1:])
     ids, positions, slots, cu_t, context, tables, rows = stage(

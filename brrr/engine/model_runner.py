@@ -182,7 +182,7 @@ class ModelRunner:
         host = self.lora.row_slots([seq.request.lora_request for seq, _ in batch.items], counts, num_rows)
         slots.row_slots[:num_rows].copy_(h2d(host, self.device))
 
-    def _copy_blocks(self, copies):
+    def copy_blocks(self, copies):
         if not copies:
             return
         src, dst = h2d(np.array(copies, dtype=np.int64).T.copy(), self.device)
@@ -220,7 +220,7 @@ class ModelRunner:
         log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
         want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; a captured graph
         keeps only logits, so such steps run eagerly)."""
-        self._copy_blocks(batch.copies)
+        self.copy_blocks(batch.copies)
         rows = [r for r, _ in sample_rows]
         if not logit_rows and not want_hidden and self.can_launch(batch):
             logits = self._replay(batch)

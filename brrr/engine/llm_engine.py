@@ -155,9 +155,9 @@ class EngineCore:
 
     def _speculating(self) -> bool:
         """Whether the next step may verify drafts: then no decode step is launched ahead of it (the drafts follow
-        tokens the host has not read yet)."""
+        tokens the host has not read yet). Not while the proposer is idle (`Speculator.idle`)."""
         running = self.scheduler.running
-        return (self.spec is not None and self.spec.enabled(len(running))
+        return (self.spec is not None and self.spec.enabled(len(running)) and not self.spec.idle()
                 and any(self.spec.speculates(seq) for seq in running))
 
     def _draft_room(self, seq: Sequence) -> int:
@@ -390,6 +390,8 @@ class EngineCore:
             return
         if self.schedule_log is not None:
             self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in nxt.items])
+        if self.spec is not None:
+            self.spec.launched_ahead()
         sample_rows = [self._sample_row(seq, ahead=1) for seq, _ in nxt.items]
         ids_from = (pending.device_tokens, h2d(nxt.previous_rows, pending.device_tokens.device, torch.long))
         if any(row.guide is not None for row in sample_rows):

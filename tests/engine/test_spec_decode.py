@@ -474,3 +474,50 @@ def test_bench_latency_reports_acceptance_beside_the_formula(setup, tmp_path):
         assert r["spec_num_draft_tokens"] > 0 and 0 <= r["acceptance_rate"] <= 1
         assert r["mean_accepted_length"] == round(1 + r["spec_num_accepted_tokens"] / r["spec_num_drafts"], 3)
         assert len(r["acceptance_per_pos"]) == 4 and r["predicted_speedup_c0"] >= 1
+
+
+def test_an_idle_proposer_gives_back_launch_ahead_and_outputs_stay_exact(setup):
+    """With graphs (eager stand-ins on CPU), steps that may verify drafts are not launched ahead. When n-gram lookup
+    keeps finding nothing (sampled output that never repeats a 4-gram of its context) the engine pipelines again
+    and proposes only every few steps; where lookups hit (greedy output in short cycles) it speculates as before.
+    Both give the tokens of decoding without speculation."""
+    from brrr.engine.spec.verify import IDLE_ROUNDS, PROBE_EVERY
+    from tests.engine.test_graph_inputs import EagerReplay
+
+    _, model, tokenizer = setup
+    vocab = tokenizer.vocab_size
+    rng = random.Random(3)
+    sampled = [([rng.randrange(vocab) for _ in range(20)], SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                                                         ignore_eos=True)) for i in range(4)]
+    greedy = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+              for p in repetitive_prompts(4, vocab, seed=9)]
+    for name, requests in (("sampled", sampled), ("greedy", greedy)):
+        outs, counts = [], {}
+        for spec in (None, {**NGRAM, "prompt_lookup_min": 4}):
+            engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=200, block_size=8, max_num_seqs=4,
+                                                              speculative_config=spec))
+            runner = engine.runner
+            runner.capture_cuda_graphs(4, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+            counts = {"ahead": 0, "rounds": 0, "steps": 0}
+            replay = runner._replay
+
+            def counting(batch, ids_from=None, replay=replay, counts=counts):
+                counts["ahead"] += ids_from is not None
+                return replay(batch, ids_from)
+            runner._replay = counting
+            if spec is not None:
+                propose = engine.spec.proposer.propose
+
+                def rounds(inputs, k, propose=propose, counts=counts):
+                    counts["rounds"] += 1
+                    return propose(inputs, k)
+                engine.spec.proposer.propose = rounds
+            done = run(engine, [(f"{name}-{i}", p, sp) for i, (p, sp) in enumerate(requests)])
+            outs.append({rid: o.outputs[0].token_ids for rid, o in done.items()})
+            counts["drafts"] = engine.spec.num_draft_tokens if spec is not None else 0
+        assert outs[0] == outs[1], name
+        if name == "sampled":  # nothing to propose: launched ahead again, a proposal round every few steps
+            assert counts["drafts"] == 0 and counts["ahead"] > 20
+            assert counts["rounds"] <= IDLE_ROUNDS + 40 // (PROBE_EVERY + 1) + 2, counts
+        else:
+            assert counts["drafts"] > 0, counts

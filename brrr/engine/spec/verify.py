@@ -28,10 +28,20 @@ def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:
     return params.n == 1 or not needs_hidden
 
 
+# A proposer that keeps finding nothing (the output does not repeat its context) must not cost the engine its
+# launch-ahead decoding, which a step that may verify drafts gives up: after IDLE_ROUNDS proposal rounds in a row
+# with no draft, steps pipeline again and proposals are tried once every PROBE_EVERY steps. Proposers that read
+# the target's hidden states (EAGLE) need every step's, which a pipelined step does not keep: they never idle.
+IDLE_ROUNDS = 2
+PROBE_EVERY = 8
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer):
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
+        self._empty_rounds = 0  # proposal rounds in a row that found no draft
+        self._since_probe = 0  # steps launched ahead since the last proposal round
         # hidden states the target computed and kept since each sequence's last propose (EAGLE): seq_id -> rows
         self._hidden: dict[int, list[torch.Tensor]] = {}
         # vLLM's counters (spec_decode_*): verified runs with at least one draft, drafts, accepted drafts, and
@@ -73,6 +83,15 @@ class Speculator:
             if seq.guide is not None:  # a draft the grammar forbids would be rejected anyway: not worth a slot
                 draft = draft[:seq.guide.valid_prefix(draft)]
             seq.spec_tokens = draft
+        self._empty_rounds = 0 if any(seq.spec_tokens for seq in seqs) else self._empty_rounds + 1
+        self._since_probe = 0
+
+    def idle(self) -> bool:
+        """The last proposal rounds found nothing and the next is not due: the engine may launch steps ahead."""
+        return not self.needs_hidden and self._empty_rounds >= IDLE_ROUNDS and self._since_probe < PROBE_EVERY
+
+    def launched_ahead(self) -> None:
+        self._since_probe += 1
 
     def accept(self, drafts: list[int], targets: list[int]) -> list[int]:
         """The tokens a verified run emits: the drafts up to the first that differs from the target's token there,

@@ -50,6 +50,8 @@ def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",),
     """`torchrun --nproc_per_node world -m brrr COMMAND ARGS` as a child process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port",
            str(free_port()), "-m", "brrr", *command, *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # the repo first, then whatever the caller's path holds (packages installed beside it, e.g. with --target)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen)

@@ -16,9 +16,7 @@ the prefill instance down instead of growing a queue.
 """
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import threading
 import traceback
 from dataclasses import dataclass
@@ -40,18 +38,9 @@ class InstanceSpec:
 
 
 def prefill_main(spec: InstanceSpec, store_path: str, conn) -> None:
-    # Ctrl-C reaches the whole process group: the decode side decides when to stop, then says so
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        PrefillServer(spec, store_path, conn).run()
-    except EOFError:  # the decode side is gone: nothing left to serve
-        return
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-        os._exit(1)
+    from brrr.distributed.tp_worker import serve_child
+
+    serve_child(conn, lambda: PrefillServer(spec, store_path, conn).run())
 
 
 class PrefillServer:

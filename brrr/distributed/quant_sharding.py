@@ -11,12 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from brrr.distributed.sharding import FLAG, Collectives, Partition
 from brrr.errors import BrrrError
-from brrr.quant.checkpoint import FORMAT_TENSORS
+from brrr.quant.checkpoint import FORMAT_TENSORS, quantized_entries
 from brrr.quant.linear import QuantLinear, projections
 
 SHARDED_FORMATS = ("int8", "int4", "fp8")
@@ -76,17 +75,11 @@ def shard_quantized(model, qc: dict, files: list[Path], part: Partition, comm: C
     targets = dict(projections(model))
     found: dict[str, dict] = {}
     consumed = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                parent, _, leaf = key.rpartition(".")
-                if leaf not in names or parent not in targets:
-                    continue
-                row_parallel = parent.rsplit(".", 1)[-1] in ROW_PARALLEL
-                _, start, stop = part.slice_of(f"{parent}.weight")
-                found.setdefault(parent, {})[leaf] = _slice(f.get_slice(key), leaf, fmt, row_parallel, start, stop,
-                                                            group)
-                consumed.add(key)
+    for parent, leaf, f, key in quantized_entries(files, names, targets.__contains__):
+        row_parallel = parent.rsplit(".", 1)[-1] in ROW_PARALLEL
+        _, start, stop = part.slice_of(f"{parent}.weight")
+        found.setdefault(parent, {})[leaf] = _slice(f.get_slice(key), leaf, fmt, row_parallel, start, stop, group)
+        consumed.add(key)
     for name, linear in targets.items():
         tensors = found.get(name, {})
         missing = [t for t in names if t not in tensors]

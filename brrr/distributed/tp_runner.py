@@ -80,22 +80,10 @@ class TensorParallelRunner(ModelRunner):
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
         return result, extra, None
 
-    def _graph_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> GraphInputs:
-        """The decode step's static-buffer contents, laid out as `ModelRunner._replay` stages them. ahead: each
-        sequence is one token further than the host has recorded, and its id is not known here (ids 0)."""
-        b = len(batch.items)
-        g = next(size for size in sorted(self.graphs) if size >= b)
-        ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ahead)
-        host = np.zeros((4, g), dtype=np.int64)
-        host[0, :b] = 0 if ahead else ids
-        host[1:, :b] = positions, slots, context_lens
-        host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1  # padded rows: the spare block, 1 token
-        return GraphInputs(g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens),
-                           ahead)
-
     def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """ModelRunner._replay on every rank (the launch-ahead path's forward included)."""
-        step = self._graph_inputs(batch, ahead=ids_from is not None)
+        ahead = ids_from is not None
+        step = GraphInputs(*self.decode_inputs(batch, ahead), ahead)
         return self._run("replay", step, functools.partial(replay_step, ids_from=ids_from))
 
     def _run(self, kind: str, step, run) -> torch.Tensor:

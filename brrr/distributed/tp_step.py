@@ -30,7 +30,7 @@ class StepInputs:
 @dataclass
 class GraphInputs:
     """A decode step replayed through the captured graph of `size` rows (`rows` of them real), as every rank
-    replays it: the static buffers' contents in `ModelRunner._replay`'s layout, and the longest context (which of
+    replays it: the static buffers' contents in `ModelRunner.decode_inputs`' layout, and the longest context (which of
     the size's graphs)."""
     size: int
     rows: int

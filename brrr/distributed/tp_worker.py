@@ -57,12 +57,18 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, files: list[str],
                 dtype: torch.dtype, device: str, pack_projections: bool | None, conn) -> None:
     """path None: random weights of cfg's shape (benchmarks)."""
-    # Ctrl-C reaches the whole process group: rank 0 decides when to stop (a server drains first), then says so
+    serve_child(conn, _serve, rank, world, store_path, cfg, path and Path(path), [Path(f) for f in files], dtype,
+                torch.device(device), pack_projections, conn)
+
+
+def serve_child(conn, serve, *args) -> None:
+    """A child process's main: run serve(*args) until its parent says stop or is gone (EOF on the pipe); on any
+    other error send the traceback up the pipe and exit 1. Ctrl-C reaches the whole process group, so the child
+    ignores it: the parent decides when to stop (a server drains first), then says so."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _serve(rank, world, store_path, cfg, path and Path(path), [Path(f) for f in files], dtype,
-               torch.device(device), pack_projections, conn)
-    except EOFError:  # rank 0 is gone: nothing left to serve
+        serve(*args)
+    except EOFError:  # the parent is gone: nothing left to serve
         return
     except BaseException:
         try:

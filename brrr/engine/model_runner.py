@@ -109,25 +109,29 @@ class ModelRunner:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
         (device tokens, device row index): the input ids are those tokens, gathered on the device (a step launched
         before the host has read the previous step's tokens). Nothing here waits for the GPU."""
-        b = len(batch.items)
-        g = next(size for size in sorted(self.graphs) if size >= b)
-        # Launched ahead (ids on the device), each sequence is one token further than the host has recorded.
-        ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ids_from is not None)
-        # padded rows b..g: token 0 at position 0, writing to the spare block, reading 1 token
-        spare = self.num_blocks * self.block_size
-        width = tables.shape[1]
-        host = np.zeros((4, g), dtype=np.int64)
-        host[0, :b] = ids if ids_from is None else 0
-        host[1:, :b] = positions, slots, context_lens
-        host[2, b:], host[3, b:] = spare, 1
-        rows = h2d(np.concatenate([host.ravel(), tables.ravel()]), self.device)
-        stage_decode_inputs(rows, g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx, self.g_tables,
-                            ids_from)
+        g, b, width, host, longest = self.decode_inputs(batch, ahead=ids_from is not None)
+        stage_decode_inputs(h2d(host, self.device), g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx,
+                            self.g_tables, ids_from)
         if self.lora is not None:
             self._lora_rows(batch, [1] * b, g)
-        graph, logits, _ = self.graph_for(g, max(context_lens))
+        graph, logits, _ = self.graph_for(g, longest)
         graph.replay()
         return logits[:b]
+
+    def decode_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[int, int, int, np.ndarray, int]:
+        """A decode step's graph inputs as one host array, staged by one copy and one kernel: (captured size g, rows
+        b, block-table width, [ids, positions, slots, context lengths (g each), then the b x width tables], longest
+        context). ahead: launched before the host has read the previous step's tokens, so each sequence is one token
+        further than recorded and its id (0 here) is gathered on the device."""
+        b = len(batch.items)
+        g = next(size for size in sorted(self.graphs) if size >= b)
+        ids, positions, slots, _, context_lens, tables = self._flatten(batch, ahead=ahead)
+        host = np.zeros((4, g), dtype=np.int64)
+        host[0, :b] = 0 if ahead else ids
+        host[1:, :b] = positions, slots, context_lens
+        # padded rows b..g: token 0 at position 0, writing to the spare block, reading 1 token
+        host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1
+        return g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether `launch` takes this batch: decode-only, no block copies, within the captured sizes."""

@@ -75,6 +75,17 @@ def quantization_config(path: Path) -> dict | None:
     return qc
 
 
+def quantized_entries(files: list[Path], names, wanted):
+    """(module name, tensor kind, the open file, key) of each tensor in the safetensors `files` whose kind (the key's
+    last part) is in `names` and whose module wanted(module name) accepts; memory-mapped, read by the caller."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                parent, _, leaf = key.rpartition(".")
+                if leaf in names and wanted(parent):
+                    yield parent, leaf, f, key
+
+
 def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
     """Replace each projection of `model` (on meta or empty) with a QuantLinear built from the checkpoint's tensors.
     Returns the checkpoint names consumed. Tensors that disagree with the config or the model: a clear error."""
@@ -83,13 +94,9 @@ def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
     kinds = {n.rsplit(".", 1)[-1] for n, _ in projections(model, lm_head)}
     found: dict[str, dict] = {}
     consumed = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                parent, _, leaf = key.rpartition(".")
-                if leaf in names and parent.rsplit(".", 1)[-1] in kinds:
-                    found.setdefault(parent, {})[leaf] = f.get_tensor(key)
-                    consumed.add(key)
+    for parent, leaf, f, key in quantized_entries(files, names, lambda module: module.rsplit(".", 1)[-1] in kinds):
+        found.setdefault(parent, {})[leaf] = f.get_tensor(key)
+        consumed.add(key)
     for name, linear in projections(model, lm_head):
         tensors = found.get(name, {})
         missing = [t for t in names if t not in tensors]

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,7 @@ from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerpr
 from brrr.train import checkpoint
 from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
-from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, make_optimizer, one_process_layout,
-                                peak_flops, training_device)
+from brrr.train.trainer import Trainer, TrainConfig, make_optimizer, one_process_layout, peak_flops
 
 CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
 ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
@@ -107,22 +105,12 @@ class DraftTrainer(Trainer):
         from brrr.loader import load_model
 
         cfg.check()
-        self.start = time.perf_counter()
-        self.cfg, self.dist = cfg, Distributed.from_env()
-        if self.dist.world > 1:
-            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr train-draft runs one process")
-        self.out = Path(cfg.out)
-        self.ckpt_path = self.out / "checkpoint" / "state.pt"
-        if self.ckpt_path.exists() and not cfg.resume:
-            raise BrrrError(f"{self.out} already holds a train-draft run; pass --resume to continue it, "
-                            "or choose another --out")
+        self._start_one_process(cfg, "train-draft", "train-draft")
         target_dir = Path(cfg.model)
         if not (target_dir / "config.json").is_file():
             raise BrrrError(f"--target {target_dir}: not a model directory (no config.json)")
         self.data = TokenData(cfg.data)
         _check_tokenizer(target_dir, self.data)
-        self.device = training_device(cfg.device)
-        self.autocast = autocast_for(self.device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.target = load_model(target_dir, dtype=dtype, device=self.device)
         self.model_cfg = self.target.config
@@ -144,9 +132,7 @@ class DraftTrainer(Trainer):
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
         self.flops_per_token = eagle_training_flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak, self.gpu_name = peak_flops(self.device)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        self.log_file = open(self.out / "train_log.jsonl", "a")
+        self._open_run_files()
 
     def _resume_key(self) -> dict:
         c = self.cfg

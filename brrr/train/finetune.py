@@ -11,9 +11,7 @@ load, next to train_log.jsonl and train_summary.json.
 from __future__ import annotations
 
 import hashlib
-import json
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +25,8 @@ from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_modules, lora_state, trainable_parameters
 from brrr.train import checkpoint
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
-from brrr.train.trainer import (Distributed, Trainer, TrainConfig, autocast_for, checkpoint_activations,
-                                make_optimizer, one_process_layout, peak_flops, training_device)
+from brrr.train.trainer import (Trainer, TrainConfig, checkpoint_activations, make_optimizer, one_process_layout,
+                                peak_flops)
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -160,17 +158,7 @@ class Finetuner(Trainer):
         if cfg.seq_len is None:
             cfg.seq_len = min(DEFAULT_SEQ_LEN, ModelConfig.from_dir(self.model_path).max_context)
         cfg.check()
-        self.start = time.perf_counter()
-        self.cfg, self.dist = cfg, Distributed.from_env()
-        if self.dist.world > 1:
-            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr finetune runs one process for now")
-        self.out = Path(cfg.out)
-        self.ckpt_path = self.out / "checkpoint" / "state.pt"
-        if self.ckpt_path.exists() and not cfg.resume:
-            raise BrrrError(f"{self.out} already holds a fine-tuning run; pass --resume to continue it, "
-                            "or choose another --out")
-        self.device = training_device(cfg.device)
-        self.autocast = autocast_for(self.device)
+        self._start_one_process(cfg, "finetune", "fine-tuning")
         self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
         dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
                  "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)
@@ -209,13 +197,7 @@ class Finetuner(Trainer):
         self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
                       "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
         if cfg.resume:
-            saved = checkpoint.load(self.ckpt_path, self.trainable, self.optimizer)
-            for key, value in self._resume_key().items():
-                if saved["config"].get(key) != value:
-                    raise BrrrError(f"--resume: the checkpoint was trained with {key}={saved['config'].get(key)!r}, "
-                                    f"this run has {value!r}")
-            self.state = saved
-            self.state["max_steps"] = max(cfg.max_steps, self.state["step"])
+            self.restore_checkpoint(self.trainable)
         # full checkpointing is chosen to save memory: the logits too; the other modes spend it for speed
         self.loss = self.loss_fn = SFTLoss(self.model, recompute_logits=cfg.activation_checkpointing == "full")
         if cfg.activation_checkpointing != "none":
@@ -223,9 +205,7 @@ class Finetuner(Trainer):
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
         self.flops_per_token = lora_training_flops_per_token(self.model_cfg, cfg.seq_len, self.lora)
         self.peak, self.gpu_name = peak_flops(self.device)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        self.log_file = open(self.out / "train_log.jsonl", "a")
+        self._open_run_files()
 
     def _resume_key(self) -> dict:
         c = self.cfg

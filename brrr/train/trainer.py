@@ -285,9 +285,28 @@ class Trainer:
         # brrr calc train's per-GPU memory for this layout, logged beside the measured peak on CUDA
         self.calc_memory = self.parallel.calc_train_memory(self.model_cfg) if self.device.type == "cuda" else None
         if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-            self.log_file = open(self.out / "train_log.jsonl", "a")
+            self._open_run_files()
+
+    def _start_one_process(self, cfg, command: str, run: str) -> None:
+        """The common start of a run that is one process by construction (brrr finetune, brrr train-draft): the
+        config, the clock, the output paths, the device; refused under torchrun and over another run's output."""
+        self.start = time.perf_counter()
+        self.cfg, self.dist = cfg, Distributed.from_env()
+        if self.dist.world > 1:
+            raise BrrrError(f"WORLD_SIZE={self.dist.world}: brrr {command} runs one process")
+        self.out = Path(cfg.out)
+        self.ckpt_path = self.out / "checkpoint" / "state.pt"
+        if self.ckpt_path.exists() and not cfg.resume:
+            raise BrrrError(f"{self.out} already holds a {run} run; pass --resume to continue it, "
+                            "or choose another --out")
+        self.device = training_device(cfg.device)
+        self.autocast = autocast_for(self.device)
+
+    def _open_run_files(self) -> None:
+        """OUT/train_config.json, and OUT/train_log.jsonl opened for appending (the main rank's)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        self.log_file = open(self.out / "train_log.jsonl", "a")
 
     def restore_checkpoint(self, trained) -> None:
         """--resume: `trained` (what checkpoints hold) and the optimizer, after checking the run's resume key

@@ -16,6 +16,7 @@ from brrr import LLM, BrrrError, SamplingParams
 from brrr.config import ModelConfig
 from brrr.distributed.sharding import check_tensor_parallel
 from tests import hf_models
+from tests.engine.test_graph_inputs import EagerReplay
 
 VOCAB = 321  # not a multiple of 2 or 4: the vocabulary-parallel shards are padded
 # fp32 sums in another order (the all-reduce adds the ranks' partial products): a few ulps of the logits
@@ -88,21 +89,7 @@ def test_tp2_gives_the_greedy_tokens_of_one_rank_under_stress(tp2, reference):
     assert stats["num_steps"] > 20
 
 
-class EagerReplay:
-    """Stands in for torch.cuda.CUDAGraph on CPU (as in test_graph_inputs.py): replay() recomputes the captured
-    step, collectives included, into the same output tensor."""
-
-    def __init__(self, step):
-        self.step, self.logits = step, step()
-
-    def replay(self):
-        self.logits.copy_(self.step())
-
-    def pool(self):
-        return None
-
-
-def eager_capture(step, pool):  # module level: the workers unpickle it
+def eager_capture(step, pool):  # module level: the workers unpickle it (EagerReplay: a CPU stand-in for a graph)
     graph = EagerReplay(step)
     return graph, graph.logits
 
@@ -260,32 +247,12 @@ def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
 
 
 def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference):
-    import socket
-    import subprocess
-    import sys
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "brrr", "serve", "--model", str(llama), "--port", str(port),
-                             "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
-                             "--log-level", "warning", "--no-access-log"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "BRRR_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
+    from tests.server.test_cli import start_server
+
+    proc, url = start_server(llama, "--tensor-parallel-size", "2")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "brrr serve did not come up"
-            time.sleep(0.2)
         prompt = _prompts()[0]
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
         got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]

@@ -1,10 +1,6 @@
 """`brrr serve --lora-modules ... --max-loras --max-lora-rank` as a real process: the flags reach the engine, the
 adapter is listed and served by name; a malformed --lora-modules fails before anything loads."""
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 
@@ -13,7 +9,7 @@ from brrr.lora import save_adapter
 from brrr.pretrained import load
 from tests import hf_models
 from tests.lora.test_serving_engine import random_adapter
-from tests.server.test_cli import free_port
+from tests.server.test_cli import start_server
 
 
 def test_serve_with_lora_modules(tmp_path):
@@ -22,25 +18,9 @@ def test_serve_with_lora_modules(tmp_path):
     model = load(tmp_path / "base", dtype="float32", device="cpu").model
     save_adapter(tmp_path / "sql", random_adapter(model, 1, r=8))
     save_adapter(tmp_path / "big", random_adapter(model, 2, r=16))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "brrr", "serve", "--model", str(tmp_path / "base"), "--port",
-                             str(port), "--dtype", "float32", "--device", "cpu", "--served-model-name", "base",
-                             "--lora-modules", f"sql={tmp_path / 'sql'}", "--max-loras", "2", "--max-lora-rank", "8",
-                             "--no-access-log", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "BRRR_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(tmp_path / "base", "--served-model-name", "base", "--lora-modules",
+                             f"sql={tmp_path / 'sql'}", "--max-loras", "2", "--max-lora-rank", "8")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "brrr serve did not come up"
-            time.sleep(0.1)
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("sql", "base")]
         r = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 3},

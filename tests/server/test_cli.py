@@ -22,11 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, shutdown_timeout: int):
+def start_server(model_dir, *flags: str, shutdown_timeout: int | None = None):
+    """`brrr serve` of model_dir on the CPU (fp32, no API key, quiet) as a child process, with `flags` added; returns
+    (process, base url) once /health answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port", str(port),
-           "--served-model-name", "tiny-cli", "--dtype", "float32", "--device", "cpu",
-           "--shutdown-timeout", str(shutdown_timeout), "--no-access-log", "--log-level", "warning"]
+           "--dtype", "float32", "--device", "cpu", "--no-access-log", "--log-level", "warning", *flags]
+    if shutdown_timeout is not None:
+        cmd += ["--shutdown-timeout", str(shutdown_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "BRRR_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -44,7 +47,7 @@ def start_server(model_dir, shutdown_timeout: int):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    proc, url = start_server(model_dir, shutdown_timeout=1)
+    proc, url = start_server(model_dir, "--served-model-name", "tiny-cli", shutdown_timeout=1)
     yield proc, url
     if proc.poll() is None:
         proc.kill()
@@ -145,7 +148,7 @@ def test_a_busy_port_fails_before_the_model_loads(model_dir):
 def test_serve_exits_without_nanobind_leak_reports(model_dir):
     """gc.freeze() keeps start-up's objects from every collection, the one at exit too: Triton's nanobind
     bindings then print a 'leaked' line for each of theirs."""
-    proc, _ = start_server(model_dir, shutdown_timeout=1)
+    proc, _ = start_server(model_dir, "--served-model-name", "tiny-cli", shutdown_timeout=1)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     output = proc.stdout.read()

@@ -78,30 +78,10 @@ def test_disaggregated_server_answers_as_colocated_and_survives_a_prefill_instan
 
 
 def test_brrr_serve_disaggregate_stops_cleanly_on_sigterm(model_dir):
-    import socket
-    import subprocess
-    import sys
+    from tests.server.test_cli import start_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--dtype", "float32", "--device", "cpu", "--disaggregate", "prefill=0,decode=1",
-                             "--log-level", "warning", "--no-access-log"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "BRRR_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(model_dir, "--disaggregate", "prefill=0,decode=1")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "brrr serve did not come up"
-            time.sleep(0.2)
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         assert len(httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]) > 0
         engine = engine_processes(proc.pid) if LINUX else []

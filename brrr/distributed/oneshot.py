@@ -81,13 +81,14 @@ class OneShotAllReduce:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place. The kernel reads all of `t` into the buffer before the barrier
         that precedes its first write of the result, so the output may be `t` itself."""
-        view = self.buffer.view(t.dtype)[: t.numel()]
+        view, flat = self.buffer.view(t.dtype)[: t.numel()], t.view(-1)
         if (t.storage_offset() * t.element_size()) % ALIGN_BYTES:
-            # the copying variant needs the input as aligned as the buffer: copy it here instead
-            view.copy_(t.view(-1))
-            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", self.group_name, t.view(-1))
+            # the kernel moves 16-byte vectors in and out: an input that starts off that grid is copied into the
+            # buffer here, and the sum comes back through an aligned tensor
+            view.copy_(flat)
+            flat.copy_(torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group_name))
         else:
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, t.view(-1), "sum", self.group_name, t.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, flat, "sum", self.group_name, flat)
         return t
 
     def close(self) -> None:

@@ -114,3 +114,27 @@ def test_the_group_is_registered_by_name_for_the_rendezvous_and_unregistered_whe
 def test_capacity_must_be_whole_vectors(comm):
     with pytest.raises(ValueError, match="multiple of 16"):
         OneShotAllReduce.create(comm.group, comm.store, 0, 1, torch.device("cuda", 0), 1000, "brrr-bad")
+
+
+class OneRankKernels:
+    """symm_mem's two one-shot ops as they behave in a group of one rank (the sum of one buffer), on CPU."""
+
+    @staticmethod
+    def one_shot_all_reduce_copy_out(buffer, local, op, name, out):
+        buffer.copy_(local)
+        return out.copy_(buffer)
+
+    @staticmethod
+    def one_shot_all_reduce(buffer, op, name):
+        return buffer.clone()
+
+
+@pytest.mark.parametrize("offset", [0, 8, 1], ids=["aligned", "aligned-view", "off-by-2-bytes"])
+def test_the_message_passes_through_the_symmetric_buffer_and_back_in_place(monkeypatch, offset):
+    monkeypatch.setattr(torch.ops, "symm_mem", OneRankKernels)
+    one = OneShotAllReduce(torch.zeros(4096, dtype=torch.uint8), "cpu-oneshot", None)
+    base = torch.arange(8 + 2 * 64, dtype=torch.bfloat16)
+    t = base[offset: offset + 2 * 64].view(2, 64)
+    message = t.clone()
+    assert one(t) is t and torch.equal(t, message)  # one rank: the sum is the message, written back into t
+    assert torch.equal(one.buffer.view(torch.bfloat16)[: t.numel()], message.view(-1))

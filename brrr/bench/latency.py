@@ -140,7 +140,7 @@ def cmd_latency(args) -> int:
             if tp > 1:  # a decode step all-reduces twice per layer (attention's o_proj, the MLP's down_proj)
                 times = engine.runner.time_all_reduce(batch)
                 one = times["all_reduce_us_" + times["all_reduce_backend"]]  # what the decode graphs run
-                record.update({k: v if isinstance(v, str) or v is None else round(v, 2) for k, v in times.items()})
+                record.update({k: round(v, 2) if isinstance(v, float) else v for k, v in times.items()})
                 record.update(all_reduce_us=round(one, 2), all_reduce_us_per_layer=round(2 * one, 2))
         emit(record, args.out)
     if tp > 1:

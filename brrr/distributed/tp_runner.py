@@ -123,7 +123,7 @@ class TensorParallelRunner(ModelRunner):
         timings, bound = [], 0
         if failed:
             rank, why = failed[0]
-            log.info("tensor-parallel all-reduce: NCCL for every message (the one-shot all-reduce could not be "
+            log.warning("tensor-parallel all-reduce: NCCL for every message (the one-shot all-reduce could not be "
                      "set up on rank %d: %s)", rank, why)
         else:
             for r in rows:
@@ -140,13 +140,15 @@ class TensorParallelRunner(ModelRunner):
     def time_all_reduce(self, rows: int, iters: int = 200) -> dict:
         """The all-reduce of a decode step of `rows` rows inside a CUDA graph (rank 0's clock; CUDA only):
         microseconds per all-reduce through NCCL and through the one-shot path (None where it is not set up or
-        cannot take the message), and which of them the engine's graphs run."""
+        cannot take the message), which of them the engine's graphs run, and the largest message the one-shot path
+        takes (bytes; 0: none)."""
         x = torch.empty(rows, self.model.full_config.hidden_size, dtype=next(self.model.parameters()).dtype,
                         device=self.device)
         comm = self.model.tp_comm
         return {"all_reduce_us_nccl": self._time_on_every_rank(rows, iters, "nccl"),
                 "all_reduce_us_oneshot": self._time_on_every_rank(rows, iters, "oneshot"),
-                "all_reduce_backend": "oneshot" if comm.routes_to_oneshot(x) else "nccl"}
+                "all_reduce_backend": "oneshot" if comm.routes_to_oneshot(x) else "nccl",
+                "all_reduce_oneshot_max_bytes": comm.oneshot_bound}
 
     def _time_on_every_rank(self, rows: int, iters: int, backend: str) -> float | None:
         self.workers.send_all(("time_all_reduce", (rows, iters, backend)))

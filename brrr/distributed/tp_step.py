@@ -78,9 +78,13 @@ def time_all_reduce(runner: ModelRunner, rows: int, iters: int, backend: str = "
         if comm.oneshot is None or not comm.oneshot.supports(x):
             return None
         reduce = comm.oneshot
+        try:
+            reduce(x)  # the op's own checks run on the host before its kernel, alike on every rank
+        except RuntimeError:
+            return None
     else:
         reduce = comm.nccl_all_reduce
-    for _ in range(3):  # NCCL sets up its buffers for this size outside the capture; symm_mem maps its peers
+    for _ in range(3):  # NCCL sets up its buffers for this size outside the capture
         reduce(x)
     torch.cuda.synchronize(runner.device)
     graph = torch.cuda.CUDAGraph()

@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.gpu,
 HIDDEN = 4096  # the llama-3.1-8b message: [rows, 4096]
 ROWS = (1, 3, 8, 64, 256)
 CAPACITY = 256 * HIDDEN * 4  # the largest message in fp32
+# the sums of N unit normals added in another order (NCCL's ring vs one kernel's rank order), each partial sum
+# rounded: a few ulps of the partial sums' magnitude in bf16; a wrong or missing rank's term is off by ~1
+TOLERANCE = {torch.bfloat16: dict(atol=6e-2, rtol=2e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
 def _partial(rank: int, rows: int, dtype, device, seed: int = 0) -> torch.Tensor:
@@ -41,12 +44,13 @@ def _rank_main(rank: int, world: int, store_path: str) -> None:
                 want = comm.nccl_all_reduce(x.clone())
                 assert comm.routes_to_oneshot(x)
                 got = comm.all_reduce(x.clone())
-                torch.testing.assert_close(got, want, msg=lambda m: f"eager {dtype} rows {rows}: {m}")
+                torch.testing.assert_close(got, want, **TOLERANCE[dtype],
+                                           msg=lambda m: f"eager {dtype} rows {rows}: {m}")
         # an input whose storage starts 2 bytes into its buffer: copied into the symmetric buffer first
         base = _partial(rank, 9, torch.bfloat16, device).view(-1)
         shifted = base[1: 1 + 8 * HIDDEN].view(8, HIDDEN)
         want = comm.nccl_all_reduce(shifted.clone())
-        torch.testing.assert_close(comm.all_reduce(shifted), want)
+        torch.testing.assert_close(comm.all_reduce(shifted), want, **TOLERANCE[torch.bfloat16])
         # captured once, replayed with new inputs: the symmetric buffer and signal pads serve every replay
         for dtype in (torch.bfloat16, torch.float32):
             static_in = torch.zeros(8, HIDDEN, dtype=dtype, device=device)
@@ -62,7 +66,8 @@ def _rank_main(rank: int, world: int, store_path: str) -> None:
                 static_in.copy_(x)
                 graph.replay()
                 want = comm.nccl_all_reduce(comm.nccl_all_reduce(x.clone()) * 0.5)
-                torch.testing.assert_close(static_out, want, msg=lambda m: f"graph {dtype} replay {seed}: {m}")
+                torch.testing.assert_close(static_out, want, **TOLERANCE[dtype],
+                                           msg=lambda m: f"graph {dtype} replay {seed}: {m}")
         torch.cuda.synchronize()
     finally:
         comm.close()

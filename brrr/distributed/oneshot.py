@@ -58,8 +58,8 @@ class OneShotAllReduce:
         _register_process_group(name, group)
         try:
             if not _deprecated(symm_mem.enable_symm_mem_for_group):
-                # before torch 2.11 the rendezvous reads rank, size and store from a table filled here, not from
-                # the registered group (from 2.11 a filled table makes each op's rendezvous touch the store)
+                # before torch 2.11 the rendezvous reads rank, size and store from a table filled here; later
+                # versions read the registered group, and a filled table would only add store round trips
                 torch._C._distributed_c10d._SymmetricMemory.set_group_info(name, rank, world, store)
             get_backend = getattr(symm_mem, "get_backend", None)  # absent before the NVSHMEM backend came
             if get_backend is not None and get_backend(device) not in (None, "CUDA"):

@@ -124,7 +124,7 @@ class TensorParallelRunner(ModelRunner):
         if failed:
             rank, why = failed[0]
             log.warning("tensor-parallel all-reduce: NCCL for every message (the one-shot all-reduce could not be "
-                     "set up on rank %d: %s)", rank, why)
+                        "set up on rank %d: %s)", rank, why)
         else:
             for r in rows:
                 timings.append((message_bytes(self, r), self._time_on_every_rank(r, iters, "nccl"),
@@ -142,8 +142,7 @@ class TensorParallelRunner(ModelRunner):
         microseconds per all-reduce through NCCL and through the one-shot path (None where it is not set up or
         cannot take the message), which of them the engine's graphs run, and the largest message the one-shot path
         takes (bytes; 0: none)."""
-        x = torch.empty(rows, self.model.full_config.hidden_size, dtype=next(self.model.parameters()).dtype,
-                        device=self.device)
+        x = torch.empty(rows, self.model.full_config.hidden_size, dtype=self.dtype, device=self.device)
         comm = self.model.tp_comm
         return {"all_reduce_us_nccl": self._time_on_every_rank(rows, iters, "nccl"),
                 "all_reduce_us_oneshot": self._time_on_every_rank(rows, iters, "oneshot"),

@@ -73,7 +73,7 @@ def time_all_reduce(runner: ModelRunner, rows: int, iters: int, backend: str = "
     every rank (every rank calls this together). None where the one-shot path cannot take the message (the same
     answer on every rank: it depends on the shape and dtype only)."""
     comm, model = runner.model.tp_comm, runner.model
-    x = torch.zeros(rows, model.full_config.hidden_size, dtype=next(model.parameters()).dtype, device=runner.device)
+    x = torch.zeros(rows, model.full_config.hidden_size, dtype=runner.dtype, device=runner.device)
     if backend == "oneshot":
         if comm.oneshot is None or not comm.oneshot.supports(x):
             return None
@@ -102,5 +102,4 @@ def time_all_reduce(runner: ModelRunner, rows: int, iters: int, backend: str = "
 
 def message_bytes(runner: ModelRunner, rows: int) -> int:
     """Bytes of a decode step's all-reduce message of `rows` rows: [rows, hidden] in the model's dtype."""
-    model = runner.model
-    return rows * model.full_config.hidden_size * next(model.parameters()).element_size()
+    return rows * runner.model.full_config.hidden_size * runner.dtype.itemsize

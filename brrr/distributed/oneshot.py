@@ -48,6 +48,9 @@ class OneShotAllReduce:
             raise RuntimeError(f"symmetric memory needs CUDA devices, not {device.type}")
         if capacity <= 0 or capacity % ALIGN_BYTES:
             raise ValueError(f"one-shot buffer of {capacity} bytes: a positive multiple of {ALIGN_BYTES} is needed")
+        for op in ("one_shot_all_reduce", "one_shot_all_reduce_copy_out"):
+            if not hasattr(torch.ops.symm_mem, op):
+                raise RuntimeError(f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}")
         # the rendezvous would otherwise try to set up an NVLink multicast object, which these machines lack
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         store = dist.PrefixStore(f"{name}/", store)

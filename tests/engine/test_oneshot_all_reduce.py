@@ -138,3 +138,11 @@ def test_the_message_passes_through_the_symmetric_buffer_and_back_in_place(monke
     message = t.clone()
     assert one(t) is t and torch.equal(t, message)  # one rank: the sum is the message, written back into t
     assert torch.equal(one.buffer.view(torch.bfloat16)[: t.numel()], message.view(-1))
+
+
+def test_a_torch_without_the_one_shot_ops_falls_back_before_registering(comm, monkeypatch):
+    monkeypatch.setattr(torch.ops, "symm_mem", object())
+    why = comm.setup_oneshot(torch.device("cuda", 0), 4096)
+    assert why.startswith("RuntimeError: this torch") and "one_shot_all_reduce" in why and comm.oneshot is None
+    with pytest.raises(RuntimeError):
+        c10d._resolve_process_group("brrr-test-oneshot")

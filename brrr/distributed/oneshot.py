@@ -14,7 +14,10 @@ bare NCCL backend (not torch.distributed's global group, so one process may hold
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -126,3 +129,50 @@ def timed_rows(max_graph_batch: int) -> list[int]:
     """Row counts of the decode messages timed at engine start: the fixed ladder up to the largest graph batch,
     and that batch itself."""
     return sorted({r for r in TIMED_ROWS if r < max_graph_batch} | {max(1, max_graph_batch)})
+
+
+class LaunchWatchdog:
+    """Rank 0's guard for the one-shot all-reduce, whose kernel waits for its peers without a timeout (NCCL's
+    watchdog does not see it): a worker that dies inside it leaves rank 0's GPU waiting for ever, and rank 0's host
+    with it at its next read of a result. Once a worker has exited while the last step rank 0 launched (`mark`) has
+    not finished for `stuck_after_s`, that step never will: `on_stuck` runs (by default this process exits, as NCCL's
+    watchdog ends a rank whose collective timed out), instead of a hang. A dead worker with the GPU idle is left to
+    the engine's own check before its next step."""
+
+    def __init__(self, procs, stuck_after_s: float, on_stuck=None, poll_s: float = 1.0):
+        self.procs, self.stuck_after_s, self.poll_s = procs, stuck_after_s, poll_s
+        self.on_stuck = on_stuck or _exit_stuck
+        self.launched = None  # the CUDA event recorded after the last launched step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="brrr-tp-watchdog", daemon=True)
+
+    def start(self) -> "LaunchWatchdog":
+        self._thread.start()
+        return self
+
+    def mark(self) -> None:
+        """Called on the launching thread after each step is launched: its end is what the watchdog waits for."""
+        if self.launched is None:
+            self.launched = torch.cuda.Event()
+        self.launched.record()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        stuck_since = None
+        while not self._stop.wait(self.poll_s):
+            dead = next((rank for rank, p in enumerate(self.procs, 1) if p.exitcode is not None), None)
+            if dead is None or self.launched is None or self.launched.query():
+                stuck_since = None
+                continue
+            stuck_since = stuck_since or time.monotonic()
+            if time.monotonic() - stuck_since >= self.stuck_after_s:
+                self.on_stuck(f"tensor-parallel worker rank {dead} exited while rank 0's GPU waited on it in the "
+                              f"one-shot all-reduce for {self.stuck_after_s:.0f} s; exiting (the engine is down)")
+                return
+
+
+def _exit_stuck(reason: str) -> None:
+    logging.getLogger("brrr.engine").error(reason)
+    os._exit(1)

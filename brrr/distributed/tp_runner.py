@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from brrr.config import EngineConfig, ModelConfig
-from brrr.distributed.oneshot import choose_bound, timed_rows
+from brrr.distributed.oneshot import LaunchWatchdog, choose_bound, timed_rows
 from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, message_bytes, replay_step, time_all_reduce
 from brrr.engine.model_runner import ModelRunner
 from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
@@ -43,7 +43,7 @@ class TensorParallelRunner(ModelRunner):
         if lora is not None:
             raise BrrrError("LoRA adapters are not sharded yet: serve them with tensor_parallel_size 1")
         super().__init__(model, block_size, num_blocks, max_model_len, cuda_graphs=False, lora=None)
-        self.workers = workers
+        self.workers, self.watchdog = workers, None
         workers.send_all(("cache", (block_size, num_blocks)))
         cfg = model.config
         if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
@@ -107,7 +107,10 @@ class TensorParallelRunner(ModelRunner):
     def _run(self, kind: str, step, run) -> torch.Tensor:
         """Send the step to the workers, run it here; a broken collective takes the group down."""
         self.workers.send_all((kind, step))
-        return self._run_local(run, step)
+        out = self._run_local(run, step)
+        if self.watchdog is not None:
+            self.watchdog.mark()
+        return out
 
     def choose_all_reduce(self, max_graph_batch: int, iters: int = 200) -> int:
         """Set up the one-shot all-reduce on every rank and time it against NCCL at the decode messages' sizes
@@ -135,6 +138,10 @@ class TensorParallelRunner(ModelRunner):
                      ", ".join(f"{b}: {n:.1f} / {'-' if o is None else f'{o:.1f}'}" for b, n, o in timings))
         self.workers.send_all(("oneshot_bound", bound))
         self.model.tp_comm.set_oneshot_bound(bound)
+        if bound and self.watchdog is None:
+            from brrr.distributed.tp_worker import COLLECTIVE_TIMEOUT_S
+
+            self.watchdog = LaunchWatchdog(self.workers.procs, COLLECTIVE_TIMEOUT_S).start()
         return bound
 
     def time_all_reduce(self, rows: int, iters: int = 200) -> dict:
@@ -170,6 +177,8 @@ class TensorParallelRunner(ModelRunner):
         return [own] + [self.workers.receive(rank, "shards", 60) for rank in range(1, self.workers.world)]
 
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.workers.shutdown()
 
 

@@ -1,15 +1,16 @@
 """The one-shot all-reduce's choice and routing, on CPU: which sizes it takes after the start-up measurement, which
-messages `Collectives.all_reduce` sends to it, and the fall back to the group's own all-reduce when it cannot be set
-up. Only the CUDA kernel itself is replaced (by `CpuOneShot`); the GPU test (tests/gpu/test_oneshot_all_reduce.py)
+messages `Collectives.all_reduce` sends to it, the fall back to the group's own all-reduce when it cannot be set
+up, and the watchdog that ends rank 0 when a dead worker leaves its GPU waiting. Only the CUDA kernel itself is replaced (by `CpuOneShot`); the GPU test (tests/gpu/test_oneshot_all_reduce.py)
 runs the real one."""
 import datetime
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from brrr.distributed.oneshot import OneShotAllReduce, choose_bound, timed_rows
+from brrr.distributed.oneshot import LaunchWatchdog, OneShotAllReduce, choose_bound, timed_rows
 from brrr.distributed.sharding import Collectives
 
 
@@ -146,3 +147,52 @@ def test_a_torch_without_the_one_shot_ops_falls_back_before_registering(comm, mo
     assert why.startswith("RuntimeError: this torch") and "one_shot_all_reduce" in why and comm.oneshot is None
     with pytest.raises(RuntimeError):
         c10d._resolve_process_group("brrr-test-oneshot")
+
+
+class Proc:
+    def __init__(self, exitcode=None):
+        self.exitcode = exitcode
+
+
+class Launched:
+    """A CUDA event as the watchdog reads it: whether the step recorded before it has finished."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def _watch(procs, launched, stuck_after_s=0.05):
+    fired = []
+    dog = LaunchWatchdog(procs, stuck_after_s, on_stuck=fired.append, poll_s=0.01)
+    dog.launched = launched
+    dog.start()
+    time.sleep(0.3)
+    dog.stop()
+    return fired
+
+
+def test_the_watchdog_acts_when_a_worker_died_and_the_launched_step_never_ends():
+    fired = _watch([Proc(), Proc(exitcode=-9)], Launched(done=False))
+    assert len(fired) == 1 and "worker rank 2 exited" in fired[0] and "one-shot" in fired[0]
+
+
+@pytest.mark.parametrize("procs, launched", [
+    ([Proc(), Proc()], Launched(done=False)),  # a long step with every worker alive: not stuck
+    ([Proc(exitcode=1)], Launched(done=True)),  # a dead worker, the GPU idle: the engine's own check sees it
+    ([Proc(exitcode=1)], None),  # nothing launched yet
+], ids=["workers-alive", "gpu-idle", "nothing-launched"])
+def test_the_watchdog_leaves_alone_what_is_not_a_hang(procs, launched):
+    assert _watch(procs, launched) == []
+
+
+def test_a_stopped_watchdog_does_not_act():
+    fired = []
+    dog = LaunchWatchdog([Proc(exitcode=1)], 0.0, on_stuck=fired.append, poll_s=0.05)
+    dog.launched = Launched(done=False)
+    dog.stop()  # the runner's shutdown: workers stopping on purpose
+    dog.start()
+    dog._thread.join(1)
+    assert not dog._thread.is_alive() and fired == []

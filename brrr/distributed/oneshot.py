@@ -134,15 +134,16 @@ def timed_rows(max_graph_batch: int) -> list[int]:
 class LaunchWatchdog:
     """Rank 0's guard for the one-shot all-reduce, whose kernel waits for its peers without a timeout (NCCL's
     watchdog does not see it): a worker that dies inside it leaves rank 0's GPU waiting for ever, and rank 0's host
-    with it at its next read of a result. Once a worker has exited while the last step rank 0 launched (`mark`) has
-    not finished for `stuck_after_s`, that step never will: `on_stuck` runs (by default this process exits, as NCCL's
-    watchdog ends a rank whose collective timed out), instead of a hang. A dead worker with the GPU idle is left to
-    the engine's own check before its next step."""
+    with it at its next read of a result. Once a worker has exited while rank 0 is launching a step (between `begin`
+    and `mark`) or the last step it launched has not finished, for `stuck_after_s`, that step never will: `on_stuck`
+    runs (by default this process exits, as NCCL's watchdog ends a rank whose collective timed out), instead of a
+    hang. A dead worker with the GPU idle is left to the engine's own check before its next step."""
 
     def __init__(self, procs, stuck_after_s: float, on_stuck=None, poll_s: float = 1.0):
         self.procs, self.stuck_after_s, self.poll_s = procs, stuck_after_s, poll_s
         self.on_stuck = on_stuck or _exit_stuck
         self.launched = None  # the CUDA event recorded after the last launched step
+        self.launching = False  # between begin() and mark(): the host may wait on the GPU inside a step's launch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="brrr-tp-watchdog", daemon=True)
 
@@ -150,11 +151,16 @@ class LaunchWatchdog:
         self._thread.start()
         return self
 
+    def begin(self) -> None:
+        """Called on the launching thread before each step is launched."""
+        self.launching = True
+
     def mark(self) -> None:
         """Called on the launching thread after each step is launched: its end is what the watchdog waits for."""
         if self.launched is None:
             self.launched = torch.cuda.Event()
         self.launched.record()
+        self.launching = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -163,7 +169,8 @@ class LaunchWatchdog:
         stuck_since = None
         while not self._stop.wait(self.poll_s):
             dead = next((rank for rank, p in enumerate(self.procs, 1) if p.exitcode is not None), None)
-            if dead is None or self.launched is None or self.launched.query():
+            waiting = self.launching or (self.launched is not None and not self.launched.query())
+            if dead is None or not waiting:
                 stuck_since = None
                 continue
             stuck_since = stuck_since or time.monotonic()

@@ -107,6 +107,8 @@ class TensorParallelRunner(ModelRunner):
     def _run(self, kind: str, step, run) -> torch.Tensor:
         """Send the step to the workers, run it here; a broken collective takes the group down."""
         self.workers.send_all((kind, step))
+        if self.watchdog is not None:
+            self.watchdog.begin()
         out = self._run_local(run, step)
         if self.watchdog is not None:
             self.watchdog.mark()

@@ -164,10 +164,10 @@ class Launched:
         return self.done
 
 
-def _watch(procs, launched, stuck_after_s=0.05):
+def _watch(procs, launched, stuck_after_s=0.05, launching=False):
     fired = []
     dog = LaunchWatchdog(procs, stuck_after_s, on_stuck=fired.append, poll_s=0.01)
-    dog.launched = launched
+    dog.launched, dog.launching = launched, launching
     dog.start()
     time.sleep(0.3)
     dog.stop()
@@ -177,6 +177,10 @@ def _watch(procs, launched, stuck_after_s=0.05):
 def test_the_watchdog_acts_when_a_worker_died_and_the_launched_step_never_ends():
     fired = _watch([Proc(), Proc(exitcode=-9)], Launched(done=False))
     assert len(fired) == 1 and "worker rank 2 exited" in fired[0] and "one-shot" in fired[0]
+
+
+def test_the_watchdog_acts_when_a_worker_died_and_the_host_is_stuck_launching():
+    assert len(_watch([Proc(exitcode=-9)], None, launching=True)) == 1  # e.g. a host read inside the step
 
 
 @pytest.mark.parametrize("procs, launched", [

@@ -135,3 +135,34 @@ def test_tp2_start_up_choice_is_measured_and_logged(tmp_path, caplog):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+STUCK_SCRIPT = """
+import os, signal, sys, threading, time
+import brrr.distributed.oneshot as oneshot
+import brrr.distributed.tp_runner as tp_runner
+from brrr import LLM, SamplingParams
+
+tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)  # one-shot for every decode message
+tp_runner.LaunchWatchdog = lambda procs, _timeout: oneshot.LaunchWatchdog(procs, 3.0)  # NCCL's stays 120 s
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cuda", gpu_memory_utilization=0.05,
+          max_num_batched_tokens=64)
+worker = llm.engine.runner.workers.procs[0].pid
+os.kill(worker, signal.SIGSTOP)  # alive, so the next step is sent; it never joins the one-shot kernel
+threading.Timer(2.0, os.kill, (worker, signal.SIGKILL)).start()  # then dies, the kernel still waiting on it
+print("generating", flush=True)
+llm.generate([[1, 5, 9, 30]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+print("not stuck", flush=True)
+"""
+
+
+def test_a_worker_dying_inside_the_oneshot_kernel_ends_rank_0_instead_of_hanging(tmp_path):
+    import subprocess
+    import sys
+
+    hf_models.save_tokenizer(tmp_path)
+    hf_models.save(hf_models.build("llama3-rope", vocab_size=321), tmp_path, sharded=True)
+    done = subprocess.run([sys.executable, "-c", STUCK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=240)
+    assert "generating" in done.stdout and "not stuck" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert done.returncode == 1 and "waited on it in the one-shot all-reduce" in done.stderr, done.stderr[-2000:]

@@ -44,7 +44,7 @@ class OneShotAllReduce:
         """Collective (every rank, together): register the group as `name`, allocate `capacity` bytes of symmetric
         memory and map every peer's. Raises where that cannot be done (no CUDA symmetric memory in this torch, no
         P2P between the GPUs); the caller falls back to NCCL."""
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401 - registers the symm_mem ops
+        import torch.distributed._symmetric_memory as symm_mem  # its import also registers the ops' Python side
         from torch._C._distributed_c10d import ProcessGroup, _register_process_group
 
         if device.type != "cuda":

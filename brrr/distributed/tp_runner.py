@@ -107,12 +107,13 @@ class TensorParallelRunner(ModelRunner):
     def _run(self, kind: str, step, run) -> torch.Tensor:
         """Send the step to the workers, run it here; a broken collective takes the group down."""
         self.workers.send_all((kind, step))
-        if self.watchdog is not None:
-            self.watchdog.begin()
-        out = self._run_local(run, step)
-        if self.watchdog is not None:
+        if self.watchdog is None:
+            return self._run_local(run, step)
+        self.watchdog.begin()
+        try:
+            return self._run_local(run, step)
+        finally:  # a step that failed is watched too: what it launched may still wait on a dead peer
             self.watchdog.mark()
-        return out
 
     def choose_all_reduce(self, max_graph_batch: int, iters: int = 200) -> int:
         """Set up the one-shot all-reduce on every rank and time it against NCCL at the decode messages' sizes

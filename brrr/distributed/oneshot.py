@@ -157,9 +157,12 @@ class LaunchWatchdog:
 
     def mark(self) -> None:
         """Called on the launching thread after each step is launched: its end is what the watchdog waits for."""
-        if self.launched is None:
-            self.launched = torch.cuda.Event()
-        self.launched.record()
+        try:
+            if self.launched is None:
+                self.launched = torch.cuda.Event()
+            self.launched.record()
+        except RuntimeError:  # a broken CUDA context: the step's own error is the one to report
+            pass
         self.launching = False
 
     def stop(self) -> None:

@@ -113,12 +113,45 @@ class Collectives:
     torch.distributed's global one, so one process may hold several engines. Every rank calls them in the same order:
     the model's forward is the schedule."""
 
-    def __init__(self, group, rank: int, world: int):
+    def __init__(self, group, rank: int, world: int, store=None, name: str = ""):
         self.group, self.rank, self.world = group, rank, world
+        self.store, self.name = store, name  # the rendezvous store and a name unique to the engine (symm memory)
+        # on CUDA, a OneShotAllReduce that takes the messages of up to `oneshot_bound` bytes (set_oneshot_bound)
+        self.oneshot, self.oneshot_bound = None, 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks, in place: a small message through the one-shot path where it was measured
+        faster, else NCCL (gloo on CPU)."""
+        return self.oneshot(t) if self.routes_to_oneshot(t) else self.nccl_all_reduce(t)
+
+    def routes_to_oneshot(self, t: torch.Tensor) -> bool:
+        return (self.oneshot is not None and t.numel() * t.element_size() <= self.oneshot_bound
+                and self.oneshot.supports(t))
+
+    def nccl_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([t]).wait()
         return t
+
+    def setup_oneshot(self, device: torch.device, capacity: int) -> str | None:
+        """Collective: map a `capacity`-byte symmetric buffer on every rank (routing nothing to it until
+        `set_oneshot_bound`). Returns why it could not be set up, or None."""
+        from brrr.distributed.oneshot import OneShotAllReduce
+
+        try:
+            self.oneshot = OneShotAllReduce.create(self.group, self.store, self.rank, self.world, device, capacity,
+                                                   self.name)
+        except Exception as e:  # no symmetric memory in this torch, no P2P between the GPUs, ...
+            first = (str(e).strip().splitlines() or [""])[0]
+            return f"{type(e).__name__}: {first}"
+        return None
+
+    def set_oneshot_bound(self, bound: int) -> None:
+        """Route messages of up to `bound` bytes to the one-shot path (every rank sets the same bound, decided on
+        rank 0); 0 releases the buffer."""
+        self.oneshot_bound = bound if self.oneshot is not None else 0
+        if self.oneshot is not None and bound <= 0:
+            self.oneshot.close()
+            self.oneshot = None
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """`t` as rank `src` holds it, on every rank (in place)."""
@@ -133,6 +166,7 @@ class Collectives:
         group, self.group = self.group, None
         if group is None:
             return
+        self.set_oneshot_bound(0)
         try:
             group.shutdown() if clean else group.abort()
         except Exception:  # already torn down, or a backend without the call

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from brrr.config import EngineConfig, ModelConfig
-from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, replay_step, time_all_reduce
+from brrr.distributed.oneshot import LaunchWatchdog, choose_bound, timed_rows
+from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, message_bytes, replay_step, time_all_reduce
 from brrr.engine.model_runner import ModelRunner
 from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.errors import BrrrError
+
+log = logging.getLogger("brrr.engine")
 
 
 class TensorParallelRunner(ModelRunner):
@@ -39,9 +43,11 @@ class TensorParallelRunner(ModelRunner):
         if lora is not None:
             raise BrrrError("LoRA adapters are not sharded yet: serve them with tensor_parallel_size 1")
         super().__init__(model, block_size, num_blocks, max_model_len, cuda_graphs=False, lora=None)
-        self.workers = workers
+        self.workers, self.watchdog = workers, None
         workers.send_all(("cache", (block_size, num_blocks)))
         cfg = model.config
+        if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
+            self.choose_all_reduce(max_graph_batch)
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
 
@@ -89,12 +95,61 @@ class TensorParallelRunner(ModelRunner):
     def _run(self, kind: str, step, run) -> torch.Tensor:
         """Send the step to the workers, run it here; a broken collective takes the group down."""
         self.workers.send_all((kind, step))
-        return self._run_local(run, step)
+        if self.watchdog is None:
+            return self._run_local(run, step)
+        self.watchdog.begin()
+        try:
+            return self._run_local(run, step)
+        finally:  # a step that failed is watched too: what it launched may still wait on a dead peer
+            self.watchdog.mark()
 
-    def time_all_reduce(self, rows: int, iters: int = 200) -> float:
-        """Microseconds per NCCL all-reduce of [rows, hidden] inside a CUDA graph (rank 0's clock; CUDA only)."""
-        self.workers.send_all(("time_all_reduce", (rows, iters)))
-        mine = self._run_local(time_all_reduce, rows, iters)
+    def choose_all_reduce(self, max_graph_batch: int, iters: int = 200) -> int:
+        """Set up the one-shot all-reduce on every rank and time it against NCCL at the decode messages' sizes
+        (`timed_rows`), inside CUDA graphs; route to it the messages up to the largest size at which it won
+        (`choose_bound`). Returns that bound in bytes, 0 where NCCL takes everything; logs the choice in one line.
+        Collective: every rank sets the bound rank 0 decided."""
+        rows = timed_rows(max_graph_batch)
+        capacity = -(-message_bytes(self, rows[-1]) // 16) * 16
+        self.workers.send_all(("oneshot_setup", capacity))
+        errors = [self.model.tp_comm.setup_oneshot(self.device, capacity)]
+        errors += [self.workers.receive(rank, "oneshot_setup", 600) for rank in range(1, self.workers.world)]
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        timings, bound = [], 0
+        if failed:
+            rank, why = failed[0]
+            log.warning("tensor-parallel all-reduce: NCCL for every message (the one-shot all-reduce could not be "
+                        "set up on rank %d: %s)", rank, why)
+        else:
+            for r in rows:
+                timings.append((message_bytes(self, r), self._time_on_every_rank(r, iters, "nccl"),
+                                self._time_on_every_rank(r, iters, "oneshot")))
+            bound = choose_bound(timings)
+            log.info("tensor-parallel all-reduce: one-shot up to %d bytes, NCCL above (us per all-reduce in a CUDA "
+                     "graph, bytes: NCCL / one-shot: %s)", bound,
+                     ", ".join(f"{b}: {n:.1f} / {'-' if o is None else f'{o:.1f}'}" for b, n, o in timings))
+        self.workers.send_all(("oneshot_bound", bound))
+        self.model.tp_comm.set_oneshot_bound(bound)
+        if bound and self.watchdog is None:
+            from brrr.distributed.tp_worker import COLLECTIVE_TIMEOUT_S
+
+            self.watchdog = LaunchWatchdog(self.workers.procs, COLLECTIVE_TIMEOUT_S).start()
+        return bound
+
+    def time_all_reduce(self, rows: int, iters: int = 200) -> dict:
+        """The all-reduce of a decode step of `rows` rows inside a CUDA graph (rank 0's clock; CUDA only):
+        microseconds per all-reduce through NCCL and through the one-shot path (None where it is not set up or
+        cannot take the message), which of them the engine's graphs run, and the largest message the one-shot path
+        takes (bytes; 0: none)."""
+        x = torch.empty(rows, self.model.full_config.hidden_size, dtype=self.dtype, device=self.device)
+        comm = self.model.tp_comm
+        return {"all_reduce_us_nccl": self._time_on_every_rank(rows, iters, "nccl"),
+                "all_reduce_us_oneshot": self._time_on_every_rank(rows, iters, "oneshot"),
+                "all_reduce_backend": "oneshot" if comm.routes_to_oneshot(x) else "nccl",
+                "all_reduce_oneshot_max_bytes": comm.oneshot_bound}
+
+    def _time_on_every_rank(self, rows: int, iters: int, backend: str) -> float | None:
+        self.workers.send_all(("time_all_reduce", (rows, iters, backend)))
+        mine = self._run_local(time_all_reduce, rows, iters, backend)
         for rank in range(1, self.workers.world):
             self.workers.receive(rank, "all_reduce_us", 60)
         return mine
@@ -113,6 +168,8 @@ class TensorParallelRunner(ModelRunner):
         return [own] + [self.workers.receive(rank, "shards", 60) for rank in range(1, self.workers.world)]
 
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.workers.shutdown()
 
 

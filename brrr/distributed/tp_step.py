@@ -67,18 +67,30 @@ def forward_step(runner: ModelRunner, step: StepInputs) -> torch.Tensor:
     return runner.model.compute_logits(hidden.index_select(0, rows))
 
 
-def time_all_reduce(runner: ModelRunner, rows: int, iters: int) -> float:
-    """Microseconds per all-reduce of a decode step's activations [rows, hidden], measured as the decode graphs run
-    them: `iters` of them captured back to back in one CUDA graph on every rank (every rank calls this together)."""
+def time_all_reduce(runner: ModelRunner, rows: int, iters: int, backend: str = "nccl") -> float | None:
+    """Microseconds per all-reduce of a decode step's activations [rows, hidden] through `backend` ("nccl" or
+    "oneshot"), measured as the decode graphs run them: `iters` of them captured back to back in one CUDA graph on
+    every rank (every rank calls this together). None where the one-shot path cannot take the message (the same
+    answer on every rank: it depends on the shape and dtype only)."""
     comm, model = runner.model.tp_comm, runner.model
-    x = torch.zeros(rows, model.full_config.hidden_size, dtype=next(model.parameters()).dtype, device=runner.device)
+    x = torch.zeros(rows, model.full_config.hidden_size, dtype=runner.dtype, device=runner.device)
+    if backend == "oneshot":
+        if comm.oneshot is None or not comm.oneshot.supports(x):
+            return None
+        reduce = comm.oneshot
+        try:
+            reduce(x)  # the op's own checks run on the host before its kernel, alike on every rank
+        except (RuntimeError, AttributeError):
+            return None
+    else:
+        reduce = comm.nccl_all_reduce
     for _ in range(3):  # NCCL sets up its buffers for this size outside the capture
-        comm.all_reduce(x)
+        reduce(x)
     torch.cuda.synchronize(runner.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(iters):
-            comm.all_reduce(x)
+            reduce(x)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -86,3 +98,8 @@ def time_all_reduce(runner: ModelRunner, rows: int, iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
+
+
+def message_bytes(runner: ModelRunner, rows: int) -> int:
+    """Bytes of a decode step's all-reduce message of `rows` rows: [rows, hidden] in the model's dtype."""
+    return rows * runner.model.full_config.hidden_size * runner.dtype.itemsize

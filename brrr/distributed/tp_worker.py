@@ -44,7 +44,8 @@ def connect(store_path: str, rank: int, world: int, device: torch.device):
         group = dist.ProcessGroupNCCL(store, rank, world, options)
     else:
         group = dist.ProcessGroupGloo(store, rank, world, timeout)
-    return Collectives(group, rank, world)
+    # the same name on every rank, unique to this engine (its store's temporary directory)
+    return Collectives(group, rank, world, store, os.path.basename(os.path.dirname(store_path)))
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -117,6 +118,10 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
             conn.send(("blocks", ModelRunner.profile_num_blocks(model, *payload)))
         elif kind == "time_all_reduce":
             conn.send(("all_reduce_us", time_all_reduce(runner, *payload)))
+        elif kind == "oneshot_setup":  # collective: every rank maps its peers' buffers
+            conn.send(("oneshot_setup", comm.setup_oneshot(device, payload)))
+        elif kind == "oneshot_bound":  # rank 0's choice, the same on every rank: the graphs pair up
+            comm.set_oneshot_bound(payload)
         elif kind == "shards":
             conn.send(("shards", {n: (tuple(p.shape), p.nbytes) for n, p in model.named_parameters()}))
 

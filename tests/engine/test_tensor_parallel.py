@@ -115,6 +115,18 @@ def test_decode_graphs_replay_on_every_rank(tp2, reference):
     assert tokens == reference[0] and _close(logprobs, reference[1])
 
 
+def test_all_reduce_choice_falls_back_to_the_group_on_every_rank(tp2, reference, caplog):
+    """The start-up choice (run on CUDA engines) as a gloo group meets it: the one-shot setup fails on every rank
+    (no CUDA symmetric memory), rank 0 logs why once, every rank keeps the group's all-reduce, and the ranks stay
+    in step."""
+    with caplog.at_level("INFO", logger="brrr.engine"):
+        assert tp2.engine.runner.choose_all_reduce(8) == 0
+    lines = [r.getMessage() for r in caplog.records if "tensor-parallel all-reduce" in r.getMessage()]
+    assert len(lines) == 1 and "NCCL for every message" in lines[0] and "CUDA" in lines[0]
+    assert tp2.engine.model.tp_comm.oneshot is None
+    assert _run(tp2)[0] == reference[0]
+
+
 def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
     path = _model_dir(tmp_path_factory, "mqa")  # 1 KV head for 4 ranks: each rank holds a copy
     _, shards = _compare_with_one_rank(path, 4)

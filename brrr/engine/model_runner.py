@@ -30,12 +30,15 @@ def kv_cache_bytes(free: int, total: int, in_use: int, activations: int, gpu_mem
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def _cuda_capture(step, pool):
-    torch.cuda.synchronize()
+def _cuda_capture(step, pool, device):
+    torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
+    # A capture stream of this runner's device: torch.cuda.graph's default one is made once per process, on the
+    # device of the first capture, and entering it makes that device current (a disaggregated engine's decode
+    # instance on GPU 1, in a process that captured on GPU 0 before, then launched its kernels against GPU 0).
     # thread_local: the engine's other threads (a disaggregated engine's KV transfers, the mask thread) may call
-    # CUDA while this one captures; in the default global mode such a call breaks the capture
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    # CUDA while this one captures; in the default global mode such a call breaks the capture.
+    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
         logits = step()
     return graph, logits
 
@@ -94,7 +97,7 @@ class ModelRunner:
                     return self.model.logits(self.g_ids[:g], self.g_pos[:g], meta)
 
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
-                graph, logits = (capture or _cuda_capture)(step, pool)
+                graph, logits = capture(step, pool) if capture else _cuda_capture(step, pool, dev)
                 pool = graph.pool()
                 self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
         if self.lora is not None:

@@ -16,6 +16,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.engine.spec_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 
 GREEDY = SamplingParams(temperature=0)
@@ -50,10 +51,15 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        """As many token slots as the target's pool (the engine counted them when it sized that pool)."""
+    def allocate_cache(self, num_blocks: int, block_size: int, cuda_graphs: bool = False, max_batch: int = 1,
+                       max_num_batched_tokens: int = 2048) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool). With
+        cuda_graphs (the engine's; captured on CUDA only) up to max_batch rows: decode graphs for the k - 1 steps
+        of one token, and verify graphs of two tokens a row for the first step, which computes what the target kept
+        since the last proposal (one token after a rejection, two after a fully accepted run)."""
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, block_size, num_blocks, cuda_graphs=False)
+        self.runner = ModelRunner(self.model, block_size, num_blocks, self.max_len, cuda_graphs, max_batch,
+                                  verify=verify_graph_spec(2, False, max_batch, max_num_batched_tokens))
 
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
         active = [x for x in inputs if self._sync(x, k)]

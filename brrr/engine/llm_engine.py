@@ -22,7 +22,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.verify import Speculator
-from brrr.engine.spec_graphs import verify_graph_spec
+from brrr.engine.spec_graphs import graph_replays, verify_graph_spec
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
@@ -561,17 +561,8 @@ class EngineCore:
                 "kv_cache_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
-                "num_steps": self.num_steps, **(self._spec_stats() if self.spec is not None else {})}
-
-    def _spec_stats(self) -> dict:
-        """vLLM's counters, and the steps that ran in graphs: verify steps (the target's) and a draft model's."""
-        verify = getattr(self.runner, "verify_graphs", None)
-        stats = {**self.spec.stats(), "spec_verify_graph_steps": verify.replays if verify is not None else 0}
-        draft = getattr(self.spec.proposer, "runner", None)
-        if draft is not None:
-            stats["spec_draft_graph_steps"] = draft.decode_replays + (
-                draft.verify_graphs.replays if draft.verify_graphs is not None else 0)
-        return stats
+                "num_steps": self.num_steps, **(self.spec.stats() if self.spec is not None else {}),
+                **(graph_replays(self.runner, self.spec.proposer) if self.spec is not None else {})}
 
 
 class LLMEngine(EngineCore):

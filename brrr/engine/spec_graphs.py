@@ -45,6 +45,18 @@ def verify_graph_spec(tokens: int, hidden: bool, max_num_seqs: int, max_num_batc
     return VerifyGraphSpec(tokens, hidden, limit) if limit >= 1 else None
 
 
+def graph_replays(runner, proposer) -> dict:
+    """Speculating steps that ran in graphs: the target's verify steps, and a draft model's steps (its own runner's
+    decode and verify graphs)."""
+    verify = getattr(runner, "verify_graphs", None)  # a tensor-parallel runner has none
+    stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
+    draft = getattr(proposer, "runner", None)
+    if draft is not None:
+        stats["spec_draft_graph_steps"] = draft.decode_replays + (
+            draft.verify_graphs.replays if draft.verify_graphs is not None else 0)
+    return stats
+
+
 class VerifyGraphs:
     def __init__(self, runner, spec: VerifyGraphSpec, sizes: list[int], max_blocks: int):
         """runner: the ModelRunner whose model, KV cache, spare block and LoRA slots the graphs use; sizes: the

@@ -330,6 +330,8 @@ class EngineCore:
         groups = [(seq, self.spec.accept(seq.spec_tokens, tokens), lps) if seq.spec_tokens else (seq, tokens, lps)
                   for seq, tokens, lps in groups]
         runs = {seq.seq_id: len(tokens) for seq, tokens, _ in groups if seq.spec_tokens}
+        if runs:
+            self.spec.num_verify_steps += 1
         for seq, n in batch.items:
             if seq.seq_id in runs:  # committed after its tokens are appended (`_roll_back`)
                 continue

@@ -66,8 +66,10 @@ class VerifyGraphs:
         self.replays = 0  # steps that ran through a verify graph (benches report it)
         n, q, dev = sizes[-1], self.q, runner.device
         spare = runner.num_blocks * runner.block_size
-        # Every tensor a graph reads must outlive it: the graph keeps addresses, not references.
-        self.rows = torch.zeros(3, n * q, dtype=torch.long, device=dev)  # ids, positions, slots
+        # Every tensor a graph reads must outlive it: the graph keeps addresses, not references. Rows of an even
+        # length: each of ids, positions and slots starts 16-byte aligned, as the eager step's do (Triton compiles a
+        # kernel per pointer alignment).
+        self.rows = torch.zeros(3, -(-n * q // 2) * 2, dtype=torch.long, device=dev)  # ids, positions, slots
         self.rows[2] = spare
         self.ctx = torch.full((n,), q, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)

@@ -5,9 +5,9 @@ speculation gains.
 
 One graph per captured batch size g, with cu_seqlens fixed at 0, q, 2q, ...: row i's tokens sit at i*q .. i*q+n-1,
 n <= q, and its query slots after them are padding. Causal attention keeps padding invisible to the real tokens
-before it; padding writes its K/V to the runner's spare block, reads the row's last real position (a valid RoPE
-position) and its outputs are never read. Rows g - b of a step of b rows are padding too (context q: no cached
-prefix). With q >= 2 every row takes the varlen prefill kernel, whose launch depends only on the batch and q
+before it; padding writes its K/V to the runner's spare block, takes the row's last real position (a valid RoPE
+position) and its outputs are never read. Rows b .. g - 1 of a step of b rows are padding too (context q: no
+cached prefix). With q >= 2 every row takes the varlen prefill kernel, whose launch depends only on the batch and q
 (known at capture); its cached prefix (context - q keys) is read from the device, so one graph serves every
 context length, unlike decode graphs, which need one per attention plan.
 """
@@ -48,7 +48,7 @@ def verify_graph_spec(tokens: int, hidden: bool, max_num_seqs: int, max_num_batc
 def graph_replays(runner, proposer) -> dict:
     """Speculating steps that ran in graphs: the target's verify steps, and a draft model's steps (its own runner's
     decode and verify graphs)."""
-    verify = getattr(runner, "verify_graphs", None)  # a tensor-parallel runner has none
+    verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off, tensor parallelism)
     stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
     draft = getattr(proposer, "runner", None)
     if draft is not None:

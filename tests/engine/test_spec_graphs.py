@@ -101,7 +101,7 @@ def test_padded_verify_graphs_give_eager_tokens_and_write_only_the_spare_block(s
 @pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
 def test_each_method_through_graphs_equals_decoding_without_speculation(setup, method, tmp_path):
     path, model, tokenizer = setup
-    spec = {"method": method, "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 4}
     if method == "draft":
         spec["model"] = str(path)  # the target as its own draft: every draft accepted, two-token catch-ups
     if method == "eagle":
@@ -113,6 +113,11 @@ def test_each_method_through_graphs_equals_decoding_without_speculation(setup, m
             for i, p in enumerate(prompts)]
     want = texts(run(engine_for(model, tokenizer, None, False), reqs))
     engine = engine_for(model, tokenizer, spec, True)
+    chained = []
+    if method == "draft":  # its steps after the first are queued back to back, each reading the last's tokens
+        draft, launch = engine.spec.proposer.runner, engine.spec.proposer.runner.launch
+        draft.launch = lambda batch, rows, ids_from=None: chained.append(ids_from is not None) or launch(
+            batch, rows, ids_from)
     assert texts(run(engine, reqs)) == want
     stats = engine.stats()
     assert stats["spec_verify_graph_steps"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
@@ -120,6 +125,9 @@ def test_each_method_through_graphs_equals_decoding_without_speculation(setup, m
         draft = engine.spec.proposer.runner
         assert draft.decode_replays > 0 and draft.verify_graphs.replays > 0
         assert stats["spec_draft_graph_steps"] == draft.decode_replays + draft.verify_graphs.replays
+        assert sum(chained) > 10 and not all(chained)
+        # the right drafts, not merely an exact output: the target as its own draft has every one accepted
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     if method == "eagle":
         assert engine.runner.verify_graphs.hidden
 

@@ -175,7 +175,13 @@ def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:
               "alpha_fitted": round(alpha, 4),
               # per sequence per engine step: what the formula's S assumes every step makes; steps without a draft
               # (nothing matched) and the prefill step lower it
-              "tokens_per_seq_step": round(delta("generation_tokens") / max(1, delta("num_steps")) / batch, 3)}
+              "tokens_per_seq_step": round(delta("generation_tokens") / max(1, delta("num_steps")) / batch, 3),
+              # engine steps, those that verified drafts, and those whose forward replayed a verify graph (EAGLE's
+              # steps without drafts too: they keep hidden states, which decode graphs do not)
+              "engine_steps": delta("num_steps"), "verify_steps": delta("spec_verify_steps"),
+              "verify_graph_steps": delta("spec_verify_graph_steps")}
+    if "spec_draft_graph_steps" in after:  # a draft model's steps that replayed its own graphs
+        record["draft_graph_steps"] = delta("spec_draft_graph_steps")
     if speculative.method == "ngram":
         record["predicted_speedup_c0"] = round(expected_speedup(alpha, k, 0.0), 3)
     return record

@@ -38,7 +38,8 @@ log = logging.getLogger("brrr.engine")
 # Counters the warm-up moves; reported relative to where it left them, so metrics count only real requests.
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
             "num_steps")
-SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                 "spec_verify_steps", "spec_verify_graph_steps", "spec_draft_graph_steps")
 DISAGG_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")
 PARENT_CHECK_SECONDS = 1.0  # while idle, how often the engine process checks that the server still exists
 

@@ -22,6 +22,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.verify import Speculator
+from brrr.engine.spec_graphs import graph_replays, verify_graph_spec
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
@@ -131,18 +132,27 @@ class EngineCore:
             proposer = make_proposer(ec.speculative_config, model)
             draft = proposer if isinstance(proposer, DraftModelProposer) else None
         num_blocks = self._num_blocks(draft.kv_bytes_per_block(ec.block_size) if draft else 0)
+        spec_cfg = ec.speculative_config
         if draft is not None:
-            draft.allocate_cache(num_blocks, ec.block_size)
+            draft.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
+                                 min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
+                                 ec.max_num_batched_tokens)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)
         self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
-            runner_class = ModelRunner
             if ec.tensor_parallel_size > 1:  # rank 0 of a sharded model: the workers run each step beside it
-                from brrr.distributed.tp_runner import TensorParallelRunner as runner_class
-            self.runner = runner_class(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                       ec.max_num_seqs, self.lora)
+                # (verify steps run eagerly there: its workers replay decode graphs only)
+                from brrr.distributed.tp_runner import TensorParallelRunner
+                self.runner = TensorParallelRunner(model, ec.block_size, num_blocks, self.max_model_len,
+                                                   ec.cuda_graphs, ec.max_num_seqs, self.lora)
+            else:
+                verify = None if proposer is None else verify_graph_spec(
+                    spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
+                    ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
+                self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                          ec.max_num_seqs, self.lora, verify)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         # a decode step launched, tokens unread: its PendingTokens, or a GuidedStep until a guided step samples
@@ -320,6 +330,8 @@ class EngineCore:
         groups = [(seq, self.spec.accept(seq.spec_tokens, tokens), lps) if seq.spec_tokens else (seq, tokens, lps)
                   for seq, tokens, lps in groups]
         runs = {seq.seq_id: len(tokens) for seq, tokens, _ in groups if seq.spec_tokens}
+        if runs:
+            self.spec.num_verify_steps += 1
         for seq, n in batch.items:
             if seq.seq_id in runs:  # committed after its tokens are appended (`_roll_back`)
                 continue
@@ -551,7 +563,8 @@ class EngineCore:
                 "kv_cache_usage": bm.usage, "num_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
-                "num_steps": self.num_steps, **(self.spec.stats() if self.spec is not None else {})}
+                "num_steps": self.num_steps, **(self.spec.stats() if self.spec is not None else {}),
+                **(graph_replays(self.runner, self.spec.proposer) if self.spec is not None else {})}
 
 
 class LLMEngine(EngineCore):

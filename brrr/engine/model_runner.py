@@ -7,6 +7,7 @@ import torch
 from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
@@ -49,9 +50,13 @@ class ModelRunner:
     failure: str | None = None
 
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None):
-        """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot."""
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
+                 verify: VerifyGraphSpec | None = None):
+        """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
+        verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec_graphs.py)."""
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
+        self.verify_spec, self.verify_graphs = verify, None
+        self.decode_replays = 0  # steps that ran through a decode graph
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
@@ -69,7 +74,9 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int, max_blocks: int, capture=None) -> None:
         """Capture one decode step per batch size (largest first, one shared memory pool). A step of B
-        sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block)."""
+        sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block). With a
+        verify spec, then the verify graphs of the sizes up to its bound, in the same pool. capture(step, pool) ->
+        (graph, logits): torch.cuda.graph's (tests pass one that re-runs the step eagerly)."""
         sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
         n, dev = sizes[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -102,6 +109,10 @@ class ModelRunner:
                 self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
         if self.lora is not None:
             self.lora.slots.end()
+        if self.verify_spec is not None:
+            verify = [b for b in sizes if b < self.verify_spec.max_batch] + [min(max_batch, self.verify_spec.max_batch)]
+            self.verify_graphs = VerifyGraphs(self, self.verify_spec, sorted(set(verify)), max_blocks)
+            self.verify_graphs.capture(capture or _cuda_capture, pool)
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest
@@ -119,6 +130,7 @@ class ModelRunner:
             self._lora_rows(batch, [1] * b, g)
         graph, logits, _ = self.graph_for(g, longest)
         graph.replay()
+        self.decode_replays += 1
         return logits[:b]
 
     def decode_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[int, int, int, np.ndarray, int]:
@@ -225,8 +237,10 @@ class ModelRunner:
                 want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
         """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
         log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
-        want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; a captured graph
-        keeps only logits, so such steps run eagerly)."""
+        want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; decode graphs
+        keep only logits, verify graphs keep it when captured for it). A step of decodes replays a decode graph;
+        one whose rows have up to q tokens (verify steps, a draft model's catch-up) a verify graph; the rest, and
+        steps that want prompt log-probs, run eagerly."""
         self.copy_blocks(batch.copies)
         rows = [r for r, _ in sample_rows]
         if not logit_rows and not want_hidden and self.can_launch(batch):
@@ -234,6 +248,12 @@ class ModelRunner:
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
                 logits = logits.index_select(0, h2d(rows, self.device, torch.long))
             return sample(logits, [row for _, row in sample_rows]), None, None
+        verify = self.verify_graphs
+        # (a step of decodes that missed the decode graphs, block copies say, stays eager: q times its tokens)
+        if (verify is not None and not logit_rows and (verify.hidden or not want_hidden) and verify.takes(batch)
+                and (want_hidden or any(n > 1 for _, n in batch.items))):
+            logits, hidden = verify.replay(batch, rows, want_hidden)
+            return sample(logits, [row for _, row in sample_rows]), None, hidden
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
         # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.

@@ -474,6 +474,7 @@ def test_bench_latency_reports_acceptance_beside_the_formula(setup, tmp_path):
         assert r["spec_num_draft_tokens"] > 0 and 0 <= r["acceptance_rate"] <= 1
         assert r["mean_accepted_length"] == round(1 + r["spec_num_accepted_tokens"] / r["spec_num_drafts"], 3)
         assert len(r["acceptance_per_pos"]) == 4 and r["predicted_speedup_c0"] >= 1
+        assert 0 < r["verify_steps"] <= r["engine_steps"] and r["verify_graph_steps"] == 0  # CPU: no graphs
 
 
 def test_an_idle_proposer_gives_back_launch_ahead_and_outputs_stay_exact(setup):

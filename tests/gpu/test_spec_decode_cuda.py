@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA, CUDA graphs on: plain decode steps replay graphs (pipelined when nothing
-speculates), verify steps run eagerly through the varlen path. Greedy and seeded outputs equal decoding without
-speculation exactly on the reference ops; on the Triton kernels the verified chunk and a decode step use different
-attention kernels, whose fp32 rounding may flip a near-tie, so nearly all (not all) requests must match."""
+speculates), verify steps replay verify graphs (tests/gpu/test_spec_graphs_cuda.py checks those against eager
+verification). Greedy and seeded outputs equal decoding without speculation exactly on the reference ops; on the
+Triton kernels the verified chunk and a decode step use different attention kernels, whose fp32 rounding may flip a
+near-tie, so nearly all (not all) requests must match."""
 import random
 
 import pytest

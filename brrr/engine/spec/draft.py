@@ -16,6 +16,7 @@ from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.engine.spec_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 
 GREEDY = SamplingParams(temperature=0)
@@ -50,19 +51,27 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        """As many token slots as the target's pool (the engine counted them when it sized that pool)."""
+    def allocate_cache(self, num_blocks: int, block_size: int, cuda_graphs: bool, max_batch: int,
+                       max_num_batched_tokens: int) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool). With
+        cuda_graphs (the engine's; captured on CUDA only) up to max_batch rows: decode graphs for the k - 1 steps
+        of one token, and verify graphs of two tokens a row for the first step, which computes what the target kept
+        since the last proposal (one token after a rejection, two after a fully accepted run)."""
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, block_size, num_blocks, cuda_graphs=False)
+        self.runner = ModelRunner(self.model, block_size, num_blocks, self.max_len, cuda_graphs, max_batch,
+                                  verify=verify_graph_spec(2, False, max_batch, max_num_batched_tokens))
 
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
         active = [x for x in inputs if self._sync(x, k)]
         drafts = {x.seq_id: [] for x in inputs}
         seqs = [self.seqs[x.seq_id] for x in active]
-        for _ in range(k):
+        for step in range(k):
             if not seqs:
                 break
             batch = ScheduledBatch([(s, len(s.token_ids) - s.num_computed_tokens) for s in seqs])
+            if step > 0 and self.runner.can_launch(batch):  # the rest in decode graphs, queued back to back
+                self._launch_rest(seqs, batch, k - step)
+                break
             rows, row = [], 0
             for _, n in batch.items:
                 row += n
@@ -71,8 +80,30 @@ class DraftModelProposer(Proposer):
             for seq, token in zip(seqs, tokens):
                 seq.num_computed_tokens = len(seq.token_ids)
                 seq.token_ids.append(token)
-                drafts[seq.seq_id].append(token)
+        for seq in seqs:
+            drafts[seq.seq_id] = seq.token_ids[self.committed[seq.seq_id]:]
         return [drafts[x.seq_id] for x in inputs]
+
+    def _launch_rest(self, seqs: list[Sequence], batch: ScheduledBatch, steps: int) -> None:
+        """`steps` decode steps of one token each, every step's input the previous step's tokens gathered on the
+        device (the engine's launch-ahead path), read back once at the end: the host never waits between steps.
+        While they are queued each sequence is recorded one token short (a placeholder for each token in flight
+        but the newest), which is where a launch-ahead step expects it."""
+        rows = [SampleRow(GREEDY)] * len(seqs)
+        pending = [self.runner.launch(batch, rows)]
+        index = torch.arange(len(seqs), device=self.runner.device)
+        for step in range(1, steps):
+            if step > 1:
+                for seq in seqs:
+                    seq.token_ids.append(0)
+                    seq.num_computed_tokens = len(seq.token_ids) - 1
+            pending.append(self.runner.launch(batch, rows, ids_from=(pending[-1].device_tokens, index)))
+        tokens = [p.tokens() for p in pending]
+        for i, seq in enumerate(seqs):
+            del seq.token_ids[len(seq.token_ids) - max(0, steps - 2):]
+            for step_tokens in tokens:
+                seq.num_computed_tokens = len(seq.token_ids)
+                seq.token_ids.append(step_tokens[i])
 
     def _sync(self, x: SpecInput, k: int) -> bool:
         """Bring the draft's view of x up to its committed tokens, keeping the KV of every position whose token is

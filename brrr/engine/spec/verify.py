@@ -47,6 +47,7 @@ class Speculator:
         # vLLM's counters (spec_decode_*): verified runs with at least one draft, drafts, accepted drafts, and
         # accepted drafts by position in the run
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # engine steps that verified at least one draft (not a vLLM counter)
         self.accepted_per_pos = [0] * self.k
 
     @property
@@ -123,4 +124,5 @@ class Speculator:
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_verify_steps": self.num_verify_steps}

@@ -9,7 +9,7 @@ from brrr.kernels.attention.kv_write import write_kv_triton
 from brrr.kernels.attention.meta import AttnMeta
 from brrr.kernels.attention.plan import MAX_HEAD_DIM
 from brrr.kernels.attention.prefill import prefill_attention_triton
-from brrr.kernels.attention.reference import attention_ref, paged_decode_ref, write_kv_ref
+from brrr.kernels.attention.reference import attention_ref, paged_decode_ref, paged_verify_ref, write_kv_ref
 from brrr.kernels.dispatch import use_triton
 from brrr.kernels.rotary import apply_rotary, apply_rotary_triton, rotary_triton_ok
 
@@ -74,8 +74,11 @@ def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window:
         q, k = apply_rotary(q, k, *rope)
     if _triton_ok(q, k, v, meta):
         return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None, decode_rope)
-    if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured decode step)
+    if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured step)
         k_cache, v_cache = meta.kv_caches[layer]
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_seqlen_q > 1:  # a verify graph: every row has the same number of new tokens
+            return paged_verify_ref(q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale,
+                                    sliding_window)
         return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, sliding_window)
     return attention_ref(q, k, v, meta, layer, scale, sliding_window)

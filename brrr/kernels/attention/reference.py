@@ -87,3 +87,30 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sli
     k, v = (t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (k, v))
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(batch, -1)
+
+
+def paged_verify_ref(q, k, v, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+    """Every sequence has the same number Q of new tokens (a captured verify step), vectorised over the batch:
+    q [B*Q, H, D] attends to its cached prefix (the first context_lens[b] - Q slots of its block table) and
+    causally to its own new k/v [B*Q, KVH, D]. The new keys come from k and v, not the cache: a row's padding
+    tokens after its real ones wrote theirs to a spare block, and only later padding tokens see them."""
+    batch = block_tables.shape[0]
+    tq, n_heads, dim = q.shape[0] // batch, q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[2]
+    flat = block_tables.long().flatten()
+    keys = torch.cat([k_cache.index_select(0, flat).view(batch, -1, n_kv, dim), k.view(batch, tq, n_kv, dim)], 1)
+    vals = torch.cat([v_cache.index_select(0, flat).view(batch, -1, n_kv, dim), v.view(batch, tq, n_kv, dim)], 1)
+    span = keys.shape[1] - tq
+    prefix = (context_lens - tq).long()
+    q_pos = prefix[:, None] + torch.arange(tq, device=q.device)[None, :]  # [B, Q]
+    cached = torch.arange(span, device=q.device)[None, :] < prefix[:, None]  # [B, span]
+    causal = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat([cached[:, None, :].expand(batch, tq, span), causal[None].expand(batch, tq, tq)], -1)
+    if sliding_window is not None:
+        k_pos = torch.cat([torch.arange(span, device=q.device)[None, :].expand(batch, span), q_pos], 1)
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    groups = n_heads // n_kv
+    keys, vals = (t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (keys, vals))
+    o = F.scaled_dot_product_attention(q.view(batch, tq, n_heads, dim).transpose(1, 2), keys, vals,
+                                       attn_mask=mask[:, None], scale=scale)
+    return o.transpose(1, 2).reshape(batch * tq, n_heads * dim)

@@ -15,19 +15,26 @@
 # (32), DRAFT_MICRO_BATCH (128), EAGLE_MICRO_BATCH (32), TARGET_SHARE and DRAFT_SHARE (percent of the time left
 # after the data build: 55 and 15; the head gets the rest), COMPILE (1: torch.compile where the trainer has it).
 # bench: BATCHES (1,16,64), PROMPT_LEN (512), NEW_TOKENS (256), NUM_ITERS (4), K (4), WORKLOADS ("code edit"),
-# METHODS ("none ngram draft eagle"), SPEC_EXTRA (JSON members added to each speculative config, e.g.
-# '"disable_by_batch_size": 16'), DTYPE (bfloat16), RUN_TIMEOUT (seconds per `brrr bench latency`, 150).
+# METHODS ("none eagle draft ngram"), SPEC_EXTRA (JSON members added to each speculative config, e.g.
+# '"disable_by_batch_size": 16'), DTYPE (bfloat16), RUN_TIMEOUT (seconds per `brrr bench latency`, 150), BUDGET
+# (seconds for the phase, 560: a run that would end later is cut short or skipped).
 set -uo pipefail
 PHASE=${1:?usage: spec_trained.sh train DIR [REPORT] | bench DIR OUT}
 DIR=${2:?usage: spec_trained.sh train DIR [REPORT] | bench DIR OUT}
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 
-# step NAME SECONDS CMD...: CMD under `timeout`, its output in LOGS/NAME.log and on stdout; a step that fails or
-# runs out of time is reported and the phase goes on with what it has
+# step NAME SECONDS CMD...: CMD under `timeout` (never past the phase's DEADLINE), its output in LOGS/NAME.log and
+# on stdout; a step that fails or runs out of time is reported and the phase goes on with what it has
 step() {
     local name=$1 limit=$2
     shift 2
+    local room=$(( DEADLINE - $(elapsed) ))
+    (( limit > room )) && limit=$room
+    if (( limit < 20 )); then
+        echo "=== $name: skipped, ${room}s left of the phase" | tee -a "$LOGS/steps.txt"
+        return 1
+    fi
     echo "=== $name (limit ${limit}s, at $(elapsed)s)"
     timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
@@ -41,6 +48,7 @@ step() {
 train() {
     local report=${1:-$DIR/report}
     BUDGET=${BUDGET:-560}
+    DEADLINE=$BUDGET
     SEQ_LEN=${SEQ_LEN:-1024}
     local compile=()
     [ "${COMPILE:-1}" = 1 ] && compile=(--compile)
@@ -56,7 +64,7 @@ train() {
         --out "$DIR/target" --seq-len $SEQ_LEN --micro-batch ${TARGET_MICRO_BATCH:-32} --lr 1e-3 --min-lr-ratio 0.1 \
         --warmup-steps 100 --weight-decay 0.1 --grad-clip 1.0 --max-steps 20000 --eval-every 1000000 \
         --eval-windows 8 --final-eval-windows 32 --log-every 50 --checkpoint-every 1000000 "${compile[@]}" \
-        --export-dtype bfloat16 --time-budget $t_budget || return 1
+        --export-dtype bfloat16 --time-budget $t_budget  # without a target the head's step fails fast, saying so
     step draft $(( d_budget + 40 )) python3 -m brrr train --config ${DRAFT_SHAPE:-brrr-default} --data "$DIR/data" \
         --out "$DIR/draft" --seq-len $SEQ_LEN --micro-batch ${DRAFT_MICRO_BATCH:-128} --lr 2e-3 --min-lr-ratio 0.1 \
         --warmup-steps 200 --weight-decay 0.1 --grad-clip 1.0 --max-steps 3500 --eval-every 1000000 \
@@ -98,6 +106,7 @@ bench() {
     rm -rf "$LOGS" && mkdir -p "$LOGS" "$out"
     rm -f "$out/latency.jsonl"
     : > "$LOGS/steps.txt"
+    DEADLINE=${BUDGET:-560}
     local k=${K:-4} extra=${SPEC_EXTRA:-} common
     [ -n "$extra" ] && extra=", $extra"
     common=(--batch ${BATCHES:-1,16,64} --prompt-len ${PROMPT_LEN:-512} --new-tokens ${NEW_TOKENS:-256}
@@ -105,11 +114,8 @@ bench() {
     for f in target draft eagle data; do
         [ -d "$DIR/$f" ] || echo "warning: $DIR/$f is missing (did the train phase finish?)"
     done
-    # the draft's own decode step, eager as the proposer runs it: the measured cost ratio c beside the roofline's
-    step draft-eager ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/draft" --workload code \
-        --cuda-graphs off "${common[@]}"
     for workload in ${WORKLOADS:-code edit}; do
-        for method in ${METHODS:-none ngram draft eagle}; do
+        for method in ${METHODS:-none eagle draft ngram}; do
             local spec=()
             case $method in
                 none) ;;
@@ -121,6 +127,9 @@ bench() {
                 --workload "$workload" "${spec[@]}" "${common[@]}"
         done
     done
+    # the draft's own decode step, eager as the proposer runs it: the measured cost ratio c beside the roofline's
+    step draft-eager ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/draft" --workload code \
+        --cuda-graphs off "${common[@]}"
     python3 - "$out/latency.jsonl" "$DIR/draft" "$k" > "$out/summary.md" <<'EOF'
 import json, sys
 from pathlib import Path

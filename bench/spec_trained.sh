@@ -9,6 +9,7 @@
 #   bash bench/spec_trained.sh bench DIR OUT        `brrr bench latency` on held-out text of DIR/data: workloads code
 #                                                   and edit, no speculation / ngram / draft / eagle at k = K, each at
 #                                                   batch 1, 16 and 64; OUT/latency.jsonl and OUT/summary.md
+#   bash bench/spec_trained.sh summary DIR OUT      OUT/summary.md again from OUT/latency.jsonl
 #
 # Knobs (environment). train: BUDGET (seconds, 560), SOURCES ("stdlib site-packages"), VOCAB (8192), TARGET_SHAPE
 # (brrr-300m), DRAFT_SHAPE (brrr-default) - a shape name or a config.json -, SEQ_LEN (1024), TARGET_MICRO_BATCH
@@ -100,37 +101,9 @@ EOF
     echo "train phase: $(elapsed)s; models in $DIR/{target,draft,eagle}, report in $report"
 }
 
-bench() {
-    local out=${1:?usage: spec_trained.sh bench DIR OUT}
-    LOGS=$DIR/bench_logs  # one log per run stays here; $out gets steps.txt (each run's exit, a failed one's tail)
-    rm -rf "$LOGS" && mkdir -p "$LOGS" "$out"
-    rm -f "$out/latency.jsonl"
-    : > "$LOGS/steps.txt"
-    DEADLINE=${BUDGET:-560}
-    local k=${K:-4} extra=${SPEC_EXTRA:-} common
-    [ -n "$extra" ] && extra=", $extra"
-    common=(--batch ${BATCHES:-1,16,64} --prompt-len ${PROMPT_LEN:-512} --new-tokens ${NEW_TOKENS:-256}
-            --num-iters ${NUM_ITERS:-4} --dtype ${DTYPE:-bfloat16} --dataset-path "$DIR/data" --out "$out/latency.jsonl")
-    for f in target draft eagle data; do
-        [ -d "$DIR/$f" ] || echo "warning: $DIR/$f is missing (did the train phase finish?)"
-    done
-    for workload in ${WORKLOADS:-code edit}; do
-        for method in ${METHODS:-none eagle draft ngram}; do
-            local spec=()
-            case $method in
-                none) ;;
-                ngram) spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k$extra}") ;;
-                draft|eagle) spec=(--speculative-config "{\"method\": \"$method\", \"num_speculative_tokens\": $k, \"model\": \"$DIR/$method\"$extra}") ;;
-                *) echo "unknown method $method (none, ngram, draft, eagle)"; continue ;;
-            esac
-            step "$workload-$method" ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/target" \
-                --workload "$workload" "${spec[@]}" "${common[@]}"
-        done
-    done
-    # the draft's own decode step, eager as the proposer runs it: the measured cost ratio c beside the roofline's
-    step draft-eager ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/draft" --workload code \
-        --cuda-graphs off "${common[@]}"
-    python3 - "$out/latency.jsonl" "$DIR/draft" "$k" > "$out/summary.md" <<'EOF'
+# summarize OUT K: OUT/summary.md from OUT/latency.jsonl (also a phase of its own: `summary DIR OUT`)
+summarize() {
+    python3 - "$1/latency.jsonl" "$DIR/draft" "$2" > "$1/summary.md" <<'EOF'
 import json, sys
 from pathlib import Path
 path, draft_dir, k = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -170,6 +143,39 @@ for w in ("code", "edit"):
         s, m = min(worst)
         print(f"- batch 64, {w}: no method below 0.97x: slowest {m} {s:.2f}x, {'met' if s >= 0.97 else 'NOT met'}")
 EOF
+}
+
+bench() {
+    local out=${1:?usage: spec_trained.sh bench DIR OUT}
+    LOGS=$DIR/bench_logs  # one log per run stays here; $out gets steps.txt (each run's exit, a failed one's tail)
+    rm -rf "$LOGS" && mkdir -p "$LOGS" "$out"
+    rm -f "$out/latency.jsonl"
+    : > "$LOGS/steps.txt"
+    DEADLINE=${BUDGET:-560}
+    local k=${K:-4} extra=${SPEC_EXTRA:-} common
+    [ -n "$extra" ] && extra=", $extra"
+    common=(--batch ${BATCHES:-1,16,64} --prompt-len ${PROMPT_LEN:-512} --new-tokens ${NEW_TOKENS:-256}
+            --num-iters ${NUM_ITERS:-4} --dtype ${DTYPE:-bfloat16} --dataset-path "$DIR/data" --out "$out/latency.jsonl")
+    for f in target draft eagle data; do
+        [ -d "$DIR/$f" ] || echo "warning: $DIR/$f is missing (did the train phase finish?)"
+    done
+    for workload in ${WORKLOADS:-code edit}; do
+        for method in ${METHODS:-none eagle draft ngram}; do
+            local spec=()
+            case $method in
+                none) ;;
+                ngram) spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k$extra}") ;;
+                draft|eagle) spec=(--speculative-config "{\"method\": \"$method\", \"num_speculative_tokens\": $k, \"model\": \"$DIR/$method\"$extra}") ;;
+                *) echo "unknown method $method (none, ngram, draft, eagle)"; continue ;;
+            esac
+            step "$workload-$method" ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/target" \
+                --workload "$workload" "${spec[@]}" "${common[@]}"
+        done
+    done
+    # the draft's own decode step, eager as the proposer runs it: the measured cost ratio c beside the roofline's
+    step draft-eager ${RUN_TIMEOUT:-150} python3 -m brrr bench latency --model "$DIR/draft" --workload code \
+        --cuda-graphs off "${common[@]}"
+    summarize "$out" "$k"
     cp "$LOGS/steps.txt" "$out/steps.txt"
     cat "$out/summary.md"
     echo "bench phase: $(elapsed)s; records in $out/latency.jsonl"
@@ -178,5 +184,6 @@ EOF
 case $PHASE in
     train) train "${3:-}" ;;
     bench) bench "${3:?usage: spec_trained.sh bench DIR OUT}" ;;
+    summary) summarize "${3:?usage: spec_trained.sh summary DIR OUT}" ${K:-4} && cat "$3/summary.md" ;;
     *) echo "usage: spec_trained.sh train DIR [REPORT] | bench DIR OUT" >&2; exit 2 ;;
 esac

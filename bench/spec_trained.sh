@@ -129,7 +129,7 @@ for r in runs:
     print(f"| {r['workload']} | {r['batch']} | {m} | {r['decode_tok_s']:,.0f} | {fmt(s, '.2f')} | "
           f"{fmt(r.get('predicted_speedup'), '.2f')} | {measured_c} | {fmt(r.get('acceptance_rate'), '.3f')} | "
           f"{fmt(r.get('mean_accepted_length'), '.2f')} | "
-          f"{', '.join(f'{a:.2f}' for a in r.get('acceptance_per_pos') or [])} | "
+          f"{', '.join(fmt(a, '.2f') for a in r.get('acceptance_per_pos') or [] if a is not None)} | "
           f"{fmt(r.get('tokens_per_seq_step'), '.2f')} |")
 print("\nThe issue's targets:")
 for label, key, goal in (("EAGLE, batch 1, code", ("code", 1, "eagle"), 2.0),

@@ -191,8 +191,9 @@ def cmd_latency(args) -> int:
                   "workload_source": workload.source}
         if speculative is not None:
             record.update(spec_record(speculative, before, engine.stats(), batch))
-            record.update(spec_prediction(speculative, cfg, gpu, batch, args.prompt_len + args.new_tokens // 2,
-                                          dtype, record["mean_accepted_length"]))
+            if record["spec_num_drafts"]:  # none: speculation was off (disable_by_batch_size) or found nothing
+                record.update(spec_prediction(speculative, cfg, gpu, batch, args.prompt_len + args.new_tokens // 2,
+                                              dtype, record["mean_accepted_length"]))
         if threads is not None:
             record["cpu_threads"] = threads
         if gpu:

@@ -21,8 +21,8 @@ EDIT_MARKER = "\n\n# The same code again, unchanged:\n"
 
 
 class HeldOutText:
-    """Documents of held-out text, encoded with `tokenizer` on demand (a data build's files are decoded with the
-    data's own tokenizer first, so any model's tokenizer reads them)."""
+    """Documents of held-out text in `tokenizer`'s ids, encoded on demand (a data build's files are decoded with the
+    data's own tokenizer first when it is not the model's, so any model's tokenizer reads them)."""
 
     def __init__(self, path: str | Path, tokenizer):
         from brrr.tokenizer import Tokenizer
@@ -33,7 +33,10 @@ class HeldOutText:
             from brrr.train.data import TokenData
 
             self._data = TokenData(self.path)
-            self._data_tokenizer = Tokenizer.from_dir(self.path)
+            data_tokenizer = Tokenizer.from_dir(self.path)
+            # the data's own tokens when they are the model's (a brrr-trained model and its data): nothing to
+            # decode and encode again
+            self._recode = None if data_tokenizer.to_json() == tokenizer.to_json() else data_tokenizer
             offsets = self._data.documents("val")
             self._spans = [(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
             if not self._spans:
@@ -64,8 +67,9 @@ class HeldOutText:
             rng.shuffle(spans)
             docs = []
             for a, b in spans:
-                text = self._data_tokenizer.decode(val[a + 1: b - 1].tolist())  # inside <|bos|> ... <|eos|>
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = val[a + 1: b - 1].tolist()  # inside <|bos|> ... <|eos|>
+                if self._recode is not None:
+                    ids = self.tokenizer.encode(self._recode.decode(ids), add_special_tokens=False)
                 if len(ids) >= need:
                     docs.append(ids)
                     if len(docs) == count:

@@ -27,8 +27,12 @@ def split_texts(data_dir, source_dir, split):
     return [(source_dir / f["path"]).read_text() for f in files if f["split"] == split]
 
 
-def test_code_prompts_are_windows_of_held_out_files(trained, data_dir, source_dir):
-    tok = Tokenizer.from_dir(trained)
+@pytest.mark.parametrize("model", ["trained", "default"])
+def test_code_prompts_are_windows_of_held_out_files(model, trained, data_dir, source_dir):
+    """In the data's own tokens (the trained model's tokenizer), or decoded and encoded again by another one's."""
+    from brrr.hub import resolve_model
+
+    tok = Tokenizer.from_dir(trained if model == "trained" else resolve_model(None))
     workload = Workload("code", 40, tok.vocab_size, HeldOutText(data_dir, tok))
     prompts = workload.prompts(6, seed=1)
     assert workload.prompts(6, seed=1) == prompts and workload.prompts(6, seed=2) != prompts

@@ -42,15 +42,16 @@ class HeldOutText:
             if not self._spans:
                 raise BrrrError(f"--dataset-path {path}: its validation split is empty (rebuild the data with a "
                                 "larger --val-fraction)")
-            self.describe = f"{self.path} (validation split, {len(self._spans)} held-out files)"
+            self.source = f"{self.path} (validation split, {len(self._spans)} held-out files)"
         elif self.path.is_file():
             try:
-                self._text = self.path.read_text()
+                text = self.path.read_text()
             except (OSError, UnicodeDecodeError) as e:
                 raise BrrrError(f"--dataset-path {path}: cannot read it as text ({e})") from None
-            if not self._text.strip():
+            if not text.strip():
                 raise BrrrError(f"--dataset-path {path} is empty")
-            self.describe = f"{self.path} (text file)"
+            self._ids = tokenizer.encode(text, add_special_tokens=False)
+            self.source = f"{self.path} (text file)"
         else:
             raise BrrrError(f"--dataset-path {path} is neither a `brrr data build` directory (with manifest.json) "
                             "nor a text file")
@@ -58,8 +59,7 @@ class HeldOutText:
     def documents(self, need: int, count: int, rng: random.Random) -> list[list[int]]:
         """`count` documents of at least `need` tokens, distinct while there are enough, in a seeded order."""
         if self._data is None:
-            ids = self.tokenizer.encode(self._text, add_special_tokens=False)
-            docs = [ids] if len(ids) >= need else []
+            docs = [self._ids] if len(self._ids) >= need else []
         else:
             val = self._data.splits["val"]
             # the data's own token count is close to the model tokenizer's: a cheap first filter
@@ -105,7 +105,7 @@ class Workload:
                             "directory) or FILE")
         self.name, self.prompt_len, self.vocab = name, prompt_len, vocab
         self.text = text if name != "random" else None
-        self.source = self.text.describe if self.text else "random token ids"
+        self.source = self.text.source if self.text else "random token ids"
         if self.text is not None:
             marker = self.text.tokenizer.encode(EDIT_MARKER, add_special_tokens=False)
             self.marker = marker if name == "edit" else []

@@ -53,7 +53,8 @@ train() {
     SEQ_LEN=${SEQ_LEN:-1024}
     local compile=()
     [ "${COMPILE:-1}" = 1 ] && compile=(--compile)
-    rm -rf "$DIR" && mkdir -p "$DIR" "$report"
+    # a fresh run: this script's own outputs go (the trainers refuse to write over a run), nothing else in DIR
+    rm -rf "$DIR/data" "$DIR/target" "$DIR/draft" "$DIR/eagle" "$DIR/bench_logs" && mkdir -p "$DIR" "$report"
     LOGS=$report
     : > "$LOGS/steps.txt"
     step data 180 python3 -m brrr data build --out "$DIR/data" --source ${SOURCES:-stdlib site-packages} \

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import time
 
+from brrr.bench.latency_workloads import WORKLOADS
+
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("latency", help="decode tok/s, TTFT and %% of the HBM roofline at batch 1..N")
-    p.add_argument("--model", default="llama-3.1-8b", help="preset name or model directory (random weights)")
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="preset name (random weights) or model directory (its weights, random without any)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights even for a model directory that has some (speed only)")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=200)
@@ -22,9 +27,16 @@ def register(bench_sub) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
                         ": the record adds acceptance, mean accepted length and the formula's predicted speedup")
-    p.add_argument("--workload", choices=["random", "edit"], default="random",
-                   help="random: random prompt tokens; edit: the prompt is a random passage written twice and its "
-                        "start again, the shape of an edit request (the answer restates the prompt)")
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: random prompt tokens; code: windows of held-out code (--dataset-path) to complete; "
+                        "edit: a passage, a marker, then the passage's start again, so the answer restates the "
+                        "prompt (held-out text with --dataset-path, else random tokens)")
+    p.add_argument("--dataset-path", default=None,
+                   help="held-out text for code/edit: a `brrr data build` directory (its validation split) or a "
+                        "text file, tokenized by the model's tokenizer")
+    p.add_argument("--num-iters", type=int, default=1,
+                   help="runs per batch size, each on new prompts; the record sums them (one batch-1 prompt is "
+                        "a noisy sample of acceptance)")
     p.add_argument("--out", default=None, help="append the JSON records to this file")
     p.set_defaults(func=cmd_latency)
 
@@ -46,28 +58,22 @@ def emit(record: dict, out: str | None) -> None:
             f.write(line + "\n")
 
 
-def prompt_ids(gen, vocab: int, prompt_len: int, workload: str) -> list[int]:
-    """random: prompt_len random tokens. edit: a random passage, the passage again, then its first quarter (the
-    model, or a random one's repetitive output, continues what it has seen: prompt lookup's best case)."""
-    import torch
+def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0):
+    """(ttft_s, decode_s) for `batch` random prompts of prompt_len tokens started together."""
+    from brrr.bench.latency_workloads import Workload
 
-    if workload == "random":
-        return torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-    passage = torch.randint(0, vocab, (max(1, prompt_len * 4 // 9),), generator=gen).tolist()
-    return (passage * 2 + passage[: len(passage) // 4])[:prompt_len]
+    return run_prompts(engine, Workload("random", prompt_len, vocab).prompts(batch, seed), new_tokens, str(seed))
 
 
-def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0,
-              workload: str = "random"):
-    """Returns (ttft_s, decode_s) for `batch` requests of equal shape started together."""
+def run_prompts(engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    """Returns (ttft_s, decode_s) for the prompts started together as one batch."""
     import torch
 
     from brrr.engine import SamplingParams
 
-    gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"lat-{seed}-{i}", prompt_ids(gen, vocab, prompt_len, workload), params)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"lat-{tag}-{i}", ids, params)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -76,6 +82,52 @@ def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, 
         engine.step()  # the sampler's .tolist() synchronizes, so wall time per step is device time
         first = first or time.perf_counter()
     return first - start, time.perf_counter() - first
+
+
+def weights_dir(spec: str, load_format: str):
+    """The model directory whose weights to load, or None for random weights (a preset, --load-format dummy, or a
+    directory of a config alone)."""
+    from pathlib import Path
+
+    from brrr.errors import BrrrError
+    from brrr.loader import weight_files
+
+    if load_format == "dummy" or not Path(spec).is_dir():
+        return None
+    try:
+        weight_files(Path(spec))
+    except BrrrError:
+        return None  # a config.json alone: its shape with random weights, as before
+    return Path(spec)
+
+
+def text_tokenizer(model_dir, dataset_path: str):
+    """The model's tokenizer; for a preset, a data build's own (its ids must fit the model's vocabulary)."""
+    from pathlib import Path
+
+    from brrr.errors import BrrrError
+    from brrr.tokenizer import Tokenizer
+
+    for where in (model_dir, dataset_path):
+        if where is not None and (Path(where) / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(where)
+    raise BrrrError("--dataset-path needs a tokenizer to encode its text: a --model directory with tokenizer.json, "
+                    "or a `brrr data build` directory as --dataset-path")
+
+
+def make_workload(args, cfg):
+    from pathlib import Path
+
+    from brrr.bench.latency_workloads import HeldOutText, Workload
+    from brrr.errors import BrrrError
+
+    text = None
+    if args.dataset_path is not None:
+        if args.workload == "random":
+            raise BrrrError("--dataset-path is for --workload code or edit (random prompts read no text)")
+        model_dir = args.model if Path(args.model).is_dir() else None
+        text = HeldOutText(args.dataset_path, text_tokenizer(model_dir, args.dataset_path))
+    return Workload(args.workload, args.prompt_len, cfg.vocab_size, text)
 
 
 def cmd_latency(args) -> int:
@@ -88,10 +140,14 @@ def cmd_latency(args) -> int:
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
     from brrr.engine.spec import parse_speculative_config
-    from brrr.loader import resolve_dtype
+    from brrr.loader import load_model, resolve_dtype
 
+    require_at_least(prompt_len=(args.prompt_len, 1), new_tokens=(args.new_tokens, 2),
+                     num_iters=(args.num_iters, 1))
     speculative = parse_speculative_config(args.speculative_config)
     cfg = model_config(args.model)
+    source = weights_dir(args.model, args.load_format)
+    workload = make_workload(args, cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, cfg, device)
     batches = [int(b) for b in args.batch.split(",")]
@@ -104,36 +160,46 @@ def cmd_latency(args) -> int:
     tp = args.tensor_parallel_size
     graphs = args.cuda_graphs == "on" and device.type == "cuda" and cfg.rope.type != "dynamic"
     max_len = args.prompt_len + args.new_tokens
-    config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches),
-                          num_blocks=max(batches) * -(-max_len // 16) + 8, cuda_graphs=graphs,
-                          speculative_config=speculative, tensor_parallel_size=tp)
+    blocks = -(-max_len // 16)
+    if speculative is not None:  # a verify step writes k draft slots past the sequence: room for them too
+        blocks += -(-(speculative.num_speculative_tokens + 1) // 16)
+    config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches), num_blocks=max(batches) * blocks + 8,
+                          cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp)
     if tp > 1:
         from brrr.distributed.tp_runner import load_tensor_parallel
 
-        model, config = load_tensor_parallel(cfg, tp, dtype, device, config)  # random weights, each rank its shard
+        # each rank loads its own shard (of random weights when there are none to load)
+        model, config = load_tensor_parallel(source or cfg, tp, dtype, device, config)
     else:
-        model = random_model(cfg, dtype, device)
+        model = load_model(source, dtype, device) if source else random_model(cfg, dtype, device)
     engine = LLMEngine(model, None, config)
-    run_batch(engine, 1, args.prompt_len, min(8, args.new_tokens), cfg.vocab_size, seed=99,
-              workload=args.workload)  # warm-up
+    run_prompts(engine, workload.prompts(1, seed=99), min(8, args.new_tokens), "warm-up")
     for batch in batches:
         before = engine.stats()
-        ttft, decode_s = run_batch(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size, seed=batch,
-                                   workload=args.workload)
-        tok_s = batch * (args.new_tokens - 1) / decode_s
-        record = {"bench": "latency", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        ttft = decode_s = 0.0
+        for it in range(args.num_iters):
+            seed = batch + 1000 * it
+            first, rest = run_prompts(engine, workload.prompts(batch, seed), args.new_tokens, str(seed))
+            ttft, decode_s = ttft + first / args.num_iters, decode_s + rest
+        tok_s = args.num_iters * batch * (args.new_tokens - 1) / decode_s
+        record = {"bench": "latency", "model": args.model, "weights": "loaded" if source else "random",
+                  "dtype": str(dtype).removeprefix("torch."),
                   "machine": gpu.name if gpu else "cpu", "runner": "brrr", "cuda_graphs": "on" if graphs else "off",
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                  "tensor_parallel_size": tp,
-                  "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload}
+                  "num_iters": args.num_iters, "tensor_parallel_size": tp,
+                  "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload,
+                  "workload_source": workload.source}
         if speculative is not None:
             record.update(spec_record(speculative, before, engine.stats(), batch))
+            if record["spec_num_drafts"]:  # none: speculation was off (disable_by_batch_size) or found nothing
+                record.update(spec_prediction(speculative, cfg, gpu, batch, args.prompt_len + args.new_tokens // 2,
+                                              dtype, record["mean_accepted_length"]))
         if threads is not None:
             record["cpu_threads"] = threads
         if gpu:
             # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
             step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,
-                                               str(dtype).removeprefix("torch.").replace("bfloat16", "bf16"))
+                                               weight_format_name(dtype))
             roofline = batch * gpu.bandwidth * tp / step_bytes  # each GPU reads its 1/tp of the bytes
             record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
                           roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))
@@ -148,6 +214,31 @@ def cmd_latency(args) -> int:
     if args.peer == "transformers" and tp == 1:
         peer_transformers(model, cfg, batches, args, gpu)
     return 0
+
+
+def weight_format_name(dtype) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(dtype).removeprefix("torch.")]
+
+
+def spec_prediction(speculative, cfg, gpu, batch: int, context: int, dtype, mean_len: float) -> dict:
+    """`brrr calc spec`'s S = E / (1 + k c) with the measured E (the mean accepted length) and c on the roofline of
+    this GPU (measured; on CPU calc's default datasheet GPU): 0 for n-gram, the draft's decode step over the
+    target's, or the EAGLE head's (one target layer, fc and the LM head). Launch overheads, which dominate a small
+    model's steps, are not in c: the measured ratio falls short of S where they do."""
+    from brrr.analysis.cli import DEFAULT_GPU
+    from brrr.analysis.hardware import get_gpu
+    from brrr.analysis.spec_decode import cost_ratio
+    from brrr.config import ModelConfig
+
+    gpu = gpu or get_gpu(DEFAULT_GPU)
+    k = speculative.num_speculative_tokens
+    if speculative.method == "ngram":
+        c = 0.0
+    else:
+        draft = None if speculative.method == "eagle" else ModelConfig.from_dir(speculative.model)
+        c = cost_ratio(cfg, draft, gpu, batch, context, weight_format_name(dtype))["cost_ratio"]
+    return {"cost_ratio_roofline": round(c, 4), "cost_ratio_gpu": gpu.name,
+            "predicted_speedup": round(mean_len / (1 + k * c), 3)}
 
 
 def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:

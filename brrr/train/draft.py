@@ -198,6 +198,7 @@ class DraftTrainer(Trainer):
     def finish(self, halted: bool) -> dict:
         st = self.state
         final = self._eval_and_log(st["step"], self.cfg.final_eval_windows, final=True)
+        self.export()  # before the acceptance check, which --time-budget does not size: a cut-short run keeps its head
         self.model.eval()
         prompts = self._acceptance_prompts()
         room = self.model_cfg.max_context - max(map(len, prompts), default=0)
@@ -212,7 +213,6 @@ class DraftTrainer(Trainer):
                    "tokens_seen": st["tokens_seen"], "epochs": self.windows.epoch(st["position"]),
                    "train_seconds": st["train_seconds"],
                    "device": str(self.device), "gpu": self.gpu_name, **final, "acceptance": acceptance}
-        self.export()
         (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.log_file.close()
         return summary

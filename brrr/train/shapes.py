@@ -16,6 +16,13 @@ SHAPES: dict[str, dict] = {
                      "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 4,
                      "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 1024,
                      "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "vocab_size": None},
+    # A target for speculative decoding with brrr-default as its draft (bench/spec_trained.sh): 311M parameters
+    # at the 8,192-token vocabulary, 43 times the draft, Llama-style with 2:1 grouped-query attention; wide enough
+    # (1,024) for its matmuls to use an H100 well, so a few minutes of training move it far.
+    "brrr-300m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+                  "intermediate_size": 3072, "num_hidden_layers": 24, "num_attention_heads": 16,
+                  "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 1024,
+                  "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "vocab_size": None},
 }
 
 

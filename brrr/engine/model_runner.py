@@ -112,7 +112,7 @@ class ModelRunner:
         if self.verify_spec is not None:
             verify = [b for b in sizes if b < self.verify_spec.max_batch] + [min(max_batch, self.verify_spec.max_batch)]
             self.verify_graphs = VerifyGraphs(self, self.verify_spec, sorted(set(verify)), max_blocks)
-            self.verify_graphs.capture(capture or _cuda_capture, pool)
+            self.verify_graphs.capture(capture or (lambda step, p: _cuda_capture(step, p, dev)), pool)
 
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest

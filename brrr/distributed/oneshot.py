@@ -28,6 +28,14 @@ DTYPES = (torch.bfloat16, torch.float32)
 ALIGN_BYTES = 16
 # the message sizes (rows of the hidden size) timed at engine start: a batch-1 decode up to the largest graph
 TIMED_ROWS = (1, 8, 32, 128, 512)
+# Symmetric-memory rendezvous this process has begun. PyTorch keys a rendezvous's store entries by how many the
+# process has done, not the group (pytorch/pytorch#196082): a second engine's workers are fresh processes that
+# start at 0 while rank 0 has moved on, so they would wait on each other's keys forever.
+_rendezvous_begun = 0
+
+
+def rendezvous_begun() -> int:
+    return _rendezvous_begun
 
 
 class OneShotAllReduce:
@@ -62,6 +70,8 @@ class OneShotAllReduce:
         group._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, backend)
         group._set_group_name(name)
         _register_process_group(name, group)
+        global _rendezvous_begun
+        _rendezvous_begun += 1
         try:
             if not _deprecated(symm_mem.enable_symm_mem_for_group):
                 # before torch 2.11 the rendezvous reads rank, size and store from a table filled here; later

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from brrr.config import EngineConfig, ModelConfig
-from brrr.distributed.oneshot import LaunchWatchdog, choose_bound, timed_rows
+from brrr.distributed.oneshot import LaunchWatchdog, choose_bound, rendezvous_begun, timed_rows
 from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, message_bytes, replay_step, time_all_reduce
 from brrr.engine.model_runner import ModelRunner
 from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
@@ -110,10 +110,14 @@ class TensorParallelRunner(ModelRunner):
         Collective: every rank sets the bound rank 0 decided."""
         rows = timed_rows(max_graph_batch)
         capacity = -(-message_bytes(self, rows[-1]) // 16) * 16
-        self.workers.send_all(("oneshot_setup", capacity))
-        errors = [self.model.tp_comm.setup_oneshot(self.device, capacity)]
-        errors += [self.workers.receive(rank, "oneshot_setup", 600) for rank in range(1, self.workers.world)]
-        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if rendezvous_begun():  # the workers are new processes; this one has met its peers before (oneshot.py)
+            failed = [(0, "this process set up symmetric memory for an earlier engine, and this torch counts "
+                          "rendezvous per process, not per group (pytorch/pytorch#196082): one engine per process")]
+        else:
+            self.workers.send_all(("oneshot_setup", capacity))
+            errors = [self.model.tp_comm.setup_oneshot(self.device, capacity)]
+            errors += [self.workers.receive(rank, "oneshot_setup", 600) for rank in range(1, self.workers.world)]
+            failed = [(rank, e) for rank, e in enumerate(errors) if e]
         timings, bound = [], 0
         if failed:
             rank, why = failed[0]

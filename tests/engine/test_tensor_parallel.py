@@ -127,6 +127,21 @@ def test_all_reduce_choice_falls_back_to_the_group_on_every_rank(tp2, reference,
     assert _run(tp2)[0] == reference[0]
 
 
+def test_a_second_engine_in_a_process_keeps_nccl(tp2, reference, caplog, monkeypatch):
+    """After a symmetric-memory rendezvous in this process (an earlier engine's), the choice does not try another:
+    the new engine's workers would count their rendezvous from 0 and rank 0 from 1 (a hang on GPUs, seen once).
+    Every rank keeps the group's all-reduce and the reason is logged."""
+    import brrr.distributed.oneshot as oneshot
+
+    monkeypatch.setattr(oneshot, "_rendezvous_begun", 1)
+    with caplog.at_level("INFO", logger="brrr.engine"):
+        assert tp2.engine.runner.choose_all_reduce(8) == 0
+    lines = [r.getMessage() for r in caplog.records if "tensor-parallel all-reduce" in r.getMessage()]
+    assert len(lines) == 1 and "one engine per process" in lines[0] and "CUDA" not in lines[0]
+    assert tp2.engine.model.tp_comm.oneshot is None
+    assert _run(tp2)[0] == reference[0]
+
+
 def test_tp4_with_one_replicated_kv_head_per_rank(tmp_path_factory):
     path = _model_dir(tmp_path_factory, "mqa")  # 1 KV head for 4 ranks: each rank holds a copy
     _, shards = _compare_with_one_rank(path, 4)

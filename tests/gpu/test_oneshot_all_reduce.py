@@ -2,13 +2,10 @@
 and replayed from a CUDA graph, at the decode messages' sizes in bf16 and fp32; an engine with it forced on for
 every decode message gives one GPU's greedy tokens, eagerly and through its decode graphs; the start-up choice
 runs on a real group. Needs two GPUs (four for the TP 4 case)."""
-import gc
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from brrr import LLM, SamplingParams
 from tests import hf_models
 
 pytestmark = [pytest.mark.gpu,
@@ -80,68 +77,89 @@ def test_oneshot_sums_equal_nccl_eagerly_and_in_graphs(tmp_path, world):
     mp.spawn(_rank_main, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
 
 
-def _generate(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+# Each engine test runs in a process of its own: PyTorch counts symmetric-memory rendezvous per process
+# (pytorch/pytorch#196082), so brrr sets the one-shot path up for a process's first TP engine only.
+FORCED_SCRIPT = """
+import gc, sys
+import torch
+import brrr.distributed.tp_runner as tp_runner
+
+path, cuda_graphs = sys.argv[1], sys.argv[2] == "graphs"
+torch.backends.cuda.matmul.allow_tf32 = False
+prompts = [[1 + i, 5, 9, 30 + i] * (1 + i % 4) for i in range(20)]
+params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+args = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.05, max_num_batched_tokens=64,
+            pack_projections=False, cuda_graphs=cuda_graphs)
+generate = lambda llm: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+one = LLM(path, **args)
+want = generate(one)
+del one
+gc.collect()
+torch.cuda.empty_cache()
+# rank 0 decides for every rank: one-shot for every timed size, whatever the timings said
+tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)
+llm = LLM(path, tensor_parallel_size=2, **args)
+try:
+    comm = llm.engine.model.tp_comm
+    assert comm.oneshot is not None and comm.oneshot_bound > 0
+    assert bool(llm.engine.runner.graphs) == cuda_graphs
+    times = llm.engine.runner.time_all_reduce(1)
+    assert times["all_reduce_backend"] == "oneshot" and times["all_reduce_us_oneshot"] > 0
+    got = generate(llm)
+finally:
+    llm.engine.runner.shutdown()
+assert got == want, (got, want)
+print("OK", flush=True)
+"""
+
+CHOICE_SCRIPT = """
+import logging, sys
+import torch
+from brrr import LLM
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda r: lines.append(r.getMessage())
+logging.getLogger("brrr.engine").addHandler(handler)
+logging.getLogger("brrr.engine").setLevel(logging.INFO)
+torch.backends.cuda.matmul.allow_tf32 = False
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.05,
+          max_num_batched_tokens=64)
+try:
+    lines = [m for m in lines if "tensor-parallel all-reduce" in m]
+    assert len(lines) == 1 and "one-shot up to" in lines[0], lines  # set up on both ranks, both timed
+    times = llm.engine.runner.time_all_reduce(1)
+    assert times["all_reduce_us_nccl"] > 0 and times["all_reduce_us_oneshot"] > 0
+finally:
+    llm.engine.runner.shutdown()
+print("OK", flush=True)
+"""
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_tp2_with_oneshot_forced_matches_one_gpu(tmp_path, monkeypatch, cuda_graphs):
-    import brrr.distributed.tp_runner as tp_runner
+def _fresh_process(tmp_path, script, *args):
+    import subprocess
+    import sys
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     hf_models.save_tokenizer(tmp_path)
     hf_models.save(hf_models.build("llama3-rope", vocab_size=321), tmp_path, sharded=True)
-    prompts = [[1 + i, 5, 9, 30 + i] * (1 + i % 4) for i in range(20)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    args = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.05, max_num_batched_tokens=64,
-                pack_projections=False, cuda_graphs=cuda_graphs)
-    one = LLM(str(tmp_path), **args)
-    want = _generate(one, prompts, params)
-    del one
-    gc.collect()
-    torch.cuda.empty_cache()
-    # rank 0 decides for every rank: one-shot for every timed size, whatever the timings said
-    monkeypatch.setattr(tp_runner, "choose_bound", lambda timings: max(b for b, _, _ in timings))
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **args)
-    try:
-        comm = llm.engine.model.tp_comm
-        assert comm.oneshot is not None and comm.oneshot_bound > 0
-        assert bool(llm.engine.runner.graphs) == cuda_graphs
-        times = llm.engine.runner.time_all_reduce(1)
-        assert times["all_reduce_backend"] == "oneshot" and times["all_reduce_us_oneshot"] > 0
-        got = _generate(llm, prompts, params)
-    finally:
-        llm.engine.runner.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    assert got == want
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
-def test_tp2_start_up_choice_is_measured_and_logged(tmp_path, caplog):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    hf_models.save_tokenizer(tmp_path)
-    hf_models.save(hf_models.build("llama3-rope", vocab_size=321), tmp_path, sharded=True)
-    with caplog.at_level("INFO", logger="brrr.engine"):
-        llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="bfloat16", device="cuda",
-                  gpu_memory_utilization=0.05, max_num_batched_tokens=64)
-    try:
-        lines = [r.getMessage() for r in caplog.records if "tensor-parallel all-reduce" in r.getMessage()]
-        assert len(lines) == 1 and "one-shot up to" in lines[0], lines  # set up on both ranks, both timed
-        times = llm.engine.runner.time_all_reduce(1)
-        assert times["all_reduce_us_nccl"] > 0 and times["all_reduce_us_oneshot"] > 0
-    finally:
-        llm.engine.runner.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+@pytest.mark.parametrize("cuda_graphs", ["eager", "graphs"])
+def test_tp2_with_oneshot_forced_matches_one_gpu(tmp_path, cuda_graphs):
+    _fresh_process(tmp_path, FORCED_SCRIPT, cuda_graphs)
+
+
+def test_tp2_start_up_choice_is_measured_and_logged(tmp_path):
+    _fresh_process(tmp_path, CHOICE_SCRIPT)
 
 
 STUCK_SCRIPT = """
 import os, signal, sys, threading, time
 import brrr.distributed.oneshot as oneshot
 import brrr.distributed.tp_runner as tp_runner
-from brrr import LLM, SamplingParams
 
 tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)  # one-shot for every decode message
 tp_runner.LaunchWatchdog = lambda procs, _timeout: oneshot.LaunchWatchdog(procs, 3.0)  # NCCL's stays 120 s

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.gpu
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-def _outputs(model, spec, reqs):
+def _outputs(model, spec, reqs, cuda_graphs: bool = True):
     engine = LLMEngine(model, config=EngineConfig(num_blocks=400, block_size=16, max_num_batched_tokens=256,
-                                                  max_num_seqs=32, speculative_config=spec))
+                                                  max_num_seqs=32, cuda_graphs=cuda_graphs, speculative_config=spec))
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
     done = {}

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from brrr import load_model
-from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import SamplingParams
 from brrr.kernels.dispatch import use_reference
 from brrr.models.eagle import new_head, save_head
 from tests import hf_models
+from tests.gpu.test_spec_decode_cuda import _outputs as run_engine
 
 pytestmark = pytest.mark.gpu
 METHODS = ["ngram", "draft", "eagle"]
@@ -53,17 +53,7 @@ def _requests(count):
 
 
 def _outputs(model, spec, graphs, reqs):
-    engine = LLMEngine(model, config=EngineConfig(num_blocks=400, block_size=16, max_num_batched_tokens=256,
-                                                  max_num_seqs=32, cuda_graphs=graphs, speculative_config=spec))
-    for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    bm = engine.block_manager
-    bm.check_invariants([])
-    assert bm.num_free_blocks == bm.num_blocks
-    return done, engine.stats()
+    return run_engine(model, spec, reqs, cuda_graphs=graphs)
 
 
 def _check_replays(method, stats):

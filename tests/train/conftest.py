@@ -55,3 +55,15 @@ def tiny_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "config.json"
     path.write_text(json.dumps(TINY_MODEL))
     return path
+
+
+@pytest.fixture(scope="session")
+def trained_target(tiny_config, data_dir, tmp_path_factory):
+    """A tiny model trained 30 steps on data_dir (a speculation target, a bench's loaded weights)."""
+    from brrr.train.trainer import TrainConfig, Trainer
+
+    out = tmp_path_factory.mktemp("trained-target")
+    Trainer(TrainConfig(str(tiny_config), str(data_dir), str(out), device="cpu", seq_len=32, micro_batch=4,
+                        max_steps=30, lr=3e-3, warmup_steps=5, eval_every=30, eval_windows=2, log_every=10,
+                        checkpoint_every=30, final_eval_windows=2)).run()
+    return out

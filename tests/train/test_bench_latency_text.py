@@ -10,16 +10,11 @@ from brrr.bench.latency_workloads import EDIT_MARKER, HeldOutText, Workload
 from brrr.cli import main
 from brrr.errors import BrrrError
 from brrr.tokenizer import Tokenizer
-from brrr.train.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_config, data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("latency-target")
-    Trainer(TrainConfig(str(tiny_config), str(data_dir), str(out), device="cpu", seq_len=32, micro_batch=4,
-                        max_steps=20, lr=3e-3, warmup_steps=5, eval_every=20, eval_windows=2, log_every=10,
-                        checkpoint_every=20, final_eval_windows=2)).run()
-    return out
+def trained(trained_target):
+    return trained_target
 
 
 def split_texts(data_dir, source_dir, split):

@@ -13,19 +13,14 @@ from brrr.models.eagle import load_head
 from brrr.train.cli import register
 from brrr.train.draft import DraftConfig, DraftTrainer, EagleLoss
 from brrr.train.sampler import eval_windows
-from brrr.train.trainer import TrainConfig, Trainer
 
 HEAD_RUN = dict(device="cpu", seq_len=32, micro_batch=4, max_steps=80, lr=3e-3, warmup_steps=4, eval_every=40,
                 eval_windows=4, log_every=20, checkpoint_every=40, final_eval_windows=8)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_config, data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("draft-target")
-    Trainer(TrainConfig(str(tiny_config), str(data_dir), str(out), device="cpu", seq_len=32, micro_batch=4,
-                        max_steps=30, lr=3e-3, warmup_steps=5, eval_every=30, eval_windows=2, log_every=10,
-                        checkpoint_every=30, final_eval_windows=2)).run()
-    return out
+def target_dir(trained_target):
+    return trained_target
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,9 @@ def test_the_group_is_registered_by_name_for_the_rendezvous_and_unregistered_whe
         seen.update(rank=group.rank(), size=group.size(), name=group.group_name, bytes=buffer.numel())
         raise RuntimeError("no P2P between these devices")
 
+    import brrr.distributed.oneshot as oneshot
+
+    monkeypatch.setattr(oneshot, "_rendezvous_begun", 0)  # this process's count, restored after the test
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.empty(n, dtype=dtype))
     monkeypatch.setattr(symm_mem, "rendezvous", rendezvous)
@@ -108,6 +111,9 @@ def test_the_group_is_registered_by_name_for_the_rendezvous_and_unregistered_whe
     why = comm.setup_oneshot(torch.device("cuda", 0), 4096)
     assert why == "RuntimeError: no P2P between these devices" and comm.oneshot is None
     assert seen == {"rank": 0, "size": 1, "name": "brrr-test-oneshot", "bytes": 4096}
+    # counted at the attempt: whether PyTorch's counter moved depends on where it failed, and a later engine on NCCL
+    # for nothing costs less than one that hangs
+    assert oneshot.rendezvous_begun() == 1
     with pytest.raises(RuntimeError):  # released: a later engine may take the name
         c10d._resolve_process_group("brrr-test-oneshot")
 

@@ -122,6 +122,16 @@ def test_a_killed_prefill_instance_fails_its_requests_and_decoding_goes_on(model
         engine.shutdown()
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP, then wait until the kernel has stopped the process: kill() returns before that, and a pull sent
+    in between was served (the test's own race, seen as a transfer that completed)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 def test_a_hung_prefill_instance_is_stopped_and_fails_its_requests(model_dir, reference, monkeypatch):
     from brrr.distributed import disagg_engine
 
@@ -133,7 +143,7 @@ def test_a_hung_prefill_instance_is_stopped_and_fails_its_requests(model_dir, re
         engine.add_request("decoding", prompts[0], params[0], stream=False)
         while not engine.scheduler.running:
             engine.step()
-        os.kill(instance.proc.pid, signal.SIGSTOP)  # alive, silent
+        _freeze(instance.proc.pid)  # alive, silent
         engine.add_request("stuck", prompts[1], params[1], stream=False)
         finished, start = {}, time.monotonic()
         while engine.has_unfinished_requests():
@@ -165,7 +175,7 @@ def test_a_transfer_that_never_comes_times_out(model_dir, reference, monkeypatch
         engine.add_request("stuck", prompts[1], params[1], stream=False)
         while "stuck" not in engine.ready:
             finished.update((out.request_id, out) for out in engine.step() if out.finished)
-        os.kill(instance.proc.pid, signal.SIGSTOP)  # ... freeze its instance, then pull: the send never comes
+        _freeze(instance.proc.pid)  # ... freeze its instance, then pull: the send never comes
         del engine._pull
         start = time.monotonic()
         while engine.has_unfinished_requests():

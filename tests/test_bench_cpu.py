@@ -6,6 +6,7 @@ import torch
 
 from brrr.cli import main
 from tests import hf_models
+from tests.cli import refuses
 
 
 def test_bench_latency_on_a_model_dir(tmp_path, capsys):
@@ -59,10 +60,8 @@ def test_bench_engine_stats_sees_the_shared_prefix(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_bench_lora_says_it_measures_a_gpu(capsys):
-    assert main(["bench", "lora", "--sections", "kernels"]) == 2
-    assert "brrr bench lora measures a GPU" in capsys.readouterr().err
-    assert main(["bench", "lora", "--batch", "0"]) == 2
-    assert "--batch must be >= 1, got 0" in capsys.readouterr().err
+    refuses(capsys, ["bench", "lora", "--sections", "kernels"], "brrr bench lora measures a GPU")
+    refuses(capsys, ["bench", "lora", "--batch", "0"], "--batch must be >= 1, got 0")
 
 
 def test_bench_serve_overhead_replays_a_serve_runs_requests_offline(tmp_path, capsys):

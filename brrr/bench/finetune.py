@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+from brrr.analysis.finetune import DEFAULT_TARGETS
 from brrr.bench.latency import emit, require_at_least
 
 VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft-qlora")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def brrr_setup(args, qlora: bool, selective: bool = False):
@@ -51,7 +51,7 @@ def brrr_setup(args, qlora: bool, selective: bool = False):
     device = _device()
     model = random_nf4_model(cfg, device, torch.bfloat16) if qlora else random_model(cfg, torch.bfloat16, device)
     torch.manual_seed(0)
-    apply_lora(model, LoraConfig(r=args.r, lora_alpha=args.alpha, target_modules=TARGETS, lora_dropout=args.dropout))
+    apply_lora(model, LoraConfig(r=args.r, lora_alpha=args.alpha, target_modules=DEFAULT_TARGETS, lora_dropout=args.dropout))
     model.train()
     checkpoint_activations(model, selective=selective)
     loss = SFTLoss(model, recompute_logits=not selective)  # as brrr finetune pairs them
@@ -90,7 +90,7 @@ def peft_setup(args, qlora: bool):
         _to_bnb_nf4(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.r, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                                                       target_modules=list(TARGETS), task_type="CAUSAL_LM"))
+                                                       target_modules=list(DEFAULT_TARGETS), task_type="CAUSAL_LM"))
     model.train()
 
     def loss(ids):  # transformers shifts the labels itself
@@ -109,7 +109,7 @@ def _to_bnb_nf4(model):
     import torch
 
     for name, module in list(model.named_modules()):
-        if name.rsplit(".", 1)[-1] not in TARGETS or not isinstance(module, torch.nn.Linear):
+        if name.rsplit(".", 1)[-1] not in DEFAULT_TARGETS or not isinstance(module, torch.nn.Linear):
             continue
         q = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                               compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
@@ -156,10 +156,10 @@ def run_variant(variant: str, args) -> dict:
     _sync(device)
     step_s = (time.perf_counter() - t0) / args.steps
     checkpointing = "selective" if variant.endswith("selective") else "full"
-    predicted = finetune_memory(cfg, r=args.r, targets=TARGETS, qlora=qlora, dropout=args.dropout > 0,
+    predicted = finetune_memory(cfg, r=args.r, targets=DEFAULT_TARGETS, qlora=qlora, dropout=args.dropout > 0,
                                 micro_batch=1, seq_len=args.seq_len, checkpointing=checkpointing)
     return {"bench": "finetune_speed", "variant": variant, "model": args.model, "seq_len": args.seq_len,
-            "micro_batch": 1, "r": args.r, "alpha": args.alpha, "dropout": args.dropout, "targets": list(TARGETS),
+            "micro_batch": 1, "r": args.r, "alpha": args.alpha, "dropout": args.dropout, "targets": list(DEFAULT_TARGETS),
             "activation_checkpointing": checkpointing, "trainable_params": sum(p.numel() for p in params),
             "step_ms": step_s * 1e3, "tokens_per_s": args.seq_len / step_s, "final_loss": float(loss),
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,

@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from brrr.analysis.finetune import DEFAULT_TARGETS
 from brrr.bench.latency import emit, require_at_least
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def write_adapters(cfg, n: int, rank: int, root: Path) -> list:
@@ -34,7 +34,7 @@ def write_adapters(cfg, n: int, rank: int, root: Path) -> list:
         weights = {name: ((torch.randn(rank, fan_in, generator=g) / fan_in**0.5).bfloat16(),
                           (torch.randn(fan_out, rank, generator=g) * 0.01).bfloat16())
                    for name, (fan_in, fan_out) in shapes.items()}
-        path = save_adapter(root / f"adapter{i}", LoraAdapter(LoraConfig(rank, 2.0 * rank, TARGETS), weights))
+        path = save_adapter(root / f"adapter{i}", LoraAdapter(LoraConfig(rank, 2.0 * rank, DEFAULT_TARGETS), weights))
         requests.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
     return requests
 

@@ -14,9 +14,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,6 +37,7 @@ from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_mod
 from brrr.train.parallel import checkpoint_activations as recompute_layers
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.shapes import resolve_config
+from brrr.train.signals import stop_on_signals
 from brrr.train.tokenizer import tokenizer_config
 
 PROBE_STEPS = (5, 15)  # with --time-budget, steps [5, 15) are timed (after compilation) to size the run
@@ -395,7 +394,7 @@ class Trainer:
                       f"the learning rate peaks at {peak:.2e}, not --lr {cfg.lr:.2e}, and never decays",
                       file=sys.stderr, flush=True)
         self.before_first_step()
-        with _stop_on_ctrl_c() as interrupted:
+        with stop_on_signals() as interrupted:
             halted = self._loop(interrupted)
         return self.finish(halted)
 
@@ -582,34 +581,6 @@ def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-@contextlib.contextmanager
-def _stop_on_ctrl_c():
-    """While training, the first Ctrl-C (or SIGTERM / SIGUSR1) asks the loop to stop after the step it is in (which
-    then writes a checkpoint and says where); a second one stops at once. Yields the list the handler appends to."""
-    interrupted: list = []
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield interrupted
-        return
-
-    def handler(signum, frame):
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted.append(signum)
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if os.environ.get("RANK", "0") == "0":  # torchrun signals every rank; one says so
-            print(f"\n{name}: stopping after this step to write a checkpoint (Ctrl-C again to quit without one)",
-                  file=sys.stderr, flush=True)
-
-    # SIGTERM: what torchrun and cluster schedulers send before killing a job; SIGUSR1: a preemption warning
-    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield interrupted
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def config_fields() -> list[str]:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from brrr.cli import main
+from tests.cli import refuses
 from tests.train.conftest import TINY_MODEL
 from tests.train.distributed_helpers import torchrun
 
@@ -26,15 +26,11 @@ def test_under_torchrun_rank_0_writes_the_layouts_record(tmp_path):
 
 
 def test_alone_layout_flags_need_torchrun_and_counts_are_checked(capsys):
-    assert main(["bench", "train", "--model", "llama-3.2-1b", "--tp", "2"]) == 2
-    assert "--tp set a multi-GPU layout: launch with torchrun" in capsys.readouterr().err
-    assert main(["bench", "train", "--steps", "0"]) == 2
-    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+    refuses(capsys, ["bench", "train", "--model", "llama-3.2-1b", "--tp", "2"], "--tp set a multi-GPU layout: launch with torchrun")
+    refuses(capsys, ["bench", "train", "--steps", "0"], "--steps must be >= 1, got 0")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="alone, bench train measures the GPU")
 def test_alone_on_cpu_it_says_it_measures_a_gpu(capsys):
-    assert main(["bench", "train", "--model", "smollm2-135m:x"]) == 2
-    assert "the micro-batch after ':' must be a positive integer" in capsys.readouterr().err
-    assert main(["bench", "train", "--model", "smollm2-135m:2"]) == 2
-    assert "torch sees no CUDA device" in capsys.readouterr().err
+    refuses(capsys, ["bench", "train", "--model", "smollm2-135m:x"], "the micro-batch after ':' must be a positive integer")
+    refuses(capsys, ["bench", "train", "--model", "smollm2-135m:2"], "torch sees no CUDA device")

@@ -123,20 +123,19 @@ class EngineCore:
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
-        # a draft model loads before the KV cache is sized: its weights count as memory in use, its cache per block
-        proposer, draft = None, None
+        # a draft model (an EAGLE head) loads before the KV cache is sized: its weights count as memory in use, its
+        # own cache per block
+        proposer = None
         if ec.speculative_config is not None:
             from brrr.engine.spec import make_proposer
-            from brrr.engine.spec.draft import DraftModelProposer
 
             proposer = make_proposer(ec.speculative_config, model)
-            draft = proposer if isinstance(proposer, DraftModelProposer) else None
-        num_blocks = self._num_blocks(draft.kv_bytes_per_block(ec.block_size) if draft else 0)
+        num_blocks = self._num_blocks(proposer.kv_bytes_per_block(ec.block_size) if proposer else 0)
         spec_cfg = ec.speculative_config
-        if draft is not None:
-            draft.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
-                                 min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
-                                 ec.max_num_batched_tokens)
+        if proposer is not None:
+            proposer.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
+                                    min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
+                                    ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)

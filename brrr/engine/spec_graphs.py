@@ -47,13 +47,15 @@ def verify_graph_spec(tokens: int, hidden: bool, max_num_seqs: int, max_num_batc
 
 def graph_replays(runner, proposer) -> dict:
     """Speculating steps that ran in graphs: the target's verify steps, and a draft model's steps (its own runner's
-    decode and verify graphs)."""
+    decode and verify graphs) or an EAGLE head's proposals."""
     verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off, tensor parallelism)
     stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
     draft = getattr(proposer, "runner", None)
     if draft is not None:
         stats["spec_draft_graph_steps"] = draft.decode_replays + (
             draft.verify_graphs.replays if draft.verify_graphs is not None else 0)
+    if getattr(proposer, "needs_hidden", False):
+        stats["spec_draft_graph_steps"] = proposer.graphs.replays if proposer.graphs is not None else 0
     return stats
 
 

@@ -52,8 +52,9 @@ class DraftModelProposer(Proposer):
         return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, cuda_graphs: bool, max_batch: int,
-                       max_num_batched_tokens: int) -> None:
-        """As many token slots as the target's pool (the engine counted them when it sized that pool). With
+                       max_num_batched_tokens: int, k: int = 1, max_model_len: int | None = None) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool; its runner
+        takes the draft's own context, whatever k and max_model_len). With
         cuda_graphs (the engine's; captured on CUDA only) up to max_batch rows: decode graphs for the k - 1 steps
         of one token, and verify graphs of two tokens a row for the first step, which computes what the target kept
         since the last proposal (one token after a rejection, two after a fully accepted run)."""

@@ -317,6 +317,8 @@ class EngineCore:
             log.exception("step failed; aborting the %d requests in it", len(batch.items))
             return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
         self.num_steps += 1
+        if self.spec is not None:  # drafts the step read on the device: their values, with its tokens
+            self.spec.resolve(seq for seq, _ in batch.items)
         groups, at = [], 0  # (seq, its tokens, their logprobs): a verified run keeps its accepted prefix
         for _, seq, i in sample_plan:
             if i == 0:
@@ -356,7 +358,7 @@ class EngineCore:
             self._keep_hidden(batch, runs, hidden)
         if self.spec is not None:  # drafts live one step (a decode the budget left out drops its own too)
             for seq in self.scheduler.running:
-                seq.spec_tokens = []
+                seq.drop_drafts()
         for request_id, entries in prompt_entries.items():  # a prompt chunk that samples nothing yet
             records.append(self._reported(self.requests[request_id], EngineOutput(request_id,
                                                                                   new_prompt_logprobs=entries)))

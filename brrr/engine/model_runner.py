@@ -7,6 +7,7 @@ import torch
 from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.spec.verify import device_draft_gather
 from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import stage
 from brrr.errors import BrrrError
@@ -260,9 +261,12 @@ class ModelRunner:
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
-        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = stage(
+        gather = device_draft_gather(batch)
+        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t, *draft_index = stage(
             self.device, np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
-            tables, np.array(rows + list(logit_rows), dtype=np.int64))
+            tables, np.array(rows + list(logit_rows), dtype=np.int64), *(gather[1:] if gather else ()))
+        if gather is not None:  # drafts still on the device: their ids gathered there
+            ids_t.index_copy_(0, draft_index[1], gather[0].reshape(-1).index_select(0, draft_index[0]))
         meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
                         block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
         if self.lora is not None:

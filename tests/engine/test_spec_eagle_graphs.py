@@ -9,6 +9,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
 from brrr.engine.spec.eagle import EagleProposer
 from brrr.engine.spec.proposer import SpecInput
+from brrr.engine.spec.verify import DeviceDrafts
 from brrr.errors import BrrrError
 from tests.engine.test_graph_inputs import EagerReplay
 from tests.engine.test_spec_decode import repetitive_prompts, run, setup, texts  # noqa: F401
@@ -70,22 +71,42 @@ def test_graphs_are_captured_before_proposals_and_dropped_if_the_pool_grows(targ
     assert small.propose([SpecInput(0, seq[:12], f[9:11])], K) == [reference_drafts(target, head, seq[:12], K)]
 
 
-def test_engine_with_eagle_graphs_equals_decoding_without_speculation(setup, tmp_path):  # noqa: F811
+def test_engine_with_eagle_graphs_equals_decoding_without_speculation(setup, tmp_path, monkeypatch):  # noqa: F811
+    """Greedy tokens equal decoding without speculation, proposals and verify steps through graphs; the drafts
+    stay on the device until the verify step's tokens are read (a request with a penalty, whose verify step reads
+    its drafts' values first, takes the host path while it runs)."""
     path, model, tokenizer = setup
     from brrr.models.eagle import new_head, save_head
 
     save_head(new_head(model, seed=1), tmp_path)
     prompts = repetitive_prompts(7, tokenizer.vocab_size, seed=9)
-    reqs = [(str(i), p, SamplingParams(max_tokens=10 + i % 3 * 6, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [(str(i), p, SamplingParams(max_tokens=10 + i % 3 * 6, temperature=0, ignore_eos=True,
+                                       repetition_penalty=1.3 if i == 2 else 1.0)) for i, p in enumerate(prompts)]
     config = dict(num_blocks=120, block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
     want = texts(run(LLMEngine(model, tokenizer, EngineConfig(**config)), reqs))
     spec = {"method": "eagle", "num_speculative_tokens": 4, "model": str(tmp_path)}
     engine = LLMEngine(model, tokenizer, EngineConfig(**config, speculative_config=spec))
     engine.runner.capture_cuda_graphs(6, 32, capture=eager_capture)
-    engine.spec.proposer.capture_graphs(6, 4, 64, capture=eager_capture)
+    proposer = engine.spec.proposer
+    proposer.capture_graphs(6, 4, 64, capture=eager_capture)
+    events = []
+    for obj, name in ((proposer, "propose_on_device"), (proposer, "propose"), (engine.runner, "execute"),
+                      (DeviceDrafts, "host")):
+        real = getattr(obj, name)
+
+        def record(*args, real=real, name=name, **kw):
+            events.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(obj, name, record)
     assert texts(run(engine, reqs)) == want
     stats = engine.stats()
-    assert stats["spec_draft_graph_steps"] == engine.spec.proposer.graphs.replays > 0
+    assert stats["spec_draft_graph_steps"] == proposer.graphs.replays > 0
     assert stats["spec_verify_graph_steps"] > 0
-    assert engine.spec.proposer.blocks_in_use() == 0
+    assert proposer.blocks_in_use() == 0
+    # P: propose (the host path, which reads its drafts at once: PDH), D: propose_on_device, X: a step's forward,
+    # H: drafts read on the host. A device proposal's drafts are read only after its verify step ran (DXH).
+    rounds = "".join("D" if e == "propose_on_device" else "P" if e == "propose" else "X" if e == "execute" else "H"
+                     for e in events)
+    device = rounds.replace("PDH", "")
+    assert "PDH" in rounds and "DXH" in device and "DH" not in device

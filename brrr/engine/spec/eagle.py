@@ -15,7 +15,8 @@ Drafts are greedy (argmax): under sampling the engine's rejection rule treats th
 The steps run in CUDA graphs when the engine captures them (eagle_graphs.py): the host lays out a call once
 (`_layout`: block reservations, positions, slots, context lengths for the catch-up and every draft step) and stages
 it in one copy; the eager path (CPU, steps no graph takes) runs from the same layout without waiting for the device.
-The drafts are read back once per call.
+The drafts stay on the device (`propose_on_device`): the engine's verify step gathers them there and reads them
+with its own tokens, so a round waits for the device once.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from brrr.engine.spec.eagle_graphs import EagleGraphs
 from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.engine.spec.verify import DeviceDrafts
 from brrr.engine.spec_graphs import verify_graph_spec
 from brrr.engine.staging import stage
 from brrr.errors import BrrrError
@@ -61,6 +63,7 @@ class _HeadState:
 
 class EagleProposer(Proposer):
     needs_hidden = True
+    device_drafts = True
 
     def __init__(self, head, target, initial_blocks: int = 64):
         """head: an EAGLE head directory (checked against `target`) or a loaded EagleHead; target: the model the
@@ -232,17 +235,21 @@ class EagleProposer(Proposer):
         return torch.stack(drafts, 1)
 
     @torch.inference_mode()
-    def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in inputs]
+    def propose_on_device(self, inputs: list[SpecInput], k: int) -> DeviceDrafts:
+        """The drafts of every input with new features, queued on the device: nothing here waits for it."""
         live = [i for i, inp in enumerate(inputs) if inp.hidden is not None and len(inp.hidden)]
+        rows: list[int | None] = [None] * len(inputs)
         if not live:
-            return out
+            return DeviceDrafts(torch.zeros(0, k, dtype=torch.long, device=self.device), rows)
         lay, features = self._layout(inputs, live, k)
         graphs = self.graphs
         if graphs is not None and graphs.takes(lay.lengths, [lay.tables.shape[1]], k):
             drafts = graphs.replay(lay, features)
         else:
             drafts = self._propose_eager(lay, features, k)
-        for i, row in zip(live, drafts.tolist()):  # the call's one wait for the device
-            out[i] = row
-        return out
+        for r, i in enumerate(live):
+            rows[i] = r
+        return DeviceDrafts(drafts, rows)
+
+    def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
+        return self.propose_on_device(inputs, k).lists()  # one wait for the device

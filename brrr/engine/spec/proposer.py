@@ -74,6 +74,7 @@ class SpecInput:
 
 class Proposer(ABC):
     needs_hidden: bool = False    # eagle: True (the engine then fills SpecInput.hidden)
+    device_drafts: bool = False   # it also has `propose_on_device` (drafts left on the device: verify.DeviceDrafts)
 
     @abstractmethod
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:

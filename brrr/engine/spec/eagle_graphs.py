@@ -43,6 +43,8 @@ class EagleGraphs:
         # (n), step contexts ((k - 1) x n).
         self.rows, self.steps = _even(n * q, 2), _even(n, 4)
         self.ints = torch.zeros(3 * self.rows + self.steps * (1 + 2 * (k - 1)), dtype=torch.long, device=dev)
+        self.ints[2 * self.rows: 3 * self.rows] = self.spare  # what the captures write: no block of the pool
+        self.ints[3 * self.rows + self.steps * k:] = self.spare
         self.ints32 = torch.ones(self.steps * k, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         self.features = torch.zeros(n * q, proposer.head.config.hidden_size, dtype=proposer.dtype, device=dev)

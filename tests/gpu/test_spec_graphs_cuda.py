@@ -1,8 +1,8 @@
 """Verify steps in CUDA graphs on CUDA, for every proposer (ngram, draft model, EAGLE head) on a small random model:
 greedy outputs with graphs on equal graphs off and decoding without speculation, and the verify graphs (and a draft
-model's or an EAGLE head's own proposal graphs) were actually replayed. On the reference ops the outputs must be identical; on the Triton kernels
-a graphed verify step runs every row through the varlen kernel (an eager one sends one-token rows to the decode
-kernel), whose fp32 rounding may flip a near-tie, so nearly all (not all) requests must match."""
+model's or an EAGLE head's proposal graphs) were actually replayed. On the reference ops the outputs must be identical;
+on the Triton kernels a graphed verify step runs every row through the varlen kernel (an eager one sends one-token
+rows to the decode kernel), whose fp32 rounding may flip a near-tie, so nearly all (not all) requests must match."""
 import random
 from contextlib import nullcontext
 
@@ -12,12 +12,9 @@ import torch
 from brrr import load_model
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
-from brrr.engine.spec.eagle import EagleProposer
-from brrr.engine.spec.proposer import SpecInput
 from brrr.kernels.dispatch import use_reference
-from brrr.models.eagle import load_head, new_head, save_head
+from brrr.models.eagle import new_head, save_head
 from tests import hf_models
-from tests.engine.test_spec_eagle import features, tokens
 
 pytestmark = pytest.mark.gpu
 METHODS = ["ngram", "draft", "eagle"]
@@ -127,6 +124,11 @@ def test_eagle_proposal_graphs_equal_eager_proposals(dirs, reference):
     1..k+1 new features a call; 3 sequences replay the size-4 graph) give the eager path's drafts: on the
     reference ops identical, on the Triton kernels nearly all rows (the graph's catch-up runs every row through
     the varlen kernel, the eager one sends one-feature rows to the decode kernel)."""
+    from brrr.engine.spec.eagle import EagleProposer
+    from brrr.engine.spec.proposer import SpecInput
+    from brrr.models.eagle import load_head
+    from tests.engine.test_spec_eagle import features, tokens
+
     torch.backends.cuda.matmul.allow_tf32 = False
     model, k = dirs["model"], 4
     head = load_head(dirs["eagle"], model)

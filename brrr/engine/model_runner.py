@@ -161,6 +161,18 @@ class ModelRunner:
         return self.launch_sampling(self._replay(batch, ids_from), rows)
 
     @torch.inference_mode()
+    def launch_graphed(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]]) -> torch.Tensor | None:
+        """Queue a step through a decode or verify graph and its sampling (rows without logprobs): its tokens on
+        the device, nothing waited for; None when no graph takes it. sample_rows as `execute`'s."""
+        rows = [row for _, row in sample_rows]
+        if self.can_launch(batch) and [r for r, _ in sample_rows] == list(range(len(batch.items))):
+            return draw(self._replay(batch), rows)[0]
+        verify = self.verify_graphs
+        if verify is None or batch.copies or not verify.takes(batch):
+            return None
+        return draw(verify.replay(batch, [r for r, _ in sample_rows], False)[0], rows)[0]
+
+    @torch.inference_mode()
     def launch_forward(self, batch: ScheduledBatch,
                        ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Queue a decode step's forward alone: its logits [B, vocab], to sample with `launch_sampling` once the host

@@ -139,7 +139,8 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)
-        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
+        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer,
+                                                             device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             if ec.tensor_parallel_size > 1:  # rank 0 of a sharded model: the workers run each step beside it
                 # (verify steps run eagerly there: its workers replay decode graphs only)

@@ -180,3 +180,24 @@ def test_uniform_query_reference_equals_the_varlen_reference(window):
     want = attention_ref(q, k, v, meta, 0, 0.25, window)
     got = paged_verify_ref(q, k, v, k_cache, v_cache, tables, torch.tensor(meta.context_lens), 0.25, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tp2_draft_model_keeps_its_drafts_on_the_host(tmp_path_factory):
+    """A tensor-parallel runner sends its workers host ids: the draft model's drafts are read on the host there
+    (`Speculator(device_drafts=False)`), and the greedy tokens equal one rank's."""
+    from brrr.engine import LLM
+    from tests.engine.test_tensor_parallel import STRESS, _model_dir, _prompts
+
+    llama = _model_dir(tmp_path_factory, "llama3-rope")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(llama), **STRESS).generate(_prompts(), params, use_tqdm=False)]
+    llm = LLM(str(llama), tensor_parallel_size=2, **STRESS,
+              speculative_config={"method": "draft", "num_speculative_tokens": 3, "model": str(llama)})
+    try:
+        assert not llm.engine.spec.device_drafts
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.runner.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

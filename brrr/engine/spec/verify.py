@@ -94,9 +94,12 @@ PROBE_EVERY = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, device_drafts: bool = True):
+        """device_drafts: whether the engine's runner gathers drafts left on the device (`device_draft_gather`; a
+        tensor-parallel one sends its workers host ids)."""
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
+        self.device_drafts = device_drafts and proposer.device_drafts
         self._empty_rounds = 0  # proposal rounds in a row that found no draft
         self._since_probe = 0  # steps launched ahead since the last proposal round
         # hidden states the target computed and kept since each sequence's last propose (EAGLE): seq_id -> rows
@@ -136,7 +139,7 @@ class Speculator:
         if not seqs:
             return
         inputs = [SpecInput(seq.seq_id, seq.token_ids, self._take_hidden(seq.seq_id)) for seq in seqs]
-        if self.proposer.device_drafts and not any(map(_needs_draft_values, seqs)):
+        if self.device_drafts and not any(map(_needs_draft_values, seqs)):
             drafts = self.proposer.propose_on_device(inputs, self.k)
             for seq, limit, row in zip(seqs, limits, drafts.rows):
                 if row is not None:  # placeholders until `resolve`

@@ -123,8 +123,8 @@ class EngineCore:
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
-        # a draft model (an EAGLE head) loads before the KV cache is sized: its weights count as memory in use, its
-        # own cache per block
+        # a draft model or EAGLE head loads before the KV cache is sized: its weights are memory in use, its cache a
+        # cost per block
         proposer = None
         if ec.speculative_config is not None:
             from brrr.engine.spec import make_proposer
@@ -132,10 +132,11 @@ class EngineCore:
             proposer = make_proposer(ec.speculative_config, model)
         num_blocks = self._num_blocks(proposer.kv_bytes_per_block(ec.block_size) if proposer else 0)
         spec_cfg = ec.speculative_config
-        if proposer is not None:
-            proposer.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
-                                    min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
-                                    ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
+        if proposer is not None:  # its graphs' warm-ups tune a quantized target's LM head at the draft shapes
+            with quant_tuning():
+                proposer.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
+                                        min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
+                                        ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)

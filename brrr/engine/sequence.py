@@ -4,14 +4,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from brrr.engine.guided import GuidedMatcher
 from brrr.engine.sampling_params import SamplingParams
 from brrr.lora.serving import LoRARequest
-
-if TYPE_CHECKING:
-    from brrr.engine.spec.verify import DeviceDrafts
 
 
 class Status(enum.Enum):
@@ -38,10 +34,10 @@ class Sequence:
     # speculative decoding: the draft tokens proposed for this step, verified after token_ids[-1] (never committed
     # to token_ids: the step keeps the accepted prefix)
     spec_tokens: list[int] = field(default_factory=list)
-    # (a proposal's drafts still on the device, this sequence's row there): spec_tokens then holds placeholders of
-    # the right count, the verify step gathers the ids on the device, and `Speculator.resolve` reads the values once
-    # the step's tokens are on the host
-    spec_device: tuple[DeviceDrafts, int] | None = None
+    # (a proposal's drafts still on the device: a spec.verify.DeviceDrafts, this sequence's row there): spec_tokens
+    # then holds placeholders of the right count, the verify step gathers the ids on the device, and
+    # `Speculator.resolve` reads the values once the step's tokens are on the host
+    spec_device: tuple[object, int] | None = None
 
     def drop_drafts(self) -> None:
         self.spec_tokens, self.spec_device = [], None

@@ -12,7 +12,8 @@ from brrr.engine.spec.proposer import SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
 from brrr.errors import BrrrError
 from tests.engine.test_graph_inputs import EagerReplay
-from tests.engine.test_spec_decode import repetitive_prompts, run, setup, texts  # noqa: F401
+from tests.engine.test_spec_decode import repetitive_prompts, run, setup, stress_engine, texts  # noqa: F401
+from tests.engine.test_spec_eagle_engine import head_dir  # noqa: F401
 from tests.engine.test_spec_eagle import features, head, reference_drafts, target, tokens  # noqa: F401
 
 K = 3
@@ -110,3 +111,23 @@ def test_engine_with_eagle_graphs_equals_decoding_without_speculation(setup, tmp
                      for e in events)
     device = rounds.replace("PDH", "")
     assert "PDH" in rounds and "DXH" in device and "DH" not in device
+
+
+def test_eagle_graphs_under_engine_stress(setup, head_dir):  # noqa: F811
+    """The stress engine (preemption, chunked prefill, prefix hits, logprobs requests decoding beside speculating
+    ones) with verify and proposal graphs: greedy tokens equal no speculation, every head block is freed."""
+    _, model, tokenizer = setup
+    prompts = repetitive_prompts(30, tokenizer.vocab_size, seed=4)
+    reqs = [(str(i), p, SamplingParams(max_tokens=8 + i % 5 * 8, temperature=0, ignore_eos=True,
+                                       **({"logprobs": 2} if i % 7 == 3 else {}))) for i, p in enumerate(prompts)]
+    want = run(stress_engine(model, tokenizer, None), reqs)
+    engine = stress_engine(model, tokenizer, {"method": "eagle", "num_speculative_tokens": 3,
+                                              "model": str(head_dir)})
+    engine.runner.capture_cuda_graphs(10, 32, capture=eager_capture)
+    engine.spec.proposer.capture_graphs(10, 3, 64, capture=eager_capture)
+    assert texts(run(engine, reqs)) == texts(want)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert stats["spec_draft_graph_steps"] > 20 and stats["spec_verify_graph_steps"] > 20, stats
+    assert engine.spec.proposer.blocks_in_use() == 0 and not engine.spec.proposer.seqs

@@ -94,7 +94,8 @@ class EagleProposer(Proposer):
         margin for each sequence's last partial block and drafts, and the proposal graphs up to the batch the
         verify graphs take. Otherwise the pool grows as sequences need it."""
         spec = verify_graph_spec(k + 1, True, max_batch, max_num_batched_tokens)
-        if not cuda_graphs or self.device.type != "cuda" or spec is None:
+        # dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay
+        if not cuda_graphs or self.device.type != "cuda" or spec is None or self.head.config.rope.type == "dynamic":
             return
         blocks = -(-num_blocks * block_size // BLOCK_SIZE) + max_batch * (2 + k // BLOCK_SIZE)
         self.capture_graphs(spec.max_batch, k, -(-(max_model_len + k) // BLOCK_SIZE), blocks)

@@ -72,7 +72,8 @@ def _needs_draft_values(seq: Sequence) -> bool:
     """Whether the host reads a sequence's drafts before its verify step samples: a grammar cuts them, penalties
     and min_tokens score position i with the drafts before it in the history."""
     params = seq.request.params
-    return seq.guide is not None or params.has_penalties or bool(params.min_tokens)
+    return (seq.guide is not None or params.structured_outputs is not None or params.has_penalties
+            or bool(params.min_tokens))
 
 
 def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:

@@ -271,7 +271,7 @@ def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:
               # steps without drafts too: they keep hidden states, which decode graphs do not)
               "engine_steps": delta("num_steps"), "verify_steps": delta("spec_verify_steps"),
               "verify_graph_steps": delta("spec_verify_graph_steps")}
-    if "spec_draft_graph_steps" in after:  # a draft model's steps that replayed its own graphs
+    if "spec_draft_graph_steps" in after:  # a draft model's steps, or an EAGLE head's proposals, that replayed graphs
         record["draft_graph_steps"] = delta("spec_draft_graph_steps")
     if speculative.method == "ngram":
         record["predicted_speedup_c0"] = round(expected_speedup(alpha, k, 0.0), 3)

@@ -123,24 +123,25 @@ class EngineCore:
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
-        # a draft model loads before the KV cache is sized: its weights count as memory in use, its cache per block
-        proposer, draft = None, None
+        # a draft model or EAGLE head loads before the KV cache is sized: its weights are memory in use, its cache a
+        # cost per block
+        proposer = None
         if ec.speculative_config is not None:
             from brrr.engine.spec import make_proposer
-            from brrr.engine.spec.draft import DraftModelProposer
 
             proposer = make_proposer(ec.speculative_config, model)
-            draft = proposer if isinstance(proposer, DraftModelProposer) else None
-        num_blocks = self._num_blocks(draft.kv_bytes_per_block(ec.block_size) if draft else 0)
+        num_blocks = self._num_blocks(proposer.kv_bytes_per_block(ec.block_size) if proposer else 0)
         spec_cfg = ec.speculative_config
-        if draft is not None:
-            draft.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
-                                 min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
-                                 ec.max_num_batched_tokens)
+        if proposer is not None:  # its graphs' warm-ups tune a quantized target's LM head at the draft shapes
+            with quant_tuning():
+                proposer.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
+                                        min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
+                                        ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released)
-        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer)
+        self.spec = None if proposer is None else Speculator(ec.speculative_config, proposer,
+                                                             device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
             if ec.tensor_parallel_size > 1:  # rank 0 of a sharded model: the workers run each step beside it
                 # (verify steps run eagerly there: its workers replay decode graphs only)
@@ -318,6 +319,8 @@ class EngineCore:
             log.exception("step failed; aborting the %d requests in it", len(batch.items))
             return self._fail({s.request for s, _ in batch.items}, f"{type(e).__name__}: {e}")
         self.num_steps += 1
+        if self.spec is not None:  # drafts the step read on the device: their values, with its tokens
+            self.spec.resolve(seq for seq, _ in batch.items)
         groups, at = [], 0  # (seq, its tokens, their logprobs): a verified run keeps its accepted prefix
         for _, seq, i in sample_plan:
             if i == 0:
@@ -357,7 +360,7 @@ class EngineCore:
             self._keep_hidden(batch, runs, hidden)
         if self.spec is not None:  # drafts live one step (a decode the budget left out drops its own too)
             for seq in self.scheduler.running:
-                seq.spec_tokens = []
+                seq.drop_drafts()
         for request_id, entries in prompt_entries.items():  # a prompt chunk that samples nothing yet
             records.append(self._reported(self.requests[request_id], EngineOutput(request_id,
                                                                                   new_prompt_logprobs=entries)))

@@ -7,6 +7,7 @@ import torch
 from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.spec.verify import device_draft_gather
 from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import stage
 from brrr.errors import BrrrError
@@ -160,6 +161,18 @@ class ModelRunner:
         return self.launch_sampling(self._replay(batch, ids_from), rows)
 
     @torch.inference_mode()
+    def launch_graphed(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]]) -> torch.Tensor | None:
+        """Queue a step through a decode or verify graph and its sampling (rows without logprobs): its tokens on
+        the device, nothing waited for; None when no graph takes it. sample_rows as `execute`'s."""
+        rows = [row for _, row in sample_rows]
+        if self.can_launch(batch) and [r for r, _ in sample_rows] == list(range(len(batch.items))):
+            return draw(self._replay(batch), rows)[0]
+        verify = self.verify_graphs
+        if verify is None or batch.copies or not verify.takes(batch):
+            return None
+        return draw(verify.replay(batch, [r for r, _ in sample_rows], False)[0], rows)[0]
+
+    @torch.inference_mode()
     def launch_forward(self, batch: ScheduledBatch,
                        ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Queue a decode step's forward alone: its logits [B, vocab], to sample with `launch_sampling` once the host
@@ -260,9 +273,12 @@ class ModelRunner:
         tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
-        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t = stage(
+        gather = device_draft_gather(batch)
+        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t, *draft_index = stage(
             self.device, np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
-            tables, np.array(rows + list(logit_rows), dtype=np.int64))
+            tables, np.array(rows + list(logit_rows), dtype=np.int64), *(gather[1:] if gather else ()))
+        if gather is not None:  # drafts still on the device: their ids gathered there
+            ids_t.index_copy_(0, draft_index[1], gather[0].reshape(-1).index_select(0, draft_index[0]))
         meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
                         block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
         if self.lora is not None:

@@ -34,6 +34,13 @@ class Sequence:
     # speculative decoding: the draft tokens proposed for this step, verified after token_ids[-1] (never committed
     # to token_ids: the step keeps the accepted prefix)
     spec_tokens: list[int] = field(default_factory=list)
+    # (a proposal's drafts still on the device: a spec.verify.DeviceDrafts, this sequence's row there): spec_tokens
+    # then holds placeholders of the right count, the verify step gathers the ids on the device, and
+    # `Speculator.resolve` reads the values once the step's tokens are on the host
+    spec_device: tuple[object, int] | None = None
+
+    def drop_drafts(self) -> None:
+        self.spec_tokens, self.spec_device = [], None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.spec.verify import device_draft_gather
 from brrr.engine.staging import stage
 from brrr.kernels import AttnMeta
 
@@ -47,13 +48,16 @@ def verify_graph_spec(tokens: int, hidden: bool, max_num_seqs: int, max_num_batc
 
 def graph_replays(runner, proposer) -> dict:
     """Speculating steps that ran in graphs: the target's verify steps, and a draft model's steps (its own runner's
-    decode and verify graphs)."""
+    decode and verify graphs) or an EAGLE head's proposals."""
     verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off, tensor parallelism)
     stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
     draft = getattr(proposer, "runner", None)
     if draft is not None:
         stats["spec_draft_graph_steps"] = draft.decode_replays + (
             draft.verify_graphs.replays if draft.verify_graphs is not None else 0)
+    eagle = getattr(proposer, "graphs", False)  # None: an EAGLE proposer without graphs
+    if eagle is not False:
+        stats["spec_draft_graph_steps"] = eagle.replays if eagle is not None else 0
     return stats
 
 
@@ -128,8 +132,12 @@ class VerifyGraphs:
         ctx = np.full(g, q, dtype=np.int32)  # the kernel reads context - q cached keys: the real rows' prefix
         ctx[:b] = np.asarray(context_lens) - n + q
         take = np.concatenate([where[rows], where if want_hidden else where[:0]])
-        rows_t, ctx_t, tables_t, take_t = stage(runner.device, host, ctx, tables, take)
+        gather = device_draft_gather(batch)
+        rows_t, ctx_t, tables_t, take_t, *draft_index = stage(
+            runner.device, host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
         self.rows[:, : g * q].copy_(rows_t)
+        if gather is not None:  # drafts still on the device: their ids gathered there
+            self.rows[0].index_copy_(0, draft_index[1], gather[0].reshape(-1).index_select(0, draft_index[0]))
         self.ctx[:g].copy_(ctx_t)
         self.tables[:b, : tables.shape[1]].copy_(tables_t)
         if runner.lora is not None:

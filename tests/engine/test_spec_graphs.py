@@ -113,11 +113,13 @@ def test_each_method_through_graphs_equals_decoding_without_speculation(setup, m
             for i, p in enumerate(prompts)]
     want = texts(run(engine_for(model, tokenizer, None, False), reqs))
     engine = engine_for(model, tokenizer, spec, True)
-    chained = []
+    chained, read = [], []
     if method == "draft":  # its steps after the first are queued back to back, each reading the last's tokens
-        draft, launch = engine.spec.proposer.runner, engine.spec.proposer.runner.launch
-        draft.launch = lambda batch, rows, ids_from=None: chained.append(ids_from is not None) or launch(
-            batch, rows, ids_from)
+        draft, launch = engine.spec.proposer.runner, engine.spec.proposer.runner.launch_forward
+        draft.launch_forward = lambda batch, ids_from=None: chained.append(ids_from is not None) or launch(
+            batch, ids_from)
+        execute = draft.execute  # a step read back: only a sequence's first, over its whole prompt
+        draft.execute = lambda batch, rows: read.append(max(n for _, n in batch.items)) or execute(batch, rows)
     assert texts(run(engine, reqs)) == want
     stats = engine.stats()
     assert stats["spec_verify_graph_steps"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
@@ -125,7 +127,8 @@ def test_each_method_through_graphs_equals_decoding_without_speculation(setup, m
         draft = engine.spec.proposer.runner
         assert draft.decode_replays > 0 and draft.verify_graphs.replays > 0
         assert stats["spec_draft_graph_steps"] == draft.decode_replays + draft.verify_graphs.replays
-        assert sum(chained) > 10 and not all(chained)
+        assert len(chained) > 10 and all(chained)
+        assert read and min(read) > 2  # the first step of later calls replayed a graph, unread
         # the right drafts, not merely an exact output: the target as its own draft has every one accepted
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     if method == "eagle":
@@ -177,3 +180,24 @@ def test_uniform_query_reference_equals_the_varlen_reference(window):
     want = attention_ref(q, k, v, meta, 0, 0.25, window)
     got = paged_verify_ref(q, k, v, k_cache, v_cache, tables, torch.tensor(meta.context_lens), 0.25, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tp2_draft_model_keeps_its_drafts_on_the_host(tmp_path_factory):
+    """A tensor-parallel runner sends its workers host ids: the draft model's drafts are read on the host there
+    (`Speculator(device_drafts=False)`), and the greedy tokens equal one rank's."""
+    from brrr.engine import LLM
+    from tests.engine.test_tensor_parallel import STRESS, _model_dir, _prompts
+
+    llama = _model_dir(tmp_path_factory, "llama3-rope")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(llama), **STRESS).generate(_prompts(), params, use_tqdm=False)]
+    llm = LLM(str(llama), tensor_parallel_size=2, **STRESS,
+              speculative_config={"method": "draft", "num_speculative_tokens": 3, "model": str(llama)})
+    try:
+        assert not llm.engine.spec.device_drafts
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.runner.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

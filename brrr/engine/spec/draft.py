@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
-from brrr.engine.sampler import SampleRow
+from brrr.engine.sampler import SampleRow, draw, h2d
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.engine.spec.verify import DeviceDrafts
 from brrr.engine.spec_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 
@@ -39,6 +41,7 @@ def load_draft(path: str, target):
 
 
 class DraftModelProposer(Proposer):
+    device_drafts = True
     def __init__(self, path: str, target):
         """The draft loads now; its cache once the engine has sized the target's (`allocate_cache`)."""
         self.model = load_draft(path, target)
@@ -47,63 +50,106 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None
         self.seqs: dict[int, Sequence] = {}  # seq_id -> the draft's own view: tokens, computed positions, blocks
         self.committed: dict[int, int] = {}  # seq_id -> committed tokens at its previous propose
+        # the last call's drafts while still on the device, and each sequence's row in them: its tokens end with
+        # placeholders for them until `_fill_drafts`
+        self.unresolved: tuple[DeviceDrafts, dict[int, int]] | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, cuda_graphs: bool, max_batch: int,
-                       max_num_batched_tokens: int) -> None:
-        """As many token slots as the target's pool (the engine counted them when it sized that pool). With
-        cuda_graphs (the engine's; captured on CUDA only) up to max_batch rows: decode graphs for the k - 1 steps
-        of one token, and verify graphs of two tokens a row for the first step, which computes what the target kept
-        since the last proposal (one token after a rejection, two after a fully accepted run)."""
+                       max_num_batched_tokens: int, k: int = 1, max_model_len: int | None = None) -> None:
+        """As many token slots as the target's pool (the engine counted them when it sized that pool; its runner
+        takes the draft's own context, whatever k and max_model_len). With cuda_graphs (the engine's; captured on
+        CUDA only) up to max_batch rows: decode graphs for the k - 1 steps of one token, and verify graphs of two
+        tokens a row for the first step, which computes what the target kept since the last proposal (one token
+        after a rejection, two after a fully accepted run)."""
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, block_size, num_blocks, self.max_len, cuda_graphs, max_batch,
                                   verify=verify_graph_spec(2, False, max_batch, max_num_batched_tokens))
 
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
+        return self.propose_on_device(inputs, k).lists()
+
+    @torch.inference_mode()
+    def propose_on_device(self, inputs: list[SpecInput], k: int) -> DeviceDrafts:
+        """k greedy steps over every input with room, queued back to back without waiting for the device when its
+        runner has graphs: the first step (the tokens the target kept since the last call) through a verify or
+        decode graph, each later one a decode graph whose ids are gathered on the device from the step before
+        (the engine's launch-ahead path). Without graphs, or when a sequence's first step is its whole prompt, the
+        steps that no graph takes run eagerly and are read back."""
+        self._fill_drafts()
         active = [x for x in inputs if self._sync(x, k)]
-        drafts = {x.seq_id: [] for x in inputs}
+        rows: list[int | None] = [None] * len(inputs)
+        where = {x.seq_id: i for i, x in enumerate(inputs)}
+        for r, x in enumerate(active):
+            rows[where[x.seq_id]] = r
         seqs = [self.seqs[x.seq_id] for x in active]
+        if not seqs:
+            return DeviceDrafts(torch.zeros(0, k, dtype=torch.long, device=self.runner.device), rows)
+        batch = ScheduledBatch([(s, len(s.token_ids) - s.num_computed_tokens) for s in seqs])
+        sample_rows, row = [], 0
+        for _, n in batch.items:
+            row += n
+            sample_rows.append((row - 1, SampleRow(GREEDY)))
+        graphed = self.runner.can_launch(ScheduledBatch([(s, 1) for s in seqs]))  # decode graphs take the rest
+        first = self.runner.launch_graphed(batch, sample_rows) if graphed else None
+        if first is None:  # eager: this step's tokens on the host, then on the device for the next steps
+            tokens = self.runner.execute(batch, sample_rows)[0].tokens
+            if not graphed:
+                return DeviceDrafts(self._eager_steps(seqs, tokens, k), rows)
+            first = h2d(tokens, self.runner.device, torch.long)
+        drafts = self._launch_rest(seqs, first, k)
+        self.unresolved = (DeviceDrafts(drafts, rows), {s.seq_id: r for r, s in enumerate(seqs)})
+        return self.unresolved[0]
+
+    def _eager_steps(self, seqs: list[Sequence], tokens: list[int], k: int) -> torch.Tensor:
+        """No graphs: the k - 1 steps after the first one at a time, each read back. The drafts [b, k]."""
+        drafts = [tokens]
         for step in range(k):
-            if not seqs:
-                break
-            batch = ScheduledBatch([(s, len(s.token_ids) - s.num_computed_tokens) for s in seqs])
-            if step > 0 and self.runner.can_launch(batch):  # the rest in decode graphs, queued back to back
-                self._launch_rest(seqs, batch, k - step)
-                break
-            rows, row = [], 0
-            for _, n in batch.items:
-                row += n
-                rows.append((row - 1, SampleRow(GREEDY)))
-            tokens = self.runner.execute(batch, rows)[0].tokens
-            for seq, token in zip(seqs, tokens):
+            for seq, token in zip(seqs, drafts[-1]):
                 seq.num_computed_tokens = len(seq.token_ids)
                 seq.token_ids.append(token)
-        for seq in seqs:
-            drafts[seq.seq_id] = seq.token_ids[self.committed[seq.seq_id]:]
-        return [drafts[x.seq_id] for x in inputs]
+            if step == k - 1:
+                break
+            batch = ScheduledBatch([(s, 1) for s in seqs])
+            drafts.append(self.runner.execute(batch, [(i, SampleRow(GREEDY)) for i in range(len(seqs))])[0].tokens)
+        return h2d(np.array(drafts, dtype=np.int64).T.copy(), self.runner.device)
 
-    def _launch_rest(self, seqs: list[Sequence], batch: ScheduledBatch, steps: int) -> None:
-        """`steps` decode steps of one token each, every step's input the previous step's tokens gathered on the
-        device (the engine's launch-ahead path), read back once at the end: the host never waits between steps.
-        While they are queued each sequence is recorded one token short (a placeholder for each token in flight
-        but the newest), which is where a launch-ahead step expects it."""
+    def _launch_rest(self, seqs: list[Sequence], first: torch.Tensor, k: int) -> torch.Tensor:
+        """After the first step (queued; its tokens `first` on the device), k - 1 decode-graph steps of one token
+        each, every step's input the previous step's tokens gathered on the device. While a step is queued each
+        sequence is recorded one token short of it (a placeholder for each token in flight but the newest), which
+        is where a launch-ahead step expects it; at the end each holds placeholders for its k drafts
+        (`_fill_drafts` writes their values at the next call, by when the engine has read them). The drafts
+        [b, k], on the device."""
         rows = [SampleRow(GREEDY)] * len(seqs)
-        pending = [self.runner.launch(batch, rows)]
+        batch = ScheduledBatch([(s, 1) for s in seqs])
+        steps = [first]
         index = torch.arange(len(seqs), device=self.runner.device)
-        for step in range(1, steps):
-            if step > 1:
-                for seq in seqs:
+        for step in range(1, k):
+            for seq in seqs:
+                if step > 1:
                     seq.token_ids.append(0)
-                    seq.num_computed_tokens = len(seq.token_ids) - 1
-            pending.append(self.runner.launch(batch, rows, ids_from=(pending[-1].device_tokens, index)))
-        tokens = [p.tokens() for p in pending]
-        for i, seq in enumerate(seqs):
-            del seq.token_ids[len(seq.token_ids) - max(0, steps - 2):]
-            for step_tokens in tokens:
-                seq.num_computed_tokens = len(seq.token_ids)
-                seq.token_ids.append(step_tokens[i])
+                seq.num_computed_tokens = len(seq.token_ids) - 1
+            steps.append(draw(self.runner.launch_forward(batch, ids_from=(steps[-1], index)), rows)[0])
+        for seq in seqs:
+            seq.token_ids.extend([0] * min(k, 2))
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+        return torch.stack(steps, 1)
+
+    def _fill_drafts(self) -> None:
+        """The previous call's drafts, placeholders in each sequence's tokens until now, get their values."""
+        if self.unresolved is None:
+            return
+        drafts, rows = self.unresolved
+        self.unresolved = None
+        host = drafts.host()
+        for seq_id, r in rows.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                k = len(host[r])
+                seq.token_ids[len(seq.token_ids) - k:] = host[r]
 
     def _sync(self, x: SpecInput, k: int) -> bool:
         """Bring the draft's view of x up to its committed tokens, keeping the KV of every position whose token is

@@ -74,6 +74,7 @@ class SpecInput:
 
 class Proposer(ABC):
     needs_hidden: bool = False    # eagle: True (the engine then fills SpecInput.hidden)
+    device_drafts: bool = False   # it also has `propose_on_device` (drafts left on the device: verify.DeviceDrafts)
 
     @abstractmethod
     def propose(self, inputs: list[SpecInput], k: int) -> list[list[int]]:
@@ -81,3 +82,13 @@ class Proposer(ABC):
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was preempted: drop any state kept for it."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of the proposer's own cache per block of block_size target tokens (counted when the engine sizes
+        the target's KV cache, before `allocate_cache`); 0: it keeps none."""
+        return 0
+
+    def allocate_cache(self, num_blocks: int, block_size: int, cuda_graphs: bool, max_batch: int,
+                       max_num_batched_tokens: int, k: int, max_model_len: int) -> None:
+        """The engine has sized the target's cache (num_blocks of block_size tokens): take the proposer's own,
+        and with cuda_graphs capture its graphs for up to max_batch speculating sequences of k drafts."""

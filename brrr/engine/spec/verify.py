@@ -11,11 +11,69 @@ distribution, and a seeded request gives the very tokens it gives without specul
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
+
+
+class DeviceDrafts:
+    """A proposal's drafts left on the device: tokens [rows, k] and each input's row (None: no drafts). The verify
+    step gathers its draft ids from them on the device (`device_draft_gather`), so the host queues it without
+    waiting for the proposal. Their host copy is queued now, on the compute stream (ordered before any later write
+    to a proposer's static buffer), and read after the verify step's tokens, by when it has long arrived."""
+
+    def __init__(self, tokens: torch.Tensor, rows: list[int | None]):
+        self.tokens, self.rows = tokens, rows
+        self._ready = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = tokens.clone()
+        self._lists: list[list[int]] | None = None
+
+    def host(self) -> list[list[int]]:
+        """Every row's drafts on the host (waits for the copy the first time)."""
+        if self._lists is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._lists = self._host.tolist()
+        return self._lists
+
+    def lists(self) -> list[list[int]]:
+        """Per input, its drafts (`Proposer.propose`'s result)."""
+        host = self.host()
+        return [[] if r is None else host[r] for r in self.rows]
+
+
+def device_draft_gather(batch) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
+    """For a step whose drafts are still on the device: (their tokens [rows, k], each draft's index into them
+    flattened, its index among the step's flattened token ids); None when the step has none."""
+    source, src, dst, at = None, [], [], 0
+    for seq, n in batch.items:
+        real = min(n, len(seq.token_ids) - seq.num_computed_tokens)  # the rest of the row are drafts
+        if seq.spec_device is not None and real < n:
+            drafts, row = seq.spec_device
+            if source is not None and drafts.tokens is not source:
+                raise RuntimeError("a step verifies drafts of two proposals")  # one proposal per step
+            source, k = drafts.tokens, drafts.tokens.shape[1]
+            src.extend(range(row * k, row * k + n - real))
+            dst.extend(range(at + real, at + n))
+        at += n
+    return None if source is None else (source, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+
+
+def _needs_draft_values(seq: Sequence) -> bool:
+    """Whether the host reads a sequence's drafts before its verify step samples: a grammar cuts them, penalties
+    and min_tokens score position i with the drafts before it in the history."""
+    params = seq.request.params
+    return (seq.guide is not None or params.structured_outputs is not None or params.has_penalties
+            or bool(params.min_tokens))
 
 
 def speculatable(params: SamplingParams, needs_hidden: bool = False) -> bool:
@@ -37,9 +95,12 @@ PROBE_EVERY = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, device_drafts: bool = True):
+        """device_drafts: whether the engine's runner gathers drafts left on the device (`device_draft_gather`; a
+        tensor-parallel one sends its workers host ids)."""
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
+        self.device_drafts = device_drafts and proposer.device_drafts
         self._empty_rounds = 0  # proposal rounds in a row that found no draft
         self._since_probe = 0  # steps launched ahead since the last proposal round
         # hidden states the target computed and kept since each sequence's last propose (EAGLE): seq_id -> rows
@@ -65,7 +126,7 @@ class Speculator:
         """Set spec_tokens on every running decode that speculates this step. room(seq): the most draft tokens its
         max_tokens and the context still allow (a run emits drafts + 1 tokens)."""
         for seq in running:
-            seq.spec_tokens = []
+            seq.drop_drafts()
         if not self.enabled(len(running)):
             return
         seqs, limits = [], []
@@ -79,11 +140,17 @@ class Speculator:
         if not seqs:
             return
         inputs = [SpecInput(seq.seq_id, seq.token_ids, self._take_hidden(seq.seq_id)) for seq in seqs]
-        for seq, limit, draft in zip(seqs, limits, self.proposer.propose(inputs, self.k)):
-            draft = list(draft[:limit])
-            if seq.guide is not None:  # a draft the grammar forbids would be rejected anyway: not worth a slot
-                draft = draft[:seq.guide.valid_prefix(draft)]
-            seq.spec_tokens = draft
+        if self.device_drafts and not any(map(_needs_draft_values, seqs)):
+            drafts = self.proposer.propose_on_device(inputs, self.k)
+            for seq, limit, row in zip(seqs, limits, drafts.rows):
+                if row is not None:  # placeholders until `resolve`
+                    seq.spec_tokens, seq.spec_device = [0] * min(limit, drafts.tokens.shape[1]), (drafts, row)
+        else:
+            for seq, limit, draft in zip(seqs, limits, self.proposer.propose(inputs, self.k)):
+                draft = list(draft[:limit])
+                if seq.guide is not None:  # a draft the grammar forbids would be rejected anyway: not worth a slot
+                    draft = draft[:seq.guide.valid_prefix(draft)]
+                seq.spec_tokens = draft
         self._empty_rounds = 0 if any(seq.spec_tokens for seq in seqs) else self._empty_rounds + 1
         self._since_probe = 0
 
@@ -93,6 +160,16 @@ class Speculator:
 
     def launched_ahead(self) -> None:
         self._since_probe += 1
+
+    @staticmethod
+    def resolve(seqs) -> None:
+        """The verify step's tokens are on the host: the drafts it verified from the device are read too (no wait
+        by now), replacing their placeholders."""
+        for seq in seqs:
+            if seq.spec_device is not None:
+                drafts, row = seq.spec_device
+                seq.spec_tokens = drafts.host()[row][:len(seq.spec_tokens)]
+                seq.spec_device = None
 
     def accept(self, drafts: list[int], targets: list[int]) -> list[int]:
         """The tokens a verified run emits: the drafts up to the first that differs from the target's token there,
@@ -117,7 +194,7 @@ class Speculator:
         return torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None)
 
     def release(self, seq: Sequence) -> None:
-        seq.spec_tokens = []
+        seq.drop_drafts()
         self._hidden.pop(seq.seq_id, None)
         self.proposer.release(seq.seq_id)
 

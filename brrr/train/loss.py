@@ -1,6 +1,7 @@
 """Next-token cross-entropy straight from the final hidden states and the LM head's weight, a chunk of tokens at a
 time, so the [tokens, vocab] logits never exist whole (the "fused linear cross-entropy" of Liger-Kernel, in plain
-torch).
+torch). Chunks are brrr.analysis.train.loss_chunk_rows tokens (1024 at a 128k vocabulary), which `brrr calc train`
+counts.
 
 For each chunk of rows the forward computes the chunk's logits in the weight's dtype, upcasts them to fp32, takes
 the loss and, while the logits are at hand, the loss's gradients: dlogits = (softmax - onehot) x the reduction's
@@ -24,16 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brrr.analysis.train import loss_chunk_rows
 from brrr.kernels import AttnMeta
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it add no loss (padded rows)
-CHUNK_LOGIT_BYTES = 1 << 29  # a chunk's fp32 logits: rows enough for full-width matmuls, small beside the model
-
-
-def chunk_rows(vocab: int) -> int:
-    """Rows per chunk: CHUNK_LOGIT_BYTES of fp32 logits, a multiple of 128 rows (1024 at a 128k vocabulary)."""
-    rows = CHUNK_LOGIT_BYTES // (4 * vocab)
-    return max(128, rows // 128 * 128)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -98,7 +93,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         scale = 1.0 / (targets != IGNORE_INDEX).sum().float()
     else:
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    rows = rows_per_chunk or loss_chunk_rows(weight.shape[0])
     with torch.autocast(device_type, enabled=False):
         return LinearCrossEntropy.apply(hidden, weight, targets, scale, rows, torch.is_grad_enabled())
 

@@ -54,10 +54,12 @@ def test_zero3_13b_on_8_gpus():
     assert training_state_bytes(13e9, 8, 0)["total"] == 208e9
     assert training_state_bytes(13e9, 8, 1)["total"] == 71.5e9
     assert training_state_bytes(13e9, 8, 2)["total"] == 48.75e9
-    # The llama-2-13b preset has 13,015,864,320 params: 26,031,728,640 bytes each of params/grads... / 8
+    # train_plan counts what PyTorch mixed precision (brrr train, FSDP2) holds of the same 16 bytes: fp32 master
+    # weights 4, fp32 gradients 4 (FSDP2 reduces in fp32 into the fp32 shards), Adam m and v 8; bf16 weights exist
+    # only as working copies. The llama-2-13b preset has 13,015,864,320 params, / 8 ranks:
     plan = train_plan(preset_config("llama-2-13b"), get_gpu("a100-80gb"), gpus=8, zero=3)
-    assert plan["memory"]["params"] == 13_015_864_320 * 2 / 8
-    assert plan["memory"]["optimizer"] == 13_015_864_320 * 12 / 8
+    assert plan["memory"]["params"] == plan["memory"]["grads"] == 13_015_864_320 * 4 / 8
+    assert plan["memory"]["optimizer"] == 13_015_864_320 * 8 / 8
 
 
 def test_4096_cubed_fp16_matmul_on_a100():
@@ -192,13 +194,21 @@ def test_training_activations_and_communication():
     #   q 2 x 4,096 + k, v 2 x 2 x 1,024 + attention output 2 x 4,096 + lse 4 x 32 = 20,608
     #   MLP gate, up, silu(gate), gate*up: 4 x 2 x 14,336                   = 114,688   -> 168,072
     assert activation_bytes_per_token_per_layer(cfg) == 168_072
-    # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes,
-    # plus bf16 + fp32 logits 6 x 128,256 x 4,096 = 3,152,019,456
+    # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes
     plan = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, efficiency=1.0)  # the roofline
-    assert plan["memory"]["activations"] == 22_029_533_184 + 3_152_019_456
+    assert plan["memory"]["activations"] == 22_029_533_184
+    # The chunked loss (brrr/train/loss.py) holds one 1,024-token chunk of logits in bf16 + fp32, 6 x 128,256 x 1,024
+    # = 788,004,864 bytes (the whole [4,096, 128,256] fp32 logits were 2.1 GB), plus the gradients it computed in
+    # forward: the hidden states' 2 x 4,096 x 4,096 = 33,554,432 and the head's 2 x 128,256 x 4,096 = 1,050,673,152
+    assert plan["memory"]["loss"] == 788_004_864 + 33_554_432 + 1_050_673_152
     # With checkpointing only layer inputs stay (2 x 4,096 x 4,096 x 32 = 1,073,741,824) + one layer rebuilt
     ckpt = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, checkpointing=True, efficiency=1.0)
-    assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096 + 3_152_019_456
+    assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096
+    # FSDP2's peak with checkpointing is the end of backward: every fp32 gradient shard, and the root group's last
+    # reduce-scatter (embedding + head, 2 x 525,336,576 parameters: bf16 gradients 2 + their fp32 copy 4 bytes each)
+    m, p8 = ckpt["memory"], 8_030_261_248
+    assert m["peak"] == "end of backward" and m["reduce_scatter"] == 6 * 2 * 525_336_576
+    assert m["total"] == pytest.approx(16 * p8 / 8 + 6 * 2 * 525_336_576)
     # Bytes each GPU sends per step: DDP ring all-reduce of bf16 grads 2 x (7/8) x 2 x P;
     # ZeRO-3 all-gathers weights twice and reduce-scatters grads once: 3 x (7/8) x 2 x P (1.5x DDP)
     p = 8_030_261_248

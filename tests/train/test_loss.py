@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import brrr.train.loss as loss_module
-from brrr.train.loss import CausalLMLoss, chunk_rows, head_weight, linear_cross_entropy
+from brrr.analysis.train import loss_chunk_rows
+from brrr.train.loss import CausalLMLoss, head_weight, linear_cross_entropy
 from brrr.train.shapes import resolve_config
 from brrr.train.trainer import build_model
 from tests.train.conftest import TINY_MODEL
@@ -67,7 +68,7 @@ def test_frozen_head_and_no_grad():
 
 
 def test_chunk_rows_and_bad_reduction():
-    assert chunk_rows(128256) == 1024 and chunk_rows(32000) == 4096 and chunk_rows(10**7) == 128
+    assert loss_chunk_rows(128256) == 1024 and loss_chunk_rows(32000) == 4096 and loss_chunk_rows(10**7) == 128
     h, w, t = _inputs()
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(h, w, t, "none")
@@ -87,7 +88,7 @@ def test_causal_lm_loss_equals_the_logits_path(tmp_path, monkeypatch, tied):
     path.write_text(json.dumps({**TINY_MODEL, "tie_word_embeddings": tied}))
     cfg = resolve_config(str(path), 96, {"bos": 1, "eos": 2, "im_end": 3}, 32)
     model = build_model(cfg, "cpu", seed=1)
-    monkeypatch.setattr(loss_module, "chunk_rows", lambda vocab: 24)  # 3 chunks of a 2 x 32-token batch
+    monkeypatch.setattr(loss_module, "loss_chunk_rows", lambda vocab: 24)  # 3 chunks of a 2 x 32-token batch
     inputs = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
     targets = inputs.roll(-1, 1)
     loss = CausalLMLoss(model)

@@ -5,7 +5,7 @@ import pytest
 
 from brrr.analysis.formats import weight_format
 from brrr.analysis.hardware import get_gpu
-from brrr.analysis.model import (compute_bound_batch, decode_bytes_per_step,
+from brrr.analysis.model import (compute_bound_batch, param_counts, decode_bytes_per_step,
                                  decode_weight_bytes, experts_touched, flops_per_token, kv_bytes_per_sequence,
                                  kv_bytes_per_token, prefill_flops)
 from brrr.analysis.roofline import matmul, place, transformer_ops
@@ -248,3 +248,25 @@ def test_int4_group_overhead():
     assert weight_format("int4").matrix_bytes(4096, 4096) == 8_388_608 + 524_288
     # g32 quadruples the overhead: 4,096 x 128 x 4 = 2,097,152
     assert weight_format("int4-g32").matrix_bytes(4096, 4096) == 8_388_608 + 2_097_152
+
+
+def test_training_memory_peaks_where_the_trainer_does():
+    # brrr train on one GPU (autocast over fp32 weights): the peak is the end of forward, when every activation and
+    # the loss's chunk are alive beside the fp32 weights, Adam's m and v and autocast's bf16 copies (2 bytes per
+    # parameter), but no gradient yet (zero_grad frees them): llama-3.2-1b, 2 x 4,096 tokens
+    cfg, h100 = preset_config("llama-3.2-1b"), get_gpu("h100")
+    p = param_counts(cfg)["total"]
+    m = train_plan(cfg, h100, gpus=1, micro_batch=2, seq_len=4096)["memory"]
+    assert m["peak"] == "end of forward" and m["working_weights"] == 2 * p and m["reduce_scatter"] == 0
+    assert m["total"] == pytest.approx(12 * p + 2 * p + m["activations"] + m["loss"])
+    # DDP keeps its fp32 gradient buckets (every parameter once) beside the same
+    ddp = train_plan(cfg, h100, gpus=2, micro_batch=2, seq_len=4096)["memory"]
+    assert ddp["ddp_buckets"] == 4 * p and ddp["total"] == pytest.approx(m["total"] + 4 * p)
+    # FSDP2 (ZeRO-3) on 4 ranks gathers only the root group (a tied embedding/head: 262,668,288 parameters) and two
+    # layers (the one computing, the one prefetched) in bf16
+    layer = (p - 262_668_288) / cfg.num_layers
+    z3 = train_plan(cfg, h100, gpus=4, zero=3, micro_batch=2, seq_len=4096)["memory"]
+    assert z3["working_weights"] == pytest.approx(2 * (262_668_288 + 2 * layer))
+    # TP keeps the eager vocabulary-parallel loss: bf16 logits, fp32 copy, saved log-softmax, 10 bytes x vocab / tp
+    tp = train_plan(cfg, h100, gpus=2, tp=2, micro_batch=2, seq_len=4096)["memory"]
+    assert tp["loss"] == 10 * cfg.vocab_size * 8192 / 2

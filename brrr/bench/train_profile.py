@@ -37,7 +37,7 @@ def profile_step(step, out_dir: str, tag: str, device) -> str:
     else:
         events = list(prof.key_averages())
         micros = lambda e: e.self_cpu_time_total
-    table = kernel_table(sorted(events, key=micros, reverse=True), seconds, "GPU kernel" if cuda else "CPU op",
+    table = kernel_table(sorted(events, key=micros, reverse=True), micros, "GPU kernel" if cuda else "CPU op",
                          sum(micros(e) for e in events), f"{tag} (profiled step {wall_s * 1e3:,.1f} ms wall)")
     (out / f"{tag}.kernels.txt").write_text(table + "\n")
     return table

@@ -38,14 +38,14 @@ def loss_chunk_rows(vocab: int) -> int:
 
 
 def loss_bytes(cfg: ModelConfig, tokens: int, tp: int = 1, head_trains: bool = True) -> dict:
-    """What the next-token loss adds at the end of forward. Chunked (tp = 1): one chunk's logits in bf16 and fp32
-    at once (6 bytes x vocab x rows; then its fp32 softmax and bf16 gradient, the same 6), and the gradients it
-    computed for backward: the hidden states' (bf16, 2h per token) and, when the head trains, the head's weight
-    (bf16, vocab x hidden). Vocabulary-parallel under TP (eager): EAGER_LOSS_BYTES x vocab / tp per token."""
+    """What the next-token loss adds at the end of forward. Chunked (tp = 1): one chunk's bf16 logits and their
+    bf16 gradient (4 bytes x vocab x rows: on CUDA the fp32 math between them is fused, never stored), and the
+    gradients it computed for backward: the hidden states' (bf16, 2h per token) and, when the head trains, the head's
+    weight (bf16, vocab x hidden). Vocabulary-parallel under TP (eager): EAGER_LOSS_BYTES x vocab / tp per token."""
     v, h = cfg.vocab_size, cfg.hidden_size
     if tp > 1:
         return {"transient": EAGER_LOSS_BYTES * v * tokens / tp, "gradients": 0.0}
-    return {"transient": 6.0 * v * min(tokens, loss_chunk_rows(v)),
+    return {"transient": 4.0 * v * min(tokens, loss_chunk_rows(v)),
             "gradients": 2.0 * h * tokens + (2.0 * v * h if head_trains else 0.0)}
 
 

@@ -6,9 +6,10 @@ counts.
 For each chunk of rows the forward computes the chunk's logits in the weight's dtype, upcasts them to fp32, takes
 the loss and, while the logits are at hand, the loss's gradients: dlogits = (softmax - onehot) x the reduction's
 scale, cast back to the weight's dtype, then dhidden = dlogits @ W (the chunk's rows) and dW += dlogits^T @ hidden.
-Backward only multiplies those stored gradients by the incoming scalar. Transient memory is one chunk's logits
-(fp32, then its gradient in the weight's dtype) instead of the eager path's bf16 logits, their fp32 copy, the
-log-softmax and the gradients of each; the LM-head matmuls are the eager path's three (none recomputed).
+Backward only multiplies those stored gradients by the incoming scalar. On CUDA the step from a chunk's logits to
+its loss and dlogits is compiled (inductor fuses it), so transient memory is one chunk's logits and dlogits in the
+weight's dtype, instead of the eager path's bf16 logits, their fp32 copy, the log-softmax and the gradients of
+each; the LM-head matmuls are the eager path's three (none recomputed).
 
 The numbers are the eager `F.cross_entropy(lm_head(hidden).float(), targets)`'s: the same bf16 products, the
 same fp32 log-sum-exp, the same rounding of dlogits to bf16 before the two gradient matmuls; dW's chunks are summed
@@ -31,6 +32,31 @@ from brrr.kernels import AttnMeta
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it add no loss (padded rows)
 
 
+def chunk_loss_and_dlogits(logits, targets, valid, scale, grad: bool):
+    """One chunk's summed loss over its valid rows and, with grad, d(loss)/d(logits) in the logits' dtype:
+    (softmax - onehot) x scale on valid rows, zero on ignored ones. Only pointwise ops and row reductions, so on CUDA
+    (compiled) inductor fuses them into a pass or two over the bf16 logits: the fp32 logits are never stored."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=1)
+    loss = torch.where(valid, lse - z.gather(1, targets.unsqueeze(1)).squeeze(1), 0.0).sum()
+    if not grad:
+        return loss, None
+    onehot = torch.arange(z.shape[1], device=z.device) == targets.unsqueeze(1)
+    dlogits = (torch.exp(z - lse.unsqueeze(1)) - onehot.float()) * (valid * scale).unsqueeze(1)
+    return loss, dlogits.to(logits.dtype)
+
+
+_compiled: list = []  # chunk_loss_and_dlogits compiled once (any chunk length), on first use on CUDA
+
+
+def _chunk_step(device: torch.device):
+    if device.type != "cuda":
+        return chunk_loss_and_dlogits
+    if not _compiled:
+        _compiled.append(torch.compile(chunk_loss_and_dlogits, dynamic=True))
+    return _compiled[0]
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """loss = reduce(cross_entropy(hidden @ weight^T, targets)); gradients computed in forward (see the module)."""
 
@@ -40,27 +66,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         # whether the caller records gradients (inside forward autograd is always off)
         need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         valid = targets != IGNORE_INDEX
-        safe = torch.where(valid, targets, 0).unsqueeze(1)
+        safe = torch.where(valid, targets, 0)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = _chunk_step(hidden.device)
         for start in range(0, hidden.shape[0], rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
-            h, ok, tgt = hidden[rows], valid[rows], safe[rows]
-            z = (h @ weight.t()).float()  # this chunk's logits: the eager path's bf16 product, then fp32
-            target_logit = z.gather(1, tgt).squeeze(1)
-            top = z.amax(1, keepdim=True)
-            z.sub_(top).exp_()  # in place: the chunk's fp32 logits are the largest tensor alive
-            sums = z.sum(1, keepdim=True)
-            lse = (top + sums.log()).squeeze(1)
-            total = total + torch.where(ok, lse - target_logit, 0.0).sum()
-            if not (need_h or need_w):
-                continue
-            z.div_(sums)  # softmax
-            z.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=z.dtype))
-            z.mul_((ok * scale).unsqueeze(1))  # ignored rows get no gradient
-            g = z.to(weight.dtype)
-            del z
+            h = hidden[rows]
+            # the chunk's logits as the eager path computes them (the weight's dtype), then fp32 inside `step`
+            loss, g = step(h @ weight.t(), safe[rows], valid[rows], scale, need_h or need_w)
+            total = total + loss
             if need_h:
                 grad_h[rows] = g @ weight
             if need_w:

@@ -197,10 +197,10 @@ def test_training_activations_and_communication():
     # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes
     plan = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, efficiency=1.0)  # the roofline
     assert plan["memory"]["activations"] == 22_029_533_184
-    # The chunked loss (brrr/train/loss.py) holds one 1,024-token chunk of logits in bf16 + fp32, 6 x 128,256 x 1,024
-    # = 788,004,864 bytes (the whole [4,096, 128,256] fp32 logits were 2.1 GB), plus the gradients it computed in
-    # forward: the hidden states' 2 x 4,096 x 4,096 = 33,554,432 and the head's 2 x 128,256 x 4,096 = 1,050,673,152
-    assert plan["memory"]["loss"] == 788_004_864 + 33_554_432 + 1_050_673_152
+    # The chunked loss (brrr/train/loss.py) holds one 1,024-token chunk's bf16 logits and bf16 gradient, 4 x 128,256
+    # x 1,024 = 525,336,576 bytes (the whole [4,096, 128,256] fp32 logits were 2.1 GB), plus the gradients it
+    # computed in forward: the hidden states' 2 x 4,096 x 4,096 = 33,554,432 and the head's 2 x 128,256 x 4,096
+    assert plan["memory"]["loss"] == 525_336_576 + 33_554_432 + 1_050_673_152
     # With checkpointing only layer inputs stay (2 x 4,096 x 4,096 x 32 = 1,073,741,824) + one layer rebuilt
     ckpt = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, checkpointing=True, efficiency=1.0)
     assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096

@@ -185,7 +185,10 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     rematerialized = full_layer if checkpointing else 0.0
     first = in_flight_microbatches(pp, m, schedule, chunks) * layers * kept_layer + rematerialized
     last = layers * kept_layer + rematerialized
-    memory = trainer_memory(cfg, dp, zero, tp, pp, first, last, loss_bytes(cfg, tokens_mb, tp))
+    loss = loss_bytes(cfg, tokens_mb, tp)
+    if pp > 1 and schedule == "gpipe":  # the last stage runs every microbatch's forward (and loss) before backward
+        loss["gradients"] *= m
+    memory = trainer_memory(cfg, dp, zero, tp, pp, first, last, loss)
 
     # communication per GPU per step (bytes sent; a ring moves (n-1)/n of the buffer per GPU per pass)
     local = params / (tp * pp)

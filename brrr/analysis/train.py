@@ -122,7 +122,6 @@ def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, pp: int, first
     The pipeline's first stage (embedding, the most microbatches in flight) and last (head, loss) are both weighed."""
     counts = param_counts(cfg)
     local = counts["total"] / (tp * pp)
-    head = (counts["head"] or counts["embedding"]) / tp
     root = (counts["embedding"] + counts["head"]) / tp
     if pp > 1:  # the embedding on the first stage, the head on the last: the larger of the two
         root = max(counts["embedding"], counts["head"] or counts["embedding"]) / tp

@@ -86,6 +86,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if getattr(ctx, "used", False):  # the stored gradients were scaled in place by the first backward
+            raise RuntimeError("backward twice through linear_cross_entropy (retain_graph) is not supported")
+        ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
         # these tensors are this function's own and die with it: scale them in place (no second [vocab, hidden]
         # buffer) except while a compiler traces, which wants the functional form

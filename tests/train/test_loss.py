@@ -67,11 +67,15 @@ def test_frozen_head_and_no_grad():
     torch.testing.assert_close(total, _eager(h, w, t, "sum").detach(), rtol=1e-6, atol=1e-4)
 
 
-def test_chunk_rows_and_bad_reduction():
+def test_chunk_rows_bad_reduction_and_a_second_backward():
     assert loss_chunk_rows(128256) == 1024 and loss_chunk_rows(32000) == 4096 and loss_chunk_rows(10**7) == 128
     h, w, t = _inputs()
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(h, w, t, "none")
+    loss = linear_cross_entropy(h, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        loss.backward()
 
 
 def test_head_weight_takes_only_a_plain_head():

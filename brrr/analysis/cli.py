@@ -204,10 +204,14 @@ def cmd_train(args) -> int:
               f"{r['microbatches']} microbatches, {'checkpointing' if r['checkpointing'] else 'no recompute'}")
     _print([
         layout,
-        "mixed-precision Adam: bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12 bytes per parameter",
+        "mixed-precision AdamW as PyTorch holds it: fp32 master weights 4 + fp32 grads 4 + Adam m, v 8 bytes per "
+        "parameter, bf16 working copies while a step uses them",
         _table("memory per GPU", ["", "bytes"],
-               [[k, _num(m[k], "B")] for k in ("params", "grads", "optimizer", "activations", "total")]
-               + [["fits in " + _num(m["gpu_memory"], "B"), "yes" if m["fits"] else "NO"]]),
+               [[k.replace("_", " "), _num(m[k], "B")] for k in
+                ("params", "grads", "optimizer", "working_weights", "ddp_buckets", "activations", "loss",
+                 "reduce_scatter", "end_of_forward", "end_of_backward") if m[k]]
+               + [[f"peak ({m['peak']})", _num(m["total"], "B")],
+                  ["fits in " + _num(m["gpu_memory"], "B"), "yes" if m["fits"] else "NO"]]),
         _table("bytes sent per GPU per step", ["", "bytes"],
                [[k.replace("_", " "), _num(v, "B")] for k, v in c.items()]),
         _table("step", ["", ""],

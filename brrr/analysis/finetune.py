@@ -6,13 +6,13 @@ NF4_BYTES_PER_PARAM = 1/2 (a 4-bit code) + 1/64 (one int8 absmax per block of 64
 256 absmaxes) = 0.5159 bytes, while embeddings, norms and the LM head stay bf16. Only the adapters train:
 ADAPTER_BYTES_PER_PARAM = 16 (fp32 weight, fp32 gradient, fp32 Adam m and v). Activations as in full training
 (brrr.analysis.train), plus per adapted module its rank-r intermediate and, with dropout, the dropped input and its
-mask; the loss computes logits a chunk of LOSS_CHUNK tokens at a time (brrr/train/finetune.py), recomputing each in
-backward under full checkpointing.
+mask; the loss is the chunked linear cross-entropy (brrr/train/loss.py: one chunk of logits at a time, the hidden
+states' gradient computed with it, the frozen head's none), as in full training (brrr.analysis.train.loss_bytes).
 """
 from __future__ import annotations
 
 from brrr.analysis.model import param_counts, prefill_flops_per_token
-from brrr.analysis.train import activation_bytes_per_token_per_layer
+from brrr.analysis.train import activation_bytes_per_token_per_layer, loss_bytes
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 
@@ -21,10 +21,7 @@ from brrr.errors import BrrrError
 NF4_BLOCK, NF4_SCALE_BLOCK = 64, 256
 NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALE_BLOCK)
 ADAPTER_BYTES_PER_PARAM = 16
-LOSS_CHUNK = 256
-# bytes per token per vocabulary entry while a logits chunk is differentiated: bf16 logits, their fp32 copy, the
-# saved fp32 log-softmax, and its gradient in fp32 and bf16
-LOGIT_BYTES = 2 + 4 + 4 + 4 + 2
+LOSS_CHUNK = 256  # tokens per logits chunk of an adapted or quantized LM head, which the chunked loss cannot take
 CHECKPOINTING = ("full", "selective", "none")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,9 +98,8 @@ def finetune_memory(cfg: ModelConfig, r: int = 16, targets=DEFAULT_TARGETS, qlor
             kept += 2 * sum(o for o, i in all_shapes.values()) + 2 * r * len(shapes)
             kept += 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.num_heads
         activations = cfg.num_layers * kept * tokens + full_layer
-    logits = LOGIT_BYTES * cfg.vocab_size * min(tokens, LOSS_CHUNK)
-    if checkpointing != "full":  # the chunks are not recomputed: each keeps its fp32 log-softmax
-        logits += 4 * cfg.vocab_size * tokens
+    loss = loss_bytes(cfg, tokens, head_trains=False)
+    logits = loss["transient"] + loss["gradients"]
     dequantized = 2 * max(o * i for o, i in all_shapes.values()) if qlora else 0
     total = base + ADAPTER_BYTES_PER_PARAM * n_adapter + activations + logits + dequantized
     return {"base_weights": base, "adapter_params": n_adapter, "adapter_weights": 4 * n_adapter,

@@ -3,8 +3,11 @@
 Parallelism: gpus = dp * tp * pp. Tensor parallelism (Megatron, with sequence parallelism) splits weights and
 activations tp ways; pipeline parallelism splits layers pp ways (evenly, embedding and head ignored in the
 split); data parallelism replicates the rest, and ZeRO shards optimizer state (stage 1), + gradients (2),
-+ weights (3) across the dp replicas. Mixed-precision Adam keeps 16 bytes per parameter: bf16 weights (2),
-bf16 gradients (2), fp32 master weights, Adam m and v (4 + 4 + 4). MoE experts are not expert-parallel here.
++ weights (3) across the dp replicas. Mixed-precision Adam keeps 16 bytes per parameter. The ZeRO paper's table
+(`training_state_bytes`) splits them bf16 weights 2 + bf16 gradients 2 + fp32 master, m, v 12; `train_plan`'s memory
+is what PyTorch mixed precision (brrr train) holds: fp32 master weights 4, fp32 gradients 4 and Adam's m and v 8,
+with the bf16 compute copies of the weights counted apart, only while a step uses them, and the peak taken over the
+two moments it can fall at (`trainer_memory`). MoE experts are not expert-parallel here.
 """
 from __future__ import annotations
 
@@ -19,6 +22,31 @@ from brrr.errors import BrrrError
 
 STATE_BYTES_PER_PARAM = {"params": 2, "grads": 2, "optimizer": 12}
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# The chunked linear cross-entropy (brrr/train/loss.py) takes the logits this many fp32 bytes of them at a time:
+# rows enough for full-width LM-head matmuls, small beside the model
+LOSS_CHUNK_LOGIT_BYTES = 1 << 29
+# bytes per token per vocabulary entry the eager loss holds at its peak (TP's vocabulary-parallel loss, fp16): the
+# bf16 logits 2, their fp32 copy 4 and the saved fp32 log-softmax 4
+EAGER_LOSS_BYTES = 10
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """Tokens per chunk of the chunked loss: LOSS_CHUNK_LOGIT_BYTES of fp32 logits, a multiple of 128 (1024 at a
+    128k vocabulary)."""
+    rows = LOSS_CHUNK_LOGIT_BYTES // (4 * vocab)
+    return max(128, rows // 128 * 128)
+
+
+def loss_bytes(cfg: ModelConfig, tokens: int, tp: int = 1, head_trains: bool = True) -> dict:
+    """What the next-token loss adds at the end of forward. Chunked (tp = 1): one chunk's bf16 logits and their
+    bf16 gradient (4 bytes x vocab x rows: on CUDA the fp32 math between them is fused, never stored), and the
+    gradients it computed for backward: the hidden states' (bf16, 2h per token) and, when the head trains, the head's
+    weight (bf16, vocab x hidden). Vocabulary-parallel under TP (eager): EAGER_LOSS_BYTES x vocab / tp per token."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    if tp > 1:
+        return {"transient": EAGER_LOSS_BYTES * v * tokens / tp, "gradients": 0.0}
+    return {"transient": 4.0 * v * min(tokens, loss_chunk_rows(v)),
+            "gradients": 2.0 * h * tokens + (2.0 * v * h if head_trains else 0.0)}
 
 
 def training_state_bytes(params: float, dp: int, zero: int = 0, model_parallel: int = 1) -> dict:
@@ -77,6 +105,45 @@ def in_flight_microbatches(stages: int, microbatches: int, schedule: str, chunks
     return held * (1 + (stages - 1) / (stages * chunks)) if schedule == "interleaved" else held
 
 
+def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, pp: int, first_stage_activations: float,
+                   last_stage_activations: float, loss: dict) -> dict:
+    """Per-GPU bytes brrr's trainer holds, at the larger of its two peaks (`peak`: which one).
+
+    State, PyTorch mixed precision: fp32 master weights 4, fp32 gradients 4, Adam m and v 8 bytes per parameter;
+    ZeRO-1 shards Adam's, ZeRO-2 also the gradients and master weights, ZeRO-3 (FSDP2 resharding after forward) is
+    ZeRO-2 that also frees the gathered weights between uses. working_weights, the bf16 copies compute reads: every
+    weight from forward to backward with autocast (one process, DDP) and FSDP2's ZeRO-2; with ZeRO-3 only the root
+    group's (embedding, LM head: FSDP2 keeps the root gathered through backward) and two layers' (the one computing
+    and the one prefetched). DDP adds its gradient buckets (fp32, every parameter once).
+    End of forward: weights, Adam, working copies, the activations and the loss (its chunk and the gradients it
+    computed); gradients are not there yet (zero_grad frees them), except with a pipeline, whose microbatches
+    accumulate them through the step. End of backward: every gradient, and under FSDP2 the root group's last
+    reduce-scatter: its bf16 gradients and their fp32 copy to reduce (the root's gathered weights are freed first).
+    The pipeline's first stage (embedding, the most microbatches in flight) and last (head, loss) are both weighed."""
+    counts = param_counts(cfg)
+    local = counts["total"] / (tp * pp)
+    root = (counts["embedding"] + counts["head"]) / tp
+    if pp > 1:  # the embedding on the first stage, the head on the last: the larger of the two
+        root = max(counts["embedding"], counts["head"] or counts["embedding"]) / tp
+    layer = (counts["total"] - counts["embedding"] - counts["head"]) / cfg.num_layers / tp
+    params = 4 * local / (dp if zero >= 2 else 1)
+    grads = 4 * local / (dp if zero >= 2 else 1)
+    optimizer = 8 * local / (dp if zero >= 1 else 1)
+    working = 2 * (root + 2 * layer) if zero >= 3 else 2 * local
+    buckets = 4 * local if zero == 0 and dp > 1 else 0.0
+    reduce_scatter = (2 + 4) * root if zero >= 2 and dp > 1 else 0.0
+    held = params + optimizer + buckets
+    loss_total = loss["transient"] + loss["gradients"]
+    forward = held + working + (grads if pp > 1 else 0.0) + max(first_stage_activations,
+                                                                 last_stage_activations + loss_total)
+    backward = held + grads + reduce_scatter
+    activations = first_stage_activations if pp == 1 else max(first_stage_activations, last_stage_activations)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "working_weights": working,
+            "ddp_buckets": buckets, "activations": activations, "loss": loss_total, "reduce_scatter": reduce_scatter,
+            "end_of_forward": forward, "end_of_backward": backward,
+            "peak": "end of forward" if forward >= backward else "end of backward", "total": max(forward, backward)}
+
+
 # The fraction of the bf16 peak that training's matmuls reach when nothing is assumed: large, well-tuned bf16 runs
 # report 38-43% MFU (Llama 3 on 16k H100s); 1.0 gives the roofline, what the layout alone costs.
 TYPICAL_EFFICIENCY = 0.4
@@ -99,6 +166,8 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         raise BrrrError(f"--pp {pp} must be <= num_hidden_layers ({cfg.num_layers})")
     if micro_batch < 1 or seq_len < 1:
         raise BrrrError(f"--micro-batch ({micro_batch}) and --seq-len ({seq_len}) must be >= 1")
+    if zero not in (0, 1, 2, 3):
+        raise BrrrError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     dp = gpus // (tp * pp)
     m = microbatches if microbatches is not None else (4 * pp if pp > 1 else 1)
     bubble = pipeline_bubble(pp, m, schedule, chunks)
@@ -106,18 +175,19 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         raise BrrrError(f"--schedule interleaved needs --microbatches ({m}) to be a multiple of --pp ({pp})")
     h, layers = cfg.hidden_size, math.ceil(cfg.num_layers / pp)
     params = param_counts(cfg)["total"]
-    state = training_state_bytes(params, dp, zero, tp * pp)
 
     # activations: layers of this stage x microbatches in flight; with checkpointing only each layer's input
-    # stays, and backward rematerializes one layer at a time; fp32 + bf16 logits on the last stage
+    # stays, and backward rematerializes one layer at a time; the loss on the last stage (trainer_memory)
     tokens_mb = micro_batch * seq_len
     full_layer = activation_bytes_per_token_per_layer(cfg) * tokens_mb / tp
     kept_layer = 2 * h * tokens_mb / tp if checkpointing else full_layer
     rematerialized = full_layer if checkpointing else 0.0
-    logits = 6 * cfg.vocab_size * tokens_mb / tp
     first = in_flight_microbatches(pp, m, schedule, chunks) * layers * kept_layer + rematerialized
-    last = layers * kept_layer + rematerialized + logits
-    activations = first + logits if pp == 1 else max(first, last)
+    last = layers * kept_layer + rematerialized
+    loss = loss_bytes(cfg, tokens_mb, tp)
+    if pp > 1 and schedule == "gpipe":  # the last stage runs every microbatch's forward (and loss) before backward
+        loss["gradients"] *= m
+    memory = trainer_memory(cfg, dp, zero, tp, pp, first, last, loss)
 
     # communication per GPU per step (bytes sent; a ring moves (n-1)/n of the buffer per GPU per pass)
     local = params / (tp * pp)
@@ -152,9 +222,7 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         "gpu": gpu.name, "gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": micro_batch,
         "seq_len": seq_len, "microbatches": m, "schedule": schedule, "chunks": chunks,
         "checkpointing": checkpointing, "efficiency": efficiency, "params": params, "tokens_per_step": tokens,
-        "memory": {**{k: v for k, v in state.items() if k != "total"}, "activations": activations,
-                   "total": state["total"] + activations, "gpu_memory": gpu.memory,
-                   "fits": state["total"] + activations <= gpu.memory},
+        "memory": {**memory, "gpu_memory": gpu.memory, "fits": memory["total"] <= gpu.memory},
         "communication_bytes": {"data_parallel": dp_bytes, "tensor_parallel": tp_bytes, "pipeline": pp_bytes},
         "bubble": bubble,
         "flops": {"model": model_flops, "hardware": hardware_flops,

@@ -17,6 +17,9 @@ busiest rank's peak memory and `brrr calc train`'s prediction for the layout.
 
     torchrun --nproc_per_node 4 -m brrr bench train --model llama-3.1-8b --micro-batch 1 --seq-len 4096 \\
         --compile --checkpointing
+
+--profile DIR runs one more step under torch.profiler after the timed ones: DIR/rank<r>.trace.json and
+DIR/rank<r>.kernels.txt (the top 20 kernels by GPU time; rank 0's printed), or DIR/<model>.* alone.
 """
 from __future__ import annotations
 
@@ -56,6 +59,9 @@ def register(bench_sub) -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--out", default=None, help="append the JSON records to this file too")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one more step after the timed ones: a chrome trace and a top-20 kernel table per "
+                        "rank (alone: per model) in DIR, the table printed (brrr/bench/train_profile.py)")
     p.set_defaults(func=cmd_train)
 
 
@@ -165,6 +171,13 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
                                     1.0, autocast)
     torch.cuda.reset_peak_memory_stats()
     warmup_s, seconds, last_loss = timed_steps(step, args, torch.cuda.synchronize)
+    peak_memory = torch.cuda.max_memory_allocated()
+    if args.profile:
+        from pathlib import Path
+
+        from brrr.bench.train_profile import profile_step
+
+        print(profile_step(lambda: step(0), args.profile, Path(name).stem, device), flush=True)
     tokens = micro_batch * args.seq_len
     flops = training_flops_per_token(cfg, args.seq_len)
     achieved = tokens / seconds * flops
@@ -176,7 +189,7 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
         "model_flops_per_token": flops, "achieved_tflops": achieved / 1e12,
         "mfu": achieved / gpu.datasheet_peak("bf16"), "of_measured_matmul": achieved / gpu.peak("bf16"),
         "target_mfu": 0.45, "warmup_s": warmup_s, "final_loss": last_loss,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "gpu": gpu.name,
+        "peak_memory_gb": peak_memory / 1e9, "gpu": gpu.name,
         "datasheet_bf16_tflops": gpu.datasheet_peak("bf16") / 1e12, "measured_bf16_tflops": gpu.peak("bf16") / 1e12,
         "torch": torch.__version__, "python": platform.python_version(),
     }
@@ -225,11 +238,17 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         warmup_s, seconds, last_loss = timed_steps(step, args, torch.cuda.synchronize if cuda else (lambda: None))
+        memory = parallel.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
+        if args.profile:  # after the peak memory is read: the profiler's buffers are not the step's
+            from brrr.bench.train_profile import profile_step
+
+            table = profile_step(lambda: step(0), args.profile, f"rank{parallel.mesh.rank}", device)
+            if parallel.mesh.rank == 0:
+                print(table, flush=True)
         world = parallel.layout.world
         tokens = micro_batch * args.seq_len * parallel.dp_world
         flops = training_flops_per_token(model_cfg, args.seq_len)
         peak, gpu_name = peak_flops(device)
-        memory = parallel.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
         calc = parallel.calc_train_memory(model_cfg)
         rank = parallel.mesh.rank
     finally:

@@ -24,6 +24,7 @@ from brrr.errors import BrrrError
 from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_modules, lora_state, trainable_parameters
 from brrr.train import checkpoint
+from brrr.train.loss import head_weight, linear_cross_entropy
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
 from brrr.train.trainer import (Trainer, TrainConfig, checkpoint_activations, make_optimizer, one_process_layout,
                                 peak_flops)
@@ -79,10 +80,11 @@ class FinetuneConfig(TrainConfig):
 
 
 class SFTLoss(nn.Module):
-    """Mean cross-entropy over the trained target tokens of a packed varlen batch. Logits are computed only for
-    rows with a target, LOSS_CHUNK tokens at a time; with recompute_logits each chunk is recomputed in backward, so
-    only one chunk's fp32 logits ever exist (else each chunk keeps its fp32 log-softmax: 4 bytes x vocabulary per
-    token, for one LM-head matmul less)."""
+    """Mean cross-entropy over the trained target tokens of a packed varlen batch, only for rows with a target.
+    A plain LM head takes brrr.train.loss's chunked linear cross-entropy (gradients computed with the loss, no
+    logits kept); an adapted or quantized head computes logits LOSS_CHUNK tokens at a time, with recompute_logits
+    recomputing each chunk in backward, so only one chunk's fp32 logits ever exist (else each chunk keeps its fp32
+    log-softmax: 4 bytes x vocabulary per token, for one LM-head matmul less)."""
 
     def __init__(self, model: nn.Module, recompute_logits: bool = True):
         super().__init__()
@@ -96,11 +98,16 @@ class SFTLoss(nn.Module):
         keep = (targets != IGNORE).nonzero().squeeze(1)
         hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
         total = hidden.sum() * 0.0  # a zero with a graph, for a batch without targets
-        for h, t in zip(hidden.split(LOSS_CHUNK), targets.split(LOSS_CHUNK)):
-            if self.recompute_logits and torch.is_grad_enabled():
-                total = total + recompute(self._chunk_loss, h, t, use_reentrant=False)
-            else:
-                total = total + self._chunk_loss(h, t)
+        weight = head_weight(self.model.lm_head, hidden)
+        if weight is not None:  # the LM head's chunked loss: no logits kept, none recomputed
+            if len(keep):
+                total = total + linear_cross_entropy(hidden, weight, targets, "sum")
+        else:
+            for h, t in zip(hidden.split(LOSS_CHUNK), targets.split(LOSS_CHUNK)):
+                if self.recompute_logits and torch.is_grad_enabled():
+                    total = total + recompute(self._chunk_loss, h, t, use_reentrant=False)
+                else:
+                    total = total + self._chunk_loss(h, t)
         if reduction == "sum":
             return total, len(keep)
         return total / max(1, len(keep))

@@ -22,17 +22,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brrr.analysis.model import param_counts, training_flops_per_token
 from brrr.errors import BrrrError
-from brrr.kernels import AttnMeta
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.pretrained import check_device
 from brrr.train import checkpoint
 from brrr.train.data import TokenData
+from brrr.train.loss import CausalLMLoss
 from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_model_weights
 from brrr.train.parallel import checkpoint_activations as recompute_layers
 from brrr.train.sampler import TrainWindows, eval_windows
@@ -183,27 +182,6 @@ def checkpoint_activations(model: nn.Module, selective: bool = False):
     the matmuls that contract a wide dimension and of attention, recompute only the cheap rest (norms, RoPE,
     activations, dropout, rank-r LoRA expansions): backward then re-runs almost no FLOPs, for more memory."""
     recompute_layers(decoder_layers(model), selective)
-
-
-class CausalLMLoss(nn.Module):
-    """Mean next-token cross-entropy of a [B, T] batch through the model's flattened-token interface."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self._meta: dict = {}
-
-    def meta(self, batch: int, seq_len: int, device):
-        key = (batch, seq_len, str(device))
-        if key not in self._meta:
-            self._meta[key] = (AttnMeta.causal([seq_len] * batch, device),
-                               torch.arange(seq_len, device=device).repeat(batch))
-        return self._meta[key]
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        meta, positions = self.meta(*inputs.shape, inputs.device)
-        hidden = self.model(inputs.reshape(-1), positions, meta)
-        return F.cross_entropy(self.model.compute_logits(hidden), targets.reshape(-1), reduction=reduction)
 
 
 def autocast_for(device, fp16: bool = False) -> contextlib.AbstractContextManager:

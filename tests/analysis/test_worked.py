@@ -5,7 +5,7 @@ import pytest
 
 from brrr.analysis.formats import weight_format
 from brrr.analysis.hardware import get_gpu
-from brrr.analysis.model import (compute_bound_batch, decode_bytes_per_step,
+from brrr.analysis.model import (compute_bound_batch, param_counts, decode_bytes_per_step,
                                  decode_weight_bytes, experts_touched, flops_per_token, kv_bytes_per_sequence,
                                  kv_bytes_per_token, prefill_flops)
 from brrr.analysis.roofline import matmul, place, transformer_ops
@@ -54,10 +54,12 @@ def test_zero3_13b_on_8_gpus():
     assert training_state_bytes(13e9, 8, 0)["total"] == 208e9
     assert training_state_bytes(13e9, 8, 1)["total"] == 71.5e9
     assert training_state_bytes(13e9, 8, 2)["total"] == 48.75e9
-    # The llama-2-13b preset has 13,015,864,320 params: 26,031,728,640 bytes each of params/grads... / 8
+    # train_plan counts what PyTorch mixed precision (brrr train, FSDP2) holds of the same 16 bytes: fp32 master
+    # weights 4, fp32 gradients 4 (FSDP2 reduces in fp32 into the fp32 shards), Adam m and v 8; bf16 weights exist
+    # only as working copies. The llama-2-13b preset has 13,015,864,320 params, / 8 ranks:
     plan = train_plan(preset_config("llama-2-13b"), get_gpu("a100-80gb"), gpus=8, zero=3)
-    assert plan["memory"]["params"] == 13_015_864_320 * 2 / 8
-    assert plan["memory"]["optimizer"] == 13_015_864_320 * 12 / 8
+    assert plan["memory"]["params"] == plan["memory"]["grads"] == 13_015_864_320 * 4 / 8
+    assert plan["memory"]["optimizer"] == 13_015_864_320 * 8 / 8
 
 
 def test_4096_cubed_fp16_matmul_on_a100():
@@ -192,13 +194,21 @@ def test_training_activations_and_communication():
     #   q 2 x 4,096 + k, v 2 x 2 x 1,024 + attention output 2 x 4,096 + lse 4 x 32 = 20,608
     #   MLP gate, up, silu(gate), gate*up: 4 x 2 x 14,336                   = 114,688   -> 168,072
     assert activation_bytes_per_token_per_layer(cfg) == 168_072
-    # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes,
-    # plus bf16 + fp32 logits 6 x 128,256 x 4,096 = 3,152,019,456
+    # One 4,096-token sequence, 32 layers, no recompute: 168,072 x 4,096 x 32 = 22,029,533,184 bytes
     plan = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, efficiency=1.0)  # the roofline
-    assert plan["memory"]["activations"] == 22_029_533_184 + 3_152_019_456
+    assert plan["memory"]["activations"] == 22_029_533_184
+    # The chunked loss (brrr/train/loss.py) holds one 1,024-token chunk's bf16 logits and bf16 gradient, 4 x 128,256
+    # x 1,024 = 525,336,576 bytes (the whole [4,096, 128,256] fp32 logits were 2.1 GB), plus the gradients it
+    # computed in forward: the hidden states' 2 x 4,096 x 4,096 = 33,554,432 and the head's 2 x 128,256 x 4,096
+    assert plan["memory"]["loss"] == 525_336_576 + 33_554_432 + 1_050_673_152
     # With checkpointing only layer inputs stay (2 x 4,096 x 4,096 x 32 = 1,073,741,824) + one layer rebuilt
     ckpt = train_plan(cfg, get_gpu("h100"), gpus=8, zero=3, checkpointing=True, efficiency=1.0)
-    assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096 + 3_152_019_456
+    assert ckpt["memory"]["activations"] == 1_073_741_824 + 168_072 * 4096
+    # FSDP2's peak with checkpointing is the end of backward: every fp32 gradient shard, and the root group's last
+    # reduce-scatter (embedding + head, 2 x 525,336,576 parameters: bf16 gradients 2 + their fp32 copy 4 bytes each)
+    m, p8 = ckpt["memory"], 8_030_261_248
+    assert m["peak"] == "end of backward" and m["reduce_scatter"] == 6 * 2 * 525_336_576
+    assert m["total"] == pytest.approx(16 * p8 / 8 + 6 * 2 * 525_336_576)
     # Bytes each GPU sends per step: DDP ring all-reduce of bf16 grads 2 x (7/8) x 2 x P;
     # ZeRO-3 all-gathers weights twice and reduce-scatters grads once: 3 x (7/8) x 2 x P (1.5x DDP)
     p = 8_030_261_248
@@ -238,3 +248,25 @@ def test_int4_group_overhead():
     assert weight_format("int4").matrix_bytes(4096, 4096) == 8_388_608 + 524_288
     # g32 quadruples the overhead: 4,096 x 128 x 4 = 2,097,152
     assert weight_format("int4-g32").matrix_bytes(4096, 4096) == 8_388_608 + 2_097_152
+
+
+def test_training_memory_peaks_where_the_trainer_does():
+    # brrr train on one GPU (autocast over fp32 weights): the peak is the end of forward, when every activation and
+    # the loss's chunk are alive beside the fp32 weights, Adam's m and v and autocast's bf16 copies (2 bytes per
+    # parameter), but no gradient yet (zero_grad frees them): llama-3.2-1b, 2 x 4,096 tokens
+    cfg, h100 = preset_config("llama-3.2-1b"), get_gpu("h100")
+    p = param_counts(cfg)["total"]
+    m = train_plan(cfg, h100, gpus=1, micro_batch=2, seq_len=4096)["memory"]
+    assert m["peak"] == "end of forward" and m["working_weights"] == 2 * p and m["reduce_scatter"] == 0
+    assert m["total"] == pytest.approx(12 * p + 2 * p + m["activations"] + m["loss"])
+    # DDP keeps its fp32 gradient buckets (every parameter once) beside the same
+    ddp = train_plan(cfg, h100, gpus=2, micro_batch=2, seq_len=4096)["memory"]
+    assert ddp["ddp_buckets"] == 4 * p and ddp["total"] == pytest.approx(m["total"] + 4 * p)
+    # FSDP2 (ZeRO-3) on 4 ranks gathers only the root group (a tied embedding/head: 262,668,288 parameters) and two
+    # layers (the one computing, the one prefetched) in bf16
+    layer = (p - 262_668_288) / cfg.num_layers
+    z3 = train_plan(cfg, h100, gpus=4, zero=3, micro_batch=2, seq_len=4096)["memory"]
+    assert z3["working_weights"] == pytest.approx(2 * (262_668_288 + 2 * layer))
+    # TP keeps the eager vocabulary-parallel loss: bf16 logits, fp32 copy, saved log-softmax, 10 bytes x vocab / tp
+    tp = train_plan(cfg, h100, gpus=2, tp=2, micro_batch=2, seq_len=4096)["memory"]
+    assert tp["loss"] == 10 * cfg.vocab_size * 8192 / 2

@@ -15,7 +15,7 @@ def test_under_torchrun_rank_0_writes_the_layouts_record(tmp_path):
     config.write_text(json.dumps({**TINY_MODEL, "vocab_size": 256}))
     out = tmp_path / "train.jsonl"
     proc = torchrun(2, ["--model", str(config), "--micro-batch", "2", "--seq-len", "16", "--steps", "2", "--warmup",
-                        "1", "--out", str(out)], command=("bench", "train"))
+                        "1", "--out", str(out), "--profile", str(tmp_path / "prof")], command=("bench", "train"))
     stdout, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -23,6 +23,14 @@ def test_under_torchrun_rank_0_writes_the_layouts_record(tmp_path):
     assert record["bench"] == "train_distributed" and record["gpus"] == 2 and record["dp_shard"] == 2
     assert record["tokens_per_step"] == 2 * 16 * 2 and record["tokens_per_s"] > 0 and record["final_loss"] > 0
     assert record["micro_batch_per_rank"] == 2 and record["seq_len"] == 16 and record["mfu"] is None  # CPU
+    # --profile: each rank's chrome trace and its top-20 table (CPU ops here, GPU kernels on CUDA); rank 0's printed
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "prof" / f"rank{rank}.trace.json").read_text())
+        assert any(e.get("name", "").startswith("aten::mm") for e in trace["traceEvents"])
+        table = (tmp_path / "prof" / f"rank{rank}.kernels.txt").read_text().splitlines()
+        assert table[0].startswith(f"rank{rank} (profiled step ") and "top 20 CPU ops by total time" in table[0]
+        assert len(table) == 2 + 20
+    assert "rank0 (profiled step " in stdout and "rank1 (profiled step " not in stdout
 
 
 def test_alone_layout_flags_need_torchrun_and_counts_are_checked(capsys):

@@ -19,6 +19,7 @@ from torch import nn
 
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.train.loss import head_weight, linear_cross_entropy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 INTERLEAVED_CHUNKS = 2  # stages per rank with the interleaved schedule
@@ -43,6 +44,7 @@ class PipelineStageModule(nn.Module):
         self.model = inner
         self.lm_head = causal_lm.lm_head if last else None
         self.first, self.last = first, last
+        self.returns_hidden = False  # set by the last stage's forward
         self._meta: dict = {}
 
     def _meta_for(self, batch: int, seq: int, device):
@@ -53,7 +55,8 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """First stage: token ids [batch, seq_len]; later stages: the previous one's (h, residual). Returns the
-        next stage's inputs, or on the last stage the fp32 logits [tokens, vocab] (vocabulary-sharded under TP)."""
+        next stage's inputs, or on the last stage what `loss` takes: the final hidden states [tokens, hidden], or
+        the fp32 logits [tokens, vocab] (vocabulary-sharded under TP)."""
         tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
         tokens = x.numel() if self.first else x.shape[0] * tp
         meta, positions = self._meta_for(tokens // self.seq_len, self.seq_len, x.device)
@@ -66,8 +69,18 @@ class PipelineStageModule(nn.Module):
         for layer in inner.layers.values():
             h, residual = layer(h, cos, sin, meta, residual)
         if self.last:
-            return self.lm_head(inner.norm(h, residual)[0]).float()
+            h = inner.norm(h, residual)[0]
+            # the chunked loss takes the final hidden states and the head's weight (brrr.train.loss); a
+            # vocabulary-sharded head (TP) or fp16 hands over the logits
+            self.returns_hidden = head_weight(self.lm_head, h) is not None
+            return h if self.returns_hidden else self.lm_head(h).float()
         return _local_shard(h), _local_shard(residual)
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The last stage's next-token loss of what its forward returned."""
+        if self.returns_hidden:
+            return linear_cross_entropy(out, self.lm_head.weight, target, reduction)
+        return F.cross_entropy(out, target.flatten(), reduction=reduction)
 
     def _sharded(self, t: torch.Tensor) -> torch.Tensor:
         """A received token shard as the TP layers' Shard(0) DTensor (the tensor itself without TP)."""
@@ -172,8 +185,10 @@ class Pipeline:
         # fp16's loss scale)
         divisor = self.microbatches * self.grad_accum
 
-        def loss_fn(logits, target):
-            return F.cross_entropy(logits, target.flatten()) * self.loss_multiplier / divisor
+        last = self.modules[-1]  # the last stage, where this rank holds it
+
+        def loss_fn(out, target):
+            return last.loss(out, target) * self.loss_multiplier / divisor
 
         self.schedule = cls(stages if self.schedule_name == "interleaved" else stages[0], self.microbatches,
                             loss_fn=loss_fn, scale_grads=False)
@@ -199,7 +214,7 @@ class Pipeline:
         on ranks holding the last stage; zero elsewhere."""
         schedule = self.schedule
         train_loss = schedule._loss_fn
-        schedule._loss_fn = lambda logits, t: F.cross_entropy(logits, t.flatten(), reduction="sum")
+        schedule._loss_fn = lambda out, t: self.modules[-1].loss(out, t, reduction="sum")
         try:
             losses: list = []
             schedule.eval(*((inputs,) if 0 in self.stage_ids else ()), target=targets if self.has_last else None,

@@ -83,6 +83,7 @@ FORCED_SCRIPT = """
 import gc, sys
 import torch
 import brrr.distributed.tp_runner as tp_runner
+from brrr import LLM, SamplingParams
 
 path, cuda_graphs = sys.argv[1], sys.argv[2] == "graphs"
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -160,6 +161,7 @@ STUCK_SCRIPT = """
 import os, signal, sys, threading, time
 import brrr.distributed.oneshot as oneshot
 import brrr.distributed.tp_runner as tp_runner
+from brrr import LLM, SamplingParams
 
 tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)  # one-shot for every decode message
 tp_runner.LaunchWatchdog = lambda procs, _timeout: oneshot.LaunchWatchdog(procs, 3.0)  # NCCL's stays 120 s

@@ -102,6 +102,20 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def exit_failed_rank() -> None:
+    """A rank whose step raised: print the error and leave at once. destroy_process_group would wait on the NCCL
+    sends and receives its peers posted for the step this rank abandoned, hanging it and them; once this process
+    exits torchrun stops the other ranks."""
+    import os
+    import sys
+    import traceback
+
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def cmd_train(args) -> int:
     from brrr.train.trainer import Trainer, TrainConfig, config_fields
 
@@ -118,6 +132,10 @@ def cmd_train(args) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             raise
         return 2  # every rank refuses the same layout; rank 0 alone says why
+    except Exception:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            exit_failed_rank()
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

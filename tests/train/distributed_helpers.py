@@ -46,10 +46,11 @@ def train_losses(out) -> list[float]:
             if '"loss"' in line]
 
 
-def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",), **popen) -> subprocess.Popen:
-    """`torchrun --nproc_per_node world -m brrr COMMAND ARGS` as a child process."""
+def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",), entry: tuple[str, ...] = ("-m", "brrr"),
+             **popen) -> subprocess.Popen:
+    """`torchrun --nproc_per_node world -m brrr COMMAND ARGS` as a child process (entry: another script instead)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port",
-           str(free_port()), "-m", "brrr", *command, *args]
+           str(free_port()), *entry, *command, *args]
     # the repo first, then whatever the caller's path holds (packages installed beside it, e.g. with --target)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from brrr.train.trainer import TrainConfig, Trainer
-from tests.train.distributed_helpers import torchrun, train_losses
+from tests.train.distributed_helpers import REPO, torchrun, train_losses
 
 LOSS_ATOL = 5e-5
 
@@ -27,6 +27,17 @@ def test_a_bad_layout_is_one_error_on_rank_0_and_every_rank_exits(tiny_config, d
     message = "brrr: error: --dp-replicate 1 x --tp 3 x --pp 1 = 3 does not divide the world size 2"
     assert err.count(message) == 1, err
     assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+def test_a_rank_failing_inside_a_step_ends_the_run_with_its_error(tiny_config, data_dir, tmp_path):
+    """The failed rank prints its traceback and exits at once (destroy_process_group would wait on its peers' pending
+    collectives under NCCL); torchrun then stops the rank still waiting in the step's gradient reduction."""
+    start = time.monotonic()
+    proc = torchrun(2, _flags(tiny_config, data_dir, tmp_path / "out"), entry=(str(REPO / "tests/train/rank_fails.py"),))
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert "RuntimeError: rank 1 failed inside its step" in err, err[-3000:]
+    assert time.monotonic() - start < 150
 
 
 def test_sigterm_writes_a_checkpoint_and_the_run_resumes_from_it(tiny_config, data_dir, tmp_path):

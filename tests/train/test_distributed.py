@@ -182,3 +182,26 @@ def test_selective_recompute_wraps_every_nth_layer(configs, data_dir):
     model = Parallel(cfg, model_cfg, torch.device("cpu")).apply(build_model(model_cfg, "cpu"))
     wrapped = [isinstance(layer.__dict__.get("forward"), functools.partial) for layer in model.model.layers]
     assert wrapped == [True, False, True, False]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_stage_forward_takes_the_reference_ops_in_either_grad_mode(configs, data_dir, grad):
+    """PipelineStage infers a stage's output metadata from a forward under no_grad and checks each training
+    forward against it: on CUDA no_grad would take the Triton kernels, so a stage always runs the references."""
+    from brrr.kernels import dispatch
+    from brrr.train.parallel.pipeline import PipelineStageModule
+    from brrr.train.trainer import build_model
+
+    model_cfg = _model_cfg(data_dir, configs["four"])
+    stages = [PipelineStageModule(build_model(model_cfg, "cpu"), layers, s == 0, s == 1, 32)
+              for s, layers in enumerate(stage_layers(4, 2))]
+    seen = []
+    for stage in stages:
+        layer = next(iter(stage.model.layers.values()))
+        layer.register_forward_pre_hook(lambda *_: seen.append(dispatch._forced_reference > 0))
+    ids = torch.randint(0, model_cfg.vocab_size, (2, 32))
+    with torch.set_grad_enabled(grad):
+        h, residual = stages[0](ids)
+        out = stages[1](h, residual)
+    assert out.shape == (64, model_cfg.hidden_size)  # the final hidden states: the chunked loss takes them
+    assert seen == [True, True]

@@ -19,6 +19,7 @@ from torch import nn
 
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.dispatch import use_reference
 from brrr.train.loss import head_weight, linear_cross_entropy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -56,7 +57,16 @@ class PipelineStageModule(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """First stage: token ids [batch, seq_len]; later stages: the previous one's (h, residual). Returns the
         next stage's inputs, or on the last stage what `loss` takes: the final hidden states [tokens, hidden], or
-        the fp32 logits [tokens, vocab] (vocabulary-sharded under TP)."""
+        the fp32 logits [tokens, vocab] (vocabulary-sharded under TP).
+
+        Always through the reference ops: PipelineStage infers its outputs' metadata from a forward under no_grad,
+        which on CUDA would take the Triton kernels, and checks every training forward (the references, which
+        autograd differentiates) against it, strides included in torch 2.11; evaluation under TP needs the
+        references too (the kernels take no DTensors)."""
+        with use_reference():
+            return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
         tokens = x.numel() if self.first else x.shape[0] * tp
         meta, positions = self._meta_for(tokens // self.seq_len, self.seq_len, x.device)

@@ -14,7 +14,8 @@
 # Knobs (environment). train: BUDGET (seconds, 560), SOURCES ("stdlib site-packages"), VOCAB (8192), TARGET_SHAPE
 # (brrr-300m), DRAFT_SHAPE (brrr-default) - a shape name or a config.json -, SEQ_LEN (1024), TARGET_MICRO_BATCH
 # (32), DRAFT_MICRO_BATCH (128), EAGLE_MICRO_BATCH (32), TARGET_SHARE and DRAFT_SHARE (percent of the time left
-# after the data build: 55 and 15; the head gets the rest), COMPILE (1: torch.compile where the trainer has it).
+# after the data build: 55 and 15; the head gets the rest), COMPILE (1: torch.compile for the target; the 7M draft
+# always trains eagerly: its compile can take most of its short budget).
 # bench: BATCHES (1,16,64), PROMPT_LEN (512), NEW_TOKENS (256), NUM_ITERS (4), K (4), WORKLOADS ("code edit"),
 # METHODS ("none eagle draft ngram"), SPEC_EXTRA (JSON members added to each speculative config, e.g.
 # '"disable_by_batch_size": 16'), DTYPE (bfloat16), RUN_TIMEOUT (seconds per `brrr bench latency`, 150), BUDGET
@@ -70,7 +71,7 @@ train() {
     step draft $(( d_budget + 40 )) python3 -m brrr train --config ${DRAFT_SHAPE:-brrr-default} --data "$DIR/data" \
         --out "$DIR/draft" --seq-len $SEQ_LEN --micro-batch ${DRAFT_MICRO_BATCH:-128} --lr 2e-3 --min-lr-ratio 0.1 \
         --warmup-steps 200 --weight-decay 0.1 --grad-clip 1.0 --max-steps 3500 --eval-every 1000000 \
-        --eval-windows 8 --final-eval-windows 32 --log-every 50 --checkpoint-every 1000000 "${compile[@]}" \
+        --eval-windows 8 --final-eval-windows 32 --log-every 50 --checkpoint-every 1000000 \
         --export-dtype bfloat16 --time-budget $d_budget
     local e_budget=$(( BUDGET - $(elapsed) - 25 ))
     step eagle $(( e_budget + 20 )) python3 -m brrr train-draft --target "$DIR/target" --data "$DIR/data" \

@@ -182,8 +182,10 @@ class LaunchWatchdog:
         stuck_since = None
         while not self._stop.wait(self.poll_s):
             dead = next((rank for rank, p in enumerate(self.procs, 1) if p.exitcode is not None), None)
-            waiting = self.launching or (self.launched is not None and not self.launched.query())
-            if dead is None or not waiting:
+            # the event is queried only once a worker is gone: a CUDA call from this thread can break a capture
+            # that another thread runs in the global mode
+            waiting = dead is not None and (self.launching or (self.launched is not None and not self.launched.query()))
+            if not waiting:
                 stuck_since = None
                 continue
             stuck_since = stuck_since or time.monotonic()

@@ -88,7 +88,9 @@ def time_all_reduce(runner: ModelRunner, rows: int, iters: int, backend: str = "
         reduce(x)
     torch.cuda.synchronize(runner.device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # as the runner's captures (model_runner._cuda_capture): a stream of this device, and thread_local so that the
+    # watchdog thread's event query during the capture does not invalidate it (in the global mode it does)
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(runner.device), capture_error_mode="thread_local"):
         for _ in range(iters):
             reduce(x)
     graph.replay()

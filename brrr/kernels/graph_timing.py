@@ -24,7 +24,8 @@ def graph_time_us(calls, replays: int = 20) -> float:
         c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: an engine's other threads may call CUDA meanwhile, which would invalidate a global-mode capture
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
         for c in calls:
             c()
     return replay_time_us(graph, replays) / len(calls)

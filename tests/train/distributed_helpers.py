@@ -46,8 +46,8 @@ def train_losses(out) -> list[float]:
             if '"loss"' in line]
 
 
-def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",), entry: tuple[str, ...] = ("-m", "brrr"),
-             **popen) -> subprocess.Popen:
+def torchrun(world: int, args: list[str], command: tuple[str, ...] = ("train",),
+             entry: tuple[str, ...] = ("-m", "brrr"), **popen) -> subprocess.Popen:
     """`torchrun --nproc_per_node world -m brrr COMMAND ARGS` as a child process (entry: another script instead)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port",
            str(free_port()), *entry, *command, *args]

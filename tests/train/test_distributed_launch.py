@@ -33,7 +33,8 @@ def test_a_rank_failing_inside_a_step_ends_the_run_with_its_error(tiny_config, d
     """The failed rank prints its traceback and exits at once (destroy_process_group would wait on its peers' pending
     collectives under NCCL); torchrun then stops the rank still waiting in the step's gradient reduction."""
     start = time.monotonic()
-    proc = torchrun(2, _flags(tiny_config, data_dir, tmp_path / "out"), entry=(str(REPO / "tests/train/rank_fails.py"),))
+    script = str(REPO / "tests" / "train" / "rank_fails.py")
+    proc = torchrun(2, _flags(tiny_config, data_dir, tmp_path / "out"), entry=(script,))
     _, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert "RuntimeError: rank 1 failed inside its step" in err, err[-3000:]

@@ -44,6 +44,11 @@ class WeightFormat:
         return {"fp32": "fp32", "fp16": "fp16", "fp8": "fp8"}.get(self.name, "bf16")
 
 
+def dtype_format(dtype) -> str:
+    """The weight format of unquantized weights in a torch dtype (or its name): bfloat16 -> bf16, and so on."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(dtype).removeprefix("torch.")]
+
+
 _SIMPLE = {
     "fp32": WeightFormat("fp32", 32), "bf16": WeightFormat("bf16", 16), "fp16": WeightFormat("fp16", 16),
     "fp8": WeightFormat("fp8", 8, scale_bytes_per_matrix=4),

@@ -133,6 +133,7 @@ def make_workload(args, cfg):
 def cmd_latency(args) -> int:
     import torch
 
+    from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import measure
     from brrr.analysis.model import decode_bytes_per_step
     from brrr.bench.random_model import model_config, random_model
@@ -173,7 +174,6 @@ def cmd_latency(args) -> int:
     else:
         model = load_model(source, dtype, device) if source else random_model(cfg, dtype, device)
     engine = LLMEngine(model, None, config)
-    run_prompts(engine, workload.prompts(1, seed=99), min(8, args.new_tokens), "warm-up")
     for batch in batches:
         # an untimed run at this batch first: the kernels its shapes need (a proposer's first call over every
         # prompt, the prefill of the whole batch) compile here, not inside the first timed iteration
@@ -202,7 +202,7 @@ def cmd_latency(args) -> int:
         if gpu:
             # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
             step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,
-                                               weight_format_name(dtype))
+                                               dtype_format(dtype))
             roofline = batch * gpu.bandwidth * tp / step_bytes  # each GPU reads its 1/tp of the bytes
             record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
                           roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))
@@ -219,16 +219,13 @@ def cmd_latency(args) -> int:
     return 0
 
 
-def weight_format_name(dtype) -> str:
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(dtype).removeprefix("torch.")]
-
-
 def spec_prediction(speculative, cfg, gpu, batch: int, context: int, dtype, mean_len: float) -> dict:
     """`brrr calc spec`'s S = E / (1 + k c) with the measured E (the mean accepted length) and c on the roofline of
     this GPU (measured; on CPU calc's default datasheet GPU): 0 for n-gram, the draft's decode step over the
     target's, or the EAGLE head's (one target layer, fc and the LM head). Launch overheads, which dominate a small
     model's steps, are not in c: the measured ratio falls short of S where they do."""
     from brrr.analysis.cli import DEFAULT_GPU
+    from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import get_gpu
     from brrr.analysis.spec_decode import cost_ratio
     from brrr.config import ModelConfig
@@ -239,7 +236,7 @@ def spec_prediction(speculative, cfg, gpu, batch: int, context: int, dtype, mean
         c = 0.0
     else:
         draft = None if speculative.method == "eagle" else ModelConfig.from_dir(speculative.model)
-        c = cost_ratio(cfg, draft, gpu, batch, context, weight_format_name(dtype))["cost_ratio"]
+        c = cost_ratio(cfg, draft, gpu, batch, context, dtype_format(dtype))["cost_ratio"]
     return {"cost_ratio_roofline": round(c, 4), "cost_ratio_gpu": gpu.name,
             "predicted_speedup": round(mean_len / (1 + k * c), 3)}
 

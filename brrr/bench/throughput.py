@@ -42,6 +42,7 @@ def step_cost(cfg, items, gpu, dtype: str) -> float:
 def cmd_throughput(args) -> int:
     import torch
 
+    from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import measure
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
@@ -53,7 +54,7 @@ def cmd_throughput(args) -> int:
         raise BrrrError("brrr bench throughput measures a GPU; torch sees no CUDA device")
     cfg = model_config(args.model)
     dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda"))
-    short = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+    short = dtype_format(dtype)
     gpu = measure()
     tp = args.tensor_parallel_size
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

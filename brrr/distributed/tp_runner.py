@@ -22,6 +22,7 @@ from brrr.distributed.tp_step import GraphInputs, StepInputs, forward_step, mess
 from brrr.engine.model_runner import ModelRunner
 from brrr.engine.sampler import SampleResult, SampleRow, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.staging import pad_tables
 from brrr.errors import BrrrError
 
 log = logging.getLogger("brrr.engine")
@@ -77,8 +78,7 @@ class TensorParallelRunner(ModelRunner):
                 logits = logits.index_select(0, h2d(rows, self.device, torch.long))
             return sample(logits, [row for _, row in sample_rows]), None, None
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
-        # a table width that is a multiple of 16 on every step: see ModelRunner.execute
-        tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
+        tables = pad_tables(tables)
         step = StepInputs(list(batch.copies), np.array(ids, dtype=np.int64), positions, slots, seqlens, context_lens,
                           tables, np.array(rows + list(logit_rows), dtype=np.int64))
         logits = self._run("step", step, forward_step)

@@ -7,9 +7,9 @@ import torch
 from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
-from brrr.engine.spec.verify import device_draft_gather
+from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
-from brrr.engine.staging import stage
+from brrr.engine.staging import pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
@@ -30,6 +30,11 @@ def kv_cache_bytes(free: int, total: int, in_use: int, activations: int, gpu_mem
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    """The batch sizes captured for steps of up to max_batch rows (ascending): GRAPH_SIZES below it, and itself."""
+    return [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
 
 
 def _cuda_capture(step, pool, device):
@@ -78,7 +83,7 @@ class ModelRunner:
         sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block). With a
         verify spec, then the verify graphs of the sizes up to its bound, in the same pool. capture(step, pool) ->
         (graph, logits): torch.cuda.graph's (tests pass one that re-runs the step eagerly)."""
-        sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
+        sizes = graph_sizes(max_batch)
         n, dev = sizes[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -111,8 +116,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.slots.end()
         if self.verify_spec is not None:
-            verify = [b for b in sizes if b < self.verify_spec.max_batch] + [min(max_batch, self.verify_spec.max_batch)]
-            self.verify_graphs = VerifyGraphs(self, self.verify_spec, sorted(set(verify)), max_blocks)
+            verify = graph_sizes(min(max_batch, self.verify_spec.max_batch))
+            self.verify_graphs = VerifyGraphs(self, self.verify_spec, verify, max_blocks)
             self.verify_graphs.capture(capture or (lambda step, p: _cuda_capture(step, p, dev)), pool)
 
     def graph_for(self, size: int, longest: int) -> tuple:
@@ -164,13 +169,13 @@ class ModelRunner:
     def launch_graphed(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]]) -> torch.Tensor | None:
         """Queue a step through a decode or verify graph and its sampling (rows without logprobs): its tokens on
         the device, nothing waited for; None when no graph takes it. sample_rows as `execute`'s."""
-        rows = [row for _, row in sample_rows]
-        if self.can_launch(batch) and [r for r, _ in sample_rows] == list(range(len(batch.items))):
+        where, rows = [r for r, _ in sample_rows], [row for _, row in sample_rows]
+        if self.can_launch(batch) and where == list(range(len(batch.items))):
             return draw(self._replay(batch), rows)[0]
         verify = self.verify_graphs
         if verify is None or batch.copies or not verify.takes(batch):
             return None
-        return draw(verify.replay(batch, [r for r, _ in sample_rows], False)[0], rows)[0]
+        return draw(verify.replay(batch, where, False)[0], rows)[0]
 
     @torch.inference_mode()
     def launch_forward(self, batch: ScheduledBatch,
@@ -268,9 +273,7 @@ class ModelRunner:
             logits, hidden = verify.replay(batch, rows, want_hidden)
             return sample(logits, [row for _, row in sample_rows]), None, hidden
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
-        # Triton specializes an int argument on divisibility by 16: a table width (the kernels' row stride) that
-        # became one mid-run compiled the attention kernels again inside a served step. Always one: no new variant.
-        tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
+        tables = pad_tables(tables)
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
         gather = device_draft_gather(batch)
@@ -278,7 +281,7 @@ class ModelRunner:
             self.device, np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
             tables, np.array(rows + list(logit_rows), dtype=np.int64), *(gather[1:] if gather else ()))
         if gather is not None:  # drafts still on the device: their ids gathered there
-            ids_t.index_copy_(0, draft_index[1], gather[0].reshape(-1).index_select(0, draft_index[0]))
+            write_device_drafts(ids_t, gather[0], *draft_index)
         meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
                         block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
         if self.lora is not None:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from brrr.engine.scheduler import ScheduledBatch
-from brrr.engine.spec.verify import device_draft_gather
-from brrr.engine.staging import stage
+from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
+from brrr.engine.staging import index_in_row, stage
 from brrr.kernels import AttnMeta
 
 # Rows (g * q) of the largest verify graph: its logits (fp32, rows x vocab) and activations stay in the graph pool
@@ -51,13 +51,9 @@ def graph_replays(runner, proposer) -> dict:
     decode and verify graphs) or an EAGLE head's proposals."""
     verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off, tensor parallelism)
     stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
-    draft = getattr(proposer, "runner", None)
-    if draft is not None:
-        stats["spec_draft_graph_steps"] = draft.decode_replays + (
-            draft.verify_graphs.replays if draft.verify_graphs is not None else 0)
-    eagle = getattr(proposer, "graphs", False)  # None: an EAGLE proposer without graphs
-    if eagle is not False:
-        stats["spec_draft_graph_steps"] = eagle.replays if eagle is not None else 0
+    steps = proposer.draft_graph_steps()
+    if steps is not None:
+        stats["spec_draft_graph_steps"] = steps
     return stats
 
 
@@ -123,7 +119,7 @@ class VerifyGraphs:
         last = np.zeros(g, dtype=np.int64)
         last[:b] = np.asarray(context_lens) - 1
         # each real token's place in the graph: row i's n_i tokens at i*q onwards
-        where = np.repeat(np.arange(b) * q, n) + np.arange(len(ids)) - np.repeat(np.cumsum(n) - n, n)
+        where = np.repeat(np.arange(b) * q, n) + index_in_row(n)
         host = np.empty((3, g * q), dtype=np.int64)
         host[0] = 0
         host[1] = np.repeat(last, q)  # padding at the row's last real position
@@ -137,7 +133,7 @@ class VerifyGraphs:
             runner.device, host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
         self.rows[:, : g * q].copy_(rows_t)
         if gather is not None:  # drafts still on the device: their ids gathered there
-            self.rows[0].index_copy_(0, draft_index[1], gather[0].reshape(-1).index_select(0, draft_index[0]))
+            write_device_drafts(self.rows[0], gather[0], *draft_index)
         self.ctx[:g].copy_(ctx_t)
         self.tables[:b, : tables.shape[1]].copy_(tables_t)
         if runner.lora is not None:

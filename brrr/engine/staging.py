@@ -16,6 +16,20 @@ ALIGN = 16
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
+def pad_tables(tables: np.ndarray) -> np.ndarray:
+    """Block tables widened to a multiple of 16 columns. Triton specializes an int argument on divisibility by 16: a
+    table width (the kernels' row stride) that became one mid-run compiled the attention kernels again inside a
+    served step. Always one: no new variant."""
+    return np.pad(tables, ((0, 0), (0, -tables.shape[1] % 16)))
+
+
+def index_in_row(lengths) -> np.ndarray:
+    """For rows of the given lengths laid end to end, each element's index within its row: 0 .. n_0 - 1, 0 .. n_1 - 1,
+    and so on."""
+    n = np.asarray(lengths)
+    return np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+
+
 def stage(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
     """Each array (int64 or int32) as a tensor on `device` of its dtype and shape, all from one copy."""
     offsets, total = [], 0

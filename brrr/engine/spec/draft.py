@@ -54,6 +54,12 @@ class DraftModelProposer(Proposer):
         # placeholders for them until `_fill_drafts`
         self.unresolved: tuple[DeviceDrafts, dict[int, int]] | None = None
 
+    def draft_graph_steps(self) -> int | None:
+        if self.runner is None:  # no cache yet
+            return None
+        verify = self.runner.verify_graphs
+        return self.runner.decode_replays + (verify.replays if verify is not None else 0)
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model.config, block_size, next(self.model.parameters()).dtype)
 

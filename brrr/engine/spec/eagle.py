@@ -30,7 +30,7 @@ from brrr.engine.spec.eagle_graphs import EagleGraphs
 from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
 from brrr.engine.spec_graphs import verify_graph_spec
-from brrr.engine.staging import stage
+from brrr.engine.staging import index_in_row, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.sampling import greedy_argmax
@@ -83,6 +83,9 @@ class EagleProposer(Proposer):
         self.spare_block: int | None = None  # with graphs: a block outside the pool, where padding writes
         self.graphs: EagleGraphs | None = None
 
+    def draft_graph_steps(self) -> int:
+        return self.graphs.replays if self.graphs is not None else 0
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """The head's cache for block_size tokens (one layer: the engine counts it beside the target's)."""
         cfg = self.head.config
@@ -106,7 +109,7 @@ class EagleProposer(Proposer):
         """Capture the proposal of k drafts for batch sizes up to max_batch (the decode graphs' sizes) over a new
         pool of num_blocks (the current size when None) and a spare block; no sequence may hold blocks yet.
         capture(step, pool) -> (graph, output): torch.cuda.graph's (tests pass one that re-runs the step)."""
-        from brrr.engine.model_runner import GRAPH_SIZES, _cuda_capture
+        from brrr.engine.model_runner import _cuda_capture, graph_sizes
 
         if self.seqs:
             raise BrrrError("EAGLE proposer: graphs are captured before any sequence is proposed for")
@@ -115,8 +118,7 @@ class EagleProposer(Proposer):
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.free, self.spare_block = list(range(blocks - 1, -1, -1)), blocks
-        sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
-        self.graphs = EagleGraphs(self, sizes, k, max_blocks)
+        self.graphs = EagleGraphs(self, graph_sizes(max_batch), k, max_blocks)
         self.graphs.capture(capture or (lambda step, pool: _cuda_capture(step, pool, self.device)))
 
     # -- blocks --------------------------------------------------------------------------------------------------
@@ -186,8 +188,7 @@ class EagleProposer(Proposer):
         n = np.asarray(lengths)
         start = np.array([st.start for st in states], dtype=np.int64)
         row = np.repeat(np.arange(b), n)
-        positions = np.repeat(np.asarray(firsts, dtype=np.int64), n) + np.arange(n.sum()) - np.repeat(
-            np.cumsum(n) - n, n)
+        positions = np.repeat(np.asarray(firsts, dtype=np.int64), n) + index_in_row(n)
         context = (np.asarray(firsts) + n - start).astype(np.int32)  # cached positions once the new ones are in
         step_positions = np.asarray(firsts, dtype=np.int64) + n + np.arange(k - 1)[:, None]  # [k - 1, b]
         index, step_index = positions - start[row], step_positions - start
@@ -212,7 +213,7 @@ class EagleProposer(Proposer):
     def _propose_eager(self, lay: ProposalLayout, features: torch.Tensor, k: int) -> torch.Tensor:
         """The drafts [b, k] on the device, the call's inputs staged in one copy: no host wait inside."""
         b = len(lay.lengths)
-        tables = np.pad(lay.tables, ((0, 0), (0, -lay.tables.shape[1] % 16)))  # one Triton variant (model_runner)
+        tables = pad_tables(lay.tables)
         cu = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(lay.lengths, out=cu[1:])
         step_context = lay.context[None, :] + 1 + np.arange(k - 1, dtype=np.int32)[:, None]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brrr.engine.staging import stage
+from brrr.engine.staging import index_in_row, stage
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import decode_graph_plans
 
@@ -110,7 +110,7 @@ class EagleGraphs:
         k, q, b = self.k, self.q, len(layout.lengths)
         g = next(size for size in self.sizes if size >= b)
         n = np.asarray(layout.lengths)
-        where = np.repeat(np.arange(b) * q, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        where = np.repeat(np.arange(b) * q, n) + index_in_row(n)
         ints = np.zeros(self.ints.shape[0], dtype=np.int64)
         rows = ints[: 3 * self.rows].reshape(3, self.rows)
         last = np.zeros(g, dtype=np.int64)  # each row's last real position: the padding's (a valid RoPE position)

@@ -83,6 +83,11 @@ class Proposer(ABC):
     def release(self, seq_id: int) -> None:
         """The sequence finished or was preempted: drop any state kept for it."""
 
+    def draft_graph_steps(self) -> int | None:
+        """How many of its steps (a draft model's) or proposals (an EAGLE head's) replayed a CUDA graph; None for a
+        proposer that has no graphs to replay."""
+        return None
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of the proposer's own cache per block of block_size target tokens (counted when the engine sizes
         the target's KV cache, before `allocate_cache`); 0: it keeps none."""

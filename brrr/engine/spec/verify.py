@@ -68,6 +68,11 @@ def device_draft_gather(batch) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | 
     return None if source is None else (source, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
 
 
+def write_device_drafts(ids: torch.Tensor, tokens: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """ids[dst] = the drafts at flat indices src of tokens [rows, k] (`device_draft_gather`'s indices, staged)."""
+    ids.index_copy_(0, dst, tokens.reshape(-1).index_select(0, src))
+
+
 def _needs_draft_values(seq: Sequence) -> bool:
     """Whether the host reads a sequence's drafts before its verify step samples: a grammar cuts them, penalties
     and min_tokens score position i with the drafts before it in the history."""

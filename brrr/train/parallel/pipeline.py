@@ -207,6 +207,9 @@ class Pipeline:
         """One micro-batch through the pipeline, forward and backward. Returns this micro-batch's mean loss on
         ranks holding the last stage, zero elsewhere."""
         losses: list = []
+        # stages check each input's strides against the first step's: a [:, :-1] slice of the token buffer is
+        # strided on one device and copied dense on another, so hand the schedule dense tensors always
+        inputs, targets = inputs.contiguous(), targets.contiguous()
         first = 0 in self.stage_ids
         args = (inputs,) if first else ()
         target = targets if self.has_last else None
@@ -223,6 +226,7 @@ class Pipeline:
         """Summed next-token loss of one [micro_batch, seq_len] batch, forward only (targets -100 are skipped):
         on ranks holding the last stage; zero elsewhere."""
         schedule = self.schedule
+        inputs, targets = inputs.contiguous(), targets.contiguous()  # as in run()
         train_loss = schedule._loss_fn
         schedule._loss_fn = lambda out, t: self.modules[-1].loss(out, t, reduction="sum")
         try:

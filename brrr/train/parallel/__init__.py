@@ -45,7 +45,15 @@ def checkpoint_activations(layers, selective: bool = False):
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_wide_matmuls)
     for layer in layers:
-        layer.forward = functools.partial(recompute, layer.forward, **kwargs)
+        layer.forward = _recomputed(layer.forward, recompute, kwargs)
+
+
+def _recomputed(forward, recompute, kwargs):
+    # a function, not functools.partial(recompute, forward): torch.compile of the layer traces a plain function
+    # into its graph, but silently runs a partial of checkpoint eagerly (no graph, no graph-break warning)
+    def run(*args, **kw):
+        return recompute(forward, *args, **kwargs, **kw)
+    return run
 
 
 _WIDE_CONTRACTION = 256  # a matmul contracting fewer columns (a LoRA B of rank r) is cheaper to redo than to keep

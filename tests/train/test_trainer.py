@@ -139,3 +139,35 @@ def test_printed_log_lines_carry_an_eta(tiny_config, data_dir, tmp_path, capsys)
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert re.search(r"^step +5/10 \| .* \| ETA \d+s$", steps[0]), steps
     assert "ETA" not in steps[-1]  # the last step has nothing left
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_compiled_checkpointed_layers_are_traced_into_graphs(selective):
+    """torch.compile of a layer whose forward was wrapped for recomputation must capture a graph: a
+    functools.partial of checkpoint as the forward ran eagerly, silently (the 8B benchmark's missing 20%)."""
+    from torch._dynamo.utils import counters
+
+    from brrr.config import ModelConfig
+    from brrr.train.loss import CausalLMLoss
+    from brrr.train.parallel import decoder_layers
+    from brrr.train.trainer import build_model, checkpoint_activations
+
+    from tests.train.conftest import TINY_MODEL
+
+    cfg = ModelConfig.from_hf({**TINY_MODEL, "vocab_size": 128})
+    want_model, model = build_model(cfg, "cpu"), build_model(cfg, "cpu")
+    checkpoint_activations(model, selective=selective)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in decoder_layers(model):
+        layer.compile(backend="aot_eager")  # dynamo's capture and AOT autograd as inductor gets them, no codegen
+    x = torch.randint(0, 128, (2, 17))
+    losses = []
+    for m in (want_model, model):
+        loss = CausalLMLoss(m)(x[:, :-1], x[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1, dict(counters["stats"])
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, p), q in zip(model.named_parameters(), want_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

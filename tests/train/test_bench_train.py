@@ -42,3 +42,15 @@ def test_alone_layout_flags_need_torchrun_and_counts_are_checked(capsys):
 def test_alone_on_cpu_it_says_it_measures_a_gpu(capsys):
     refuses(capsys, ["bench", "train", "--model", "smollm2-135m:x"], "the micro-batch after ':' must be a positive integer")
     refuses(capsys, ["bench", "train", "--model", "smollm2-135m:2"], "torch sees no CUDA device")
+
+
+def test_profile_overlap_line_splits_a_step_into_compute_exposed_nccl_and_idle():
+    from brrr.bench.train_profile import overlap_line
+
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    # compute 0-400 and 500-900 us; NCCL 300-600 (100 us of it alone) and 950-1000 (alone); idle 900-950
+    events = [k("gemm", 0, 400), k("gemm", 500, 400), k("ncclDevKernel_AllGather", 300, 300),
+              k("ncclDevKernel_ReduceScatter", 950, 50), {"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 9}]
+    assert overlap_line(events) == ("GPU span 1.0 ms: compute 0.8 ms, NCCL 0.3 ms (0.1 ms of it under no "
+                                    "compute), idle 0.1 ms")
+    assert overlap_line([]) == "no GPU kernels in the profiled step"

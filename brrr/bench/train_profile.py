@@ -9,6 +9,7 @@ out of the tokens/s.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -41,8 +42,6 @@ def profile_step(step, out_dir: str, tag: str, device) -> str:
     table = kernel_table(sorted(events, key=micros, reverse=True), micros, "GPU kernel" if cuda else "CPU op",
                          sum(micros(e) for e in events), f"{tag} (profiled step {wall_s * 1e3:,.1f} ms wall)")
     if cuda:
-        import json
-
         table = overlap_line(json.loads((out / f"{tag}.trace.json").read_text())["traceEvents"]) + "\n" + table
     (out / f"{tag}.kernels.txt").write_text(table + "\n")
     return table

@@ -13,7 +13,8 @@ Under torchrun, on N GPUs (or CPU processes, as a check): the pieces `brrr train
 with bf16 compute and fp32 master weights and reduction, TP with sequence parallelism, per-layer torch.compile,
 activation checkpointing); one process is the trainer's one-process path, the baseline of the scaling efficiency.
 Rank 0 prints one `train_distributed` record for the layout: tokens/s (global, per GPU), MFU over N GPUs, the
-busiest rank's peak memory and `brrr calc train`'s prediction for the layout.
+busiest rank's peak memory and `brrr calc train`'s prediction for the layout; with --pp, the pipeline bubble of the
+timed steps (the busiest stage's idle share) beside the formula's.
 
     torchrun --nproc_per_node 4 -m brrr bench train --model llama-3.1-8b --micro-batch 1 --seq-len 4096 \\
         --compile --checkpointing
@@ -34,7 +35,8 @@ from brrr.bench.latency import emit, require_at_least
 # Each mode keeps its own defaults: many small shapes fit one GPU; a layout is measured one model at a time.
 ALONE = {"model": ["smollm2-135m:16", "llama-3.2-1b:8"], "micro_batch": 8, "seq_len": 2048}
 UNDER_TORCHRUN = {"model": ["llama-3.2-1b"], "micro_batch": 1, "seq_len": 4096}
-LAYOUT_FLAGS = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "zero2": False}
+LAYOUT_FLAGS = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "pp_schedule": "1f1b", "microbatches": None,
+                "zero2": False}
 
 
 def register(bench_sub) -> None:
@@ -49,10 +51,14 @@ def register(bench_sub) -> None:
                         f"(default {ALONE['micro_batch']} alone, {UNDER_TORCHRUN['micro_batch']} under torchrun)")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"(default {ALONE['seq_len']} alone, {UNDER_TORCHRUN['seq_len']} under torchrun)")
-    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x tp = WORLD_SIZE)")
+    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")
     g.add_argument("--dp-replicate", type=int, default=LAYOUT_FLAGS["dp_replicate"])
     g.add_argument("--dp-shard", type=int, default=LAYOUT_FLAGS["dp_shard"])
     g.add_argument("--tp", type=int, default=LAYOUT_FLAGS["tp"])
+    g.add_argument("--pp", type=int, default=LAYOUT_FLAGS["pp"], help="pipeline stages (the record adds the bubble)")
+    g.add_argument("--pp-schedule", default=LAYOUT_FLAGS["pp_schedule"], choices=["gpipe", "1f1b", "interleaved"])
+    g.add_argument("--microbatches", type=int, default=LAYOUT_FLAGS["microbatches"],
+                   help="pipeline microbatches per micro-batch (default: --pp)")
     g.add_argument("--zero2", action="store_true", help="FSDP keeps gathered weights until backward")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -122,13 +128,14 @@ def model_config(name: str):
     return preset_config(name)
 
 
-def timed_steps(step, args, sync) -> tuple[float, float, float]:
-    """(warm-up seconds, seconds per timed step, the last step's loss)."""
+def timed_steps(step, args, sync, on_timed=lambda: None) -> tuple[float, float, float]:
+    """(warm-up seconds, seconds per timed step, the last step's loss). on_timed: called between the two."""
     t0 = time.perf_counter()
     for i in range(args.warmup):
         step(i)
     sync()
     warmup_s = time.perf_counter() - t0
+    on_timed()
     t0 = time.perf_counter()
     for i in range(args.steps):
         last_loss, _ = step(i)
@@ -214,7 +221,8 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     model_cfg = model_config(name)
     cfg = TrainConfig(name, "", "", seq_len=args.seq_len, micro_batch=micro_batch, compile=args.compile,
                       activation_checkpointing=args.checkpointing, dp_replicate=args.dp_replicate,
-                      dp_shard=args.dp_shard, tp=args.tp, reshard_after_forward=not args.zero2)
+                      dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
+                      microbatches=args.microbatches, reshard_after_forward=not args.zero2)
     try:
         parallel = Parallel(cfg, model_cfg, device)
         model = parallel.apply(build_model(model_cfg, device))
@@ -237,7 +245,9 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        warmup_s, seconds, last_loss = timed_steps(step, args, torch.cuda.synchronize if cuda else (lambda: None))
+        warmup_s, seconds, last_loss = timed_steps(step, args, torch.cuda.synchronize if cuda else (lambda: None),
+                                                   on_timed=parallel.log_fields)  # drops the warm-up's bubble
+        bubble = parallel.log_fields() if parallel.pipeline is not None else {}  # the timed steps'
         memory = parallel.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
         if args.profile:  # after the peak memory is read: the profiler's buffers are not the step's
             from brrr.bench.train_profile import profile_step
@@ -257,7 +267,7 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     record = {
         "bench": "train_distributed", "model": name, "params": param_counts(model_cfg)["total"],
         "gpus": world, "layout": parallel.layout.describe(), "dp_replicate": parallel.layout.dp_replicate,
-        "dp_shard": parallel.layout.dp_shard, "tp": parallel.layout.tp, "zero": calc["zero"],
+        "dp_shard": parallel.layout.dp_shard, "tp": parallel.layout.tp, "pp": parallel.layout.pp, "zero": calc["zero"],
         "seq_len": args.seq_len, "micro_batch_per_rank": micro_batch, "tokens_per_step": tokens,
         "compile": args.compile, "activation_checkpointing": args.checkpointing,
         "precision": "bf16 compute, fp32 master weights" + (" and reduction (FSDP2)" if parallel.fsdp else
@@ -268,4 +278,6 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
         "memory_vs_calc": memory / calc["bytes"] - 1, "warmup_s": warmup_s, "final_loss": last_loss,
         "gpu": gpu_name, "torch": torch.__version__, "python": platform.python_version(),
     }
+    if bubble:  # the busiest stage's idle share of the timed steps, beside (p - 1) / (v m + p - 1)
+        record.update(pp_schedule=args.pp_schedule, microbatches=parallel.microbatches, **bubble)
     return record if rank == 0 else None

@@ -54,3 +54,17 @@ def test_profile_overlap_line_splits_a_step_into_compute_exposed_nccl_and_idle()
     assert overlap_line(events) == ("GPU span 1.0 ms: compute 0.8 ms, NCCL 0.3 ms (0.1 ms of it under no "
                                     "compute), idle 0.1 ms")
     assert overlap_line([]) == "no GPU kernels in the profiled step"
+
+
+def test_under_torchrun_a_pipeline_layout_records_its_bubble(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_MODEL, "vocab_size": 256}))
+    out = tmp_path / "train.jsonl"
+    proc = torchrun(2, ["--model", str(config), "--micro-batch", "4", "--seq-len", "16", "--steps", "2", "--warmup",
+                        "1", "--pp", "2", "--microbatches", "4", "--out", str(out)], command=("bench", "train"))
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["layout"] == "pp 2" and record["pp"] == 2 and record["pp_schedule"] == "1f1b"
+    assert record["microbatches"] == 4 and record["pp_bubble_formula"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert 0 < record["pp_bubble"] < 1 and record["final_loss"] > 0

@@ -31,12 +31,11 @@ import platform
 import time
 
 from brrr.bench.latency import emit, require_at_least
+from brrr.train.cli import add_layout_flags
 
 # Each mode keeps its own defaults: many small shapes fit one GPU; a layout is measured one model at a time.
 ALONE = {"model": ["smollm2-135m:16", "llama-3.2-1b:8"], "micro_batch": 8, "seq_len": 2048}
 UNDER_TORCHRUN = {"model": ["llama-3.2-1b"], "micro_batch": 1, "seq_len": 4096}
-LAYOUT_FLAGS = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "pp_schedule": "1f1b", "microbatches": None,
-                "zero2": False}
 
 
 def register(bench_sub) -> None:
@@ -51,14 +50,9 @@ def register(bench_sub) -> None:
                         f"(default {ALONE['micro_batch']} alone, {UNDER_TORCHRUN['micro_batch']} under torchrun)")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"(default {ALONE['seq_len']} alone, {UNDER_TORCHRUN['seq_len']} under torchrun)")
-    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")
-    g.add_argument("--dp-replicate", type=int, default=LAYOUT_FLAGS["dp_replicate"])
-    g.add_argument("--dp-shard", type=int, default=LAYOUT_FLAGS["dp_shard"])
-    g.add_argument("--tp", type=int, default=LAYOUT_FLAGS["tp"])
-    g.add_argument("--pp", type=int, default=LAYOUT_FLAGS["pp"], help="pipeline stages (the record adds the bubble)")
-    g.add_argument("--pp-schedule", default=LAYOUT_FLAGS["pp_schedule"], choices=["gpipe", "1f1b", "interleaved"])
-    g.add_argument("--microbatches", type=int, default=LAYOUT_FLAGS["microbatches"],
-                   help="pipeline microbatches per micro-batch (default: --pp)")
+    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x tp x pp = WORLD_SIZE; with "
+                             "--pp the record adds the bubble)")
+    add_layout_flags(g)
     g.add_argument("--zero2", action="store_true", help="FSDP keeps gathered weights until backward")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -95,7 +89,11 @@ def cmd_train(args) -> int:
         if record is not None:  # rank 0's
             emit(record, args.out)
         return 0
-    changed = [f"--{k.replace('_', '-')}" for k, v in LAYOUT_FLAGS.items() if getattr(args, k) != v]
+    from brrr.train.trainer import TrainConfig
+
+    layout = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches")
+    changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(TrainConfig, k)]
+    changed += ["--zero2"] * args.zero2
     if changed:
         raise BrrrError(f"{', '.join(changed)} set a multi-GPU layout: launch with torchrun "
                         "(torchrun --nproc_per_node N -m brrr bench train ...)")

@@ -13,8 +13,6 @@ import json
 import time
 from pathlib import Path
 
-TOP = 20
-
 
 def profile_step(step, out_dir: str, tag: str, device) -> str:
     """Run `step()` once under the profiler; write the trace and the kernel table; return the table."""
@@ -47,12 +45,12 @@ def profile_step(step, out_dir: str, tag: str, device) -> str:
     return table
 
 
-def kernel_table(events, micros, kind: str, total_us: float, tag: str) -> str:
-    """The first TOP events as a fixed-width table: name, calls, total ms, share of all of `kind`'s time, us per
+def kernel_table(events, micros, kind: str, total_us: float, tag: str, top: int = 20) -> str:
+    """The first `top` events as a fixed-width table: name, calls, total ms, share of all of `kind`'s time, us per
     call (`micros(e)`: an event's total time in microseconds)."""
-    lines = [f"{tag}: top {TOP} {kind}s by total time, of {total_us / 1e3:,.1f} ms in all",
+    lines = [f"{tag}: top {top} {kind}s by total time, of {total_us / 1e3:,.1f} ms in all",
              f"{'ms':>9} {'share':>6} {'calls':>6} {'us/call':>9}  name"]
-    for e in events[:TOP]:
+    for e in events[:top]:
         us = micros(e)
         lines.append(f"{us / 1e3:9.2f} {us / max(total_us, 1e-9):6.1%} {e.count:6d} {us / max(e.count, 1):9.1f}  "
                      f"{e.key[:140]}")

@@ -69,20 +69,27 @@ def register(sub):
 
 def add_parallel_flags(p):
     g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")
-    g.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (DDP; with --dp-shard: HSDP)")
-    g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shard group size (-1: the ranks left over)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
-                   help="pipeline schedule (interleaved: 2 stages per rank)")
-    g.add_argument("--microbatches", type=int, default=None,
-                   help="pipeline microbatches per micro-batch (default: --pp)")
+    add_layout_flags(g)
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP: free gathered weights after forward (ZeRO-3); --no-...: keep them (ZeRO-2)")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 compute with dynamic loss scaling (overflowing steps are skipped), instead of bf16")
     g.add_argument("--async-checkpoint", action="store_true",
                    help="write distributed checkpoints in the background while training continues")
+
+
+def add_layout_flags(g):
+    """The mesh's dimensions and the pipeline's schedule: `brrr train`'s and `brrr bench train`'s."""
+    g.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (DDP; with --dp-shard: HSDP)")
+    g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shard group size (-1: the ranks left over)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    from brrr.analysis.train import SCHEDULES
+
+    g.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (interleaved: 2 stages per rank)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline microbatches per micro-batch (default: --pp)")
 
 
 def _needs_subcommand(parser) -> int:

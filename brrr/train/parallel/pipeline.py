@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brrr.analysis.train import SCHEDULES
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.dispatch import use_reference
 from brrr.train.loss import head_weight, linear_cross_entropy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 INTERLEAVED_CHUNKS = 2  # stages per rank with the interleaved schedule
 
 

@@ -174,10 +174,7 @@ class TensorParallelRunner(ModelRunner):
     def shutdown(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
-        # graphs that captured NCCL collectives must go before the group: destroyed after it (at interpreter
-        # exit) they abort the process (pytorch/pytorch#115388)
-        self.graphs.clear()
-        self.verify_graphs = None
+        self.release_graphs()  # before the group
         self.workers.shutdown()
 
 

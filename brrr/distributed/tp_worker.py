@@ -102,8 +102,7 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
         kind, payload = conn.recv()
         if kind == "stop":  # rank 0 closes its end of the group at the same time
             if runner is not None:
-                runner.graphs.clear()
-                runner.verify_graphs = None  # before the group, as rank 0 does (TensorParallelRunner.shutdown)
+                runner.release_graphs()  # before the group, as rank 0 does
             comm.close()
             return
         if kind == "step":

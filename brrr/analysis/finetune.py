@@ -21,7 +21,6 @@ from brrr.errors import BrrrError
 NF4_BLOCK, NF4_SCALE_BLOCK = 64, 256
 NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALE_BLOCK)
 ADAPTER_BYTES_PER_PARAM = 16
-LOSS_CHUNK = 256  # tokens per logits chunk of an adapted or quantized LM head, which the chunked loss cannot take
 CHECKPOINTING = ("full", "selective", "none")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

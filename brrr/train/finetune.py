@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
-from brrr.analysis.finetune import LOSS_CHUNK, finetune_memory, lora_training_flops_per_token
+from brrr.analysis.finetune import finetune_memory, lora_training_flops_per_token
 from brrr.errors import BrrrError
 from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_modules, lora_state, trainable_parameters
@@ -82,9 +82,10 @@ class FinetuneConfig(TrainConfig):
 class SFTLoss(nn.Module):
     """Mean cross-entropy over the trained target tokens of a packed varlen batch, only for rows with a target.
     A plain LM head takes brrr.train.loss's chunked linear cross-entropy (gradients computed with the loss, no
-    logits kept); an adapted or quantized head computes logits LOSS_CHUNK tokens at a time, with recompute_logits
+    logits kept); an adapted or quantized head computes logits `chunk` tokens at a time, with recompute_logits
     recomputing each chunk in backward, so only one chunk's fp32 logits ever exist (else each chunk keeps its fp32
     log-softmax: 4 bytes x vocabulary per token, for one LM-head matmul less)."""
+    chunk = 256  # tokens per logits chunk of a head the chunked loss cannot take
 
     def __init__(self, model: nn.Module, recompute_logits: bool = True):
         super().__init__()
@@ -103,7 +104,7 @@ class SFTLoss(nn.Module):
             if len(keep):
                 total = total + linear_cross_entropy(hidden, weight, targets, "sum")
         else:
-            for h, t in zip(hidden.split(LOSS_CHUNK), targets.split(LOSS_CHUNK)):
+            for h, t in zip(hidden.split(self.chunk), targets.split(self.chunk)):
                 if self.recompute_logits and torch.is_grad_enabled():
                     total = total + recompute(self._chunk_loss, h, t, use_reentrant=False)
                 else:

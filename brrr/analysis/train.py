@@ -1,13 +1,14 @@
 """Training arithmetic: per-GPU memory (state + activations), communication per step, pipeline bubble, step time, MFU.
 
 Parallelism: gpus = dp * tp * pp. Tensor parallelism (Megatron, with sequence parallelism) splits weights and
-activations tp ways; pipeline parallelism splits layers pp ways (evenly, embedding and head ignored in the
-split); data parallelism replicates the rest, and ZeRO shards optimizer state (stage 1), + gradients (2),
-+ weights (3) across the dp replicas. Mixed-precision Adam keeps 16 bytes per parameter. The ZeRO paper's table
-(`training_state_bytes`) splits them bf16 weights 2 + bf16 gradients 2 + fp32 master, m, v 12; `train_plan`'s memory
-is what PyTorch mixed precision (brrr train) holds: fp32 master weights 4, fp32 gradients 4 and Adam's m and v 8,
-with the bf16 compute copies of the weights counted apart, only while a step uses them, and the peak taken over the
-two moments it can fall at (`trainer_memory`). MoE experts are not expert-parallel here.
+activations tp ways; pipeline parallelism splits layers pp ways, balancing compute (`stage_layers`: the last
+stage also runs the LM head, so it takes fewer layers); data parallelism replicates the rest, and ZeRO shards
+optimizer state (stage 1), + gradients (2), + weights (3) across the dp replicas. Mixed-precision Adam keeps 16
+bytes per parameter. The ZeRO paper's table (`training_state_bytes`) splits them bf16 weights 2 + bf16 gradients 2 +
+fp32 master, m, v 12; `train_plan`'s memory is what PyTorch mixed precision (brrr train) holds: fp32 master weights
+4, fp32 gradients 4 and Adam's m and v 8, with the bf16 compute copies of the weights counted apart, only while a
+step uses them, and the peak taken over the two moments it can fall at (`trainer_memory`), on the pipeline rank
+where it is largest. MoE experts are not expert-parallel here.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # The chunked linear cross-entropy (brrr/train/loss.py) takes the logits this many fp32 bytes of them at a time:
 # rows enough for full-width LM-head matmuls, small beside the model
 LOSS_CHUNK_LOGIT_BYTES = 1 << 29
-# bytes per token per vocabulary entry the eager loss holds at its peak (TP's vocabulary-parallel loss, fp16): the
-# bf16 logits 2, their fp32 copy 4 and the saved fp32 log-softmax 4
-EAGER_LOSS_BYTES = 10
+# bytes per token per local vocabulary entry TP's vocabulary-parallel loss holds at its peak, the start of its
+# backward: the saved fp32 log-softmax 4, and the fp32 gradient and two fp32 temporaries torch's nll/log-softmax
+# backward allocates (12); an H100 allocation trace of llama-3.2-1b under FSDP2 x TP 2 showed these four 2 GB buffers
+EAGER_LOSS_BYTES = 16
 
 
 def loss_chunk_rows(vocab: int) -> int:
@@ -96,18 +98,66 @@ def pipeline_bubble(stages: int, microbatches: int, schedule: str = "1f1b", chun
     return {"fraction": (stages - 1) / (slots + stages - 1), "overhead": (stages - 1) / slots}
 
 
-def in_flight_microbatches(stages: int, microbatches: int, schedule: str, chunks: int = 1) -> float:
-    """Microbatches whose activations the first stage holds at its peak: GPipe all m; 1F1B min(m, p); interleaved
-    min(m, p) * (1 + (p - 1) / (p v)) (its deeper warm-up)."""
+def in_flight_microbatches(stages: int, microbatches: int, schedule: str, chunks: int = 1, rank: int = 0) -> float:
+    """Microbatches whose activations pipeline rank `rank` holds at its peak (in units of all its layers): GPipe all
+    m; 1F1B min(m, p - rank) (its warm-up forwards and the first steady one); interleaved 1F1B's warm-up holds
+    2 (p - rank - 1) + (v - 1) p + 1 chunks, each 1/v of the rank's layers (Megatron's schedule, which PyTorch's
+    follows)."""
     if schedule == "gpipe":
         return microbatches
-    held = min(microbatches, stages)
-    return held * (1 + (stages - 1) / (stages * chunks)) if schedule == "interleaved" else held
+    if schedule == "interleaved":
+        return min(chunks * microbatches, 2 * (stages - rank - 1) + (chunks - 1) * stages + 1) / chunks
+    return min(microbatches, stages - rank)
 
 
-def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, pp: int, first_stage_activations: float,
-                   last_stage_activations: float, loss: dict) -> dict:
-    """Per-GPU bytes brrr's trainer holds, at the larger of its two peaks (`peak`: which one).
+def head_layers(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> float:
+    """The LM head's training FLOPs in layers' worth: what the last pipeline stage runs beside its layers (a
+    128k-vocabulary head is 3.8 llama-3.2-1b layers at 4,096 tokens, 2.2 llama-3.1-8b layers). Recomputation
+    repeats the layers' forward, not the head's."""
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    per_layer = (prefill_flops_per_token(cfg, seq_len) - head) / cfg.num_layers * (4 / 3 if recompute else 1)
+    return head / per_layer
+
+
+def stage_layers(num_layers: int, stages: int, head: float = 0.0) -> list[list[int]]:
+    """Consecutive layers per pipeline stage, the busiest stage as light as it can be: the last stage's cost is its
+    layers + `head` (head_layers), the others share the remaining layers evenly (the remainder one each to the
+    first). Of equally busy splits, the one with the most layers on the last stage (the first holds the most
+    microbatches' activations)."""
+    if stages == 1:
+        return [list(range(num_layers))]
+
+    def counts(last: int) -> list[int]:
+        base, extra = divmod(num_layers - last, stages - 1)
+        return [base + (s < extra) for s in range(stages - 1)] + [last]
+
+    best = min(range(1, num_layers - stages + 2),
+               key=lambda last: (max(max(counts(last)[:-1]), last + head), -last))
+    out, start = [], 0
+    for n in counts(best):
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def rank_stages(pp: int, chunks: int = 1) -> list[list[int]]:
+    """The stages each pipeline rank holds: rank r holds r, r + pp, ... (interleaved 1F1B's looped placement)."""
+    return [[r + k * pp for k in range(chunks)] for r in range(pp)]
+
+
+def stage_imbalance(num_layers: int, pp: int, chunks: int = 1, head: float = 0.0) -> float:
+    """The busiest pipeline rank's compute over the mean rank's under stage_layers' split (1: balanced); the
+    pipeline runs at the busiest rank's pace."""
+    split = stage_layers(num_layers, pp * chunks, head)
+    cost = [sum(len(split[s]) + (head if s == pp * chunks - 1 else 0) for s in ids) for ids in rank_stages(pp, chunks)]
+    return max(cost) * pp / sum(cost)
+
+
+def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, local: float, root: float,
+                   activations: float, loss: dict, pipeline: bool = False) -> dict:
+    """Per-GPU bytes brrr's trainer holds on one rank, at the larger of its two peaks (`peak`: which one). local:
+    the rank's parameters (after TP and PP); root: those outside the layers it holds (embedding, LM head);
+    pipeline: a pipeline's microbatches have accumulated gradients by the forward peak (1F1B, interleaved).
 
     State, PyTorch mixed precision: fp32 master weights 4, fp32 gradients 4, Adam m and v 8 bytes per parameter;
     ZeRO-1 shards Adam's, ZeRO-2 also the gradients and master weights, ZeRO-3 (FSDP2 resharding after forward) is
@@ -117,27 +167,23 @@ def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, pp: int, first
     and the one prefetched). DDP adds its gradient buckets (fp32, every parameter once).
     End of forward: weights, Adam, working copies, the activations and the loss (its chunk and the gradients it
     computed); gradients are not there yet (zero_grad frees them), except with a pipeline, whose microbatches
-    accumulate them through the step. End of backward: every gradient, and under FSDP2 the root group's last
-    reduce-scatter: its bf16 gradients and their fp32 copy to reduce (the root's gathered weights are freed first).
-    The pipeline's first stage (embedding, the most microbatches in flight) and last (head, loss) are both weighed."""
-    counts = param_counts(cfg)
-    local = counts["total"] / (tp * pp)
-    root = (counts["embedding"] + counts["head"]) / tp
-    if pp > 1:  # the embedding on the first stage, the head on the last: the larger of the two
-        root = max(counts["embedding"], counts["head"] or counts["embedding"]) / tp
-    layer = (counts["total"] - counts["embedding"] - counts["head"]) / cfg.num_layers / tp
+    accumulate them through the step: under FSDP2 unsharded, in fp32, with the bf16 weights kept gathered
+    (torch.distributed.pipelining turns gradient sync and resharding after backward off until the last
+    microbatch). End of backward: every gradient, and under FSDP2 the root group's last
+    reduce-scatter: its bf16 gradients and their fp32 copy to reduce (the root's gathered weights are freed first)."""
+    layer = (param_counts(cfg)["total"] - param_counts(cfg)["embedding"] - param_counts(cfg)["head"]) / (
+        cfg.num_layers * tp)
     params = 4 * local / (dp if zero >= 2 else 1)
     grads = 4 * local / (dp if zero >= 2 else 1)
     optimizer = 8 * local / (dp if zero >= 1 else 1)
-    working = 2 * (root + 2 * layer) if zero >= 3 else 2 * local
+    working = 2 * (root + 2 * layer) if zero >= 3 and not pipeline else 2 * local
     buckets = 4 * local if zero == 0 and dp > 1 else 0.0
     reduce_scatter = (2 + 4) * root if zero >= 2 and dp > 1 else 0.0
     held = params + optimizer + buckets
     loss_total = loss["transient"] + loss["gradients"]
-    forward = held + working + (grads if pp > 1 else 0.0) + max(first_stage_activations,
-                                                                 last_stage_activations + loss_total)
+    accumulated = (4 * local if zero >= 2 else grads) if pipeline else 0.0
+    forward = held + working + accumulated + activations + loss_total
     backward = held + grads + reduce_scatter
-    activations = first_stage_activations if pp == 1 else max(first_stage_activations, last_stage_activations)
     return {"params": params, "grads": grads, "optimizer": optimizer, "working_weights": working,
             "ddp_buckets": buckets, "activations": activations, "loss": loss_total, "reduce_scatter": reduce_scatter,
             "end_of_forward": forward, "end_of_backward": backward,
@@ -173,21 +219,44 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     bubble = pipeline_bubble(pp, m, schedule, chunks)
     if schedule == "interleaved" and m % pp:
         raise BrrrError(f"--schedule interleaved needs --microbatches ({m}) to be a multiple of --pp ({pp})")
-    h, layers = cfg.hidden_size, math.ceil(cfg.num_layers / pp)
-    params = param_counts(cfg)["total"]
+    h = cfg.hidden_size
+    counts = param_counts(cfg)
+    params = counts["total"]
 
-    # activations: layers of this stage x microbatches in flight; with checkpointing only each layer's input
-    # stays, and backward rematerializes one layer at a time; the loss on the last stage (trainer_memory)
+    # pipeline ranks: stage_layers' split (the last stage's head weighed in), each rank's layers and parameters;
+    # the first rank holds the embedding and the most microbatches in flight, the last the head and the loss
+    head = head_layers(cfg, seq_len, checkpointing)
+    split = stage_layers(cfg.num_layers, pp * chunks, head)
+    layer_params = (params - counts["embedding"] - counts["head"]) / cfg.num_layers
+    rank_layers = [sum(len(split[s]) for s in ids) for ids in rank_stages(pp, chunks)]
+    imbalance = stage_imbalance(cfg.num_layers, pp, chunks, head)
+
+    # activations: layers of this rank x microbatches in flight; with checkpointing only each layer's input
+    # stays, and backward rematerializes one layer at a time
     tokens_mb = micro_batch * seq_len
     full_layer = activation_bytes_per_token_per_layer(cfg) * tokens_mb / tp
     kept_layer = 2 * h * tokens_mb / tp if checkpointing else full_layer
     rematerialized = full_layer if checkpointing else 0.0
-    first = in_flight_microbatches(pp, m, schedule, chunks) * layers * kept_layer + rematerialized
-    last = layers * kept_layer + rematerialized
+
+    def held_activations(rank: int) -> float:
+        return in_flight_microbatches(pp, m, schedule, chunks, rank) * rank_layers[rank] * kept_layer + rematerialized
+
     loss = loss_bytes(cfg, tokens_mb, tp)
     if pp > 1 and schedule == "gpipe":  # the last stage runs every microbatch's forward (and loss) before backward
         loss["gradients"] *= m
-    memory = trainer_memory(cfg, dp, zero, tp, pp, first, last, loss)
+    if pp == 1:
+        memory = trainer_memory(cfg, dp, zero, tp, params / tp, (counts["embedding"] + counts["head"]) / tp,
+                                held_activations(0), loss)
+    else:  # the larger of the first and the last rank (a tied head is a copy of the embedding there); 1F1B's peak
+        # recurs after backwards began, GPipe's (the end of its forwards) comes before any
+        nothing, accumulating = {"transient": 0.0, "gradients": 0.0}, schedule != "gpipe"
+        first = trainer_memory(cfg, dp, zero, tp, (counts["embedding"] + rank_layers[0] * layer_params) / tp,
+                               counts["embedding"] / tp, held_activations(0), nothing, pipeline=accumulating)
+        head_params = counts["head"] or counts["embedding"]
+        last = trainer_memory(cfg, dp, zero, tp, (head_params + rank_layers[-1] * layer_params) / tp,
+                              head_params / tp, held_activations(pp - 1), loss, pipeline=accumulating)
+        memory = {**max(first, last, key=lambda r: r["total"]),
+                  "rank": "first stage" if first["total"] >= last["total"] else "last stage"}
 
     # communication per GPU per step (bytes sent; a ring moves (n-1)/n of the buffer per GPU per pass)
     local = params / (tp * pp)
@@ -198,13 +267,14 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         dp_bytes = (m + 1) * ring * 2 * local
     else:  # weights all-gathered for forward and again for backward, gradients reduce-scattered: per microbatch
         dp_bytes = 3 * m * ring * 2 * local
-    tp_collectives = (6 if checkpointing else 4) * layers * m if tp > 1 else 0
+    tp_collectives = (6 if checkpointing else 4) * max(rank_layers) * m if tp > 1 else 0
     tp_buffer = tokens_mb * h * 2
     tp_bytes = tp_collectives * 2 * (tp - 1) / tp * tp_buffer
     pp_bytes = 2 * m * chunks * tokens_mb * h * 2 / tp if pp > 1 else 0
 
-    # time: FLOPs at efficiency x the GPU's bf16 peak, stretched by the bubble; TP collectives sit on the critical path;
-    # DP traffic overlaps backward (ZeRO-3: forward too) and only its excess shows
+    # time: FLOPs at efficiency x the GPU's bf16 peak, stretched by the bubble and by the busiest pipeline rank's
+    # excess; TP collectives sit on the critical path; DP traffic overlaps backward (ZeRO-3: forward too) and only
+    # its excess shows
     tokens = tokens_mb * m * dp
     model_flops = training_flops_per_token(cfg, seq_len) * tokens
     hardware_flops = training_flops_per_token(cfg, seq_len, recompute=checkpointing) * tokens
@@ -212,7 +282,7 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         raise BrrrError(f"--efficiency must be in (0, 1], got {efficiency}")
     peak = gpu.peak("bf16") * efficiency
     compute_s = hardware_flops / (gpus * peak)
-    pipeline_s = compute_s / (1 - bubble["fraction"])
+    pipeline_s = compute_s * imbalance / (1 - bubble["fraction"])
     tp_s = tp_collectives * allreduce_seconds(tp_buffer, tp, gpu)
     dp_link = gpu.link_bandwidth if gpus <= gpus_per_node else network_bandwidth
     dp_s = dp_bytes / dp_link if dp > 1 else 0.0
@@ -224,7 +294,7 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
         "checkpointing": checkpointing, "efficiency": efficiency, "params": params, "tokens_per_step": tokens,
         "memory": {**memory, "gpu_memory": gpu.memory, "fits": memory["total"] <= gpu.memory},
         "communication_bytes": {"data_parallel": dp_bytes, "tensor_parallel": tp_bytes, "pipeline": pp_bytes},
-        "bubble": bubble,
+        "bubble": bubble, "stage_layers": [len(x) for x in split], "stage_imbalance": imbalance,
         "flops": {"model": model_flops, "hardware": hardware_flops,
                   "per_token": training_flops_per_token(cfg, seq_len),
                   "six_n_per_token": 6 * matmul_params(cfg),

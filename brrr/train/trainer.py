@@ -430,7 +430,8 @@ class Trainer:
                                     in record else "")
                                  + (f" (calc {record['calc_memory_bytes'] / 2**30:.1f})" if "calc_memory_bytes"
                                     in record else "")
-                                 + (f" | bubble {record['pp_bubble']:.0%} (formula {record['pp_bubble_formula']:.0%})"
+                                 + (f" | bubble {record['pp_bubble']:.0%} (formula {record['pp_bubble_formula']:.0%}),"
+                                    f" busiest stage {record['pp_stage_imbalance']:.2f}x the mean"
                                     if record.get("pp_bubble") is not None else "")
                                  + (f" | loss scale {record['loss_scale']:g} ({record['overflow_steps']} skipped)"
                                     if "loss_scale" in record else "") + f" | {self.elapsed():.0f}s"

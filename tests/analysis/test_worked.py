@@ -10,8 +10,8 @@ from brrr.analysis.model import (compute_bound_batch, param_counts, decode_bytes
                                  kv_bytes_per_token, prefill_flops)
 from brrr.analysis.roofline import matmul, place, transformer_ops
 from brrr.analysis.serve import decode_step, serve_plan, ttft
-from brrr.analysis.train import (activation_bytes_per_token_per_layer, in_flight_microbatches, pipeline_bubble,
-                                 train_plan, training_state_bytes)
+from brrr.analysis.train import (activation_bytes_per_token_per_layer, head_layers, in_flight_microbatches,
+                                 pipeline_bubble, train_plan, training_state_bytes)
 from brrr.presets import preset_config
 
 GiB = 2**30
@@ -89,11 +89,13 @@ def test_pipeline_bubbles():
         assert bubble["fraction"] == pytest.approx(3 / 19) and bubble["overhead"] == pytest.approx(3 / 16)
     # Interleaved with v = 2 chunks per GPU: 3 / (2 x 16 + 3) = 3/35; overhead 3/32
     assert pipeline_bubble(4, 16, "interleaved", chunks=2)["fraction"] == pytest.approx(3 / 35)
-    # What 1F1B buys is memory: the first stage holds min(m, p) = 4 microbatches, GPipe all 16;
-    # interleaved holds 4 x (1 + 3 / 8) = 5.5
+    # What 1F1B buys is memory: the first stage holds min(m, p) = 4 microbatches, GPipe all 16; interleaved's
+    # first rank 2 x 3 + 1 x 4 + 1 = 11 chunks of half its layers = 5.5; the last rank 1, and 5 chunks = 2.5
     assert in_flight_microbatches(4, 16, "1f1b") == 4
     assert in_flight_microbatches(4, 16, "gpipe") == 16
     assert in_flight_microbatches(4, 16, "interleaved", chunks=2) == 5.5
+    assert in_flight_microbatches(4, 16, "1f1b", rank=3) == 1
+    assert in_flight_microbatches(4, 16, "interleaved", chunks=2, rank=3) == 2.5
 
 
 def test_llama31_8b_decode_bytes_and_flops():
@@ -221,9 +223,14 @@ def test_training_activations_and_communication():
     # 5.25 P bytes at 450 GB/s (93.7 ms) hide under compute, so the roofline MFU is 100%; recompute costs 1/4
     assert plan["time"]["step_s"] == pytest.approx(8 * 4096 * 48_249_962_496 / (8 * 989.4e12))
     assert plan["mfu"] == pytest.approx(1.0) and ckpt["mfu"] == pytest.approx(0.75)
-    # a 4-stage pipeline with 16 microbatches: the step stretches by 19/16
+    # a 4-stage pipeline with 16 microbatches: the step stretches by 19/16, and by the busiest stage's excess. The
+    # head's 2 x 128,256 x 4,096 FLOPs a token are w = 2.24 layers' (a layer: (15,009,316,864 - 1,050,673,152) / 32
+    # + its attention), so the last stage takes 6 layers (6 + w = 8.24) and the others 9, 9, 8: the pace is 9 layers
+    # against a mean of (32 + w) / 4
     pp = train_plan(cfg, get_gpu("h100"), gpus=8, tp=2, pp=4, microbatches=16, efficiency=1.0)
-    assert pp["time"]["pipeline_s"] == pytest.approx(pp["time"]["compute_s"] * 19 / 16)
+    w = 1_050_673_152 / ((15_009_316_864 + 524_288 * 4_097 / 2 - 1_050_673_152) / 32)
+    assert head_layers(cfg, 4096) == pytest.approx(w) and pp["stage_layers"] == [9, 9, 8, 6]
+    assert pp["time"]["pipeline_s"] == pytest.approx(pp["time"]["compute_s"] * 19 / 16 * 9 / ((32 + w) / 4))
 
 
 def test_roofline_places_named_ops():
@@ -267,6 +274,26 @@ def test_training_memory_peaks_where_the_trainer_does():
     layer = (p - 262_668_288) / cfg.num_layers
     z3 = train_plan(cfg, h100, gpus=4, zero=3, micro_batch=2, seq_len=4096)["memory"]
     assert z3["working_weights"] == pytest.approx(2 * (262_668_288 + 2 * layer))
-    # TP keeps the eager vocabulary-parallel loss: bf16 logits, fp32 copy, saved log-softmax, 10 bytes x vocab / tp
+    # TP keeps the eager vocabulary-parallel loss; its peak is the start of its backward: the saved fp32 log-softmax
+    # and three fp32 buffers of its backward, 16 bytes x vocab / tp per token
     tp = train_plan(cfg, h100, gpus=2, tp=2, micro_batch=2, seq_len=4096)["memory"]
-    assert tp["loss"] == 10 * cfg.vocab_size * 8192 / 2
+    assert tp["loss"] == 16 * cfg.vocab_size * 8192 / 2
+
+
+def test_pipeline_memory_is_the_first_ranks_with_its_gathered_weights():
+    # llama-3.1-8b on 4 stages with recomputation: the head is 1.7 layers then (layers cost 4/3), so 9/8/8/7. The
+    # first rank holds the embedding (525,336,576) and 9 layers of (8,030,261,248 - 2 x 525,336,576) / 32 =
+    # 218,112,128 (the final norm spread over them). Under 1F1B its activation peak
+    # recurs after backwards began, and torch's pipelining keeps FSDP2's bf16 weights gathered and the gradients
+    # unsharded in fp32 until the last microbatch: 2 + 4 bytes on each of its parameters besides the state
+    cfg, h100 = preset_config("llama-3.1-8b"), get_gpu("h100")
+    kw = dict(gpus=4, zero=3, pp=4, microbatches=8, micro_batch=1, seq_len=4096, checkpointing=True)
+    plan = train_plan(cfg, h100, **kw)
+    local, m = 525_336_576 + 9 * 218_112_128, plan["memory"]
+    assert plan["stage_layers"] == [9, 8, 8, 7] and m["rank"] == "first stage"
+    assert m["working_weights"] == pytest.approx(2 * local) and m["grads"] == pytest.approx(4 * local)
+    assert m["end_of_forward"] == pytest.approx(16 * local + 2 * local + m["activations"])
+    # GPipe's peak, the end of all forwards, comes before any backward: two layers' weights gathered, no gradients
+    gpipe = train_plan(cfg, h100, **{**kw, "schedule": "gpipe"})["memory"]
+    assert gpipe["working_weights"] == pytest.approx(2 * (525_336_576 + 2 * 218_112_128))
+    assert gpipe["end_of_forward"] == pytest.approx(12 * local + gpipe["working_weights"] + gpipe["activations"])

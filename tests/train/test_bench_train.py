@@ -67,4 +67,4 @@ def test_under_torchrun_a_pipeline_layout_records_its_bubble(tmp_path):
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["layout"] == "pp 2" and record["pp"] == 2 and record["pp_schedule"] == "1f1b"
     assert record["microbatches"] == 4 and record["pp_bubble_formula"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
-    assert 0 < record["pp_bubble"] < 1 and record["final_loss"] > 0
+    assert 0 < record["pp_bubble"] < 1 and record["pp_stage_imbalance"] >= 1 and record["final_loss"] > 0

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from brrr.errors import BrrrError
 from brrr.train.parallel.mesh import Layout, check_model
-from brrr.train.parallel.pipeline import check_pipeline, stage_layers
+from brrr.analysis.train import stage_layers
+from brrr.train.parallel.pipeline import check_pipeline
 from brrr.train.shapes import resolve_config
 from brrr.train.trainer import TrainConfig, Trainer
 from tests.train.conftest import TINY_MODEL
@@ -165,10 +166,15 @@ def test_bad_layouts_are_refused_with_the_flag_and_the_world_size(configs, data_
         check_model(Layout(dp_shard=1, pp=2), cfg, 8, 32, microbatches=3)
 
 
-def test_stages_split_layers_evenly():
+def test_stages_split_layers_evenly_with_the_head_weighed_on_the_last():
     assert stage_layers(4, 2) == [[0, 1], [2, 3]]
-    assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert stage_layers(5, 2) == [[0, 1], [2, 3, 4]]  # equally busy: the spare layer last, not on the first
     assert stage_layers(4, 4) == [[0], [1], [2], [3]]
+    # a head worth 3.8 layers (llama-3.2-1b's): 5/5/5/1 runs at 5 layers' pace, 4/4/4/4 at 7.8
+    assert [len(s) for s in stage_layers(16, 4, 3.8)] == [5, 5, 5, 1]
+    # of equally busy splits the one with more layers last: 9/9/8/6 and 9/9/9/5 both pace at 9
+    assert [len(s) for s in stage_layers(32, 4, 2.2)] == [9, 9, 8, 6]
+    assert stage_layers(4, 4, 10.0) == [[0], [1], [2], [3]]  # every stage keeps a layer
 
 
 def test_selective_recompute_wraps_every_nth_layer(configs, data_dir):

@@ -138,7 +138,7 @@ class Parallel:
         parts = [model]
         if layout.pp > 1:
             self.pipeline = Pipeline(model, self.mesh.get("pp"), cfg.pp_schedule, self.microbatches,
-                                     cfg.grad_accum, cfg.seq_len, self.device)
+                                     cfg.grad_accum, cfg.seq_len, self.device, cfg.activation_checkpointing)
             parts = self.pipeline.modules
         if self.distributed:
             # the fused gather-and-norm reads layer 0's norm weight from outside that layer's call, where FSDP has
@@ -239,16 +239,23 @@ class Parallel:
         return total
 
     def log_fields(self) -> dict:
-        """Per-layout measurements for the step log since the last call: the pipeline bubble, the busiest
-        rank's (the first stage waits longest in 1F1B's cool-down, the last in its warm-up)."""
+        """Per-layout measurements for the step log since the last call. With a pipeline: the bubble, the idle
+        share of the busiest rank (the one that sets the pace; the formula assumes equal stages, and a lighter
+        stage also waits for the busiest), and the stage imbalance, the busiest rank's compute over the mean's."""
         fields = {}
         if self.loss_scale is not None:
             fields.update(loss_scale=self.loss_scale.scale, overflow_steps=self.loss_scale.overflows)
         if self.pipeline is None:
             return fields
-        fields.update(self.pipeline.bubble())
-        if fields["pp_bubble"] is not None:
-            fields["pp_bubble"] = self.max_over_ranks(fields["pp_bubble"])
+        busy, wall = self.pipeline.timings()
+        per_rank = torch.tensor([busy, wall], dtype=torch.float64)
+        gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, per_rank, group=self._flags_group)
+        busiest_busy, busiest_wall = max(gathered, key=lambda t: float(t[0])).tolist()
+        mean_busy = sum(float(t[0]) for t in gathered) / len(gathered)
+        fields.update(pp_bubble=1 - busiest_busy / busiest_wall if busiest_wall else None,
+                      pp_stage_imbalance=busiest_busy / mean_busy if mean_busy else None,
+                      pp_bubble_formula=self.pipeline.bubble_formula())
         return fields
 
     # -- what a checkpoint keeps of this object -----------------------------------------------------------------
@@ -269,7 +276,8 @@ class Parallel:
     def calc_train_memory(self, model_cfg) -> dict:
         """Per-GPU bytes `brrr calc train` predicts for this layout (state + activations), and its ZeRO stage:
         FSDP resharding after forward is ZeRO-3, keeping the weights ZeRO-2, DDP and one process 0. calc has one
-        data-parallel dimension: HSDP is quoted as sharded over every dp rank (the state share is 1/dp_shard)."""
+        data-parallel dimension, so HSDP is quoted as FSDP over its shard group: each rank holds 1/dp_shard of the
+        state whatever the replicas."""
         from brrr.analysis.hardware import GPUS
         from brrr.analysis.train import train_plan
 
@@ -278,7 +286,8 @@ class Parallel:
         pp_kw = dict(microbatches=self.microbatches, schedule=cfg.pp_schedule,
                      chunks=2 if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
         rows = cfg.micro_batch // (self.microbatches if layout.pp > 1 else 1)
-        plan = train_plan(model_cfg, GPUS["h100-sxm"], gpus=layout.world, zero=zero, tp=layout.tp, pp=layout.pp,
+        gpus = layout.world // layout.dp_replicate if self.fsdp else layout.world
+        plan = train_plan(model_cfg, GPUS["h100-sxm"], gpus=gpus, zero=zero, tp=layout.tp, pp=layout.pp,
                           micro_batch=rows, seq_len=cfg.seq_len, checkpointing=cfg.activation_checkpointing,
                           **pp_kw)
         return {"zero": zero, "bytes": plan["memory"]["total"]}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brrr.analysis.train import SCHEDULES
+from brrr.analysis.train import SCHEDULES, head_layers, rank_stages, stage_layers
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.dispatch import use_reference
@@ -108,17 +108,6 @@ def _local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def stage_layers(num_layers: int, stages: int) -> list[list[int]]:
-    """Consecutive layers per stage, the remainder one each to the first stages."""
-    base, extra = divmod(num_layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        n = base + (s < extra)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
 def check_pipeline(schedule: str, pp: int, microbatches: int, num_layers: int):
     if schedule not in SCHEDULES:
         raise BrrrError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -137,14 +126,15 @@ class Pipeline:
     """This rank's stage modules and the schedule that runs one micro-batch through all of them."""
 
     def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, grad_accum: int, seq_len: int,
-                 device):
+                 device, recompute: bool = False):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
         chunks = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
         n_stages = pp * chunks
-        layers = stage_layers(model.config.num_layers, n_stages)
-        ids = [rank + k * pp for k in range(chunks)]  # the looped placement interleaved 1F1B expects
+        # the last stage runs the LM head too, so it takes fewer layers (brrr calc train splits the same way)
+        layers = stage_layers(model.config.num_layers, n_stages, head_layers(model.config, seq_len, recompute))
+        ids = rank_stages(pp, chunks)[rank]  # the looped placement interleaved 1F1B expects
         self.modules = [PipelineStageModule(copy.deepcopy(model) if chunks > 1 else model, layers[s], s == 0,
                                             s == n_stages - 1, seq_len) for s in ids]
         self.stage_ids, self.n_stages, self.pp_mesh, self.device = ids, n_stages, pp_mesh, device
@@ -173,16 +163,18 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def bubble(self) -> dict:
-        """The idle fraction of the pipeline steps since the last call, measured on this rank, beside the
-        formula's (p - 1) / (v m + p - 1) (brrr.analysis.train.pipeline_bubble)."""
+    def timings(self) -> tuple[float, float]:
+        """(this rank's stage compute, the pipeline steps' wall time) in seconds since the last call."""
+        out = (self.busy_s, self.wall_s)
+        self.busy_s = self.wall_s = 0.0
+        return out
+
+    def bubble_formula(self) -> float:
+        """(p - 1) / (v m + p - 1) (brrr.analysis.train.pipeline_bubble)."""
         from brrr.analysis.train import pipeline_bubble
 
-        chunks = len(self.stage_ids)
-        formula = pipeline_bubble(self.pp_mesh.size(), self.microbatches, self.schedule_name, chunks)["fraction"]
-        measured = 1 - self.busy_s / self.wall_s if self.wall_s else None
-        self.busy_s = self.wall_s = 0.0
-        return {"pp_bubble": measured, "pp_bubble_formula": formula}
+        return pipeline_bubble(self.pp_mesh.size(), self.microbatches, self.schedule_name,
+                               len(self.stage_ids))["fraction"]
 
     def finish_setup(self):
         """Stages and schedule, after FSDP has wrapped the stage modules."""

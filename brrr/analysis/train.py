@@ -12,8 +12,6 @@ where it is largest. MoE experts are not expert-parallel here.
 """
 from __future__ import annotations
 
-import math
-
 from brrr.analysis.hardware import GPU
 from brrr.analysis.model import (is_mla, matmul_params, mlp_width_per_token, param_counts, prefill_flops_per_token,
                                  qk_v_head_dims, training_flops_per_token)
@@ -171,8 +169,8 @@ def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, local: float, 
     (torch.distributed.pipelining turns gradient sync and resharding after backward off until the last
     microbatch). End of backward: every gradient, and under FSDP2 the root group's last
     reduce-scatter: its bf16 gradients and their fp32 copy to reduce (the root's gathered weights are freed first)."""
-    layer = (param_counts(cfg)["total"] - param_counts(cfg)["embedding"] - param_counts(cfg)["head"]) / (
-        cfg.num_layers * tp)
+    counts = param_counts(cfg)
+    layer = (counts["total"] - counts["embedding"] - counts["head"]) / (cfg.num_layers * tp)
     params = 4 * local / (dp if zero >= 2 else 1)
     grads = 4 * local / (dp if zero >= 2 else 1)
     optimizer = 8 * local / (dp if zero >= 1 else 1)

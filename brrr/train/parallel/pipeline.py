@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brrr.analysis.train import SCHEDULES, head_layers, rank_stages, stage_layers
+from brrr.analysis.train import SCHEDULES, head_layers, pipeline_bubble, rank_stages, stage_layers
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.dispatch import use_reference
@@ -171,8 +171,6 @@ class Pipeline:
 
     def bubble_formula(self) -> float:
         """(p - 1) / (v m + p - 1) (brrr.analysis.train.pipeline_bubble)."""
-        from brrr.analysis.train import pipeline_bubble
-
         return pipeline_bubble(self.pp_mesh.size(), self.microbatches, self.schedule_name,
                                len(self.stage_ids))["fraction"]
 

@@ -177,6 +177,18 @@ def test_stages_split_layers_evenly_with_the_head_weighed_on_the_last():
     assert stage_layers(4, 4, 10.0) == [[0], [1], [2], [3]]  # every stage keeps a layer
 
 
+def test_measured_bubble_is_the_busiest_ranks_idle_share_of_the_whole_pipeline():
+    from brrr.train.parallel.pipeline import measured_bubble
+
+    # 1F1B, p = 2, m = 2, t_f = 1, t_b = 2: both stages compute 6 of a 9-unit pipeline, (p - 1) / (m + p - 1) = 1/3
+    # idle; the last stage's own schedule call ends at its last backward, 2 units before the first stage's
+    got = measured_bubble([(6.0, 9.0), (6.0, 7.0)])
+    assert got["pp_bubble"] == pytest.approx(1 / 3) and got["pp_stage_imbalance"] == pytest.approx(1.0)
+    # a last stage with twice the work sets the pace: its idle share, and 2x the others' compute over the mean
+    got = measured_bubble([(6.0, 16.0), (12.0, 15.0)])
+    assert got["pp_bubble"] == pytest.approx(1 - 12 / 16) and got["pp_stage_imbalance"] == pytest.approx(12 / 9)
+
+
 def test_selective_recompute_wraps_every_nth_layer(configs, data_dir):
     from brrr.train.parallel import Parallel
     from brrr.train.trainer import build_model

@@ -21,7 +21,7 @@ from brrr.train.loss_scaling import DynamicLossScale
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.mesh import Layout, Mesh, build_mesh, check_model
-from brrr.train.parallel.pipeline import Pipeline, check_pipeline
+from brrr.train.parallel.pipeline import Pipeline, check_pipeline, measured_bubble
 from brrr.train.parallel.tensor_parallel import apply_tp
 
 __all__ = ["Checkpointer", "Layout", "Mesh", "Parallel", "checkpoint_activations", "clip_grad_norm", "decoder_layers",
@@ -239,22 +239,17 @@ class Parallel:
         return total
 
     def log_fields(self) -> dict:
-        """Per-layout measurements for the step log since the last call. With a pipeline: the bubble, the idle
-        share of the busiest rank (the one that sets the pace; the formula assumes equal stages, and a lighter
-        stage also waits for the busiest), and the stage imbalance, the busiest rank's compute over the mean's."""
+        """Per-layout measurements for the step log since the last call: fp16's loss scale, and with a pipeline
+        the bubble and stage imbalance over every rank's timings (pipeline.measured_bubble)."""
         fields = {}
         if self.loss_scale is not None:
             fields.update(loss_scale=self.loss_scale.scale, overflow_steps=self.loss_scale.overflows)
         if self.pipeline is None:
             return fields
-        busy, wall = self.pipeline.timings()
-        per_rank = torch.tensor([busy, wall], dtype=torch.float64)
-        gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, per_rank, group=self._flags_group)
-        busiest_busy, busiest_wall = max(gathered, key=lambda t: float(t[0])).tolist()
-        mean_busy = sum(float(t[0]) for t in gathered) / len(gathered)
-        fields.update(pp_bubble=1 - busiest_busy / busiest_wall if busiest_wall else None,
-                      pp_stage_imbalance=busiest_busy / mean_busy if mean_busy else None,
+        mine = torch.tensor(self.pipeline.timings(), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine, group=self._flags_group)
+        fields.update(measured_bubble([tuple(t.tolist()) for t in gathered]),
                       pp_bubble_formula=self.pipeline.bubble_formula())
         return fields
 

@@ -228,6 +228,19 @@ class Pipeline:
         return local_sum(losses) if losses else torch.zeros((), device=self.device)
 
 
+def measured_bubble(timings: list[tuple[float, float]]) -> dict:
+    """From every rank's (stage compute, schedule wall time) of the same steps: the bubble, the busiest rank's idle
+    share of the pipeline's duration (the longest rank's time: a rank's own ends at its last backward, so the last
+    stage's leaves out the drain through the stages before it), and the stage imbalance, the busiest rank's compute
+    over the mean rank's. The formula assumes equal stages; the busiest one sets the pace, and a lighter one's idle
+    time is the bubble plus its wait for it."""
+    busiest = max(busy for busy, _ in timings)
+    duration = max(wall for _, wall in timings)
+    mean = sum(busy for busy, _ in timings) / len(timings)
+    return {"pp_bubble": 1 - busiest / duration if duration else None,
+            "pp_stage_imbalance": busiest / mean if mean else None}
+
+
 def local_sum(losses: list) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

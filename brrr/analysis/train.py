@@ -24,10 +24,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # The chunked linear cross-entropy (brrr/train/loss.py) takes the logits this many fp32 bytes of them at a time:
 # rows enough for full-width LM-head matmuls, small beside the model
 LOSS_CHUNK_LOGIT_BYTES = 1 << 29
-# bytes per token per local vocabulary entry TP's vocabulary-parallel loss holds at its peak, the start of its
-# backward: the saved fp32 log-softmax 4, and the fp32 gradient and two fp32 temporaries torch's nll/log-softmax
-# backward allocates (12); an H100 allocation trace of llama-3.2-1b under FSDP2 x TP 2 showed these four 2 GB buffers
-EAGER_LOSS_BYTES = 16
 
 
 def loss_chunk_rows(vocab: int) -> int:
@@ -41,10 +37,13 @@ def loss_bytes(cfg: ModelConfig, tokens: int, tp: int = 1, head_trains: bool = T
     """What the next-token loss adds at the end of forward. Chunked (tp = 1): one chunk's bf16 logits and their
     bf16 gradient (4 bytes x vocab x rows: on CUDA the fp32 math between them is fused, never stored), and the
     gradients it computed for backward: the hidden states' (bf16, 2h per token) and, when the head trains, the head's
-    weight (bf16, vocab x hidden). Vocabulary-parallel under TP (eager): EAGER_LOSS_BYTES x vocab / tp per token."""
+    weight (bf16, vocab x hidden). Vocabulary-parallel under TP (eager): 16 bytes x vocab / tp per token at its peak,
+    the start of its backward: the saved fp32 log-softmax, and the fp32 gradient and two fp32 temporaries torch's
+    nll/log-softmax backward allocates (an H100 allocation trace of llama-3.2-1b under FSDP2 x TP 2 showed these
+    four buffers)."""
     v, h = cfg.vocab_size, cfg.hidden_size
     if tp > 1:
-        return {"transient": EAGER_LOSS_BYTES * v * tokens / tp, "gradients": 0.0}
+        return {"transient": 16.0 * v * tokens / tp, "gradients": 0.0}
     return {"transient": 4.0 * v * min(tokens, loss_chunk_rows(v)),
             "gradients": 2.0 * h * tokens + (2.0 * v * h if head_trains else 0.0)}
 
@@ -143,19 +142,20 @@ def rank_stages(pp: int, chunks: int = 1) -> list[list[int]]:
     return [[r + k * pp for k in range(chunks)] for r in range(pp)]
 
 
-def stage_imbalance(num_layers: int, pp: int, chunks: int = 1, head: float = 0.0) -> float:
-    """The busiest pipeline rank's compute over the mean rank's under stage_layers' split (1: balanced); the
+def stage_imbalance(split: list[list[int]], pp: int, chunks: int = 1, head: float = 0.0) -> float:
+    """The busiest pipeline rank's compute over the mean rank's under a split of stage_layers' (1: balanced); the
     pipeline runs at the busiest rank's pace."""
-    split = stage_layers(num_layers, pp * chunks, head)
-    cost = [sum(len(split[s]) + (head if s == pp * chunks - 1 else 0) for s in ids) for ids in rank_stages(pp, chunks)]
+    last = len(split) - 1
+    cost = [sum(len(split[s]) + (head if s == last else 0) for s in ids) for ids in rank_stages(pp, chunks)]
     return max(cost) * pp / sum(cost)
 
 
-def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, local: float, root: float,
-                   activations: float, loss: dict, pipeline: bool = False) -> dict:
+def trainer_memory(dp: int, zero: int, local: float, root: float, layer: float, activations: float, loss: dict,
+                   pipeline: bool = False) -> dict:
     """Per-GPU bytes brrr's trainer holds on one rank, at the larger of its two peaks (`peak`: which one). local:
-    the rank's parameters (after TP and PP); root: those outside the layers it holds (embedding, LM head);
-    pipeline: a pipeline's microbatches have accumulated gradients by the forward peak (1F1B, interleaved).
+    the rank's parameters (after TP and PP); root: those outside the layers it holds (embedding, LM head); layer:
+    one layer's on the rank; pipeline: a pipeline's microbatches have accumulated gradients by the forward peak
+    (1F1B, interleaved).
 
     State, PyTorch mixed precision: fp32 master weights 4, fp32 gradients 4, Adam m and v 8 bytes per parameter;
     ZeRO-1 shards Adam's, ZeRO-2 also the gradients and master weights, ZeRO-3 (FSDP2 resharding after forward) is
@@ -169,8 +169,6 @@ def trainer_memory(cfg: ModelConfig, dp: int, zero: int, tp: int, local: float, 
     (torch.distributed.pipelining turns gradient sync and resharding after backward off until the last
     microbatch). End of backward: every gradient, and under FSDP2 the root group's last
     reduce-scatter: its bf16 gradients and their fp32 copy to reduce (the root's gathered weights are freed first)."""
-    counts = param_counts(cfg)
-    layer = (counts["total"] - counts["embedding"] - counts["head"]) / (cfg.num_layers * tp)
     params = 4 * local / (dp if zero >= 2 else 1)
     grads = 4 * local / (dp if zero >= 2 else 1)
     optimizer = 8 * local / (dp if zero >= 1 else 1)
@@ -227,7 +225,7 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     split = stage_layers(cfg.num_layers, pp * chunks, head)
     layer_params = (params - counts["embedding"] - counts["head"]) / cfg.num_layers
     rank_layers = [sum(len(split[s]) for s in ids) for ids in rank_stages(pp, chunks)]
-    imbalance = stage_imbalance(cfg.num_layers, pp, chunks, head)
+    imbalance = stage_imbalance(split, pp, chunks, head)
 
     # activations: layers of this rank x microbatches in flight; with checkpointing only each layer's input
     # stays, and backward rematerializes one layer at a time
@@ -243,16 +241,17 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     if pp > 1 and schedule == "gpipe":  # the last stage runs every microbatch's forward (and loss) before backward
         loss["gradients"] *= m
     if pp == 1:
-        memory = trainer_memory(cfg, dp, zero, tp, params / tp, (counts["embedding"] + counts["head"]) / tp,
+        memory = trainer_memory(dp, zero, params / tp, (counts["embedding"] + counts["head"]) / tp, layer_params / tp,
                                 held_activations(0), loss)
     else:  # the larger of the first and the last rank (a tied head is a copy of the embedding there); 1F1B's peak
         # recurs after backwards began, GPipe's (the end of its forwards) comes before any
         nothing, accumulating = {"transient": 0.0, "gradients": 0.0}, schedule != "gpipe"
-        first = trainer_memory(cfg, dp, zero, tp, (counts["embedding"] + rank_layers[0] * layer_params) / tp,
-                               counts["embedding"] / tp, held_activations(0), nothing, pipeline=accumulating)
+        first = trainer_memory(dp, zero, (counts["embedding"] + rank_layers[0] * layer_params) / tp,
+                               counts["embedding"] / tp, layer_params / tp, held_activations(0), nothing,
+                               pipeline=accumulating)
         head_params = counts["head"] or counts["embedding"]
-        last = trainer_memory(cfg, dp, zero, tp, (head_params + rank_layers[-1] * layer_params) / tp,
-                              head_params / tp, held_activations(pp - 1), loss, pipeline=accumulating)
+        last = trainer_memory(dp, zero, (head_params + rank_layers[-1] * layer_params) / tp, head_params / tp,
+                              layer_params / tp, held_activations(pp - 1), loss, pipeline=accumulating)
         memory = {**max(first, last, key=lambda r: r["total"]),
                   "rank": "first stage" if first["total"] >= last["total"] else "last stage"}
 

@@ -77,13 +77,13 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
 
-    @torch.inference_mode()
     def release_graphs(self) -> None:
         """Drop the captured graphs. Before a process group whose collectives they captured closes: one destroyed
         after its group (at interpreter exit) aborts the process (pytorch/pytorch#115388)."""
         self.graphs.clear()
         self.verify_graphs = None
 
+    @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int, max_blocks: int, capture=None) -> None:
         """Capture one decode step per batch size (largest first, one shared memory pool). A step of B
         sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block). With a

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from brrr.analysis.train import stage_layers
 from brrr.errors import BrrrError
 from brrr.train.parallel.mesh import Layout, check_model
-from brrr.analysis.train import stage_layers
 from brrr.train.parallel.pipeline import check_pipeline
 from brrr.train.shapes import resolve_config
 from brrr.train.trainer import TrainConfig, Trainer

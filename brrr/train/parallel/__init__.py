@@ -21,7 +21,7 @@ from brrr.train.loss_scaling import DynamicLossScale
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.mesh import Layout, Mesh, build_mesh, check_model
-from brrr.train.parallel.pipeline import Pipeline, check_pipeline, measured_bubble
+from brrr.train.parallel.pipeline import INTERLEAVED_CHUNKS, Pipeline, check_pipeline, measured_bubble
 from brrr.train.parallel.tensor_parallel import apply_tp
 
 __all__ = ["Checkpointer", "Layout", "Mesh", "Parallel", "checkpoint_activations", "clip_grad_norm", "decoder_layers",
@@ -279,7 +279,7 @@ class Parallel:
         cfg, layout = self.cfg, self.layout
         zero = (3 if cfg.reshard_after_forward else 2) if self.fsdp else 0
         pp_kw = dict(microbatches=self.microbatches, schedule=cfg.pp_schedule,
-                     chunks=2 if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
+                     chunks=INTERLEAVED_CHUNKS if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
         rows = cfg.micro_batch // (self.microbatches if layout.pp > 1 else 1)
         gpus = layout.world // layout.dp_replicate if self.fsdp else layout.world
         plan = train_plan(model_cfg, GPUS["h100-sxm"], gpus=gpus, zero=zero, tp=layout.tp, pp=layout.pp,

@@ -27,8 +27,8 @@ import torch
 
 from brrr.distributed.disagg_instances import PrefillInstance, PrefillInstances
 from brrr.distributed.disagg_transfer import kv_shape, scatter_blocks
-from brrr.engine.llm_engine import EngineCore, LLMEngine, grammars
-from brrr.engine.output_processor import OutputProcessor
+from brrr.engine.core import EngineCore
+from brrr.engine.guided.feature import grammars
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
@@ -75,6 +75,7 @@ class DisaggEngineCore(EngineCore):
         if request.request_id in self.requests or request.request_id in self.routed:  # (a cancelled one in flight)
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._activate(request)
         self.routed[request.request_id] = Routed(request, instance)
         instance.outstanding += 1
         if not instance.prefilling:  # busy from now: its silence counts from here
@@ -129,7 +130,7 @@ class DisaggEngineCore(EngineCore):
     def step(self, batch=None):
         records = self._poll()
         self._pull()
-        if self.scheduler.num_unfinished or self._ahead is not None or batch is not None:
+        if self.scheduler.num_unfinished or self._queued is not None or batch is not None:
             return records + super().step(batch)
         if not records and self.routed:  # only prefill-side work: wait for it a moment instead of spinning
             conns = [i.conn for i in self.instances.alive()]
@@ -289,17 +290,8 @@ class DisaggEngineCore(EngineCore):
         self.instances.shutdown()
 
 
-class DisaggLLMEngine(LLMEngine, DisaggEngineCore):
-    """The disaggregated core with the output processor in the same process (what `LLM` drives)."""
-    core = DisaggEngineCore
-
-    def __init__(self, model, tokenizer=None, config=None, eos_token_ids=(), instances: PrefillInstances = None):
-        DisaggEngineCore.__init__(self, model, tokenizer, config, eos_token_ids, instances)
-        self.processor = OutputProcessor(tokenizer)
-
-
-def load_disaggregated(model, dtype, device, config, core: bool = False):
-    """(Pretrained on the decode device, the engine): the flag checked against the machine first, the prefill
+def load_disaggregated(model, dtype, device, config):
+    """(Pretrained on the decode device, the engine core): the flag checked against the machine first, the prefill
     instances started (they load while this process loads the decode instance's copy), then joined."""
     from brrr.distributed.disagg_config import check_devices, instance_device
     from brrr.hub import resolve_model
@@ -316,8 +308,7 @@ def load_disaggregated(model, dtype, device, config, core: bool = False):
             torch.cuda.set_device(decode)
         pretrained = load(path, dtype=dtype, device=decode)
         instances.connect(decode)
-        engine = (DisaggEngineCore if core else DisaggLLMEngine)(pretrained.model, pretrained.tokenizer, config,
-                                                                pretrained.eos_token_ids, instances)
+        engine = DisaggEngineCore(pretrained.model, pretrained.tokenizer, config, pretrained.eos_token_ids, instances)
     except BaseException:
         instances.shutdown()
         raise

@@ -47,7 +47,7 @@ class PrefillServer:
     def __init__(self, spec: InstanceSpec, store_path: str, conn):
         from brrr.distributed.disagg_transfer import PREFILL_RANK
         from brrr.distributed.tp_worker import connect
-        from brrr.engine.llm_engine import EngineCore
+        from brrr.engine.core import EngineCore
         from brrr.pretrained import load
 
         self.device = device = torch.device(spec.device)
@@ -103,7 +103,7 @@ class PrefillServer:
 
     # ---- the main thread: the engine ----------------------------------------------------------------------------
     def run(self) -> None:
-        from brrr.engine.llm_engine import EngineCore
+        from brrr.engine.core import EngineCore
 
         engine = self.engine
         while True:
@@ -121,7 +121,7 @@ class PrefillServer:
                 self._route(EngineCore.step(engine))
 
     def _apply(self, command) -> bool | None:
-        from brrr.engine.llm_engine import EngineCore
+        from brrr.engine.core import EngineCore
         from brrr.engine.outputs import EngineOutput
 
         kind, engine = command[0], self.engine

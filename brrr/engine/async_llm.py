@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from brrr.engine.engine_process import EngineInfo, EngineSpec
 from brrr.engine.engine_process_client import EngineClient
-from brrr.engine.llm_engine import EngineCore, check_request
+from brrr.engine.core import EngineCore, check_request
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
 from brrr.engine.sampling_params import SamplingParams

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from brrr.config import EngineConfig
-from brrr.engine.llm_engine import EngineCore, LLMEngine
+from brrr.engine.build import build_engine
+from brrr.engine.core import EngineCore
+from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
@@ -106,10 +108,8 @@ class EngineLoop:
         self.engine, self.commands, self.outputs = engine, commands, outputs
         self.baseline, self.parent_pid = baseline, parent_pid
         # the core's records, also from an LLMEngine (whose own step() would assemble outputs in this process)
-        core = engine.core if isinstance(engine, LLMEngine) else type(engine)
-        self.step = core.step.__get__(engine)
-        self.abort = core.abort.__get__(engine)
-        self.enqueue = core.enqueue.__get__(engine)
+        core = engine.core if isinstance(engine, LLMEngine) else engine
+        self.step, self.abort, self.enqueue = core.step, core.abort, core.enqueue
         self.failed: list[EngineOutput] = []  # requests the engine refused, sent with the next message
         # BRRR_ENGINE_TRACE=FILE (benchmarks): one line per step, written at shutdown: when it started, when the
         # step returned, when its message was sent, and the engine's counters after it
@@ -192,28 +192,15 @@ def write_trace(path: str, trace: list) -> None:
             f.write(json.dumps({"start": start, "stepped": stepped, "sent": sent, **stats}) + "\n")
 
 
-def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
+def engine_for(spec: EngineSpec, core: bool = False):
     """The engine `spec` describes: an EngineCore for the engine process (core), else an LLMEngine."""
     import torch
 
-    from brrr.pretrained import load
-
-    config, engine = spec.config, None
-    if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes of their own
-        from brrr.distributed.disagg_engine import load_disaggregated
-
-        pretrained, engine = load_disaggregated(spec.model, spec.dtype, spec.device, config, core=core)
-    elif config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
-        from brrr.distributed.tp_runner import load_pretrained
-
-        pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
-    else:
-        pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
+    pretrained, engine = build_engine(spec.model, spec.dtype, spec.device, spec.config, core=core)
     if next(pretrained.model.parameters()).device.type == "cpu":
         # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
         torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
-    return engine or (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
-                                                         pretrained.eos_token_ids)
+    return engine
 
 
 def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connection, parent_pid: int) -> None:
@@ -222,7 +209,7 @@ def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connecti
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
     try:
-        engine = build_engine(spec, core=True)
+        engine = engine_for(spec, core=True)
         baseline, seconds = None, 0.0
         if spec.warm_up:
             from brrr.engine.engine_process_warmup import warm_up

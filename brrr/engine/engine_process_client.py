@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from brrr.engine.engine_process import EngineInfo, EngineLoop, EngineSpec, engine_stats, run_engine_process
-from brrr.engine.llm_engine import EngineCore
+from brrr.engine.core import EngineCore
 from brrr.errors import BrrrError
 
 log = logging.getLogger("brrr.engine")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from brrr.config import EngineConfig
-from brrr.engine.llm_engine import LLMEngine
+from brrr.engine.build import build_engine
 from brrr.engine.outputs import RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.errors import BrrrError
@@ -11,22 +11,7 @@ from brrr.lora.serving import LoRARequest
 
 class LLM:
     def __init__(self, model=None, dtype="auto", device=None, **engine_args):
-        from brrr.pretrained import load
-
-        config = EngineConfig(**engine_args)
-        if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes
-            from brrr.distributed.disagg_engine import load_disaggregated
-
-            self.pretrained, self.engine = load_disaggregated(model, dtype, device, config)
-        else:
-            if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
-                from brrr.distributed.tp_runner import load_pretrained
-
-                self.pretrained, config = load_pretrained(model, dtype, device, config)
-            else:
-                self.pretrained = load(model, dtype=dtype, device=device)
-            self.engine = LLMEngine(self.pretrained.model, self.pretrained.tokenizer, config,
-                                    self.pretrained.eos_token_ids)
+        self.pretrained, self.engine = build_engine(model, dtype, device, EngineConfig(**engine_args))
         self._counter = 0
         if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):
             # the quantized matmuls' prefill shapes are tuned at start-up, as `brrr serve`'s engine does: timing

@@ -174,6 +174,6 @@ def _start_engine(spec, in_thread: bool):
 
     if not in_thread:
         return AsyncLLM.spawn(spec)
-    from brrr.engine.engine_process import build_engine
+    from brrr.engine.engine_process import engine_for
 
-    return AsyncLLM(build_engine(spec))
+    return AsyncLLM(engine_for(spec))

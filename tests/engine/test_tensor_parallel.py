@@ -233,7 +233,7 @@ def test_a_killed_worker_makes_the_server_engine_unhealthy(llama):
     from brrr.config import EngineConfig
     from brrr.distributed.tp_runner import load_pretrained
     from brrr.engine.async_llm import AsyncLLM
-    from brrr.engine.llm_engine import EngineCore
+    from brrr.engine.core import EngineCore
 
     config = {k: v for k, v in STRESS.items() if k not in ("dtype", "device")}
     pretrained, config = load_pretrained(str(llama), "float32", "cpu", EngineConfig(tensor_parallel_size=2, **config))

@@ -3,6 +3,7 @@ reference (`brrr/engine/scheduler.py`, `tests/...`, `bench/...`, `docs/....md`, 
 such as `engine/llm.py`, a dotted `brrr.a.b.name`, a bare `name.py`, a local markdown link, a result file named
 in bench/results/README.md) names something in the tree. A renamed or deleted module fails here with the doc and
 the reference, so the docs follow the code."""
+import ast
 import itertools
 import re
 from pathlib import Path
@@ -11,15 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "bench" / "results" / "README.md"]
 RESULTS = ROOT / "bench" / "results"
 
-# A reference starts at one of the tree's top folders, or at a brrr subpackage (`engine/llm.py`), and is not the
-# tail of a longer path or URL (no word character, `/`, `.` or `-` just before it).
+# A reference starts at one of the tree's top folders or a brrr subpackage (`engine/llm.py`), or is any relative
+# path to a .py or .sh file (so a renamed package is still caught), and is not the tail of a longer path or URL (no
+# word character, `/`, `.` or `-` just before it).
 PACKAGES = sorted(p.name for p in (ROOT / "brrr").iterdir() if (p / "__init__.py").exists())
-PATH = re.compile(r"(?<![\w./~$-])((?:brrr|tests|bench|docs|" + "|".join(PACKAGES) + r")/[\w./{},*-]*)")
+PATH = re.compile(r"(?<![\w./~$-])((?:brrr|tests|bench|docs|" + "|".join(PACKAGES) + r")/[\w./{},*-]*"
+                  r"|[A-Za-z_][\w-]*/[\w./-]*\.(?:py|sh)(?![\w/-]))")
 BARE = re.compile(r"(?<![\w./~$-])([A-Za-z_][\w-]*\.(?:py|sh|md))(?![\w/-])")
 DOTTED = re.compile(r"(?<![\w./-])(brrr(?:\.[A-Za-z_]\w*)+)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Words that end like a file but are not the tree's: the command line, other projects' files.
-NOT_OURS = {"setup.py", "KINDS.md"}
+# Paths the docs name that are not the tree's: a standard-library file an example uses.
+NOT_OURS = {"json/decoder.py"}
 
 
 def expand(ref: str) -> list[str]:
@@ -35,9 +38,23 @@ def clean(ref: str) -> str:
     return ref.rstrip(".,:;")
 
 
+def bound_names(path: Path) -> set[str]:
+    """The names a module binds at its top level: definitions, assignments, imports (what `module.name` reaches)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
 def module_exists(dotted: str) -> bool:
     """`brrr.a.b.name`: the longest module prefix is a package or a .py file, and the first name after it (if
-    any) is defined or imported there."""
+    any) is bound at the top level there (a package's submodule counts only if it exists)."""
     parts = dotted.split(".")
     path = ROOT
     for i, part in enumerate(parts):
@@ -51,27 +68,54 @@ def module_exists(dotted: str) -> bool:
         break
     else:
         return True
-    return not rest or re.search(rf"\b{re.escape(rest[0])}\b", path.read_text()) is not None
+    return not rest or rest[0] in bound_names(path)
+
+
+def scope_start(text: str, at: int) -> tuple[int, str]:
+    """Where the paragraph, list item or table row holding `at` begins, and a table row's first `name` (or "")."""
+    start = text.rfind("\n", 0, at) + 1
+    while True:
+        line = text[start:text.find("\n", start)]
+        if re.match(r"\s*(\||[-*] |\d+\. )", line):
+            first = re.match(r"\| `([^`]+)`", line)
+            return start, first.group(1) if first else ""
+        previous = text.rfind("\n", 0, max(start - 1, 0)) + 1
+        if start == 0 or not text[previous:start].strip():
+            return start, ""
+        start = previous
+
+
+def tree_path(ref: str) -> Path:
+    """A top folder's path from the root; any other (`engine/llm.py`) inside brrr/."""
+    return ROOT / ref if ref.split("/")[0] in ("brrr", "tests", "bench", "docs") else ROOT / "brrr" / ref
 
 
 def references(doc: Path) -> list[tuple[str, list[Path]]]:
     """(reference as written, the paths any one of which must exist) for every reference in one doc."""
     text = doc.read_text()
-    found = []
+    found, paths = [], []
     for m in PATH.finditer(text):
         ref = clean(m.group(1))
-        if any(s in ref for s in ("*", "...")) or ref.endswith("/."):
-            continue  # a glob or an elided path
+        if any(s in ref for s in ("*", "...")) or ref.endswith("/.") or ref in NOT_OURS:
+            continue  # a glob, an elided path, not the tree's
+        paths.append((m.start(), ref))
         for one in expand(ref):
-            top = one.split("/")[0]
-            where = ROOT / one if top in ("brrr", "tests", "bench", "docs") else ROOT / "brrr" / one
-            found.append((one, [where]))
+            found.append((one, [tree_path(one)]))
     for m in BARE.finditer(text):
         name = m.group(1)
-        if name in NOT_OURS:
-            continue
-        found.append((name, [doc.parent / name, ROOT / name, ROOT / "docs" / name]
-                      + [p for p in ROOT.glob(f"[bt]*/**/{name}") if ".git" not in p.parts]))
+        # A bare module or script name belongs to the folder its paragraph, list item or table row last named ("Code:
+        # `brrr/distributed/`: sharding.py, ..."); with none named there, to any folder of the tree. In the results
+        # README a row's bare names may also be files of the row's own result folder.
+        scope, row = scope_start(text, m.start())
+        before = [ref for at, ref in paths if scope <= at < m.start()]
+        if before and not name.endswith(".md"):  # a page name means a page (docs/ or beside the doc)
+            folder = tree_path(before[-1])
+            folder = folder.parent if folder.suffix and not before[-1].endswith("/") else folder
+            own = [RESULTS / row / name] if doc == RESULTS / "README.md" and row else []
+            found.append((f"{name} (in {before[-1]})", [folder / name] + own))
+        else:
+            found.append((name, [doc.parent / name, ROOT / name, ROOT / "docs" / name]
+                          + [p for p in ROOT.glob(f"[bt]*/**/{name}") if ".git" not in p.parts]))
     for m in DOTTED.finditer(text):
         dotted = m.group(1).rstrip(".")
         found.append((dotted, [] if not module_exists(dotted) else [ROOT]))
@@ -121,20 +165,22 @@ def test_every_result_file_is_in_the_results_readme():
     assert not unlisted, f"bench/results/ holds files its README does not list: {unlisted}"
 
 
-def test_the_extraction_finds_what_it_should():
-    """The patterns catch every spelling the docs use, and skip URLs, globs and placeholders."""
-    sample = ROOT / "docs" / "engine.md"
-    text = ("see `brrr/engine/scheduler.py`, engine/llm.py and [a](serving.md#x), brrr.engine.spec.verify.IDLE_ROUNDS,"
-            " tp_step.py; not https://github.com/x/brrr/y.py, run/, data/, my-adapter, tests/train/test_d*.py,"
-            " bench/results/summary_g{0,1}.md.")
-    refs = []
-    for pattern in (PATH, BARE, DOTTED, LINK):
-        refs += [m.group(1) for m in pattern.finditer(text)]
-    assert "brrr/engine/scheduler.py" in refs and "engine/llm.py" in refs and "serving.md#x" in refs
-    assert "brrr.engine.spec.verify.IDLE_ROUNDS" in refs and "tp_step.py" in refs
-    assert not any("github" in r or r in ("run/", "data/") for r in refs)
-    assert expand("summary_g{0,1}.md") == ["summary_g0.md", "summary_g1.md"]
+def test_the_extraction_finds_what_it_should(tmp_path):
+    """Every spelling the docs use is found and resolved where it points; URLs, globs and placeholders are not."""
+    (tmp_path / "other.md").write_text("")
+    doc = tmp_path / "page.md"
+    doc.write_text("Code: `brrr/distributed/`: tp_step.py, sharding.py.\n\n"
+                   "See `brrr/engine/scheduler.py`, engine/llm.py, [a](other.md#x), brrr.engine.spec.verify.IDLE_ROUNDS,\n"
+                   "bench/results/summary_g{0,1}.md. Not https://github.com/x/brrr/y.py, run/, data/, my-adapter,\n"
+                   "tests/train/test_d*.py, `brrr/.../x.py`.\n\n"
+                   "- **Verify** (llm_engine.py)\n")
+    refs = dict(references(doc))
+    assert set(refs) == {"brrr/distributed/", "tp_step.py (in brrr/distributed/)", "sharding.py (in brrr/distributed/)",
+                         "brrr/engine/scheduler.py", "engine/llm.py", "other.md", "brrr.engine.spec.verify.IDLE_ROUNDS",
+                         "bench/results/summary_g0.md", "bench/results/summary_g1.md", "llm_engine.py"}
+    assert refs["tp_step.py (in brrr/distributed/)"] == [ROOT / "brrr" / "distributed" / "tp_step.py"]
+    assert refs["engine/llm.py"] == [ROOT / "brrr" / "engine" / "llm.py"]
+    assert ROOT / "brrr" / "engine" / "llm_engine.py" in refs["llm_engine.py"]
     assert clean("docs/engine.md.") == "docs/engine.md" and clean("tests/x.py::test_y") == "tests/x.py"
     assert module_exists("brrr.engine.scheduler.Scheduler") and not module_exists("brrr.engine.no_such_module.x")
-    assert not module_exists("brrr.engine.scheduler.no_such_name_anywhere")
-    assert sample.exists()
+    assert not module_exists("brrr.engine.scheduler.no_such_name") and not module_exists("brrr.models.no_such.x")

@@ -76,3 +76,29 @@ def test_bench_serve_overhead_replays_a_serve_runs_requests_offline(tmp_path, ca
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["offline_generated_tokens"] == record["http_generated_tokens"] == 24
     assert record["http_over_offline"] == pytest.approx(100.0 / record["offline_output_tok_s"])
+
+
+def test_throughput_profile_sorts_kernels_and_counts_idle_once():
+    from brrr.bench.throughput import kernel_categories
+
+    events = [("_prefill_kernel", 0, 30), ("nvjet_tst_128x64", 20, 40), ("_rms_norm_kernel", 70, 5),
+              ("triton_poi_fused_copy_0", 90, 5), ("mystery", 95, 5)]
+    got = kernel_categories(events, window_us=120)
+    assert got["kernel_us"] == {"gemm": 40, "attention": 30, "norm_rope_act": 5, "copy_index": 5, "other": 5}
+    # overlapping kernels count once: busy is [0, 60) + [70, 75) + [90, 100)
+    assert got["busy_us"] == 75 and got["idle_us"] == 45
+
+
+def test_throughput_splits_the_schedule_by_step_kind():
+    from brrr.analysis.hardware import get_gpu
+    from brrr.bench.random_model import model_config
+    from brrr.bench.throughput import by_step_kind, step_cost
+
+    cfg, gpu = model_config("qwen3-0.6b"), get_gpu("h200")
+    schedule = [[(0, 512), (0, 300)], [(512, 1), (300, 1)], [(513, 1), (301, 1)]]
+    kinds = by_step_kind(cfg, schedule, [0.01, 0.002, 0.002], gpu, "bf16", 1)
+    assert kinds["decode"]["steps"] == 2 and kinds["prefill_or_mixed"]["steps"] == 1
+    assert kinds["decode"]["seconds"] == 0.004
+    total = sum(step_cost(cfg, items, gpu, "bf16") for items in schedule)
+    assert abs(kinds["decode"]["model_seconds"] + kinds["prefill_or_mixed"]["model_seconds"] - total) < 2e-3
+    assert kinds["prefill_or_mixed"]["flops_seconds"] > kinds["prefill_or_mixed"]["bytes_seconds"]

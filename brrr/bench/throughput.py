@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 import time
 
+from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
+from brrr.engine import SamplingParams
 
 
 def register(bench_sub) -> None:
@@ -22,21 +24,104 @@ def register(bench_sub) -> None:
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs, one rank each")
+    p.add_argument("--profile", action="store_true",
+                   help="run the workload once more under torch.profiler: device time by kernel category (GEMM, "
+                        "attention, norms and activations, sampling, ...) and device idle, beside the cost model")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_throughput)
 
 
-def step_cost(cfg, items, gpu, dtype: str) -> float:
-    """Roofline seconds for one step; items = [(tokens already computed, tokens this step)] per sequence."""
-    from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
-
+def step_terms(cfg, items, gpu, dtype: str) -> tuple[float, float]:
+    """(seconds to move the step's bytes, seconds for its FLOPs) at the measured rates; items = [(tokens already
+    computed, tokens this step)] per sequence."""
     kv = kv_bytes_per_token(cfg, dtype)
     nbytes = decode_weight_bytes(cfg, len(items), dtype)
     flops = 0.0
     for start, n in items:
         nbytes += kv * (start + n)  # read the context's K/V, new tokens included (written once, read back)
         flops += n * flops_per_token(cfg, start + (n + 1) // 2)  # mean context over the chunk
-    return max(nbytes / gpu.bandwidth, flops / gpu.peak("bf16" if dtype == "bf16" else dtype))
+    return nbytes / gpu.bandwidth, flops / gpu.peak("bf16" if dtype == "bf16" else dtype)
+
+
+def step_cost(cfg, items, gpu, dtype: str) -> float:
+    """Roofline seconds for one step: the larger of its two terms."""
+    return max(step_terms(cfg, items, gpu, dtype))
+
+
+def by_step_kind(cfg, schedule, durations, gpu, dtype: str, tp: int) -> dict:
+    """Decode-only steps and steps with prefill chunks apart: for each, steps, measured seconds (host clock between
+    step returns: with launch-ahead that is the device's pace), the model's seconds and its two terms."""
+    kinds = {}
+    for items, seconds in zip(schedule, durations):
+        kind = kinds.setdefault("decode" if all(n == 1 for _, n in items) else "prefill_or_mixed",
+                                {"steps": 0, "seconds": 0.0, "model_seconds": 0.0, "bytes_seconds": 0.0,
+                                 "flops_seconds": 0.0})
+        b, f = step_terms(cfg, items, gpu, dtype)
+        kind["steps"] += 1
+        kind["seconds"] += seconds
+        kind["model_seconds"] += max(b, f) / tp
+        kind["bytes_seconds"] += b / tp
+        kind["flops_seconds"] += f / tp
+    return {k: {n: round(v, 3) if isinstance(v, float) else v for n, v in d.items()} for k, d in kinds.items()}
+
+
+# kernel name patterns -> category, first match wins (brrr's Triton kernels, cuBLAS/cuDNN and torch's own)
+KERNEL_CATEGORIES = (
+    ("attention", r"prefill_kernel|decode_kernel|decode_parts|lean_|combine_parts|flash|fmha|attn|attention"),
+    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|_mma|splitk|w4a16|w8a16"),
+    ("kv_write", r"write_kv|reshape_and_cache"),
+    ("norm_rope_act", r"rms_norm|rotary|rope|silu|cos_sin"),
+    ("sampling", r"argmax|gumbel|softmax|sort|topk|bitmask|cumsum"),
+    ("copy_index", r"copy|index|gather|scatter|cat|fill|stage"),
+)
+
+
+def kernel_categories(events, window_us: float) -> dict:
+    """Device microseconds by category of the profiled kernels (name, start, duration), and the device's idle time
+    in the window: the window less the union of kernel intervals."""
+    import re
+
+    patterns = [(name, re.compile(rx, re.I)) for name, rx in KERNEL_CATEGORIES]
+    totals: dict[str, float] = {}
+    spans = []
+    for name, start, dur in events:
+        cat = next((c for c, rx in patterns if rx.search(name)), "other")
+        totals[cat] = totals.get(cat, 0.0) + dur
+        spans.append((start, start + dur))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"kernel_us": {k: round(v) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+            "busy_us": round(busy), "idle_us": round(max(0.0, window_us - busy)), "window_us": round(window_us)}
+
+
+def add_workload(engine, cfg, args) -> None:
+    rng = random.Random(0)
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]
+        params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
+                                seed=i)
+        engine.add_request(str(i), prompt, params, stream=False)  # offline: only final outputs, as LLM.generate
+
+
+def profiled_run(engine, cfg, args) -> dict:
+    """The workload again under torch.profiler (CUDA activity only): kernel time by category and device idle."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    add_workload(engine, cfg, args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+        window_us = (time.perf_counter() - start) * 1e6
+    events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    return kernel_categories(events, window_us)
 
 
 def cmd_throughput(args) -> int:
@@ -46,7 +131,7 @@ def cmd_throughput(args) -> int:
     from brrr.analysis.hardware import measure
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.engine import LLMEngine
     from brrr.errors import BrrrError
     from brrr.loader import resolve_dtype
 
@@ -77,24 +162,24 @@ def cmd_throughput(args) -> int:
                            SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True, seed=i), stream=False)
     while engine.has_unfinished_requests():
         engine.step()
-    rng = random.Random(0)
-    for i in range(args.num_requests):
-        prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(args.min_len, args.max_len))]
-        params = SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True,
-                                seed=i)
-        engine.add_request(str(i), prompt, params, stream=False)  # offline: only final outputs, as LLM.generate
+    add_workload(engine, cfg, args)
     engine.schedule_log = schedule = []  # each step's (computed, new) per sequence; costed after the clock stops
     generated0 = engine.generation_tokens_total
+    marks = []  # the host clock at each step's return (a step planned ahead logs its schedule a step early)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
+        marks.append(time.perf_counter())
     seconds = time.perf_counter() - start
+    engine.schedule_log = None
+    out_tokens = engine.generation_tokens_total - generated0
+    durations = [b - a for a, b in zip([start] + marks, marks)]
+    profile = profiled_run(engine, cfg, args) if args.profile else None
     if tp > 1:
         engine.runner.shutdown()
     # each of the tp GPUs reads and computes 1/tp of a step (the all-reduces are not in the model: they are the gap)
     model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule) / tp, len(schedule)
-    out_tokens = engine.generation_tokens_total - generated0
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
           "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "num_requests": args.num_requests,
@@ -103,5 +188,7 @@ def cmd_throughput(args) -> int:
           "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],
           "seconds": round(seconds, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / seconds, 1),
           "roofline_seconds": round(model_s, 3), "fraction_of_roofline": round(model_s / seconds, 3),
-          "measured_bandwidth": round(gpu.bandwidth), "measured_bf16_flops": round(gpu.peak("bf16"))}, args.out)
+          "measured_bandwidth": round(gpu.bandwidth), "measured_bf16_flops": round(gpu.peak("bf16")),
+          "by_step_kind": by_step_kind(cfg, schedule, durations, gpu, short, tp),
+          **({"profile": profile} if profile else {})}, args.out)
     return 0

@@ -171,12 +171,12 @@ def test_a_transfer_that_never_comes_times_out(model_dir, reference, monkeypatch
         engine.add_request("decoding", prompts[0], params[0], stream=False)
         while not engine.scheduler.running:
             finished.update((out.request_id, out) for out in engine.step() if out.finished)
-        engine._pull = lambda: None  # hold the next request at "ready" ...
+        engine.core._pull = lambda: None  # hold the next request at "ready" ...
         engine.add_request("stuck", prompts[1], params[1], stream=False)
         while "stuck" not in engine.ready:
             finished.update((out.request_id, out) for out in engine.step() if out.finished)
         _freeze(instance.proc.pid)  # ... freeze its instance, then pull: the send never comes
-        del engine._pull
+        del engine.core._pull
         start = time.monotonic()
         while engine.has_unfinished_requests():
             finished.update((out.request_id, out) for out in engine.step() if out.finished)

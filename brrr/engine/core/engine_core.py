@@ -18,7 +18,7 @@ import torch
 
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
-from brrr.engine.core.feature import Feature
+from brrr.engine.core.feature import Feature, hooked
 from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
 from brrr.engine.core.requests import check_request
 from brrr.engine.forks import Forks
@@ -109,7 +109,7 @@ class EngineCore:
                 self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
                                           ec.max_num_seqs, self.lora, verify)
         self.features: list[Feature] = self._features(speculator)
-        self._on: list[Feature] = [f for f in self.features if not f.per_request]  # the features in the step now
+        self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         self._queued: InFlight | None = None  # a step planned ahead of the last one, in flight, tokens unread
@@ -138,20 +138,24 @@ class EngineCore:
     def spec(self, speculator: Speculator) -> None:  # tests swap in a proposer of their own
         self.feature("spec").spec = speculator
 
+    def _set_on(self, on: list[Feature]) -> None:
+        self._on = on  # the features in the step now
+        self._hooks = hooked(on)  # hook -> those of them that implement it
+
     def _activate(self, request: Request) -> None:
         """The per-request features this request uses join the step."""
         for f in self.features:
             if f.per_request and f not in self._on and f.wants(request):
-                self._on = [g for g in self.features if g in self._on or g is f]
+                self._set_on([g for g in self.features if g in self._on or g is f])
 
     def _deactivate_unused(self) -> None:
         """Per-request features no live request uses leave the step (then they cost nothing)."""
         if any(f.per_request for f in self._on):
             live = self.requests.values()
-            self._on = [f for f in self._on if not f.per_request or any(map(f.wants, live))]
+            self._set_on([f for f in self._on if not f.per_request or any(map(f.wants, live))])
 
     def _released(self, seq: Sequence) -> None:
-        for f in self._on:
+        for f in self._hooks["release"]:
             f.release(seq)
 
     def _lora_manager(self, model) -> LoraManager:
@@ -255,7 +259,7 @@ class EngineCore:
             return self._fail(failed.requests, failed.error)
         records = self._commit(inflight.plan, result, runs)
         self._queued = queued
-        for feature in self._on:
+        for feature in self._hooks["after_step"]:
             feature.after_step(queued)
         return records
 
@@ -265,7 +269,7 @@ class EngineCore:
             self._deactivate_unused()
             running = self.scheduler.running
             with failing(lambda: {s.request for s in running}, "proposer failed"):
-                for feature in self._on:
+                for feature in self._hooks["propose"]:
                     feature.propose(running)
             batch = self.scheduler.schedule()
         if not batch.items:
@@ -278,28 +282,33 @@ class EngineCore:
         """Each item samples its last row when this step reaches the end of its tokens (a step planned ahead: one
         token further than the host knows); the features add or change slots and rows."""
         plan, row, ahead = StepPlan(batch, ids_from=ids_from), 0, int(ids_from is not None)
+        contributors, slots = self._hooks["contribute"], plan.slots
+        if ahead and not contributors:  # steady decoding: one slot a sequence, nothing else to ask
+            plan.slots = None
+            plan.rows = [self._sample_row(seq, 1) for seq, _ in batch.items]
+            return plan
         for seq, n in batch.items:
-            slots = [SampleSlot(row + n - 1, seq, ahead)] if ahead or seq.num_computed_tokens + n == len(
+            mine = [SampleSlot(row + n - 1, seq, ahead)] if ahead or seq.num_computed_tokens + n == len(
                 seq.token_ids) else []
-            for feature in self._on:
-                slots = feature.contribute(plan, seq, n, row, slots)
-            plan.slots += slots
+            for feature in contributors:
+                mine = feature.contribute(plan, seq, n, row, mine)
+            plan.multi_token = plan.multi_token or (len(mine) > 1 and mine[0].seq is mine[1].seq)
+            slots += mine
             row += n
-        plan.rows = [self._sample_row(slot) for slot in plan.slots]
+        plan.rows = [self._sample_row(seq, offset) for _, seq, offset in slots]
         return plan
 
-    def _sample_row(self, slot: SampleSlot) -> SampleRow:
-        seq, offset = slot.seq, slot.offset
+    def _sample_row(self, seq: Sequence, offset: int) -> SampleRow:
         params = seq.request.params
         # The output so far is copied only for requests that read it (penalties, min_tokens): an O(length) slice
         # per sequence per step is host work the device would wait on.
-        history = seq.output_ids if params.has_penalties or params.min_tokens else []
+        history = seq.output_ids if params.has_penalties or params.min_tokens else ()
         if offset and seq.spec_tokens and (params.has_penalties or params.min_tokens):
             history = history + seq.spec_tokens[:offset]  # verified position `offset`: after the drafts before it
-        row = SampleRow(params, seq.seed, seq.num_output_tokens + offset, seq.request.prompt_token_ids, history,
-                        self._stop_ids(params))
-        for feature in self._on:
-            row = feature.sample_row(slot, row)
+        row = SampleRow(params, seq.seed, len(seq.token_ids) - len(seq.request.prompt_token_ids) + offset,
+                        seq.request.prompt_token_ids, history, self._stop_ids(params))
+        for feature in self._hooks["sample_row"]:
+            row = feature.sample_row(seq, offset, row)
         return row
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
@@ -314,7 +323,7 @@ class EngineCore:
                 and all(slot.row == i and slot.offset == 0 for i, slot in enumerate(plan.slots))
                 and all(r.params.logprobs is None and not r.params.has_penalties and not r.params.min_tokens
                         for r in plan.rows)
-                and all(feature.allows_launch(plan) for feature in self._on))
+                and all(feature.allows_launch(plan) for feature in self._hooks["allows_launch"]))
 
     # ---- execute ----------------------------------------------------------------------------------------------
     def _execute(self, plan: StepPlan | None, overlap: bool) -> InFlight | None:
@@ -323,7 +332,7 @@ class EngineCore:
             return None
         with failing(lambda: {seq.request for seq in plan.sequences}):
             if overlap and self._launchable(plan):
-                return InFlight(plan, pending=self.runner.launch(plan.batch, plan.rows))
+                return InFlight(plan, pending=self.runner.launch(plan.batch, plan.release_rows()))
             sampled, logits_logprobs, hidden = self.runner.execute(
                 plan.batch, [(slot.row, row) for slot, row in zip(plan.slots, plan.rows)], plan.logit_rows,
                 plan.want_hidden)
@@ -348,7 +357,7 @@ class EngineCore:
     def _queue_next(self, inflight: InFlight) -> InFlight | None:
         """Plan and queue step t+1 (the same sequences decoding) before step t's tokens reach the host, its input
         ids gathered on the device from t's; None when the scheduler or a feature needs t's tokens first."""
-        if inflight.pending is None or not all(f.allows_ahead(inflight.plan) for f in self._on):
+        if inflight.pending is None or not all(f.allows_ahead(inflight.plan) for f in self._hooks["allows_ahead"]):
             return None
         with failing(lambda: {seq.request for seq in inflight.plan.sequences}):
             nxt = self.scheduler.schedule_next_decode(inflight.plan.batch)
@@ -358,12 +367,12 @@ class EngineCore:
                 self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in nxt.items])
             tokens = inflight.pending.device_tokens
             plan = self._make_plan(nxt, (tokens, h2d(nxt.previous_rows, tokens.device, torch.long)))
-            for feature in self._on:
+            for feature in self._hooks["launched_ahead"]:
                 feature.launched_ahead(plan)
-            if any(feature.defers_sampling(plan) for feature in self._on):
+            if any(feature.defers_sampling(plan) for feature in self._hooks["defers_sampling"]):
                 # only the sampling waits: the forward runs while the host reads step t and a feature fills the mask
                 return InFlight(plan, logits=self.runner.launch_forward(nxt, plan.ids_from))
-            return InFlight(plan, pending=self.runner.launch(nxt, plan.rows, plan.ids_from))
+            return InFlight(plan, pending=self.runner.launch(nxt, plan.release_rows(), plan.ids_from))
 
     def _result(self, inflight: InFlight) -> tuple[StepResult, list[tuple[Sequence, list[int], list]]]:
         """The step's tokens on the host, grouped by sequence, as the features leave them."""
@@ -373,41 +382,48 @@ class EngineCore:
             if result is None:
                 tokens = inflight.pending.tokens()
                 result = StepResult(tokens, [None] * len(tokens))
-            runs = []  # (seq, tokens, logprobs): a slot at offset 0 starts its sequence's run
-            for slot, token, logprobs in zip(plan.slots, result.tokens, result.logprobs):
-                if slot.offset == 0 or not runs or runs[-1][0] is not slot.seq:
-                    runs.append((slot.seq, [token], [logprobs]))
-                else:
-                    runs[-1][1].append(token)
-                    runs[-1][2].append(logprobs)
-            for feature in self._on:
+            if not plan.multi_token:  # one token a sequence
+                runs = [(seq, [token], logprobs if logprobs is None else [logprobs])
+                        for (_, seq, _), token, logprobs in zip(plan.each_slot(), result.tokens, result.logprobs)]
+            else:  # a sequence's consecutive slots are one run (a verified run's positions)
+                runs, last = [], None
+                for (_, seq, _), token, logprobs in zip(plan.slots, result.tokens, result.logprobs):
+                    if seq is last:
+                        runs[-1][1].append(token)
+                        runs[-1][2].append(logprobs)
+                    else:
+                        runs.append((seq, [token], [logprobs]))
+                        last = seq
+            for feature in self._hooks["consume"]:
                 runs = feature.consume(plan, result, runs)
             return result, runs
 
     # ---- commit -----------------------------------------------------------------------------------------------
     def _commit(self, plan: StepPlan, result: StepResult, runs) -> list[EngineOutput]:
         self.num_steps += 1
-        on = self._on
+        hooks, commit_computed = self._hooks, self.block_manager.commit_computed
+        owners = hooks["owns_commit"]
         for seq, n in plan.batch.items:  # a sequence a stop or an abort ended while the step was in flight: skip
-            if seq.finished or any(f.owns_commit(plan, seq) for f in on):
+            if seq.finished or (owners and any(f.owns_commit(plan, seq) for f in owners)):
                 continue
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            prompt = len(seq.request.prompt_token_ids)
+            if seq.num_computed_tokens < prompt:
+                self.prompt_tokens_total += min(n, prompt - seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.block_manager.commit_computed(seq, seq.request.cache_key)
-        for feature in on:
+            commit_computed(seq, seq.request.cache_key)
+        for feature in hooks["after_computed"]:
             feature.after_computed(plan)
-        now, records = time.monotonic(), []
+        now, records, appended = time.monotonic(), [], hooks["after_append"]
         for seq, tokens, logprobs in runs:
             if seq.finished:
                 continue
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             record = self._append(seq, tokens, logprobs)
-            for feature in on:
+            for feature in appended:
                 feature.after_append(plan, seq, tokens, record)
             records.append(record)
-        for feature in on:
+        for feature in hooks["finish_step"]:
             for record in feature.finish_step(plan, result):
                 request = self.requests.get(record.request_id)
                 records.append(record if request is None else self._reported(request, record))
@@ -417,21 +433,28 @@ class EngineCore:
         """Append a run's tokens one at a time: a stop token, a feature (a complete grammar), max_tokens or the
         context ends the sequence there."""
         req, params = seq.request, seq.request.params
-        appended, reason = 0, None
+        appended, reason, finishers = 0, None, self._hooks["finish_reason"]
         for token in tokens:
             seq.token_ids.append(token)
-            self.generation_tokens_total += 1
             appended += 1
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 reason = "stop"
             else:
-                reason = next((r for f in self._on if (r := f.finish_reason(seq, token)) is not None), None)
+                for feature in finishers:
+                    reason = feature.finish_reason(seq, token)
+                    if reason is not None:
+                        break
                 if reason is None and self.scheduler.at_length(seq):
                     reason = "length"
             if reason:
                 break
-        record = EngineOutput(req.request_id, seq.index, tokens[:appended],
-                              None if logprobs[0] is None else logprobs[:appended], reason)
+        self.generation_tokens_total += appended
+        if appended < len(tokens):
+            tokens = tokens[:appended]
+        if logprobs is not None and (logprobs[0] is None or len(logprobs) > appended):
+            # None: nobody asked; a verified run has one per position, and may have kept fewer
+            logprobs = None if logprobs[0] is None else logprobs[:appended]
+        record = EngineOutput(req.request_id, seq.index, tokens, logprobs, reason)
         self._reported(req, record)
         if reason:
             self.scheduler.finish(seq, reason)

@@ -21,6 +21,17 @@ from brrr.engine.sampler import SampleRow
 from brrr.engine.sequence import Request, Sequence
 
 
+HOOKS = ("propose", "contribute", "sample_row", "allows_launch", "allows_ahead", "defers_sampling", "launched_ahead",
+         "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step", "after_step",
+         "release")
+
+
+def hooked(features: list["Feature"]) -> dict[str, list["Feature"]]:
+    """hook name -> the features that implement it (override the default), in order: the step calls a hook only on
+    those, so a hook no feature implements costs nothing."""
+    return {hook: [f for f in features if getattr(type(f), hook) is not getattr(Feature, hook)] for hook in HOOKS}
+
+
 class Feature:
     name = "feature"
     per_request = False  # on only while a request it `wants` is live
@@ -38,7 +49,8 @@ class Feature:
         the features before this one chose. May add to plan.logit_rows, plan.want_hidden and plan.extras."""
         return slots
 
-    def sample_row(self, slot: SampleSlot, row: SampleRow) -> SampleRow:
+    def sample_row(self, seq: Sequence, offset: int, row: SampleRow) -> SampleRow:
+        """How seq samples `offset` tokens past its last committed one (the engine's row, to change or replace)."""
         return row
 
     def allows_launch(self, plan: StepPlan) -> bool:

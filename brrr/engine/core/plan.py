@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -13,10 +13,10 @@ from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 
 
-@dataclass
-class SampleSlot:
+class SampleSlot(NamedTuple):
     """One token to draw: row `row` of the flattened batch, for `seq`, `offset` tokens past its last committed one
-    (0 for an ordinary step; 1..d for the verified positions of d draft tokens)."""
+    (0 for an ordinary step; 1..d for the verified positions of d draft tokens; 1 in a step planned ahead). A tuple:
+    a step makes one per sequence, and the host's time per step is what the device waits on."""
     row: int
     seq: Sequence
     offset: int = 0
@@ -25,14 +25,29 @@ class SampleSlot:
 @dataclass
 class StepPlan:
     batch: ScheduledBatch
-    slots: list[SampleSlot] = field(default_factory=list)
+    # None: one slot a sequence, its only row, one token ahead (a decode planned behind the step in flight; no
+    # tuple a sequence is kept alive across a host step for it)
+    slots: list[SampleSlot] | None = field(default_factory=list)
     rows: list[SampleRow] = field(default_factory=list)  # how each slot samples, in slot order
+    multi_token: bool = False  # some sequence has several slots (a verified run): its tokens are one run
     logit_rows: list[int] = field(default_factory=list)  # rows whose log-probabilities a feature reads
     want_hidden: bool = False  # the model's output rows are kept for a feature (an EAGLE proposer)
     # a step planned before the previous one's tokens reached the host: its input ids are those tokens, gathered on
     # the device from these (device tokens, their rows)
     ids_from: tuple[torch.Tensor, torch.Tensor] | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # feature name -> what it added to this step
+
+    def release_rows(self) -> list[SampleRow]:
+        """The rows, handed to a sampling launched now: the plan keeps no reference (a step in flight is alive
+        across a host step, and objects that outlive a garbage-collector generation make its collections dear)."""
+        rows, self.rows = self.rows, []
+        return rows
+
+    def each_slot(self):
+        """(row, seq, offset) of every slot, in order."""
+        if self.slots is None:
+            return ((i, seq, 1) for i, (seq, _) in enumerate(self.batch.items))
+        return self.slots
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -46,15 +46,14 @@ class Guided(Feature):
     def wants(self, request: Request) -> bool:
         return request.params.structured_outputs is not None
 
-    def sample_row(self, slot, row):
-        seq = slot.seq
+    def sample_row(self, seq, offset, row):
         spec = seq.request.params.structured_outputs
         if spec is None:
             return row
         if seq.guide is None:  # its first token: each sample its own matcher
             seq.guide = grammars(self.tokenizer, self.vocab_size, self.eos_token_ids).matcher(spec)
         # a verified position: the grammar past the drafts before it
-        row.guide = seq.guide.advanced(seq.spec_tokens[:slot.offset]) if slot.offset and seq.spec_tokens else seq.guide
+        row.guide = seq.guide.advanced(seq.spec_tokens[:offset]) if offset and seq.spec_tokens else seq.guide
         return row
 
     def defers_sampling(self, plan) -> bool:
@@ -76,8 +75,8 @@ class Guided(Feature):
         if queued is None or queued.logits is None:
             return
         plan = queued.plan
-        for slot, row in zip(plan.slots, plan.rows):
-            if slot.seq.finished:
+        for (_, seq, _), row in zip(plan.each_slot(), plan.rows):
+            if seq.finished:
                 row.guide = None
         guides = [row.guide for row in plan.rows if row.guide is not None]
         if guides:

@@ -7,7 +7,7 @@ detection, Ctrl-C / SIGTERM) is written once and calls only these members.
 Adding a task (DPO, GRPO, ...) is one class with the members below, a dataclass of its own flags, and a command
 config composing them with the loop's (`FinetuneConfig` in finetune.py is the pattern: `__init__` splits flat flags
 with brrr.train.config.split_flags, `make_task()` builds the task); or, without a command, `Trainer(RunConfig(
-LoopConfig(out, ...)), task)`. `tests/train/test_task.py` trains a ten-line task through the loop.
+LoopConfig(out, ...)), task)`: `tests/train/test_task.py` trains a linear fit written that way.
 
 The order the loop calls them in: configure -> (the layout is planned and checked) -> build -> (the optimizer over
 the model's trainable parameters; --resume restores `checkpointed`) -> resume_key -> describe -> per step:
@@ -49,9 +49,10 @@ class TrainTask(Protocol):
     loss_fn: object  # (*batch) -> the scalar mean loss of one micro-batch, what backward runs on
     flops_per_token: float  # model FLOPs of one trained token, forward and backward (MFU)
 
-    def configure(self, run) -> ModelConfig:
+    def configure(self, run) -> ModelConfig | None:
         """Check the task's flags and inputs and return the model's config, before any weights load and before any
-        collective (the layout is checked against it). May fill a loop default that depends on the model."""
+        collective (the layout is checked against it; None for a one-process task whose model is no transformer).
+        May fill a loop default that depends on the model (brrr finetune's --seq-len)."""
 
     def build(self, run) -> nn.Module:
         """Make the model on run.device (a layout-aware task hands its plain model to run.parallelize), freeze

@@ -124,7 +124,7 @@ class Trainer:
         self.start = time.perf_counter()
         self.cfg: LoopConfig = cfg.loop
         self.parallel_cfg: ParallelConfig = cfg.parallel
-        self.flags = flat_flags(cfg)
+        self.config = cfg  # all its parts, for train_config.json
         self.task = task if task is not None else cfg.make_task()
         self.cfg.check()
         self.ranks = Ranks.from_env()
@@ -176,7 +176,7 @@ class Trainer:
     def _open_run_files(self) -> None:
         """OUT/train_config.json, and OUT/train_log.jsonl opened for appending (the main rank's)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(self.flags, indent=2) + "\n")
+        (self.out / "train_config.json").write_text(json.dumps(flat_flags(self.config), indent=2) + "\n")
         self.log_file = open(self.out / "train_log.jsonl", "a")
 
     def restore_checkpoint(self) -> None:

@@ -10,7 +10,8 @@ with brrr.train.config.split_flags, `make_task()` builds the task); or, without 
 LoopConfig(out, ...)), task)`: `tests/train/test_task.py` trains a linear fit written that way.
 
 The order the loop calls them in: configure -> (the layout is planned and checked) -> build -> (the optimizer over
-the model's trainable parameters; --resume restores `checkpointed`) -> resume_key -> describe -> per step:
+the model's trainable parameters) -> resume_key (--resume checks it and restores `checkpointed`) -> describe ->
+eval_at_start's evaluation -> per step:
 `batches.batch_at` and `loss_fn`, `log_fields` at each log line -> evaluate / eval_line on the eval cadence ->
 at the end summary, and export on the main rank.
 """

@@ -89,10 +89,10 @@ def cmd_train(args) -> int:
         if record is not None:  # rank 0's
             emit(record, args.out)
         return 0
-    from brrr.train.trainer import TrainConfig
+    from brrr.train.config import ParallelConfig
 
     layout = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches")
-    changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(TrainConfig, k)]
+    changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(ParallelConfig(), k)]
     changed += ["--zero2"] * args.zero2
     if changed:
         raise BrrrError(f"{', '.join(changed)} set a multi-GPU layout: launch with torchrun "
@@ -153,14 +153,15 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
     import torch
 
     from brrr.analysis.model import param_counts, training_flops_per_token
-    from brrr.train.trainer import (CausalLMLoss, TrainConfig, autocast_for, build_model, checkpoint_activations,
-                                    make_optimizer, optimizer_step)
+    from brrr.train.loss import CausalLMLoss
+    from brrr.train.pretrain import TrainConfig, build_model
+    from brrr.train.trainer import autocast_for, checkpoint_activations, make_optimizer, optimizer_step
 
     cfg = model_config(name)
     device = torch.device("cuda", torch.cuda.current_device())  # indexed: CausalLMLoss keys its cache by it
     model = build_model(cfg, device)
     train_cfg = TrainConfig(name, "", "", seq_len=args.seq_len, micro_batch=micro_batch)
-    optimizer = make_optimizer(model, train_cfg, device)
+    optimizer = make_optimizer(model, train_cfg.loop, device)
     params = [p for p in model.parameters()]
     loss = CausalLMLoss(model)
     loss.meta(micro_batch, args.seq_len, device)
@@ -208,9 +209,10 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     import torch.distributed as dist
 
     from brrr.analysis.model import param_counts, training_flops_per_token
-    from brrr.train.parallel import Parallel
-    from brrr.train.trainer import (CausalLMLoss, TrainConfig, autocast_for, build_model, make_optimizer,
-                                    optimizer_step, peak_flops)
+    from brrr.train.loss import CausalLMLoss
+    from brrr.train.parallel import ParallelStep, Ranks, parallelize, plan_layout, predicted_memory, zero_stage
+    from brrr.train.pretrain import TrainConfig, build_model
+    from brrr.train.trainer import autocast_for, device_gpu, make_optimizer, optimizer_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -222,60 +224,68 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
                       dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
                       microbatches=args.microbatches, reshard_after_forward=not args.zero2)
     try:
-        parallel = Parallel(cfg, model_cfg, device)
-        model = parallel.apply(build_model(model_cfg, device))
-        optimizer = make_optimizer(model, cfg, device)
+        mesh = plan_layout(cfg.parallel, model_cfg, micro_batch, args.seq_len, device)
+        ranks = Ranks.from_env()
+        ranks.open_group()
+        parallel = ParallelStep(mesh, micro_batch, args.seq_len)
+        model, parallel.pipeline = parallelize(build_model(model_cfg, device), mesh, cfg.parallel, device,
+                                               grad_accum=1, seq_len=args.seq_len, compile=args.compile,
+                                               activation_checkpointing=args.checkpointing)
+        optimizer = make_optimizer(model, cfg.loop, device)
         params = [p for p in model.parameters() if p.requires_grad]
         loss = CausalLMLoss(model)
         loss_fn = loss
-        if args.compile and not parallel.compiles_blocks:
+        if args.compile and not mesh.distributed:
             loss.meta(micro_batch, args.seq_len, device)
             model.model.rotary_emb(torch.zeros(1, dtype=torch.long, device=device), torch.float32)
             loss_fn = torch.compile(loss)
-        autocast = autocast_for(device) if not parallel.fsdp else contextlib.nullcontext()
+        autocast = autocast_for(device) if not mesh.fsdp else contextlib.nullcontext()
         # the ranks of one data-parallel replica (its TP ranks) read the same batch
-        batches = random_batches(model_cfg.vocab_size, micro_batch, args.seq_len, device, parallel.dp_rank)
+        batches = random_batches(model_cfg.vocab_size, micro_batch, args.seq_len, device, mesh.dp_rank)
 
         def step(i):
             rows = batches[i % 4]
-            return parallel.step(optimizer_step, loss_fn, optimizer, params, [(rows[:, :-1], rows[:, 1:])], 1.0,
-                                 autocast)
+            return parallel(optimizer_step, loss_fn, optimizer, params, [(rows[:, :-1], rows[:, 1:])], 1.0, autocast)
 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        warmup_s, seconds, last_loss = timed_steps(step, args, torch.cuda.synchronize if cuda else (lambda: None),
-                                                   on_timed=parallel.log_fields)  # drops the warm-up's bubble
-        bubble = parallel.log_fields() if parallel.pipeline is not None else {}  # the timed steps'
-        memory = parallel.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        # on_timed drops the warm-up's bubble
+        warmup_s, seconds, last_loss = timed_steps(step, args, sync, on_timed=lambda: parallel.log_fields(ranks))
+        bubble = parallel.log_fields(ranks) if parallel.pipeline is not None else {}  # the timed steps'
+        memory = ranks.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
         if args.profile:  # after the peak memory is read: the profiler's buffers are not the step's
             from brrr.bench.train_profile import profile_step
 
-            table = profile_step(lambda: step(0), args.profile, f"rank{parallel.mesh.rank}", device)
-            if parallel.mesh.rank == 0:
+            table = profile_step(lambda: step(0), args.profile, f"rank{mesh.rank}", device)
+            if mesh.rank == 0:
                 print(table, flush=True)
-        world = parallel.layout.world
-        tokens = micro_batch * args.seq_len * parallel.dp_world
+        world = mesh.layout.world
+        tokens = micro_batch * args.seq_len * mesh.dp_world
         flops = training_flops_per_token(model_cfg, args.seq_len)
-        peak, gpu_name = peak_flops(device)
-        calc = parallel.calc_train_memory(model_cfg)
-        rank = parallel.mesh.rank
+        gpu = device_gpu(device)
+        peak, gpu_name = (gpu.datasheet_peak("bf16"), gpu.name) if gpu else (None, "cpu")
+        # brrr calc train's prediction for this layout on this GPU (none on CPU processes)
+        calc = predicted_memory(cfg.parallel, mesh, model_cfg, micro_batch, args.seq_len, args.checkpointing, gpu)
+        rank = mesh.rank
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     record = {
         "bench": "train_distributed", "model": name, "params": param_counts(model_cfg)["total"],
-        "gpus": world, "layout": parallel.layout.describe(), "dp_replicate": parallel.layout.dp_replicate,
-        "dp_shard": parallel.layout.dp_shard, "tp": parallel.layout.tp, "pp": parallel.layout.pp, "zero": calc["zero"],
+        "gpus": world, "layout": mesh.layout.describe(), "dp_replicate": mesh.layout.dp_replicate,
+        "dp_shard": mesh.layout.dp_shard, "tp": mesh.layout.tp, "pp": mesh.layout.pp,
+        "zero": zero_stage(cfg.parallel, mesh),
         "seq_len": args.seq_len, "micro_batch_per_rank": micro_batch, "tokens_per_step": tokens,
         "compile": args.compile, "activation_checkpointing": args.checkpointing,
-        "precision": "bf16 compute, fp32 master weights" + (" and reduction (FSDP2)" if parallel.fsdp else
+        "precision": "bf16 compute, fp32 master weights" + (" and reduction (FSDP2)" if mesh.fsdp else
                                                             " (autocast)"),
         "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / world,
         "mfu": tokens / seconds * flops / (world * peak) if peak else None, "model_flops_per_token": flops,
-        "peak_memory_bytes": memory, "calc_memory_bytes": calc["bytes"],
-        "memory_vs_calc": memory / calc["bytes"] - 1, "warmup_s": warmup_s, "final_loss": last_loss,
+        "peak_memory_bytes": memory, "calc_memory_bytes": calc["bytes"] if calc else None,
+        "memory_vs_calc": memory / calc["bytes"] - 1 if calc else None, "warmup_s": warmup_s, "final_loss": last_loss,
         "gpu": gpu_name, "torch": torch.__version__, "python": platform.python_version(),
     }
     if bubble:  # the busiest stage's idle share of the timed steps, beside (p - 1) / (v m + p - 1)
-        record.update(pp_schedule=args.pp_schedule, microbatches=parallel.microbatches, **bubble)
+        record.update(pp_schedule=args.pp_schedule, microbatches=parallel.pipeline.microbatches, **bubble)
     return record if rank == 0 else None

@@ -22,9 +22,9 @@ def register(sub):
     p.set_defaults(func=cmd_data_build)
     data.set_defaults(func=lambda args: _needs_subcommand(data))
 
-    from brrr.train.trainer import TrainConfig
+    from brrr.train.pretrain import TrainConfig
 
-    d = TrainConfig("", "", "")
+    d = TrainConfig("", "", "").loop
     p = sub.add_parser("train", help="train a Llama-family model on a `brrr data build` directory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", required=True, dest="model",
@@ -124,15 +124,16 @@ def exit_failed_rank() -> None:
 
 
 def cmd_train(args) -> int:
-    from brrr.train.trainer import Trainer, TrainConfig, config_fields
-
     import os
 
     import torch.distributed as dist
 
     from brrr.errors import BrrrError
+    from brrr.train.config import flat_flags
+    from brrr.train.pretrain import TrainConfig
+    from brrr.train.trainer import Trainer
 
-    cfg = TrainConfig(**{k: getattr(args, k) for k in config_fields()})
+    cfg = TrainConfig(**{k: getattr(args, k) for k in flat_flags(TrainConfig("", "", ""))})
     try:
         summary = Trainer(cfg).run()
     except BrrrError:

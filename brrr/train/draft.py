@@ -6,8 +6,8 @@ j = 0 .. T-2 and predicts f_{j+1}; EAGLE-1's loss on each position is
     smooth_l1(f'_{j+1}, f_{j+1}) + 0.1 * CE(p_{j+2}, softmax(lm_head(f'_{j+1})))
 (feature regression, plus the cross-entropy of the head's token distribution against the target's: the target's
 own predictions, not the data's next tokens, are what speculative decoding has to match).
-brrr train's loop runs it (brrr/train/trainer.py: warmup + cosine, AdamW, clipping, bf16 autocast on CUDA and fp32
-on CPU, logging, atomic checkpoints, exact --resume, --time-budget); only the head trains. Evaluation reports the
+It is a task of the training loop (brrr/train/trainer.py: warmup + cosine, AdamW, clipping, bf16 autocast on CUDA and
+fp32 on CPU, logging, atomic checkpoints, exact --resume, --time-budget); only the head trains. Evaluation reports the
 loss and the head's top-1 agreement with the target on the validation split: the acceptance rate of its first
 greedy draft token. The output directory is the head (config.json + model.safetensors), which
 `speculative_config={"method": "eagle", "model": OUT}` loads against the same target.
@@ -15,7 +15,6 @@ greedy draft token. The output directory is the head (config.json + model.safete
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from brrr.analysis.spec_decode import eagle_training_flops_per_token
+from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.loader import load_model
 from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint
-from brrr.train import checkpoint
+from brrr.train.config import DRAFT_LOOP, LoopConfig, ParallelConfig, split_flags
 from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
-from brrr.train.trainer import Trainer, TrainConfig, make_optimizer, one_process_layout, peak_flops
+from brrr.train.trainer import Trainer
 
 CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
 ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
@@ -39,22 +40,27 @@ ACCEPTANCE_PROMPTS, ACCEPTANCE_STEPS = 16, 16  # held-out prompts, and verify st
 
 
 @dataclass
-class DraftConfig(TrainConfig):
-    # the trainer's fields (model: the target's HF model directory) with defaults for a one-layer head
-    seq_len: int = 512
-    micro_batch: int = 8
-    max_steps: int = 2000
-    lr: float = 3e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    eval_every: int = 200
-    eval_windows: int = 32
-    final_eval_windows: int | None = 128
+class DraftTaskConfig:
+    """The draft head's own flags: the frozen target's HF model directory and the data (the loop's are LoopConfig's,
+    with DRAFT_LOOP's defaults for a one-layer head)."""
+    model: str
+    data: str
 
-    def check(self):
-        super().check()
-        if self.compile or self.activation_checkpointing:
-            raise BrrrError("--compile and --activation-checkpointing are not supported by brrr train-draft")
+
+@dataclass(init=False)
+class DraftConfig:
+    """`brrr train-draft`'s flags, composed: the loop's and the task's; one process. Built from flat flags:
+    DraftConfig(target, data, out, seq_len=..., max_steps=...)."""
+    loop: LoopConfig
+    parallel: ParallelConfig
+    task: DraftTaskConfig
+
+    def __init__(self, model: str, data: str, out: str, **flags):
+        self.task, self.loop = split_flags(flags, DraftTaskConfig(model, data), LoopConfig(out, **DRAFT_LOOP))
+        self.parallel = ParallelConfig()
+
+    def make_task(self) -> "DraftTask":
+        return DraftTask(self.task)
 
 
 class EagleLoss(nn.Module):
@@ -98,72 +104,70 @@ class EagleLoss(nn.Module):
         return parts["smooth_l1"].mean() + CE_WEIGHT * parts["ce"].mean()
 
 
-class DraftTrainer(Trainer):
-    """brrr train's loop with the head as the trained model and EagleLoss as the loss."""
+class DraftTask:
+    """brrr train-draft (brrr/train/task.py's interface): the head trains on EagleLoss against the frozen target;
+    evaluation adds the head's top-1 agreement with the target, the export a greedy acceptance measurement."""
+    command, run_name, parallel, eval_at_start = "train-draft", "train-draft", False, True
 
-    def __init__(self, cfg: DraftConfig):
-        from brrr.loader import load_model
+    def __init__(self, cfg: DraftTaskConfig):
+        self.cfg = cfg
 
-        cfg.check()
-        self._start_one_process(cfg, "train-draft", "train-draft")
-        target_dir = Path(cfg.model)
-        if not (target_dir / "config.json").is_file():
-            raise BrrrError(f"--target {target_dir}: not a model directory (no config.json)")
-        self.data = TokenData(cfg.data)
-        _check_tokenizer(target_dir, self.data)
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.target = load_model(target_dir, dtype=dtype, device=self.device)
-        self.model_cfg = self.target.config
-        if self.data.vocab_size > self.model_cfg.vocab_size:
+    def configure(self, run) -> ModelConfig:
+        self.target_dir = Path(self.cfg.model)
+        if not (self.target_dir / "config.json").is_file():
+            raise BrrrError(f"--target {self.target_dir}: not a model directory (no config.json)")
+        self.data = TokenData(self.cfg.data)
+        _check_tokenizer(self.target_dir, self.data)
+        model_cfg = ModelConfig.from_dir(self.target_dir)
+        if self.data.vocab_size > model_cfg.vocab_size:
             raise BrrrError(f"--data vocabulary ({self.data.vocab_size}) is larger than the target's vocab_size "
-                            f"({self.model_cfg.vocab_size}): the data was not built for this target")
-        if cfg.seq_len > self.model_cfg.max_context:
-            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the target's context ({self.model_cfg.max_context})")
-        self.model = new_head(self.target, cfg.seed)  # fp32 master weights; autocast runs it in bf16 on CUDA
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.model, cfg, self.device)
-        self.windows = TrainWindows(self.data.splits["train"], cfg.seq_len, cfg.micro_batch, cfg.seed)
-        self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
-                      "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
-        self.parallel = one_process_layout(cfg.micro_batch, cfg.seq_len, self.model_cfg, self.device)
-        if cfg.resume:
-            self.restore_checkpoint(self.model)
-        self.loss = self.loss_fn = EagleLoss(self.model, self.target)
-        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
-        self.flops_per_token = eagle_training_flops_per_token(self.model_cfg, cfg.seq_len)
-        self.peak, self.gpu_name = peak_flops(self.device)
-        self._open_run_files()
+                            f"({model_cfg.vocab_size}): the data was not built for this target")
+        if run.cfg.seq_len > model_cfg.max_context:
+            raise BrrrError(f"--seq-len {run.cfg.seq_len} exceeds the target's context ({model_cfg.max_context})")
+        self.seq_len = run.cfg.seq_len
+        return model_cfg
 
-    def _resume_key(self) -> dict:
-        c = self.cfg
+    def build(self, run) -> nn.Module:
+        loop = run.cfg
+        dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+        self.target = load_model(self.target_dir, dtype=dtype, device=run.device)
+        self.model_cfg = self.target.config
+        # fp32 master weights; autocast runs the head in bf16 on CUDA
+        self.model = self.checkpointed = new_head(self.target, loop.seed)
+        self.batches = TrainWindows(self.data.splits["train"], loop.seq_len, loop.micro_batch, loop.seed)
+        self.loss = self.loss_fn = EagleLoss(self.model, self.target)
+        self.flops_per_token = eagle_training_flops_per_token(self.model_cfg, loop.seq_len)
+        return self.model
+
+    def resume_key(self, run) -> dict:
+        c = run.cfg
         return {"target": target_fingerprint(self.target), "tokenizer_sha256": self.data.manifest["tokenizer_sha256"],
                 "seq_len": c.seq_len, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed}
 
-    def describe(self) -> str:
-        n, st = sum(p.numel() for p in self.params), self.state
-        return (f"training an EAGLE head for {self.cfg.model}: {n / 1e6:.2f}M parameters on {self.device} "
-                f"({self.gpu_name}); {self.data.manifest['splits']['train']['tokens']:,} train tokens, "
-                f"{self.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}")
+    def describe(self, run) -> str:
+        n, st = sum(p.numel() for p in run.params), run.state
+        return (f"training an EAGLE head for {self.cfg.model}: {n / 1e6:.2f}M parameters on {run.device} "
+                f"({run.gpu_name}); {self.data.manifest['splits']['train']['tokens']:,} train tokens, "
+                f"{run.tokens_per_step:,} tokens/step; steps {st['step']} -> {st['max_steps']}")
 
-    def before_first_step(self):
-        if self.state["step"] == 0:  # the untrained head's figures: the bar training must clear
-            self._eval_and_log(0, self.cfg.eval_windows)
+    def _val_rows(self, max_windows: int | None):
+        for start, end in self.data.source_ranges("val").values():
+            yield eval_windows(start, end, self.seq_len, max_windows)
 
     @torch.no_grad()
-    def evaluate(self, max_windows: int | None) -> dict[str, float]:
+    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
         """Mean loss, its parts, and top-1 agreement with the target over validation windows."""
         self.model.eval()
-        val = self.data.splits["val"]
+        val, mb = self.data.splits["val"], run.cfg.micro_batch
         sums = {"smooth_l1": 0.0, "ce": 0.0, "top1": 0.0}
         count = 0
-        for start, end in self.data.source_ranges("val").values():
-            starts, length = eval_windows(start, end, self.cfg.seq_len, max_windows)
+        for starts, length in self._val_rows(max_windows):
             if length < 3:
                 continue
-            for i in range(0, len(starts), self.cfg.micro_batch):
-                chunk = starts[i: i + self.cfg.micro_batch]
-                rows = torch.from_numpy(val[chunk[:, None] + np.arange(length)].astype(np.int64)).to(self.device)
-                with self.autocast:
+            for i in range(0, len(starts), mb):
+                chunk = starts[i: i + mb]
+                rows = torch.from_numpy(val[chunk[:, None] + np.arange(length)].astype(np.int64)).to(run.device)
+                with run.autocast:
                     parts = self.loss.parts(rows[:, :-1], rows[:, 1:])
                 for k in sums:
                     sums[k] += parts[k].double().sum().item()
@@ -175,50 +179,51 @@ class DraftTrainer(Trainer):
         out["val_loss"] = out["val_smooth_l1"] + CE_WEIGHT * out["val_ce"]
         return out
 
-    def _eval_and_log(self, step: int, windows: int | None, final: bool = False) -> dict:
-        val = self.evaluate(windows)
-        line = (f"{'final ' if final else ''}eval @ {step}: loss {val['val_loss']:.4f} (smooth L1 "
-                f"{val['val_smooth_l1']:.4f}, CE {val['val_ce']:.4f}) | top-1 agreement with the target "
-                f"{val['val_top1']:.1%}" if val else f"eval @ {step}: the validation split is empty")
-        self.log({"step": step, **val, "final": final, "elapsed_s": self.elapsed()}, line)
-        return val
+    def eval_line(self, val: dict) -> str:
+        if not val:
+            return "the validation split is empty"
+        return (f"loss {val['val_loss']:.4f} (smooth L1 {val['val_smooth_l1']:.4f}, CE {val['val_ce']:.4f}) | "
+                f"top-1 agreement with the target {val['val_top1']:.1%}")
+
+    def eval_tokens(self, max_windows: int | None) -> int:
+        return sum(len(starts) * length for starts, length in self._val_rows(max_windows))
+
+    def predicted_memory(self, run) -> None:
+        return None
+
+    def log_fields(self) -> dict:
+        return {}
 
     def _acceptance_prompts(self) -> list[list[int]]:
         """Up to ACCEPTANCE_PROMPTS held-out prompts of half a window each, spread over the validation split."""
         val = self.data.splits["val"]
-        length = min(self.cfg.seq_len, self.model_cfg.max_context) // 2
+        length = min(self.seq_len, self.model_cfg.max_context) // 2
         if length < 2 or len(val) < length:
             return []
         starts = np.linspace(0, len(val) - length, ACCEPTANCE_PROMPTS).astype(np.int64)
         return [val[s:s + length].astype(np.int64).tolist() for s in np.unique(starts)]
 
-    def save_checkpoint(self):
-        checkpoint.save(self.ckpt_path, self.model, self.optimizer, self.state)
+    def summary(self, run, final: dict) -> dict:
+        return {"target": self.cfg.model, "head_params": sum(p.numel() for p in run.params)}
 
-    def finish(self, halted: bool) -> dict:
-        st = self.state
-        final = self._eval_and_log(st["step"], self.cfg.final_eval_windows, final=True)
-        self.export()  # before the acceptance check, which --time-budget does not size: a cut-short run keeps its head
+    def export(self, run) -> dict:
+        """The head, then (which --time-budget does not size: a cut-short run keeps its head) greedy speculative
+        decoding of held-out prompts with it."""
+        save_head(self.model, run.out, torch.bfloat16 if run.device.type == "cuda" else torch.float32)
         self.model.eval()
         prompts = self._acceptance_prompts()
         room = self.model_cfg.max_context - max(map(len, prompts), default=0)
         acceptance = measure_acceptance(self.target, self.model, prompts,
                                         steps=min(ACCEPTANCE_STEPS, room // (ACCEPTANCE_K + 1)))
-        self.log({"step": st["step"], "acceptance": acceptance},
-                 f"greedy speculative decoding of held-out text, k={acceptance['k']}: mean accepted length "
-                 f"{acceptance['mean_acceptance_length'] or 0:.2f}, acceptance per position "
-                 + " ".join(f"{r:.2f}" for r in acceptance["acceptance_per_position"]))
-        summary = {"target": self.cfg.model, "head_params": sum(p.numel() for p in self.params),
-                   "steps": st["step"], "max_steps": st["max_steps"], "halted": halted,
-                   "tokens_seen": st["tokens_seen"], "epochs": self.windows.epoch(st["position"]),
-                   "train_seconds": st["train_seconds"],
-                   "device": str(self.device), "gpu": self.gpu_name, **final, "acceptance": acceptance}
-        (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self.log_file.close()
-        return summary
+        run.log({"step": run.state["step"], "acceptance": acceptance},
+                f"greedy speculative decoding of held-out text, k={acceptance['k']}: mean accepted length "
+                f"{acceptance['mean_acceptance_length'] or 0:.2f}, acceptance per position "
+                + " ".join(f"{r:.2f}" for r in acceptance["acceptance_per_position"]))
+        return {"acceptance": acceptance}
 
-    def export(self):
-        save_head(self.model, self.out, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+
+# brrr train-draft's trainer is the loop itself; the name stays for its callers
+DraftTrainer = Trainer
 
 
 def _check_tokenizer(target_dir: Path, data: TokenData) -> None:

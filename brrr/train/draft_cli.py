@@ -9,7 +9,7 @@ import json
 def register(sub):
     from brrr.train.draft import DraftConfig
 
-    d = DraftConfig("", "", "")
+    d = DraftConfig("", "", "").loop
     p = sub.add_parser("train-draft", help="train an EAGLE draft head for speculative decoding on a data directory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, dest="model", metavar="DIR", help="the target model's HF directory (frozen)")
@@ -37,12 +37,12 @@ def register(sub):
 
 
 def cmd_train_draft(args) -> int:
-    from dataclasses import fields
+    from brrr.train.config import flat_flags
+    from brrr.train.draft import DraftConfig
+    from brrr.train.trainer import Trainer
 
-    from brrr.train.draft import DraftConfig, DraftTrainer
-
-    names = {f.name for f in fields(DraftConfig)}
+    names = set(flat_flags(DraftConfig("", "", "")))
     cfg = DraftConfig(**{k: v for k, v in vars(args).items() if k in names})
-    summary = DraftTrainer(cfg).run()
+    summary = Trainer(cfg).run()
     print(json.dumps(summary, indent=2))
     return 0

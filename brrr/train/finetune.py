@@ -2,8 +2,9 @@
 
 The model is loaded frozen (bf16 on CUDA, fp32 on CPU; with --qlora its projections go straight into NF4 with double
 quantization, one tensor at a time), the target projections are wrapped in LoraLinear (brrr/lora/layers.py), and
-`Finetuner` runs brrr train's loop (brrr/train/trainer.py: schedule, AdamW, clipping, bf16 autocast, logging of
-loss, tokens/s and peak memory, atomic checkpoints and exact --resume) over packed SFT rows (brrr/train/sft.py).
+`FinetuneTask` is a task of the training loop (brrr/train/trainer.py: schedule, AdamW, clipping, bf16 autocast,
+logging of loss, tokens/s and peak memory, atomic checkpoints and exact --resume) over packed SFT rows
+(brrr/train/sft.py).
 Checkpoints hold only the trainable tensors. The output directory is a PEFT adapter (adapter_config.json +
 adapter_model.safetensors, base_model_name_or_path set) that PEFT, transformers and `brrr serve --lora-modules`
 load, next to train_log.jsonl and train_summary.json.
@@ -11,6 +12,7 @@ load, next to train_log.jsonl and train_summary.json.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,33 +22,29 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from brrr.analysis.finetune import finetune_memory, lora_training_flops_per_token
+from brrr.analysis.model import param_counts
+from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.hub import resolve_model
 from brrr.lora import LoraConfig, load_adapter, save_adapter
 from brrr.lora.layers import apply_lora, load_lora_state, lora_modules, lora_state, trainable_parameters
-from brrr.train import checkpoint
+from brrr.tokenizer import Tokenizer
+from brrr.train.config import FINETUNE_LOOP, LoopConfig, ParallelConfig, split_flags
 from brrr.train.loss import head_weight, linear_cross_entropy
+from brrr.train.parallel import checkpoint_activations, decoder_layers
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
-from brrr.train.trainer import (Trainer, TrainConfig, checkpoint_activations, make_optimizer, one_process_layout,
-                                peak_flops)
+from brrr.train.trainer import Trainer
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
-class FinetuneConfig(TrainConfig):
-    # the trainer's fields with fine-tuning defaults (model: an HF model directory or hub id; data: a JSONL file)
-    seq_len: int | None = None  # None: the model's context, at most DEFAULT_SEQ_LEN
-    micro_batch: int = 1
-    grad_accum: int = 4
-    max_steps: int = 500
-    lr: float = 2e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    beta2: float = 0.999
-    eval_every: int = 50
-    eval_windows: int = 64  # validation rows per evaluation during training (the final one reads them all)
-    checkpoint_every: int = 100
+class FinetuneTaskConfig:
+    """Fine-tuning's own flags (model: an HF model directory or hub id; data: a JSONL file); the loop's are
+    LoopConfig's, with FINETUNE_LOOP's defaults."""
+    model: str | None
+    data: str
     activation_checkpointing: str = "full"  # full | selective (keep matmul outputs, recompute the rest) | none
     lora_r: int = 16
     lora_alpha: float = 32.0
@@ -61,22 +59,33 @@ class FinetuneConfig(TrainConfig):
     dtype: str = "auto"  # the frozen base: auto = bfloat16 on CUDA, float32 on CPU
 
     def check(self):
-        super().check()
         if not 0 <= self.val_fraction < 1:
             raise BrrrError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.activation_checkpointing not in ("full", "selective", "none"):
             raise BrrrError(f"--activation-checkpointing must be full, selective or none; got "
                             f"{self.activation_checkpointing!r}")
-        if self.time_budget is not None:
-            raise BrrrError("--time-budget is not supported by brrr finetune; use --max-steps")
-        if self.compile:
-            raise BrrrError("--compile is not supported by brrr finetune yet (packed batches vary in shape)")
 
     def lora_config(self, base: str) -> LoraConfig:
         targets = tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
         return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, target_modules=targets,
                           lora_dropout=self.lora_dropout, use_rslora=self.use_rslora, use_dora=self.use_dora,
                           base_model_name_or_path=base)
+
+
+@dataclass(init=False)
+class FinetuneConfig:
+    """`brrr finetune`'s flags, composed: the loop's (fine-tuning's defaults) and the task's; one process (no
+    layout flags yet). Built from flat flags: FinetuneConfig(model, data, out, lora_r=..., micro_batch=...)."""
+    loop: LoopConfig
+    parallel: ParallelConfig
+    task: FinetuneTaskConfig
+
+    def __init__(self, model: str | None, data: str, out: str, **flags):
+        self.task, self.loop = split_flags(flags, FinetuneTaskConfig(model, data), LoopConfig(out, **FINETUNE_LOOP))
+        self.parallel = ParallelConfig()
+
+    def make_task(self) -> "FinetuneTask":
+        return FinetuneTask(self.task)
 
 
 class SFTLoss(nn.Module):
@@ -153,108 +162,123 @@ def load_base(path: Path, device: torch.device, dtype: torch.dtype, qlora: bool)
     return load_model(path, dtype=dtype, device=device)
 
 
-class Finetuner(Trainer):
-    """brrr train's loop over SFT batches and a LoRA model (the parts of Trainer that read a token-data directory
-    or export a whole model are replaced; the loop, logging, evaluation cadence and checkpointing are its own)."""
+class FinetuneTask:
+    """brrr finetune (brrr/train/task.py's interface): a frozen base with LoRA adapters over packed SFT rows;
+    checkpoints hold only the trainable tensors, the output is a PEFT adapter."""
+    command, run_name, parallel = "finetune", "fine-tuning", False
 
-    def __init__(self, cfg: FinetuneConfig):
-        from brrr.config import ModelConfig
-        from brrr.hub import resolve_model
-        from brrr.tokenizer import Tokenizer
+    def __init__(self, cfg: FinetuneTaskConfig):
+        self.cfg = cfg
 
+    def configure(self, run) -> ModelConfig:
+        """Flags, adapter and data are checked before the (possibly minutes-long) model load."""
+        cfg, loop = self.cfg, run.cfg
         self.model_path = resolve_model(cfg.model)
-        if cfg.seq_len is None:
-            cfg.seq_len = min(DEFAULT_SEQ_LEN, ModelConfig.from_dir(self.model_path).max_context)
-        cfg.check()
-        self._start_one_process(cfg, "finetune", "fine-tuning")
-        self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
-        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                 "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)
-        if dtype is None:
-            raise BrrrError(f"--dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
         context = ModelConfig.from_dir(self.model_path).max_context
-        if cfg.seq_len > context:
-            raise BrrrError(f"--seq-len {cfg.seq_len} exceeds the model's context ({context} tokens); pass "
+        if loop.seq_len is None:
+            loop.seq_len = min(DEFAULT_SEQ_LEN, context)
+        self.seq_len = loop.seq_len
+        cfg.check()
+        self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
+        self.dtype = {"auto": torch.bfloat16 if run.device.type == "cuda" else torch.float32,
+                      "bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype)
+        if self.dtype is None:
+            raise BrrrError(f"--dtype must be auto, bfloat16 or float32, got {cfg.dtype!r}")
+        if loop.seq_len > context:
+            raise BrrrError(f"--seq-len {loop.seq_len} exceeds the model's context ({context} tokens); pass "
                             f"--seq-len {context} or less")
-        # flags, adapter and data are checked before the (possibly minutes-long) model load
-        adapter = load_adapter(cfg.adapter, device=self.device) if cfg.adapter else None
-        self.lora = adapter.config if adapter else cfg.lora_config(self.base_name)
+        self.adapter = load_adapter(cfg.adapter, device=run.device) if cfg.adapter else None
+        self.lora = self.adapter.config if self.adapter else cfg.lora_config(self.base_name)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.train_rows, self.val_rows, self.data_stats = load_sft(cfg.data, self.tokenizer, cfg.seq_len,
-                                                                   cfg.val_fraction, cfg.seed, cfg.eval_data)
-        self.model = load_base(self.model_path, self.device, dtype, cfg.qlora)
+        self.train_rows, self.val_rows, self.data_stats = load_sft(cfg.data, self.tokenizer, loop.seq_len,
+                                                                   cfg.val_fraction, loop.seed, cfg.eval_data)
+        self.eval_at_start = self.val_rows is not None  # the base model's held-out loss: the bar to beat
+        return ModelConfig.from_dir(self.model_path)
+
+    def build(self, run) -> nn.Module:
+        cfg, loop = self.cfg, run.cfg
+        self.model = load_base(self.model_path, run.device, self.dtype, cfg.qlora)
         self.model_cfg = self.model.config
-        # the trainer's loop runs its steps through a layout: here always one process (no torchrun for finetune yet)
-        self.parallel = one_process_layout(cfg.micro_batch, cfg.seq_len, self.model_cfg, self.device)
-        torch.manual_seed(cfg.seed)
-        if adapter:
-            load_lora_state(self.model, adapter)
+        torch.manual_seed(loop.seed)
+        if self.adapter:
+            load_lora_state(self.model, self.adapter)
         else:
             apply_lora(self.model, self.lora)
-        # brrr calc train --lora-r's prediction for the projections actually adapted (an --adapter's targets may be
-        # a PEFT regex), logged beside the measured peak on CUDA
-        kinds = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(self.model)})
-        predicted = finetune_memory(self.model_cfg, self.lora.r, kinds, cfg.qlora, self.lora.use_dora,
-                                    self.lora.lora_dropout > 0, cfg.micro_batch, cfg.seq_len,
-                                    cfg.activation_checkpointing)
-        self.calc_memory = {"bytes": predicted["total"], "zero": 0} if self.device.type == "cuda" else None
-        self.windows = SFTBatches(self.train_rows, cfg.micro_batch, cfg.seed)
-        self.trainable = TrainableState(self.model)
-        self.params = list(self.trainable.params.values())
-        self.optimizer = make_optimizer(self.model, cfg, self.device)
-        self.state = {"step": 0, "position": 0, "tokens_seen": 0, "max_steps": cfg.max_steps,
-                      "budget_fixed": False, "train_seconds": 0.0, "config": self._resume_key()}
-        if cfg.resume:
-            self.restore_checkpoint(self.trainable)
+        self.batches = SFTBatches(self.train_rows, loop.micro_batch, loop.seed)
+        self.checkpointed = TrainableState(self.model)
         # full checkpointing is chosen to save memory: the logits too; the other modes spend it for speed
         self.loss = self.loss_fn = SFTLoss(self.model, recompute_logits=cfg.activation_checkpointing == "full")
         if cfg.activation_checkpointing != "none":
-            checkpoint_activations(self.model, selective=cfg.activation_checkpointing == "selective")
-        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum
-        self.flops_per_token = lora_training_flops_per_token(self.model_cfg, cfg.seq_len, self.lora)
-        self.peak, self.gpu_name = peak_flops(self.device)
-        self._open_run_files()
+            checkpoint_activations(decoder_layers(self.model), selective=cfg.activation_checkpointing == "selective")
+        self.flops_per_token = lora_training_flops_per_token(self.model_cfg, loop.seq_len, self.lora)
+        return self.model
 
-    def _resume_key(self) -> dict:
-        c = self.cfg
+    def resume_key(self, run) -> dict:
+        c, loop = self.cfg, run.cfg
         return {"model": self.base_name, "model_config": self.model_cfg.to_hf(), "qlora": c.qlora,
                 "lora": self.lora.to_peft_json(), "data_sha256": _sha256(c.data),
-                "eval_data_sha256": _sha256(c.eval_data), "val_fraction": c.val_fraction, "seq_len": c.seq_len,
-                "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "seed": c.seed}
+                "eval_data_sha256": _sha256(c.eval_data), "val_fraction": c.val_fraction, "seq_len": loop.seq_len,
+                "micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum, "seed": loop.seed}
 
-    def describe(self) -> str:
-        n = sum(p.numel() for p in self.params)
-        st, d = self.state, self.data_stats
+    def describe(self, run) -> str:
+        n = sum(p.numel() for p in run.params)
+        st, d = run.state, self.data_stats
         kind = "QLoRA (NF4 base)" if self.cfg.qlora else "LoRA"
         return (f"fine-tuning {self.base_name} with {kind} r={self.lora.r}: {n / 1e6:.2f}M trainable parameters on "
-                f"{self.device} ({self.gpu_name}); {d['train_examples']} train examples in {d['train_rows']} rows of "
-                f"{self.cfg.seq_len} tokens ({d['train_trained_tokens']:,} trained tokens), {d['val_examples']} "
-                f"held out; {d['truncated_examples']} cut to --seq-len; {self.tokens_per_step:,} tokens/step; "
+                f"{run.device} ({run.gpu_name}); {d['train_examples']} train examples in {d['train_rows']} rows of "
+                f"{run.cfg.seq_len} tokens ({d['train_trained_tokens']:,} trained tokens), {d['val_examples']} "
+                f"held out; {d['truncated_examples']} cut to --seq-len; {run.tokens_per_step:,} tokens/step; "
                 f"steps {st['step']} -> {st['max_steps']}")
 
-    def before_first_step(self):
-        if self.state["step"] == 0 and self.val_rows is not None:  # the base model's held-out loss: the bar to beat
-            self._eval_and_log(0, self.cfg.eval_windows)
+    def _eval_rows(self, max_windows: int | None) -> range:
+        if self.val_rows is None:
+            return range(0)
+        return range(len(self.val_rows) if max_windows is None else min(max_windows, len(self.val_rows)))
 
     @torch.no_grad()
-    def evaluate(self, max_windows: int | None) -> dict[str, float]:
+    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
         """Mean loss over the held-out examples' trained tokens (max_windows: at most that many packed rows)."""
         if self.val_rows is None:
             return {}
         self.model.eval()
-        rows = range(len(self.val_rows) if max_windows is None else min(max_windows, len(self.val_rows)))
-        total, count = torch.zeros((), device=self.device, dtype=torch.float64), 0
-        for i in range(0, len(rows), self.cfg.micro_batch):
-            batch = self.val_rows.batch(list(rows[i:i + self.cfg.micro_batch]), self.device)
-            with self.autocast:
+        rows, mb = self._eval_rows(max_windows), run.cfg.micro_batch
+        total, count = torch.zeros((), device=run.device, dtype=torch.float64), 0
+        for i in range(0, len(rows), mb):
+            batch = self.val_rows.batch(list(rows[i:i + mb]), run.device)
+            with run.autocast:
                 s, n = self.loss(*batch, reduction="sum")
             total += s.double()
             count += n
         self.model.train()
         return {"val_loss": total.item() / max(1, count)}
 
-    def save_checkpoint(self):
-        checkpoint.save(self.ckpt_path, self.trainable, self.optimizer, self.state)
+    def eval_line(self, val: dict) -> str:
+        loss = val.get("val_loss", float("nan"))
+        return f"val loss {loss:.4f} (ppl {math.exp(loss):.2f}) | "
 
-    def export(self):
-        save_adapter(self.out, lora_state(self.model, self.base_name))
+    def eval_tokens(self, max_windows: int | None) -> int:
+        return len(self._eval_rows(max_windows)) * self.seq_len
+
+    def predicted_memory(self, run) -> dict:
+        """brrr calc train --lora-r's prediction for the projections actually adapted (an --adapter's targets may
+        be a PEFT regex)."""
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(self.model)})
+        predicted = finetune_memory(self.model_cfg, self.lora.r, kinds, self.cfg.qlora, self.lora.use_dora,
+                                    self.lora.lora_dropout > 0, run.cfg.micro_batch, run.cfg.seq_len,
+                                    self.cfg.activation_checkpointing)
+        return {"bytes": predicted["total"], "zero": 0}
+
+    def log_fields(self) -> dict:
+        return {}
+
+    def summary(self, run, final: dict) -> dict:
+        return {"model": self.cfg.model, "params": param_counts(self.model_cfg)["total"],
+                **{k.replace("val_loss", "val_ppl"): math.exp(v) for k, v in final.items()}}
+
+    def export(self, run) -> dict:
+        save_adapter(run.out, lora_state(self.model, self.base_name))
+        return {}
+
+
+# brrr finetune's trainer is the loop itself; the name stays for its callers
+Finetuner = Trainer

@@ -9,7 +9,8 @@ import json
 def register(sub):
     from brrr.train.finetune import FinetuneConfig
 
-    d = FinetuneConfig("", "", "")
+    defaults = FinetuneConfig("", "", "")
+    d, t = defaults.loop, defaults.task
     p = sub.add_parser("finetune", help="LoRA / QLoRA supervised fine-tuning on chat JSONL -> a PEFT adapter",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="base: an HF model directory or hub id (default: brrr's model)")
@@ -18,12 +19,12 @@ def register(sub):
     p.add_argument("--out", required=True,
                    help="output: a PEFT adapter directory, plus checkpoint/ and train_log.jsonl")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (default: --val-fraction of --data)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+    p.add_argument("--val-fraction", type=float, default=t.val_fraction,
                    help="share of --data held out for the eval loss when --eval-data is not given")
-    p.add_argument("--lora-r", type=int, default=d.lora_r, help="adapter rank")
-    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="the update is scaled by alpha / r")
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
-    p.add_argument("--target-modules", default=d.target_modules, help="comma-separated module names (PEFT's rule)")
+    p.add_argument("--lora-r", type=int, default=t.lora_r, help="adapter rank")
+    p.add_argument("--lora-alpha", type=float, default=t.lora_alpha, help="the update is scaled by alpha / r")
+    p.add_argument("--lora-dropout", type=float, default=t.lora_dropout, help="dropout on the adapters' input")
+    p.add_argument("--target-modules", default=t.target_modules, help="comma-separated module names (PEFT's rule)")
     p.add_argument("--use-dora", action="store_true", help="DoRA: train a magnitude per output row too")
     p.add_argument("--use-rslora", action="store_true", help="scale by alpha / sqrt(r) (rsLoRA)")
     p.add_argument("--qlora", action="store_true", help="keep the frozen base in NF4 with double quantization")
@@ -45,7 +46,7 @@ def register(sub):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="the frozen base's dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--activation-checkpointing", default=d.activation_checkpointing,
+    p.add_argument("--activation-checkpointing", default=t.activation_checkpointing,
                    choices=["full", "selective", "none"],
                    help="recompute each layer in backward (full), only its cheap non-matmul ops (selective: fewer "
                         "FLOPs, more memory), or keep everything (none)")
@@ -61,13 +62,13 @@ def register(sub):
 
 
 def cmd_finetune(args) -> int:
-    from dataclasses import fields
+    from brrr.train.config import flat_flags
+    from brrr.train.finetune import FinetuneConfig
+    from brrr.train.trainer import Trainer
 
-    from brrr.train.finetune import Finetuner, FinetuneConfig
-
-    names = {f.name for f in fields(FinetuneConfig)}
+    names = set(flat_flags(FinetuneConfig("", "", "")))
     cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
-    summary = Finetuner(cfg).run()
+    summary = Trainer(cfg).run()
     print(json.dumps(summary, indent=2))
     return 0
 

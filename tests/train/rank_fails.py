@@ -4,9 +4,9 @@ import os
 import sys
 
 from brrr.cli import main
-from brrr.train.parallel import Parallel
+from brrr.train.parallel import ParallelStep
 
-real_step, calls = Parallel.step, []
+real_step, calls = ParallelStep.__call__, []
 
 
 def step(self, *args, **kwargs):
@@ -16,5 +16,5 @@ def step(self, *args, **kwargs):
     return real_step(self, *args, **kwargs)
 
 
-Parallel.step = step
+ParallelStep.__call__ = step
 sys.exit(main(sys.argv[1:]))

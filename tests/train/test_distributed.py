@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from brrr.analysis.train import stage_layers
 from brrr.errors import BrrrError
-from brrr.train.parallel.mesh import Layout, check_model
+from brrr.train.parallel.layout import Layout, check_model
 from brrr.train.parallel.pipeline import check_pipeline
 from brrr.train.shapes import resolve_config
 from brrr.train.trainer import TrainConfig, Trainer
@@ -190,12 +190,16 @@ def test_measured_bubble_is_the_busiest_ranks_idle_share_of_the_whole_pipeline()
 
 
 def test_selective_recompute_wraps_every_nth_layer(configs, data_dir):
-    from brrr.train.parallel import Parallel
-    from brrr.train.trainer import build_model
+    from brrr.train.parallel import parallelize, plan_layout
+    from brrr.train.pretrain import build_model
 
     model_cfg = _model_cfg(data_dir, configs["four"])
     cfg = _cfg(configs["four"], data_dir, "unused", 1, activation_checkpointing=True, activation_checkpointing_every=2)
-    model = Parallel(cfg, model_cfg, torch.device("cpu")).apply(build_model(model_cfg, "cpu"))
+    device = torch.device("cpu")
+    mesh = plan_layout(cfg.parallel, model_cfg, cfg.loop.micro_batch, cfg.loop.seq_len, device)
+    model, _ = parallelize(build_model(model_cfg, "cpu"), mesh, cfg.parallel, device, grad_accum=cfg.loop.grad_accum,
+                           seq_len=cfg.loop.seq_len, activation_checkpointing=cfg.task.activation_checkpointing,
+                           checkpoint_every=cfg.task.activation_checkpointing_every)
     wrapped = ["forward" in layer.__dict__ for layer in model.model.layers]  # an instance forward: the recompute
     assert wrapped == [True, False, True, False]
 
@@ -206,7 +210,7 @@ def test_a_stage_forward_takes_the_reference_ops_in_either_grad_mode(configs, da
     forward against it: on CUDA no_grad would take the Triton kernels, so a stage always runs the references."""
     from brrr.kernels import dispatch
     from brrr.train.parallel.pipeline import PipelineStageModule
-    from brrr.train.trainer import build_model
+    from brrr.train.pretrain import build_model
 
     model_cfg = _model_cfg(data_dir, configs["four"])
     stages = [PipelineStageModule(build_model(model_cfg, "cpu"), layers, s == 0, s == 1, 32)

@@ -13,7 +13,7 @@ import brrr.train.loss as loss_module
 from brrr.analysis.train import loss_chunk_rows
 from brrr.train.loss import CausalLMLoss, chunk_loss_and_dlogits, head_weight, linear_cross_entropy
 from brrr.train.shapes import resolve_config
-from brrr.train.trainer import build_model
+from brrr.train.pretrain import build_model
 from tests.train.conftest import TINY_MODEL
 
 

@@ -48,7 +48,7 @@ def test_fp16_training_skips_overflowing_steps_and_logs_them(tiny_config, data_d
                       checkpoint_every=100, final_eval_windows=2, fp16=True)
     trainer = Trainer(cfg)
     # backward's fp16 activations' gradients grow with the scale: at 2^21 this model's exceed fp16's 65504
-    trainer.parallel.loss_scale.scale = 2.0**21
+    trainer.train_step.loss_scale.scale = 2.0**21
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines() if '"loss"' in line]
     assert log[0]["overflow_steps"] == 1 and log[0]["loss_scale"] == 2.0**20 and log[0]["grad_norm"] == 0
@@ -62,11 +62,11 @@ def test_a_resumed_fp16_run_keeps_its_loss_scale(tiny_config, data_dir, tmp_path
     common = dict(device="cpu", seq_len=32, micro_batch=8, max_steps=6, lr=3e-3, warmup_steps=2, log_every=1,
                   eval_every=100, eval_windows=2, checkpoint_every=100, final_eval_windows=1, fp16=True)
     first = Trainer(TrainConfig(str(tiny_config), str(data_dir), str(tmp_path), stop_at=3, **common))
-    first.parallel.loss_scale.scale = 2.0**21
+    first.train_step.loss_scale.scale = 2.0**21
     first.run()
-    stopped = first.parallel.loss_scale
+    stopped = first.train_step.loss_scale
     assert stopped.overflows >= 1
     resumed = Trainer(TrainConfig(str(tiny_config), str(data_dir), str(tmp_path), resume=True, **common))
-    scale = resumed.parallel.loss_scale
+    scale = resumed.train_step.loss_scale
     assert (scale.scale, scale.finite_steps, scale.overflows) == (stopped.scale, stopped.finite_steps,
                                                                   stopped.overflows)

@@ -97,7 +97,7 @@ def test_resume_refuses_a_different_geometry(full_run, tiny_config, data_dir):
 
 
 def test_schedule_warms_up_then_follows_the_cosine():
-    cfg = TrainConfig("m", "d", "o", lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    cfg = TrainConfig("m", "d", "o", lr=1.0, warmup_steps=10, min_lr_ratio=0.1).loop
     assert lr_at(0, cfg, 110) == pytest.approx(0.1) and lr_at(9, cfg, 110) == pytest.approx(1.0)
     assert lr_at(60, cfg, 110) == pytest.approx(0.55) and lr_at(110, cfg, 110) == pytest.approx(0.1)
 
@@ -150,7 +150,8 @@ def test_compiled_checkpointed_layers_are_traced_into_graphs(selective):
     from brrr.config import ModelConfig
     from brrr.train.loss import CausalLMLoss
     from brrr.train.parallel import decoder_layers
-    from brrr.train.trainer import build_model, checkpoint_activations
+    from brrr.train.pretrain import build_model
+    from brrr.train.trainer import checkpoint_activations
 
     from tests.train.conftest import TINY_MODEL
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from brrr.train.parallel.mesh import Mesh
+from brrr.train.parallel.layout import Mesh
 
 
 def mixed_precision(device: torch.device, fp16: bool = False):
@@ -52,10 +52,3 @@ def apply_ddp(model: nn.Module, mesh: Mesh):
     replicate(model, device_mesh=mesh.get("dp_replicate"), bucket_cap_mb=100)
     return model
 
-
-def uses_fsdp(mesh: Mesh) -> bool:
-    """FSDP whenever parameters are sharded over data-parallel ranks, and with TP or PP even on a one-rank
-    dp mesh (the composable DDP takes no DTensor parameters; FSDP's policy gives every such layout the same
-    bf16 compute and fp32 master weights); DDP for replicas alone."""
-    layout = mesh.layout
-    return layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1

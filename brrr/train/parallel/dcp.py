@@ -26,6 +26,11 @@ def checkpoint_path(out: Path, distributed: bool) -> Path:
     return Path(out) / "checkpoint" / (DCP_DIR if distributed else SINGLE_FILE)
 
 
+def has_checkpoint(out: Path) -> bool:
+    """Whether OUT holds a run's checkpoint, in either format."""
+    return any(checkpoint_path(out, d).exists() for d in (False, True))
+
+
 def _state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -50,7 +55,7 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if async_save and distributed else None
 
     def exists(self) -> bool:
-        return any(checkpoint_path(self.out, d).exists() for d in (False, True))
+        return has_checkpoint(self.out)
 
     def save(self, model, optimizer, trainer_state: dict):
         if not self.distributed:

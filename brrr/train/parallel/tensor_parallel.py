@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from brrr.train.parallel.mesh import Mesh
+from brrr.train.parallel.layout import Mesh
 
 
 def replicate_params(module: nn.Module, tp_mesh):

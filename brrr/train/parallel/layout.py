@@ -1,4 +1,5 @@
-"""The parallel layout of a training run: flags -> one DeviceMesh with named dimensions.
+"""The parallel layout of a training run: flags -> one DeviceMesh with named dimensions, and what the layout
+costs in memory (brrr calc train's prediction for this device).
 
 World = pp x dp_replicate x dp_shard x tp (torchtitan's order: tensor parallel innermost, so its ranks share a
 host and its per-layer collectives stay on NVLink; pipeline outermost, whose point-to-point sends are the
@@ -13,8 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from brrr.analysis.hardware import GPU
+from brrr.analysis.train import train_plan
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.train.config import ParallelConfig
+from brrr.train.parallel.pipeline import INTERLEAVED_CHUNKS, check_pipeline
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -101,6 +106,19 @@ class Mesh:
     def dp_world(self) -> int:
         return self.layout.dp
 
+    @property
+    def distributed(self) -> bool:
+        return self.device_mesh is not None
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP wraps the model (its policy casts to bf16 on CUDA: no autocast then): whenever parameters
+        are sharded over data-parallel ranks, and with TP or PP even on a one-rank dp mesh (the composable DDP takes
+        no DTensor parameters; FSDP's policy gives every such layout the same bf16 compute and fp32 master
+        weights); DDP for replicas alone."""
+        layout = self.layout
+        return self.distributed and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1)
+
     def get(self, *names: str):
         """The sub-mesh over `names` ("dp" is dp_replicate x dp_shard flattened)."""
         if names == ("dp",):
@@ -127,3 +145,46 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh)
+
+
+def microbatches(cfg: ParallelConfig, layout: Layout) -> int:
+    """Pipeline microbatches per micro-batch: --microbatches, else one per stage."""
+    return cfg.microbatches or layout.pp
+
+
+def plan_layout(cfg: ParallelConfig, model_cfg: ModelConfig, micro_batch: int, seq_len: int,
+                device: torch.device) -> Mesh:
+    """The layout the flags ask for, checked against WORLD_SIZE and the model on every rank before any collective
+    (a bad layout is refused everywhere at once), then joined: the mesh."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp).resolve(world)
+    m = microbatches(cfg, layout)
+    check_model(layout, model_cfg, micro_batch, seq_len, m if layout.pp > 1 else None)
+    if layout.pp > 1:
+        check_pipeline(cfg.pp_schedule, layout.pp, m, model_cfg.num_layers)
+    return build_mesh(layout, device)
+
+
+def zero_stage(cfg: ParallelConfig, mesh: Mesh) -> int:
+    """FSDP resharding after forward is ZeRO-3, keeping the weights ZeRO-2; DDP and one process 0."""
+    return (3 if cfg.reshard_after_forward else 2) if mesh.fsdp else 0
+
+
+def predicted_memory(cfg: ParallelConfig, mesh: Mesh, model_cfg: ModelConfig, micro_batch: int, seq_len: int,
+                     checkpointing: bool, gpu: GPU | None) -> dict | None:
+    """Per-GPU bytes `brrr calc train` (brrr.analysis.train.train_plan) predicts for this layout on this device
+    (state + activations), its ZeRO stage, and whether it fits the device's memory; None without a GPU. calc has
+    one data-parallel dimension, so HSDP is quoted as FSDP over its shard group: each rank holds 1/dp_shard of the
+    state whatever the replicas."""
+    if gpu is None:
+        return None
+    layout, zero = mesh.layout, zero_stage(cfg, mesh)
+    m = microbatches(cfg, layout)
+    pp_kw = dict(microbatches=m, schedule=cfg.pp_schedule,
+                 chunks=INTERLEAVED_CHUNKS if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
+    rows = micro_batch // (m if layout.pp > 1 else 1)
+    gpus = layout.world // layout.dp_replicate if mesh.fsdp else layout.world
+    plan = train_plan(model_cfg, gpu, gpus=gpus, zero=zero, tp=layout.tp, pp=layout.pp, micro_batch=rows,
+                      seq_len=seq_len, checkpointing=checkpointing, **pp_kw)
+    return {"zero": zero, "bytes": plan["memory"]["total"], "gpu": gpu.name, "gpu_memory": gpu.memory,
+            "fits": plan["memory"]["fits"]}

@@ -204,7 +204,7 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
 
         pretrained, engine = load_disaggregated(spec.model, spec.dtype, spec.device, config, core=core)
     elif config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
-        from brrr.distributed.tp_runner import load_pretrained
+        from brrr.distributed.tp_loader import load_pretrained
 
         pretrained, config = load_pretrained(spec.model, spec.dtype, spec.device, config)
     else:

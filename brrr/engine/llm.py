@@ -20,7 +20,7 @@ class LLM:
             self.pretrained, self.engine = load_disaggregated(model, dtype, device, config)
         else:
             if config.tensor_parallel_size > 1:  # rank 0's shard here, the others in worker processes
-                from brrr.distributed.tp_runner import load_pretrained
+                from brrr.distributed.tp_loader import load_pretrained
 
                 self.pretrained, config = load_pretrained(model, dtype, device, config)
             else:

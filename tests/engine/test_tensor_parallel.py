@@ -231,7 +231,7 @@ def test_a_killed_worker_fails_the_engine_cleanly(llama):
 
 def test_a_killed_worker_makes_the_server_engine_unhealthy(llama):
     from brrr.config import EngineConfig
-    from brrr.distributed.tp_runner import load_pretrained
+    from brrr.distributed.tp_loader import load_pretrained
     from brrr.engine.async_llm import AsyncLLM
     from brrr.engine.llm_engine import EngineCore
 

@@ -294,13 +294,30 @@ def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference)
             proc.wait()
 
 
-def test_eagle_speculation_is_refused_with_tensor_parallelism():
-    from brrr.config import EngineConfig
-    from brrr.errors import BrrrError
+def test_tp2_with_eagle_gives_the_greedy_tokens_of_one_rank(llama, reference, tmp_path):
+    """The EAGLE head drafts on rank 0 (the hidden states every rank holds, the whole vocabulary gathered once at
+    load); verify steps run on every rank, eagerly and through (stand-in) verify graphs that keep the hidden states."""
+    from brrr.models.eagle import new_head, save_head
+    from brrr.pretrained import load
 
-    with pytest.raises(BrrrError, match="eagle.*tensor parallelism"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2,
-                                                                 "model": "/nonexistent"})
+    save_head(new_head(load(str(llama), dtype="float32", device="cpu").model, seed=0).eval(), tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    llm = LLM(str(llama), tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2,
+                                                                      "model": str(tmp_path)}, **STRESS)
+    try:
+        draft = llm.engine.spec.proposer.target
+        assert draft.model.embed_tokens.weight.shape == (VOCAB, llm.engine.model.full_config.hidden_size)
+        eager = llm.generate(_prompts(), params, use_tqdm=False)
+        llm.engine.runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+        assert llm.engine.runner.verify_graphs.hidden
+        graphed = llm.generate(_prompts(), params, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.runner.shutdown()
+    for outs in (eager, graphed):
+        assert [o.outputs[0].token_ids for o in outs] == reference[0]
+        assert _close([o.outputs[0].logprobs for o in outs], reference[1])
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_verify_graph_steps"] > 0
 
 
 def test_tp2_with_ngram_speculation_gives_the_greedy_tokens_of_one_rank(llama, reference):
@@ -316,3 +333,74 @@ def test_tp2_with_ngram_speculation_gives_the_greedy_tokens_of_one_rank(llama, r
         llm.engine.runner.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == reference[0]
     assert stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_tp2_serves_a_lora_batch_like_one_rank(llama, tmp_path):
+    """Three adapters over two slots (loads and evictions travel with the steps) and base rows in one batch: every
+    rank holds its slices of each adapter (column-parallel projections B's rows, row-parallel ones A's columns,
+    the update added before the all-reduce), and the tokens and log-probs are TP 1's, eagerly and through (stand-in)
+    decode graphs."""
+    from brrr.engine import LoRARequest
+    from brrr.lora import LoraAdapter, LoraConfig, save_adapter
+    from brrr.lora.serving import projection_shapes
+
+    g = torch.Generator().manual_seed(0)
+    shapes = projection_shapes(ModelConfig.from_dir(llama))
+    requests = []
+    for i, (r, kinds) in enumerate([(4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj")), (8, ("o_proj", "down_proj")), (2, ("v_proj", "up_proj"))]):
+        weights = {n: (torch.randn(r, i_f, generator=g) * 0.3, torch.randn(o_f, r, generator=g) * 0.3)
+                   for n, (i_f, o_f) in shapes.items() if n.rsplit(".", 1)[-1] in kinds}
+        path = save_adapter(tmp_path / f"a{i}", LoraAdapter(LoraConfig(r=r, lora_alpha=8.0, target_modules=kinds),
+                                                            weights))
+        requests.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    prompts = _prompts()[:12]
+    loras = [None if i % 4 == 3 else requests[i % 4] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    config = dict(STRESS, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def run(llm, capture=False):
+        if capture:
+            llm.engine.runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    want = run(LLM(str(llama), **config))
+    assert len({tuple(t) for t in want[0]}) > 8  # the adapters change the tokens
+    llm = LLM(str(llama), tensor_parallel_size=2, **config)
+    try:
+        got = [run(llm), run(llm, capture=True)]
+        loads = llm.engine.lora.loads
+    finally:
+        llm.engine.runner.shutdown()
+    for tokens, logprobs in got:
+        assert tokens == want[0] and _close(logprobs, want[1])
+    assert loads > 3  # two slots for three adapters: evicted and loaded again
+
+
+def test_tp2_guided_requests_equal_one_rank(tp2, llama):
+    """Guided rows beside plain ones: rank 0 masks and samples; steps launched ahead queue their forward on every
+    rank before the mask is known (the guided launch-ahead path, through stand-in graphs)."""
+    from brrr import StructuredOutputsParams
+
+    specs = [dict(regex="[ab]+c"), dict(choice=["yes", "no"]), None,
+             dict(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=spec is None,
+                             structured_outputs=None if spec is None else StructuredOutputsParams(**spec))
+              for spec in specs] * 2
+    prompts = _prompts()[:len(params)]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(LLM(str(llama), **STRESS))
+    runner = tp2.engine.runner
+    runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+    forwards, real = [], runner.launch_forward
+    runner.launch_forward = lambda batch, ids_from=None: forwards.append(ids_from is not None) or real(batch, ids_from)
+    try:
+        got = run(tp2)
+    finally:
+        del runner.launch_forward
+    assert got == want
+    assert any(forwards)  # guided steps launched ahead

@@ -276,9 +276,10 @@ def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
 def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference):
     import httpx
 
-    from tests.server.test_cli import start_server
+    from tests.server.test_cli import start_server, stop_server
 
-    proc, url = start_server(llama, "--tensor-parallel-size", "2")
+    # on a loaded machine two ranks load slowly; a start that fails stops the server and its workers itself
+    proc, url = start_server(llama, "--tensor-parallel-size", "2", start_timeout=240)
     try:
         prompt = _prompts()[0]
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
@@ -289,9 +290,37 @@ def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0  # the engine process and its worker stopped with it
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)  # a failed check too: the server, its engine process and its worker
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group pgid (Linux: /proc/PID/stat's fifth field)."""
+    members = []
+    for stat in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{stat}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat))
+    return members
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process groups from /proc")
+def test_a_server_start_that_times_out_stops_the_server_and_its_workers(llama, monkeypatch):
+    from tests.server import test_cli
+
+    seen, stop = [], test_cli.stop_server
+    monkeypatch.setattr(test_cli, "stop_server", lambda proc: seen.append(_group_members(proc.pid)) or stop(proc))
+    with pytest.raises(AssertionError, match="did not come up"):
+        test_cli.start_server(llama, "--tensor-parallel-size", "2", start_timeout=8)
+    (members,) = seen
+    assert members  # the server at least, and what it had started by then
+    deadline = time.monotonic() + 10
+    while _group_members(members[0]):  # SIGKILLed, gone once reaped
+        assert time.monotonic() < deadline, f"still running: {_group_members(members[0])}"
+        time.sleep(0.1)
 
 
 def test_tp2_with_eagle_gives_the_greedy_tokens_of_one_rank(llama, reference, tmp_path):

@@ -325,28 +325,46 @@ def test_a_server_start_that_times_out_stops_the_server_and_its_workers(llama, m
 
 def test_tp2_with_eagle_gives_the_greedy_tokens_of_one_rank(llama, reference, tmp_path):
     """The EAGLE head drafts on rank 0 (the hidden states every rank holds, the whole vocabulary gathered once at
-    load); verify steps run on every rank, eagerly and through (stand-in) verify graphs that keep the hidden states."""
+    load); verify steps run on every rank, eagerly and through (stand-in) verify graphs that keep the hidden states,
+    with the drafts' ids sent from the host (the engine's choice under TP) or broadcast from rank 0's device."""
     from brrr.models.eagle import new_head, save_head
     from brrr.pretrained import load
+    from brrr.train.draft import EagleLoss
+    from tests.engine.test_spec_eagle_engine import greedy_text
 
-    save_head(new_head(load(str(llama), dtype="float32", device="cpu").model, seed=0).eval(), tmp_path)
+    # a head fitted a little to the target's greedy continuations of these prompts: some drafts are accepted, so the
+    # tokens after an accepted draft show whether every rank saw its id
+    model, by_length = load(str(llama), dtype="float32", device="cpu").model, {}
+    for p in _prompts():
+        by_length.setdefault(len(p), []).append(p)
+    batches = [torch.tensor(greedy_text(model, group, 6)) for group in by_length.values()]
+    head = new_head(model, seed=0)
+    loss, opt = EagleLoss(head, model), torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for i in range(60):
+        opt.zero_grad()
+        loss(batches[i % len(batches)][:, :-1], batches[i % len(batches)][:, 1:]).backward()
+        opt.step()
+    save_head(head.eval(), tmp_path)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     llm = LLM(str(llama), tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2,
                                                                       "model": str(tmp_path)}, **STRESS)
     try:
         draft = llm.engine.spec.proposer.target
         assert draft.model.embed_tokens.weight.shape == (VOCAB, llm.engine.model.full_config.hidden_size)
-        eager = llm.generate(_prompts(), params, use_tqdm=False)
+        assert not llm.engine.spec.device_drafts
+        runs = [llm.generate(_prompts(), params, use_tqdm=False)]
+        llm.engine.spec.device_drafts = True
+        runs.append(llm.generate(_prompts(), params, use_tqdm=False))
         llm.engine.runner.capture_cuda_graphs(8, 64, capture=eager_capture)
         assert llm.engine.runner.verify_graphs.hidden
-        graphed = llm.generate(_prompts(), params, use_tqdm=False)
+        runs.append(llm.generate(_prompts(), params, use_tqdm=False))
         stats = llm.engine.stats()
     finally:
         llm.engine.runner.shutdown()
-    for outs in (eager, graphed):
+    for outs in runs:
         assert [o.outputs[0].token_ids for o in outs] == reference[0]
         assert _close([o.outputs[0].logprobs for o in outs], reference[1])
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_verify_graph_steps"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["spec_verify_graph_steps"] > 0
 
 
 def test_tp2_with_ngram_speculation_gives_the_greedy_tokens_of_one_rank(llama, reference):

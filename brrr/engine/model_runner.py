@@ -318,9 +318,11 @@ class ModelRunner:
         np.cumsum(seqlens, out=cu[1:])
         gather = device_draft_gather(batch)
         arrays = (np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
-                  pad_tables(tables), np.array(rows + list(logit_rows), dtype=np.int64), *(gather[1:] if gather else ()))
-        record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens, rows=len(rows),
-                            device_ids=gather is not None, **self.lora_fields(batch, seqlens, len(ids)))
+                  pad_tables(tables), np.array(rows + list(logit_rows), dtype=np.int64),
+                  *(gather[1:] if gather else ()))
+        record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
+                            rows=len(rows), device_ids=gather is not None,
+                            **self.lora_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 
     # ---- what the engine calls (rank 0) ------------------------------------------------------------------------

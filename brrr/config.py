@@ -292,10 +292,6 @@ class EngineConfig:
             elif not isinstance(self.speculative_config, SpeculativeConfig):
                 raise BrrrError("EngineConfig.speculative_config must be a dict or a SpeculativeConfig, got "
                                 f"{type(self.speculative_config).__name__}")
-        if (self.speculative_config is not None and self.speculative_config.method == "eagle"
-                and self.tensor_parallel_size > 1):
-            raise BrrrError("speculative_config.method 'eagle' reads the target's hidden states, which tensor "
-                            "parallelism does not gather: use 'ngram' or 'draft' with tensor_parallel_size > 1")
         if self.disaggregate is not None:
             from brrr.distributed.disagg_config import check_combination, parse_disaggregate
 

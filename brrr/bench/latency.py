@@ -167,7 +167,7 @@ def cmd_latency(args) -> int:
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches), num_blocks=max(batches) * blocks + 8,
                           cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp)
     if tp > 1:
-        from brrr.distributed.tp_runner import load_tensor_parallel
+        from brrr.distributed.tp_loader import load_tensor_parallel
 
         # each rank loads its own shard (of random weights when there are none to load)
         model, config = load_tensor_parallel(source or cfg, tp, dtype, device, config)

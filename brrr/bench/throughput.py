@@ -146,7 +146,7 @@ def cmd_throughput(args) -> int:
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
     if tp > 1:
-        from brrr.distributed.tp_runner import load_tensor_parallel
+        from brrr.distributed.tp_loader import load_tensor_parallel
 
         model, config = load_tensor_parallel(cfg, tp, dtype, torch.device("cuda"), config)  # each rank its shard
     else:

@@ -5,7 +5,7 @@ its CUDA backend: P2P loads and per-block signal pads, no NVLink multicast). One
 copies its partial sums into its own buffer, the ranks meet on the signal pads, and each rank reads the N buffers
 and adds them. A decode step's message is a few KiB, so its cost in NCCL is protocol latency, not bytes; here it is
 one kernel and two barriers. For large messages NCCL's ring moves fewer bytes per rank, so `choose_bound` keeps the
-one-shot path only up to the largest message size at which it was measured faster (tp_runner.py measures both at
+one-shot path only up to the largest message size at which it was measured faster (tp_group.py measures both at
 engine start, inside CUDA graphs as the decode graphs run them).
 
 The symmetric-memory rendezvous finds its peers through a c10d ProcessGroup registered by name; brrr's group is a

@@ -32,9 +32,16 @@ class RowParallelQuant(nn.Module):
         self.bias = (nn.Parameter(torch.empty(inner.out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x):
-        y = self.comm.all_reduce(self.inner(x))
+    def partial(self, x):
+        """This rank's share of the product (a LoRA update is added to it before the sum)."""
+        return self.inner(x)
+
+    def reduce(self, y):
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x):
+        return self.reduce(self.partial(x))
 
 
 def check_quantized(qc: dict, part: Partition) -> None:

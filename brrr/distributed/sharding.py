@@ -173,6 +173,13 @@ class Collectives:
             pass
         del group  # destroyed here, not during interpreter exit, where NCCL's threads outlive what they use
 
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` stacked along the first dimension, in rank order."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.group.allgather([parts], [t]).wait()
+        return torch.cat(parts)
+
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` side by side along the last dimension, in rank order."""
         t = t.contiguous()
@@ -191,9 +198,16 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.in_features, self.out_features, self.comm = in_local, out_features, comm
 
-    def forward(self, x):
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+    def partial(self, x):
+        """This rank's share of the product (a LoRA update is added to it before the sum)."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, y):
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x):
+        return self.reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -242,5 +256,5 @@ def build_shard(part: Partition, comm: Collectives, dtype: torch.dtype, device: 
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; both hold the same vocabulary rows
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.full_config, model.tp_comm = cfg, comm
+    model.full_config, model.tp_comm, model.tp_partition = cfg, comm, part
     return model

@@ -1,9 +1,10 @@
 """Tensor-parallel worker processes: ranks 1..N-1 of a serving engine whose rank 0 is the engine itself.
 
 brrr starts them (torch.multiprocessing, spawn). Each joins the group's collectives (gloo on CPU, NCCL on CUDA),
-loads its own shard, and then follows rank 0's commands over a pipe: make the KV cache, run a step's forward,
-stop. Rank 0 sends each step's flattened inputs (a few arrays of ints) as one host message per worker, then every
-rank runs its shard's forward in lockstep; only rank 0 samples. A worker that dies is seen by rank 0 before the
+loads its own shard, builds the same `ModelRunner` as rank 0 (its KV cache, its LoRA slots, its verify graphs), and
+then runs the runner calls rank 0 sends over a pipe (tp_group.py): each step's `StepRecord` (a few arrays of ints)
+as one host message per worker, the graph captures, the all-reduce set-up; every rank runs them in lockstep, and
+only rank 0 samples. A worker that dies is seen by rank 0 before the
 next step (its exit code) or inside a collective (gloo: the peer's socket closes; any backend: the collective
 timeout), and the engine goes down with a BrrrError instead of waiting forever; a worker whose rank 0 is gone reads
 EOF from its pipe and exits.
@@ -22,19 +23,22 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from brrr.config import EngineConfig
+from brrr.distributed.shard_loader import load_shard
+from brrr.distributed.sharding import Collectives, Partition
+from brrr.distributed.tp_group import COLLECTIVE_TIMEOUT_S, resolve
+from brrr.engine.model_runner import ModelRunner
 from brrr.errors import BrrrError
+from brrr.lora.serving import LoraManager
+from brrr.lora.serving_slots import LoraSlots
+from brrr.models.serving import prepare_for_serving
 
-# Longest a collective may wait for its peers before the rank gives up: a dead peer that gloo does not notice, or a
-# hung one, ends in an error after this. Generous, since the first CUDA steps compile kernels on every rank.
-COLLECTIVE_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 600.0  # spawning, importing torch and loading a shard
 
 
 def connect(store_path: str, rank: int, world: int, device: torch.device):
     """This rank's Collectives over a FileStore rendezvous (no port to pick or collide on)."""
     import torch.distributed as dist
-
-    from brrr.distributed.sharding import Collectives
 
     store = dist.FileStore(store_path, world)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
@@ -62,6 +66,20 @@ def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, f
                 torch.device(device), pack_projections, conn)
 
 
+def build_runner(model, spec: dict, pack_projections: bool | None):
+    """A worker's ModelRunner, as rank 0 built its own (spec: `ModelRunner`'s arguments from rank 0). Graphs are
+    captured when rank 0 says so, after the all-reduce choice: every rank's collectives in the same order."""
+    lora = None
+    if spec["lora"] is not None:  # the slots rank 0 allocated, each holding this rank's slices (`LoraSlots.shard`)
+        num_slots, rank, max_rows = spec["lora"]
+        p = next(model.parameters())
+        slots = LoraSlots(num_slots, rank, max_rows, p.device, p.dtype)
+        model = prepare_for_serving(model, EngineConfig(pack_projections=pack_projections), slots)
+        lora = LoraManager(slots, {}, rank, num_slots, set)  # rank 0 picks the slots; this one copies them in
+    return ModelRunner(model, spec["block_size"], spec["num_blocks"], spec["max_model_len"], cuda_graphs=False,
+                       max_graph_batch=spec["max_graph_batch"], lora=lora, verify=spec["verify"])
+
+
 def serve_child(conn, serve, *args) -> None:
     """A child process's main: run serve(*args) until its parent says stop or is gone (EOF on the pipe); on any
     other error send the traceback up the pipe and exit 1. Ctrl-C reaches the whole process group, so the child
@@ -80,13 +98,6 @@ def serve_child(conn, serve, *args) -> None:
 
 
 def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projections, conn) -> None:
-    from brrr.config import EngineConfig
-    from brrr.distributed.shard_loader import load_shard
-    from brrr.distributed.sharding import Partition
-    from brrr.distributed.tp_step import forward_step, replay_step, time_all_reduce
-    from brrr.engine.model_runner import ModelRunner
-    from brrr.models.serving import prepare_for_serving
-
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -100,32 +111,33 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
     runner = None
     while True:
         kind, payload = conn.recv()
-        if kind == "stop":  # rank 0 closes its end of the group at the same time
+        if kind == "call":  # a runner call rank 0 makes on every rank (tp_group.RankZero)
+            name, args, reply = payload
+            out = resolve(runner, name)(*args)
+            if reply:
+                conn.send((name, out))
+        elif kind == "stop":  # rank 0 closes its end of the group at the same time
             if runner is not None:
-                runner.release_graphs()  # before the group, as rank 0 does
+                runner.drop_graphs()  # before the group, as rank 0 does
             comm.close()
             return
-        if kind == "step":
-            with torch.inference_mode():
-                forward_step(runner, payload)
-        elif kind == "replay":
-            with torch.inference_mode():
-                replay_step(runner, payload)
-        elif kind == "capture":
-            runner.capture_cuda_graphs(*payload)
-        elif kind == "cache":
-            block_size, num_blocks = payload
-            runner = ModelRunner(model, block_size, num_blocks, cuda_graphs=False)
+        elif kind == "runner":
+            runner = build_runner(model, payload, pack_projections)
         elif kind == "profile":  # the same forward rank 0 profiles with: its collectives need every rank
             conn.send(("blocks", ModelRunner.profile_num_blocks(model, *payload)))
-        elif kind == "time_all_reduce":
-            conn.send(("all_reduce_us", time_all_reduce(runner, *payload)))
-        elif kind == "oneshot_setup":  # collective: every rank maps its peers' buffers
-            conn.send(("oneshot_setup", comm.setup_oneshot(device, payload)))
-        elif kind == "oneshot_bound":  # rank 0's choice, the same on every rank: the graphs pair up
-            comm.set_oneshot_bound(payload)
-        elif kind == "shards":
-            conn.send(("shards", {n: (tuple(p.shape), p.nbytes) for n, p in model.named_parameters()}))
+        elif kind == "vocab":  # rank 0 keeps the whole vocabulary (tp_loader.DraftTarget); collective
+            gather_vocabulary(model)
+
+
+def gather_vocabulary(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collective: the whole embedding and LM head tables [vocab, hidden], assembled from every rank's rows (the
+    same tensor when they are tied)."""
+    with torch.no_grad():
+        vocab, comm = model.full_config.vocab_size, model.tp_comm
+        embed = comm.all_gather_rows(model.model.embed_tokens.weight)[:vocab]
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            return embed, embed
+        return embed, comm.all_gather_rows(model.lm_head.weight)[:vocab]
 
 
 class WorkerGroup:

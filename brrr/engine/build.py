@@ -14,7 +14,7 @@ def build_engine(model, dtype, device, config: EngineConfig, core: bool = False)
     shipped default."""
     # distributed sits above the engine core: these loaders start processes and import it
     from brrr.distributed.disagg_engine import load_disaggregated
-    from brrr.distributed.tp_runner import load_pretrained
+    from brrr.distributed.tp_loader import load_pretrained
     from brrr.pretrained import load
 
     if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes of their own

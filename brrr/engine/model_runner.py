@@ -1,4 +1,14 @@
-"""ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass."""
+"""ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass.
+
+A step runs in three parts. Host staging (rank 0: it holds the scheduler's state) flattens the ScheduledBatch into a
+`StepRecord`: numpy arrays and ints, the LoRA rows' slots included. Device execution (`run_step`, every rank)
+stages the record in one copy and runs the forward, or replays a decode or verify graph. Sampling (rank 0) reads
+the logits. With tensor parallelism the same ModelRunner runs on every rank over its shard and its KV cache (the
+block ids are rank 0's for all), as nano-vllm does: rank 0 sends each record to the workers before running it
+itself, one host message per worker per step (`model.tp_group`, brrr/distributed/tp_group.py), and the collectives
+inside the forward pair up. Ids that exist only on rank 0's device (a step launched before the host read the
+previous step's tokens, drafts left on the device) are broadcast from there on the device.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +19,7 @@ from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
-from brrr.engine.staging import pad_tables, stage
+from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
@@ -51,18 +61,18 @@ def _cuda_capture(step, pool, device):
 
 
 class ModelRunner:
-    # Why the runner can take no more steps (a tensor-parallel worker died), or None. The engine process's loop
-    # stops on it, so the server's /health answers 503.
-    failure: str | None = None
-
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
                  verify: VerifyGraphSpec | None = None):
         """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
-        verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec_graphs.py)."""
+        verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec_graphs.py).
+        A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
+        runner on every worker first, then captures on every rank."""
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
         self.verify_spec, self.verify_graphs = verify, None
         self.decode_replays = 0  # steps that ran through a decode graph
+        self.tp = getattr(model, "tp_group", None)  # rank 0 of a sharded model: its workers (None elsewhere)
+        self.comm = getattr(model, "tp_comm", None)  # any rank of a sharded model: the group's collectives
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
@@ -73,22 +83,66 @@ class ModelRunner:
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
+        partition = getattr(model, "tp_partition", None)
+        if lora is not None and partition is not None:  # each rank holds its slices of every adapter
+            lora.shard(partition, journal=self.tp is not None)
+        if self.tp is not None:
+            slots = None if lora is None else lora.slots
+            self.tp.start(dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
+                               max_graph_batch=max_graph_batch, verify=verify,
+                               lora=None if slots is None else (slots.num_slots, slots.rank, slots.row_slots.shape[0])))
+            if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
+                self.choose_all_reduce(max_graph_batch)
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
 
+    # ---- every rank ---------------------------------------------------------------------------------------------
+    def _every_rank(self, method: str, *args):
+        """runner.method(*args) here, and first on every worker when this is rank 0 of a sharded model."""
+        if self.tp is None:
+            return getattr(self, method)(*args)
+        return self.tp.call(self, method, *args)
+
+    def _run(self, record: StepRecord, source=None):
+        """Device execution of a staged step on every rank (`run_step`); source: rank 0's device-only inputs."""
+        if self.tp is None:
+            return self.run_step(record, source)
+        return self.tp.step(self, record, source)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the runner can take no more steps (a tensor-parallel worker died, a collective failed), or None. The
+        engine process's loop stops on it, so the server's /health answers 503."""
+        return None if self.tp is None else self.tp.down
+
+    @property
+    def workers(self):
+        """A sharded model's worker processes (tp_worker.WorkerGroup), or None."""
+        return None if self.tp is None else self.tp.workers
+
     def release_graphs(self) -> None:
-        """Drop the captured graphs. Before a process group whose collectives they captured closes: one destroyed
-        after its group (at interpreter exit) aborts the process (pytorch/pytorch#115388)."""
+        """Drop the captured graphs (on every rank). Before a process group whose collectives they captured closes:
+        one destroyed after its group (at interpreter exit) aborts the process (pytorch/pytorch#115388)."""
+        if self.tp is not None and self.tp.down is None:
+            self.tp.call(self, "drop_graphs")
+        else:
+            self.drop_graphs()
+
+    def drop_graphs(self) -> None:
         self.graphs.clear()
         self.verify_graphs = None
 
-    @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int, max_blocks: int, capture=None) -> None:
-        """Capture one decode step per batch size (largest first, one shared memory pool). A step of B
-        sequences replays the smallest graph >= B with the extra rows padded (writing to the spare block). With a
-        verify spec, then the verify graphs of the sizes up to its bound, in the same pool. capture(step, pool) ->
-        (graph, logits): torch.cuda.graph's (tests pass one that re-runs the step eagerly)."""
+        """Capture one decode step per batch size (largest first, one shared memory pool), on every rank in the same
+        order. A step of B sequences replays the smallest graph >= B with the extra rows padded (writing to the spare
+        block). With a verify spec, then the verify graphs of the sizes up to its bound, in the same pool.
+        capture(step, pool) -> (graph, logits): torch.cuda.graph's (tests pass one that re-runs the step eagerly;
+        picklable under tensor parallelism: the workers run it too)."""
+        self._every_rank("capture_here", max_batch, max_blocks, capture)
+
+    @torch.inference_mode()
+    def capture_here(self, max_batch: int, max_blocks: int, capture=None) -> None:
         sizes = graph_sizes(max_batch)
         n, dev = sizes[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -126,6 +180,72 @@ class ModelRunner:
             self.verify_graphs = VerifyGraphs(self, self.verify_spec, verify, max_blocks)
             self.verify_graphs.capture(capture or (lambda step, p: _cuda_capture(step, p, dev)), pool)
 
+    def copy_blocks(self, copies) -> None:
+        """Copy KV blocks (src, dst) on every rank."""
+        if copies:
+            self._every_rank("copy_here", block_copies(copies))
+
+    def copy_here(self, copies: np.ndarray) -> None:
+        src, dst = h2d(copies, self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def run_step(self, record: StepRecord, source=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage a step and run it: (logits of its read rows, hidden states where kept). source (rank 0 only): a
+        decode step's (device tokens, rows) its ids are gathered from, or the device drafts an eager or verify
+        step's ids are completed with. Nothing here waits for the device."""
+        if record.copies is not None:
+            self.copy_here(record.copies)
+        if self.lora is not None:
+            for slot, adapter in record.lora_writes:
+                self.lora.slots.copy_in(slot, adapter)
+        if record.kind == "decode":
+            return self._run_decode(record, source), None
+        if record.kind == "verify":
+            return self.verify_graphs.run(record, source)
+        return self._run_eager(record, source)
+
+    def _share_ids(self, record: StepRecord, ids: torch.Tensor) -> None:
+        """Ids rank 0 gathered on its device, on every rank (the workers staged zeros there)."""
+        if record.device_ids and self.comm is not None:
+            self.comm.broadcast(ids, src=0)
+
+    def stage_lora(self, record: StepRecord) -> None:
+        """The step's rows' slots into the slots' row buffer (a graph input)."""
+        if self.lora is not None:
+            n = len(record.lora_rows)
+            self.lora.slots.row_slots[:n].copy_(h2d(record.lora_rows, self.device))
+
+    def _run_decode(self, record: StepRecord, ids_from) -> torch.Tensor:
+        (host,) = record.arrays
+        g = record.size
+        stage_decode_inputs(h2d(host, self.device), g, record.rows, record.width, self.g_ids, self.g_pos, self.g_slots,
+                            self.g_ctx, self.g_tables, ids_from)
+        self._share_ids(record, self.g_ids[:g])
+        self.stage_lora(record)
+        graph, logits, _ = self.graph_for(g, record.longest)
+        graph.replay()
+        self.decode_replays += 1
+        return logits[:record.rows]
+
+    def _run_eager(self, record: StepRecord, drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, positions, slots, cu, context, tables, rows, *draft_index = stage(self.device, *record.arrays)
+        if drafts is not None:  # drafts still on the device: their ids gathered there
+            write_device_drafts(ids, drafts, *draft_index)
+        self._share_ids(record, ids)
+        meta = AttnMeta(cu_seqlens_q=cu, seqlens_q=record.seqlens, context_lens=record.context_lens,
+                        slot_mapping=slots, block_tables=tables, kv_caches=self.kv_caches, context_lens_t=context)
+        if self.lora is not None:
+            self.stage_lora(record)
+            self.lora.slots.begin(len(ids))
+        hidden = self.model(ids, positions, meta)
+        if self.lora is not None:
+            self.lora.slots.end()
+        return self.model.compute_logits(hidden.index_select(0, rows)), hidden
+
+    # ---- host staging (rank 0) -------------------------------------------------------------------------------
     def graph_for(self, size: int, longest: int) -> tuple:
         """(graph, logits, meta) a step of `size` (a captured size) replays: the one planned for the tightest
         context bound its longest context fits."""
@@ -135,15 +255,11 @@ class ModelRunner:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
         (device tokens, device row index): the input ids are those tokens, gathered on the device (a step launched
         before the host has read the previous step's tokens). Nothing here waits for the GPU."""
-        g, b, width, host, longest = self.decode_inputs(batch, ahead=ids_from is not None)
-        stage_decode_inputs(h2d(host, self.device), g, b, width, self.g_ids, self.g_pos, self.g_slots, self.g_ctx,
-                            self.g_tables, ids_from)
-        if self.lora is not None:
-            self._lora_rows(batch, [1] * b, g)
-        graph, logits, _ = self.graph_for(g, longest)
-        graph.replay()
-        self.decode_replays += 1
-        return logits[:b]
+        ahead = ids_from is not None
+        g, b, width, host, longest = self.decode_inputs(batch, ahead=ahead)
+        record = StepRecord("decode", (host,), size=g, rows=b, width=width, longest=longest, device_ids=ahead,
+                            **self.lora_fields(batch, [1] * b, g))
+        return self._run(record, ids_from)[0]
 
     def decode_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[int, int, int, np.ndarray, int]:
         """A decode step's graph inputs as one host array, staged by one copy and one kernel: (captured size g, rows
@@ -160,6 +276,56 @@ class ModelRunner:
         host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1
         return g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens)
 
+    def lora_fields(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> dict:
+        """A record's LoRA fields: slots for the step's adapters (loading any that has none; a sharded runner's
+        loads travel with the record), and each of its num_rows rows' slot."""
+        if self.lora is None:
+            return {}
+        slots = self.lora.slots
+        if num_rows > slots.row_slots.shape[0]:
+            raise BrrrError(f"a step of {num_rows} rows exceeds the LoRA row buffer ({slots.row_slots.shape[0]}: "
+                            "max_num_batched_tokens)")
+        rows = self.lora.row_slots([seq.request.lora_request for seq, _ in batch.items], counts, num_rows)
+        return {"lora_rows": rows, "lora_writes": slots.take_journal()}
+
+    def _flatten(self, batch: ScheduledBatch, ahead: bool = False):
+        """The step as flat arrays: token ids, positions and cache slots of every new token (numpy, not a Python
+        loop per token: prefill steps carry thousands), query lengths, context lengths, padded block tables."""
+        bs = self.block_size
+        ids, seqlens, context_lens = [], [], []
+        width = max(len(seq.block_table) for seq, _ in batch.items)
+        tables = np.zeros((len(batch.items), width), dtype=np.int32)
+        for i, (seq, n) in enumerate(batch.items):
+            start = seq.num_computed_tokens + ahead
+            if not ahead:
+                chunk = seq.token_ids[start:start + n]
+                if len(chunk) < n:  # a speculating decode: its draft tokens follow its last token
+                    chunk += seq.spec_tokens[:n - len(chunk)]
+                ids += chunk
+            seqlens.append(n)
+            context_lens.append(start + n)
+            tables[i, : len(seq.block_table)] = seq.block_table
+        starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
+        rows = np.repeat(np.arange(len(seqlens)), seqlens)
+        positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
+
+    def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows) -> tuple[StepRecord, object]:
+        """(the record of a step run eagerly, the device drafts its ids are completed with or None)."""
+        ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
+        cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+        gather = device_draft_gather(batch)
+        arrays = (np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
+                  pad_tables(tables), np.array(rows + list(logit_rows), dtype=np.int64),
+                  *(gather[1:] if gather else ()))
+        record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
+                            rows=len(rows), device_ids=gather is not None,
+                            **self.lora_fields(batch, seqlens, len(ids)))
+        return record, None if gather is None else gather[0]
+
+    # ---- what the engine calls (rank 0) ------------------------------------------------------------------------
     def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether `launch` takes this batch: decode-only, no block copies, within the captured sizes."""
         return (bool(self.graphs) and not batch.copies and len(batch.items) <= max(self.graphs)
@@ -195,6 +361,60 @@ class ModelRunner:
     def launch_sampling(logits: torch.Tensor, rows: list[SampleRow], bitmask=None) -> PendingTokens:
         return PendingTokens(draw(logits, rows, bitmask)[0])
 
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]], logit_rows: list[int] = (),
+                want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
+        """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
+        log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
+        want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; decode graphs
+        keep only logits, verify graphs keep it when captured for it; under tensor parallelism rank 0's, which the
+        all-reduces made every rank's). A step of decodes replays a decode graph; one whose rows have up to q tokens
+        (verify steps, a draft model's catch-up) a verify graph; the rest, and steps that want prompt log-probs,
+        run eagerly."""
+        rows, sampling = [r for r, _ in sample_rows], [row for _, row in sample_rows]
+        if not logit_rows and not want_hidden and self.can_launch(batch):
+            logits = self._replay(batch)
+            if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
+                logits = logits.index_select(0, h2d(rows, self.device, torch.long))
+            return sample(logits, sampling), None, None
+        verify = self.verify_graphs
+        # (a step of decodes that missed the decode graphs, block copies say, stays eager: q times its tokens)
+        if (verify is not None and not logit_rows and (verify.hidden or not want_hidden) and verify.takes(batch)
+                and (want_hidden or any(n > 1 for _, n in batch.items))):
+            logits, hidden = verify.replay(batch, rows, want_hidden)
+            return sample(logits, sampling), None, hidden
+        record, drafts = self._eager_record(batch, rows, logit_rows)
+        logits, hidden = self._run(record, drafts)
+        result = sample(logits[: len(rows)], sampling)
+        extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
+        return result, extra, hidden if want_hidden else None
+
+    # ---- tensor parallelism (rank 0 of a sharded model) ------------------------------------------------------
+    def _group(self, what: str):
+        if self.tp is None:
+            raise BrrrError(f"{what} measures a tensor-parallel engine's all-reduce: tensor_parallel_size is 1")
+        return self.tp
+
+    def choose_all_reduce(self, max_graph_batch: int, iters: int = 200) -> int:
+        """Set up the one-shot all-reduce on every rank and route to it the decode messages up to the largest size
+        at which it beat NCCL in CUDA graphs (`tp_group.RankZero.choose_all_reduce`). Returns that bound in bytes."""
+        return self._group("choose_all_reduce").choose_all_reduce(self, max_graph_batch, iters)
+
+    def time_all_reduce(self, rows: int, iters: int = 200) -> dict:
+        """The all-reduce of a decode step of `rows` rows inside a CUDA graph (`tp_group.RankZero.time_all_reduce`)."""
+        return self._group("time_all_reduce").time_all_reduce(self, rows, iters)
+
+    def shard_shapes(self) -> list[dict[str, tuple[tuple[int, ...], int]]]:
+        """Each rank's parameters: {name: (shape, bytes)}, rank 0 first."""
+        if self.tp is None:
+            return [{n: (tuple(p.shape), p.nbytes) for n, p in self.model.named_parameters()}]
+        return self.tp.shard_shapes(self)
+
+    def shutdown(self) -> None:
+        """Stop a sharded model's workers (their graphs and the group's first); nothing to do on one device."""
+        if self.tp is not None:
+            self.tp.shutdown(self)
+
     @staticmethod
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
@@ -215,88 +435,3 @@ class ModelRunner:
         in_use = torch.cuda.memory_reserved(device)
         per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype) + extra_bytes_per_block
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)
-
-    def _lora_rows(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> None:
-        """Slots for the step's adapters, and each of its num_rows rows' slot written to the graph input."""
-        slots = self.lora.slots
-        if num_rows > slots.row_slots.shape[0]:
-            raise BrrrError(f"a step of {num_rows} rows exceeds the LoRA row buffer ({slots.row_slots.shape[0]}: "
-                            "max_num_batched_tokens)")
-        host = self.lora.row_slots([seq.request.lora_request for seq, _ in batch.items], counts, num_rows)
-        slots.row_slots[:num_rows].copy_(h2d(host, self.device))
-
-    def copy_blocks(self, copies):
-        if not copies:
-            return
-        src, dst = h2d(np.array(copies, dtype=np.int64).T.copy(), self.device)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
-
-    def _flatten(self, batch: ScheduledBatch, ahead: bool = False):
-        """The step as flat arrays: token ids, positions and cache slots of every new token (numpy, not a Python
-        loop per token: prefill steps carry thousands), query lengths, context lengths, padded block tables."""
-        bs = self.block_size
-        ids, seqlens, context_lens = [], [], []
-        width = max(len(seq.block_table) for seq, _ in batch.items)
-        tables = np.zeros((len(batch.items), width), dtype=np.int32)
-        for i, (seq, n) in enumerate(batch.items):
-            start = seq.num_computed_tokens + ahead
-            if not ahead:
-                chunk = seq.token_ids[start:start + n]
-                if len(chunk) < n:  # a speculating decode: its draft tokens follow its last token
-                    chunk += seq.spec_tokens[:n - len(chunk)]
-                ids += chunk
-            seqlens.append(n)
-            context_lens.append(start + n)
-            tables[i, : len(seq.block_table)] = seq.block_table
-        starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
-        rows = np.repeat(np.arange(len(seqlens)), seqlens)
-        positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
-
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]], logit_rows: list[int] = (),
-                want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
-        """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
-        log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
-        want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; decode graphs
-        keep only logits, verify graphs keep it when captured for it). A step of decodes replays a decode graph;
-        one whose rows have up to q tokens (verify steps, a draft model's catch-up) a verify graph; the rest, and
-        steps that want prompt log-probs, run eagerly."""
-        self.copy_blocks(batch.copies)
-        rows = [r for r, _ in sample_rows]
-        if not logit_rows and not want_hidden and self.can_launch(batch):
-            logits = self._replay(batch)
-            if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
-                logits = logits.index_select(0, h2d(rows, self.device, torch.long))
-            return sample(logits, [row for _, row in sample_rows]), None, None
-        verify = self.verify_graphs
-        # (a step of decodes that missed the decode graphs, block copies say, stays eager: q times its tokens)
-        if (verify is not None and not logit_rows and (verify.hidden or not want_hidden) and verify.takes(batch)
-                and (want_hidden or any(n > 1 for _, n in batch.items))):
-            logits, hidden = verify.replay(batch, rows, want_hidden)
-            return sample(logits, [row for _, row in sample_rows]), None, hidden
-        ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
-        tables = pad_tables(tables)
-        cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
-        np.cumsum(seqlens, out=cu[1:])
-        gather = device_draft_gather(batch)
-        ids_t, positions_t, slots_t, cu_t, context_t, tables_t, rows_t, *draft_index = stage(
-            self.device, np.array(ids, dtype=np.int64), positions, slots, cu, np.array(context_lens, dtype=np.int32),
-            tables, np.array(rows + list(logit_rows), dtype=np.int64), *(gather[1:] if gather else ()))
-        if gather is not None:  # drafts still on the device: their ids gathered there
-            write_device_drafts(ids_t, gather[0], *draft_index)
-        meta = AttnMeta(cu_seqlens_q=cu_t, seqlens_q=seqlens, context_lens=context_lens, slot_mapping=slots_t,
-                        block_tables=tables_t, kv_caches=self.kv_caches, context_lens_t=context_t)
-        if self.lora is not None:
-            self._lora_rows(batch, seqlens, len(ids))
-            self.lora.slots.begin(len(ids))
-        hidden = self.model(ids_t, positions_t, meta)
-        if self.lora is not None:
-            self.lora.slots.end()
-        logits = self.model.compute_logits(hidden.index_select(0, rows_t))
-        result = sample(logits[: len(rows)], [row for _, row in sample_rows])
-        extra = logits[len(rows):].log_softmax(-1) if logit_rows else None
-        return result, extra, hidden if want_hidden else None

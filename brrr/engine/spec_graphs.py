@@ -20,7 +20,7 @@ import torch
 
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
-from brrr.engine.staging import index_in_row, stage
+from brrr.engine.staging import StepRecord, block_copies, index_in_row, stage
 from brrr.kernels import AttnMeta
 
 # Rows (g * q) of the largest verify graph: its logits (fp32, rows x vocab) and activations stay in the graph pool
@@ -49,7 +49,7 @@ def verify_graph_spec(tokens: int, hidden: bool, max_num_seqs: int, max_num_batc
 def graph_replays(runner, proposer) -> dict:
     """Speculating steps that ran in graphs: the target's verify steps, and a draft model's steps (its own runner's
     decode and verify graphs) or an EAGLE head's proposals."""
-    verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off, tensor parallelism)
+    verify = runner.verify_graphs  # None: not captured (CPU, cuda_graphs off)
     stats = {"spec_verify_graph_steps": verify.replays if verify is not None else 0}
     steps = proposer.draft_graph_steps()
     if steps is not None:
@@ -111,7 +111,13 @@ class VerifyGraphs:
 
     def replay(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool):
         """(logits of the flattened step's `rows`, and with want_hidden its hidden states [tokens, hidden] in the
-        flattened order, as `ModelRunner.execute` returns them), through the graph of the next size up."""
+        flattened order, as `ModelRunner.execute` returns them), through the graph of the next size up (on every
+        rank of a sharded model: the record is the runner's)."""
+        record, drafts = self.record(batch, rows, want_hidden)
+        return self.runner._run(record, drafts)
+
+    def record(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool):
+        """Host staging: (the step's StepRecord, the device drafts its ids are completed with or None)."""
         runner, q, b = self.runner, self.q, len(batch.items)
         g = next(size for size in self.sizes if size >= b)
         ids, positions, slots, seqlens, context_lens, tables = runner._flatten(batch)
@@ -129,18 +135,26 @@ class VerifyGraphs:
         ctx[:b] = np.asarray(context_lens) - n + q
         take = np.concatenate([where[rows], where if want_hidden else where[:0]])
         gather = device_draft_gather(batch)
-        rows_t, ctx_t, tables_t, take_t, *draft_index = stage(
-            runner.device, host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
-        self.rows[:, : g * q].copy_(rows_t)
-        if gather is not None:  # drafts still on the device: their ids gathered there
-            write_device_drafts(self.rows[0], gather[0], *draft_index)
+        arrays = (host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
+        record = StepRecord("verify", arrays, block_copies(batch.copies), size=g, rows=len(rows),
+                            want_hidden=want_hidden, device_ids=gather is not None,
+                            **runner.lora_fields(batch, [q] * b, g * q))
+        return record, None if gather is None else gather[0]
+
+    def run(self, record, drafts):
+        """Device execution of a verify record (every rank): (picked logits, hidden states or None)."""
+        runner, g = self.runner, record.size
+        rows_t, ctx_t, tables_t, take_t, *draft_index = stage(runner.device, *record.arrays)
+        self.rows[:, : g * self.q].copy_(rows_t)
+        if drafts is not None:  # drafts still on the device: their ids gathered there
+            write_device_drafts(self.rows[0], drafts, *draft_index)
+        runner._share_ids(record, self.rows[0, : g * self.q])
         self.ctx[:g].copy_(ctx_t)
-        self.tables[:b, : tables.shape[1]].copy_(tables_t)
-        if runner.lora is not None:
-            runner._lora_rows(batch, [q] * b, g * q)
+        self.tables[: tables_t.shape[0], : tables_t.shape[1]].copy_(tables_t)
+        runner.stage_lora(record)
         graph, logits = self.graphs[g]
         graph.replay()
         self.replays += 1
-        picked = logits.index_select(0, take_t[: len(rows)])
-        hidden = self.hidden_out.index_select(0, take_t[len(rows):]) if want_hidden else None
+        picked = logits.index_select(0, take_t[: record.rows])
+        hidden = self.hidden_out.index_select(0, take_t[record.rows:]) if record.want_hidden else None
         return picked, hidden

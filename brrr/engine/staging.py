@@ -2,8 +2,11 @@
 query starts, context lengths, block tables, rows to read) packed into one buffer and sent in one pinned,
 non-blocking copy (`sampler.h2d`: torch's caching host allocator, the upload stream, never a host wait); the step's
 tensors are views of that copy. A pageable copy would wait for the whole stream, and one copy per array would queue
-one transfer each."""
+one transfer each. `StepRecord`: a step as the runner's host staging leaves it for the device (on every rank of a
+sharded model)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,6 +17,29 @@ from brrr.engine.sampler import h2d
 # divisibility, so views at other offsets would compile (and autotune) the kernels again inside served steps.
 ALIGN = 16
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+@dataclass
+class StepRecord:
+    """One step as every rank runs it: host arrays and numbers only (rank 0 pickles it to the workers)."""
+    kind: str  # "eager" (a varlen forward), "decode" (a decode graph), "verify" (a verify graph)
+    arrays: tuple  # staged to the device in one copy, in the kind's order
+    copies: np.ndarray | None = None  # [2, n] KV blocks to copy before the step: sources, destinations
+    seqlens: list[int] = field(default_factory=list)  # eager: query tokens per row
+    context_lens: list[int] = field(default_factory=list)  # eager: context length per row
+    size: int = 0  # decode, verify: the captured size replayed
+    rows: int = 0  # decode: real rows; eager, verify: rows whose logits are read (sampled first)
+    width: int = 0  # decode: block-table width
+    longest: int = 0  # decode: longest context (which of the size's graphs)
+    want_hidden: bool = False  # verify: the hidden states are read too
+    device_ids: bool = False  # some input ids are on rank 0's device only: broadcast from there before the forward
+    lora_rows: np.ndarray | None = None  # each row's adapter slot (int32, -1: none)
+    lora_writes: list = field(default_factory=list)  # (slot, adapter) copied into the slots first (sharded runs)
+
+
+def block_copies(copies) -> np.ndarray | None:
+    """A step's KV block copies [(src, dst)] as a record carries them: [2, n] int64, None when there are none."""
+    return np.array(copies, dtype=np.int64).T.copy() if copies else None
 
 
 def pad_tables(tables: np.ndarray) -> np.ndarray:

@@ -105,6 +105,12 @@ class LoraManager:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot; first = least recently used
         self.loads = 0  # adapters copied into a slot (tests, stats)
 
+    def shard(self, partition, journal: bool) -> None:
+        """Serve a tensor-parallel shard: adapters are checked against the whole model's shapes, and the slots hold
+        this rank's slices (`LoraSlots.shard`)."""
+        self.shapes = projection_shapes(partition.cfg)
+        self.slots.shard(partition, journal)
+
     @property
     def max_loras(self) -> int:
         return self.slots.num_slots

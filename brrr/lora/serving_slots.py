@@ -6,7 +6,14 @@ copy into a slot, never a new allocation. Each slot holds, per serving module, A
 rank] with the adapter's scaling folded into B; an adapter of a smaller rank (or one that leaves a module out) is
 zero-padded, which adds nothing. `rank` is max_lora_rank rounded up to a power of two of at least 16 (the kernels'
 tile). A packed projection (q/k/v, gate/up) is one serving module of several slices, each with its own part of A
-and its own rows of B, so the update is exactly the separate modules' updates side by side."""
+and its own rows of B, so the update is exactly the separate modules' updates side by side.
+
+On a tensor-parallel shard (`shard`) each rank's slots hold its slices of every adapter, cut like the layers they
+wrap: a column-parallel projection (q/k/v, gate/up) keeps its output rows, so B is sliced by rows and A is whole; a
+row-parallel one (o_proj, down_proj) keeps its input columns, so A is sliced by columns and B is whole, and the
+update x_r A_r^T B^T is added to the rank's partial product before the all-reduce, which sums it with the others
+(sum_r x_r A_r^T = x A^T): no collective of its own. The slot count and each row's slot are the same on every rank;
+rank 0 decides them, and its loads travel to the workers with the step that needs them (`journal`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +47,21 @@ class LoraSlots:
         self.rows: LoraRows | None = None  # this step's grouping; None: no adapter is applied (profiling runs)
         self.t: torch.Tensor | None = None  # this step's shrink outputs, every module's: zeroed once a step
         self.t_width = 0
+        self.partition = None  # a tensor-parallel shard's Partition: which slice of each adapter tensor it holds
+        # rank 0 of a shard: the loads (slot, adapter) not yet copied, which the next step carries to every rank
+        self.journal: list | None = None
+
+    def shard(self, partition, journal: bool) -> None:
+        """Hold `partition`'s slices of every adapter; journal (rank 0): `write` queues the loads for the next step
+        (`take_journal`), which copies them on every rank."""
+        self.partition, self.journal = partition, [] if journal else None
+
+    def take_journal(self) -> list:
+        """The loads queued since the last step (each rank copies them in before running it)."""
+        if not self.journal:
+            return []
+        out, self.journal = self.journal, []
+        return out
 
     def target(self, key: str, names: tuple[str, ...], in_features: int, outs: tuple[int, ...]) -> SlotTarget:
         offsets = tuple(int(v) for v in torch.tensor([0, *outs]).cumsum(0))
@@ -59,10 +81,25 @@ class LoraSlots:
     def nbytes(self) -> int:
         return sum(t.a.nbytes + t.b.nbytes for t in self.targets.values())
 
-    @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy `adapter` into `slot`, one copy per tensor, on the compute stream (a step still reading the slot
-        runs first). Built on the host: padding and scaling cost no device launches."""
+        """Put `adapter` in `slot`: now, or with rank 0 of a shard at the next step, on every rank."""
+        if self.journal is not None:
+            self.journal.append((slot, adapter))
+        else:
+            self.copy_in(slot, adapter)
+
+    def _slices(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of module `name`'s update: the slice its layer holds (the module docstring)."""
+        where = None if self.partition is None else self.partition.slice_of(name + ".weight")
+        if where is None:
+            return a, b
+        dim, start, stop = where
+        return (a, b[start:stop]) if dim == 0 else (a[:, start:stop], b)
+
+    @torch.no_grad()
+    def copy_in(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter` (this rank's slices) into `slot`, one copy per tensor, on the compute stream (a step still
+        reading the slot runs first). Built on the host: padding and scaling cost no device launches."""
         scaling, r = adapter.config.scaling, adapter.rank
         for target in self.targets.values():
             a_host = torch.zeros(target.a.shape[1:], dtype=self.dtype)
@@ -70,7 +107,7 @@ class LoraSlots:
             for j, name in enumerate(target.names):
                 if name not in adapter.weights:
                     continue
-                a, b = adapter.weights[name]
+                a, b = self._slices(name, *adapter.weights[name])
                 a_host[j * self.rank:j * self.rank + r] = a
                 b_host[target.offsets[j]:target.offsets[j + 1], :r] = b.float() * scaling
             target.a[slot].copy_(a_host)
@@ -87,7 +124,9 @@ class LoraSlots:
 
 
 class LoraLinear(nn.Module):
-    """A serving projection (nn.Linear, QuantLinear or a packed one) plus each row's adapter update from the slots."""
+    """A serving projection (nn.Linear, QuantLinear or a packed one) plus each row's adapter update from the slots.
+    A row-parallel shard's projection (one with `partial` and `reduce`: brrr/distributed/sharding.py) gets the
+    update on its partial product, before the all-reduce."""
 
     def __init__(self, base: nn.Module, slots: LoraSlots, target: SlotTarget):
         super().__init__()
@@ -95,12 +134,13 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = target.a.shape[2], target.offsets[-1]
 
     def forward(self, x):
-        y = self.base(x)
+        reduce = getattr(self.base, "reduce", None)
+        y = self.base(x) if reduce is None else self.base.partial(x)
         rows = self.slots.rows
-        if rows is None:
-            return y
-        if rows.num_rows != x.shape[0]:
-            raise RuntimeError(f"LoRA rows were set for {rows.num_rows} rows but the step has {x.shape[0]}")
-        t = self.target
-        shrunk = self.slots.t[:, t.t_columns[0]:t.t_columns[1]]
-        return lora_apply(y, x, t.a, t.b, rows, t.offsets, t.offsets_t, shrunk)
+        if rows is not None:
+            if rows.num_rows != x.shape[0]:
+                raise RuntimeError(f"LoRA rows were set for {rows.num_rows} rows but the step has {x.shape[0]}")
+            t = self.target
+            shrunk = self.slots.t[:, t.t_columns[0]:t.t_columns[1]]
+            y = lora_apply(y, x, t.a, t.b, rows, t.offsets, t.offsets_t, shrunk)
+        return y if reduce is None else reduce(y)

@@ -231,7 +231,7 @@ def test_a_killed_worker_fails_the_engine_cleanly(llama):
 
 def test_a_killed_worker_makes_the_server_engine_unhealthy(llama):
     from brrr.config import EngineConfig
-    from brrr.distributed.tp_runner import load_pretrained
+    from brrr.distributed.tp_loader import load_pretrained
     from brrr.engine.async_llm import AsyncLLM
     from brrr.engine.core import EngineCore
 
@@ -276,9 +276,10 @@ def test_tp2_shards_quantized_checkpoints(tmp_path, llama, method):
 def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference):
     import httpx
 
-    from tests.server.test_cli import start_server
+    from tests.server.test_cli import start_server, stop_server
 
-    proc, url = start_server(llama, "--tensor-parallel-size", "2")
+    # on a loaded machine two ranks load slowly; a start that fails stops the server and its workers itself
+    proc, url = start_server(llama, "--tensor-parallel-size", "2", start_timeout=240)
     try:
         prompt = _prompts()[0]
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
@@ -289,18 +290,81 @@ def test_brrr_serve_tensor_parallel_size_answers_like_one_rank(llama, reference)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0  # the engine process and its worker stopped with it
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)  # a failed check too: the server, its engine process and its worker
 
 
-def test_eagle_speculation_is_refused_with_tensor_parallelism():
-    from brrr.config import EngineConfig
-    from brrr.errors import BrrrError
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group pgid (Linux: /proc/PID/stat's fifth field)."""
+    members = []
+    for stat in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{stat}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat))
+    return members
 
-    with pytest.raises(BrrrError, match="eagle.*tensor parallelism"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2,
-                                                                 "model": "/nonexistent"})
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process groups from /proc")
+def test_a_server_start_that_times_out_stops_the_server_and_its_workers(llama, monkeypatch):
+    from tests.server import test_cli
+
+    seen, stop = [], test_cli.stop_server
+    monkeypatch.setattr(test_cli, "stop_server", lambda proc: seen.append(_group_members(proc.pid)) or stop(proc))
+    with pytest.raises(AssertionError, match="did not come up"):
+        test_cli.start_server(llama, "--tensor-parallel-size", "2", start_timeout=8)
+    (members,) = seen
+    assert members  # the server at least, and what it had started by then
+    deadline = time.monotonic() + 10
+    while _group_members(members[0]):  # SIGKILLed, gone once reaped
+        assert time.monotonic() < deadline, f"still running: {_group_members(members[0])}"
+        time.sleep(0.1)
+
+
+def test_tp2_with_eagle_gives_the_greedy_tokens_of_one_rank(llama, reference, tmp_path):
+    """The EAGLE head drafts on rank 0 (the hidden states every rank holds, the whole vocabulary gathered once at
+    load); verify steps run on every rank, eagerly and through (stand-in) verify graphs that keep the hidden states,
+    with the drafts' ids sent from the host (the engine's choice under TP) or broadcast from rank 0's device."""
+    from brrr.models.eagle import new_head, save_head
+    from brrr.pretrained import load
+    from brrr.train.draft import EagleLoss
+    from tests.engine.test_spec_eagle_engine import greedy_text
+
+    # a head fitted a little to the target's greedy continuations of these prompts: some drafts are accepted, so the
+    # tokens after an accepted draft show whether every rank saw its id
+    model, by_length = load(str(llama), dtype="float32", device="cpu").model, {}
+    for p in _prompts():
+        by_length.setdefault(len(p), []).append(p)
+    batches = [torch.tensor(greedy_text(model, group, 6)) for group in by_length.values()]
+    head = new_head(model, seed=0)
+    loss, opt = EagleLoss(head, model), torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for i in range(60):
+        opt.zero_grad()
+        loss(batches[i % len(batches)][:, :-1], batches[i % len(batches)][:, 1:]).backward()
+        opt.step()
+    save_head(head.eval(), tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    llm = LLM(str(llama), tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2,
+                                                                      "model": str(tmp_path)}, **STRESS)
+    try:
+        draft = llm.engine.spec.proposer.target
+        assert draft.model.embed_tokens.weight.shape == (VOCAB, llm.engine.model.full_config.hidden_size)
+        assert not llm.engine.spec.device_drafts
+        runs = [llm.generate(_prompts(), params, use_tqdm=False)]
+        llm.engine.spec.device_drafts = True
+        runs.append(llm.generate(_prompts(), params, use_tqdm=False))
+        llm.engine.runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+        assert llm.engine.runner.verify_graphs.hidden
+        runs.append(llm.generate(_prompts(), params, use_tqdm=False))
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.runner.shutdown()
+    for outs in runs:
+        assert [o.outputs[0].token_ids for o in outs] == reference[0]
+        assert _close([o.outputs[0].logprobs for o in outs], reference[1])
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["spec_verify_graph_steps"] > 0
 
 
 def test_tp2_with_ngram_speculation_gives_the_greedy_tokens_of_one_rank(llama, reference):
@@ -316,3 +380,74 @@ def test_tp2_with_ngram_speculation_gives_the_greedy_tokens_of_one_rank(llama, r
         llm.engine.runner.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == reference[0]
     assert stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_tp2_serves_a_lora_batch_like_one_rank(llama, tmp_path):
+    """Three adapters over two slots (loads and evictions travel with the steps) and base rows in one batch: every
+    rank holds its slices of each adapter (column-parallel projections B's rows, row-parallel ones A's columns,
+    the update added before the all-reduce), and the tokens and log-probs are TP 1's, eagerly and through (stand-in)
+    decode graphs."""
+    from brrr.engine import LoRARequest
+    from brrr.lora import LoraAdapter, LoraConfig, save_adapter
+    from brrr.lora.serving import projection_shapes
+
+    g = torch.Generator().manual_seed(0)
+    shapes = projection_shapes(ModelConfig.from_dir(llama))
+    requests = []
+    for i, (r, kinds) in enumerate([(4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj")), (8, ("o_proj", "down_proj")), (2, ("v_proj", "up_proj"))]):
+        weights = {n: (torch.randn(r, i_f, generator=g) * 0.3, torch.randn(o_f, r, generator=g) * 0.3)
+                   for n, (i_f, o_f) in shapes.items() if n.rsplit(".", 1)[-1] in kinds}
+        path = save_adapter(tmp_path / f"a{i}", LoraAdapter(LoraConfig(r=r, lora_alpha=8.0, target_modules=kinds),
+                                                            weights))
+        requests.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    prompts = _prompts()[:12]
+    loras = [None if i % 4 == 3 else requests[i % 4] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    config = dict(STRESS, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def run(llm, capture=False):
+        if capture:
+            llm.engine.runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    want = run(LLM(str(llama), **config))
+    assert len({tuple(t) for t in want[0]}) > 8  # the adapters change the tokens
+    llm = LLM(str(llama), tensor_parallel_size=2, **config)
+    try:
+        got = [run(llm), run(llm, capture=True)]
+        loads = llm.engine.lora.loads
+    finally:
+        llm.engine.runner.shutdown()
+    for tokens, logprobs in got:
+        assert tokens == want[0] and _close(logprobs, want[1])
+    assert loads > 3  # two slots for three adapters: evicted and loaded again
+
+
+def test_tp2_guided_requests_equal_one_rank(tp2, llama):
+    """Guided rows beside plain ones: rank 0 masks and samples; steps launched ahead queue their forward on every
+    rank before the mask is known (the guided launch-ahead path, through stand-in graphs)."""
+    from brrr import StructuredOutputsParams
+
+    specs = [dict(regex="[ab]+c"), dict(choice=["yes", "no"]), None,
+             dict(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=spec is None,
+                             structured_outputs=None if spec is None else StructuredOutputsParams(**spec))
+              for spec in specs] * 2
+    prompts = _prompts()[:len(params)]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(LLM(str(llama), **STRESS))
+    runner = tp2.engine.runner
+    runner.capture_cuda_graphs(8, 64, capture=eager_capture)
+    forwards, real = [], runner.launch_forward
+    runner.launch_forward = lambda batch, ids_from=None: forwards.append(ids_from is not None) or real(batch, ids_from)
+    try:
+        got = run(tp2)
+    finally:
+        del runner.launch_forward
+    assert got == want
+    assert any(forwards)  # guided steps launched ahead

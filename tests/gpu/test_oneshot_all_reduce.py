@@ -82,7 +82,7 @@ def test_oneshot_sums_equal_nccl_eagerly_and_in_graphs(tmp_path, world):
 FORCED_SCRIPT = """
 import gc, sys
 import torch
-import brrr.distributed.tp_runner as tp_runner
+import brrr.distributed.tp_group as tp_group
 from brrr import LLM, SamplingParams
 
 path, cuda_graphs = sys.argv[1], sys.argv[2] == "graphs"
@@ -98,7 +98,7 @@ del one
 gc.collect()
 torch.cuda.empty_cache()
 # rank 0 decides for every rank: one-shot for every timed size, whatever the timings said
-tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)
+tp_group.choose_bound = lambda timings: max(b for b, _, _ in timings)
 llm = LLM(path, tensor_parallel_size=2, **args)
 try:
     comm = llm.engine.model.tp_comm
@@ -160,11 +160,11 @@ def test_tp2_start_up_choice_is_measured_and_logged(tmp_path):
 STUCK_SCRIPT = """
 import os, signal, sys, threading, time
 import brrr.distributed.oneshot as oneshot
-import brrr.distributed.tp_runner as tp_runner
+import brrr.distributed.tp_group as tp_group
 from brrr import LLM, SamplingParams
 
-tp_runner.choose_bound = lambda timings: max(b for b, _, _ in timings)  # one-shot for every decode message
-tp_runner.LaunchWatchdog = lambda procs, _timeout: oneshot.LaunchWatchdog(procs, 3.0)  # NCCL's stays 120 s
+tp_group.choose_bound = lambda timings: max(b for b, _, _ in timings)  # one-shot for every decode message
+tp_group.LaunchWatchdog = lambda procs, _timeout: oneshot.LaunchWatchdog(procs, 3.0)  # NCCL's stays 120 s
 llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cuda", gpu_memory_utilization=0.05,
           max_num_batched_tokens=64)
 worker = llm.engine.runner.workers.procs[0].pid

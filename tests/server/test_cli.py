@@ -22,27 +22,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, *flags: str, shutdown_timeout: int | None = None):
+def start_server(model_dir, *flags: str, shutdown_timeout: int | None = None, start_timeout: float = 90):
     """`brrr serve` of model_dir on the CPU (fp32, no API key, quiet) as a child process, with `flags` added; returns
-    (process, base url) once /health answers."""
+    (process, base url) once /health answers. The server leads a process group of its own, so `stop_server` ends
+    it with everything it started (its engine process, tensor-parallel workers); a start that fails or times out
+    does that before raising."""
     port = free_port()
     cmd = [sys.executable, "-m", "brrr", "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--device", "cpu", "--no-access-log", "--log-level", "warning", *flags]
     if shutdown_timeout is not None:
         cmd += ["--shutdown-timeout", str(shutdown_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "BRRR_API_KEY": ""})
+                            env={**os.environ, "BRRR_API_KEY": ""}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "brrr serve did not come up"
-        time.sleep(0.1)
+    deadline = time.monotonic() + start_timeout
+    try:
+        while True:
+            assert proc.poll() is None, f"brrr serve exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "brrr serve did not come up"
+            time.sleep(0.1)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc) -> None:
+    """Kill whatever is left of a `start_server` process group (the server, its engine process, their workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of the group has exited
+        pass
+    proc.wait()
 
 
 @pytest.fixture(scope="module")

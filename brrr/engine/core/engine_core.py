@@ -97,17 +97,12 @@ class EngineCore:
         speculator = None if proposer is None else Speculator(ec.speculative_config, proposer,
                                                               device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
-            if ec.tensor_parallel_size > 1:  # rank 0 of a sharded model: the workers run each step beside it
-                # (verify steps run eagerly there: its workers replay decode graphs only)
-                from brrr.distributed.tp_runner import TensorParallelRunner
-                self.runner = TensorParallelRunner(model, ec.block_size, num_blocks, self.max_model_len,
-                                                   ec.cuda_graphs, ec.max_num_seqs, self.lora)
-            else:
-                verify = None if proposer is None else verify_graph_spec(
-                    spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
-                    ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
-                self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                          ec.max_num_seqs, self.lora, verify)
+            # a sharded model's runner (tensor_parallel_size > 1) runs every step on every rank (model.tp_group)
+            verify = None if proposer is None else verify_graph_spec(
+                spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
+                ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
+            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+                                      ec.max_num_seqs, self.lora, verify)
         self.features: list[Feature] = self._features(speculator)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}

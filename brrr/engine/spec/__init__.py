@@ -39,5 +39,6 @@ def make_proposer(config: SpeculativeConfig, target) -> Proposer:
             from brrr.engine.spec.eagle import EagleProposer
         except ImportError as e:
             raise BrrrError(f"speculative_config.method 'eagle' is not available in this build ({e})") from e
-        return EagleProposer(config.model, target)
+        # a tensor-parallel shard's whole vocabulary on rank 0, where the head drafts (distributed/tp_loader.py)
+        return EagleProposer(config.model, getattr(target, "draft_target", target))
     raise BrrrError(f"speculative_config.method {config.method!r} is unknown")

@@ -33,6 +33,7 @@ from brrr.engine.llm_engine import EngineCore, LLMEngine
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+from brrr.threads import use_cpu_threads
 
 log = logging.getLogger("brrr.engine")
 # Counters the warm-up moves; reported relative to where it left them, so metrics count only real requests.
@@ -52,7 +53,7 @@ class EngineSpec:
     dtype: str = "auto"
     device: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
-    cpu_threads: int | None = None  # torch threads on CPU (default: all cores but one, which the HTTP side keeps)
+    cpu_threads: int | None = None  # torch threads on CPU (default: brrr.threads' policy)
     warm_up: bool = True
     log_level: str = "INFO"
 
@@ -194,8 +195,6 @@ def write_trace(path: str, trace: list) -> None:
 
 def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
     """The engine `spec` describes: an EngineCore for the engine process (core), else an LLMEngine."""
-    import torch
-
     from brrr.pretrained import load
 
     config, engine = spec.config, None
@@ -210,8 +209,7 @@ def build_engine(spec: EngineSpec, core: bool = False) -> EngineCore:
     else:
         pretrained = load(spec.model, dtype=spec.dtype, device=spec.device)
     if next(pretrained.model.parameters()).device.type == "cpu":
-        # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
-        torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
+        use_cpu_threads(spec.cpu_threads)  # brrr's one policy: the free cores but one (the HTTP process's)
     return engine or (EngineCore if core else LLMEngine)(pretrained.model, pretrained.tokenizer, config,
                                                          pretrained.eos_token_ids)
 

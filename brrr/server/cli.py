@@ -3,7 +3,7 @@
 brrr/cli.py wires it through `register(subparsers)`. The engine runs in a process of its own (engine_process.py),
 which loads the model and warms up before the server listens. SIGTERM / Ctrl-C: uvicorn stops accepting
 connections, lets in-flight requests finish for up to --shutdown-timeout seconds, cancels what is left (which aborts
-those engine requests), then the engine process stops and the server exits 0.
+those engine requests), then the engine process stops and the server exits 0 (1 if the engine process had died).
 """
 from __future__ import annotations
 
@@ -160,7 +160,11 @@ def cmd_serve(args) -> int:
             # of theirs as leaked
             gc.unfreeze()
     finally:
+        failure = llm.failure  # read before shutdown: a server whose engine died must not exit as if all went well
         llm.shutdown()
+    if failure is not None:
+        print(f"brrr serve: exiting with status 1: the engine failed while serving: {failure}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 

@@ -118,10 +118,6 @@ class _Request(BaseModel):
         bad = []
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
-        for token, bias in (self.logit_bias or {}).items():
-            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # OpenAI refuses these too, rather than clamp
-                bad.append((f"logit_bias.{token}", f"logit_bias[{token}] must be in [-100, 100], got {bias}"))
-                break
         return bad
 
     def request_field(self, sampling_field: str) -> str:
@@ -134,6 +130,11 @@ class _Request(BaseModel):
         that is not the request's n (best_of)."""
         def pick(value, default):
             return default if value is None else value
+
+        for token, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # OpenAI refuses these too (the engine clamps)
+                raise APIError(400, f"logit_bias[{token}] must be in [-100, 100], got {bias}",
+                               param=f"logit_bias.{token}", code="invalid_value")
 
         try:
             return SamplingParams(

@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser):
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads on CPU (default: the free cores but one, brrr's policy: docs/engine.md)")
+                   help="torch threads on CPU (default: the free cores but one, brrr's policy: docs/serving.md)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -1,5 +1,5 @@
 """The one CPU-threads policy, for every entry point that runs torch on the CPU: `brrr generate`, `chat`, `serve`
-(its engine process), `bench`, `train`, `finetune`, and `LLM(...)` (docs/engine.md, "CPU threads").
+(its engine process), `bench`, `train`, `finetune`, and `LLM(...)` (docs/serving.md, "CPU threads").
 
 Torch's default is one intra-op thread per core. On a machine other work also uses, that oversubscribes it: a decode
 or training step then waits on whichever thread was descheduled (measured on a 2-core VM under load: finetune 20-40x

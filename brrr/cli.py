@@ -8,6 +8,8 @@ import time
 
 from brrr import __version__
 from brrr.errors import BrrrError
+from brrr.threads import cpu_threads as _cpu_threads
+from brrr.threads import use_cpu_threads
 
 DESCRIPTION = """serve, shrink, train and measure LLMs.
 
@@ -25,7 +27,8 @@ def add_model_args(p: argparse.ArgumentParser):
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: all cores but one)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on CPU (default: the free cores but one, brrr's policy: docs/serving.md)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -57,11 +60,8 @@ def _load_llm(args):
 
 
 def cpu_threads(requested: int | None) -> int:
-    """Torch threads for decoding on CPU: all cores but one unless asked (as brrr serve). Decode steps are small,
-    and on a small machine a thread more than the free cores makes every step wait on a descheduled one."""
-    import torch
-
-    return requested or max(1, torch.get_num_threads() - 1)
+    """Torch threads on CPU: brrr's one policy (brrr/threads.py), which every entry point follows."""
+    return _cpu_threads(requested)
 
 
 def _stream(llm, prompt, params, lead: str = ""):
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        use_cpu_threads(getattr(args, "cpu_threads", None))  # every subcommand, train and finetune too
         return args.func(args)
     except BrrrError as e:
         print(f"brrr: error: {e}", file=sys.stderr)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("BRRR_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "brrr"))
-# One intra-op thread: on small CI machines (2 cores) more threads make the tiny test models ~10x slower.
+# One intra-op thread: on small CI machines (2 cores) more threads make the tiny test models ~10x slower. Through
+# OMP_NUM_THREADS, brrr's thread policy (brrr/threads.py) keeps to it in LLM(), the CLI and spawned servers too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter (tests/kernels). `triton.jit` reads this when a

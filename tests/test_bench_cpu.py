@@ -1,10 +1,12 @@
 """`brrr bench latency` runs end to end on CPU (the GPU figures come from the H200; this checks the plumbing)."""
 import json
+import sys
 
 import pytest
 import torch
 
 from brrr.cli import main
+from brrr.threads import cpu_threads
 from tests import hf_models
 from tests.cli import refuses
 
@@ -25,7 +27,7 @@ def test_bench_latency_on_cpu_reports_what_ran(tmp_path, capsys):
     hf_models.save(hf_models.build("qwen3-qknorm"), tmp_path)
     before = torch.get_num_threads()
     try:
-        for flags, threads in (([], max(1, before - 1)), (["--cpu-threads", "1"], 1)):
+        for flags, threads in (([], cpu_threads(None)), (["--cpu-threads", "1"], 1)):
             torch.set_num_threads(before)
             assert main(["bench", "latency", "--model", str(tmp_path), "--prompt-len", "4", "--new-tokens", "4",
                          "--dtype", "float32", "--cuda-graphs", "on", *flags]) == 0
@@ -34,6 +36,24 @@ def test_bench_latency_on_cpu_reports_what_ran(tmp_path, capsys):
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_bench_latency_peer_without_transformers_fails_first(monkeypatch, capsys):
+    """Before: brrr's whole half ran, then a raw ModuleNotFoundError. Now: a one-line error before anything runs."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert main(["bench", "latency", "--model", "llama-3.1-8b", "--peer", "transformers"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("brrr: error: --peer transformers needs transformers installed") and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU default")
+def test_bench_latency_on_cpu_defaults_to_the_shipped_model(capsys):
+    """Before: the 8B shape's random weights (15 GB of RAM, 140 s to the first token) without a word."""
+    assert main(["bench", "latency", "--prompt-len", "4", "--new-tokens", "4", "--cpu-threads", "1"]) == 0
+    captured = capsys.readouterr()
+    (record,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert record["weights"] == "loaded" and record["model"].endswith("default-model") and record["decode_tok_s"] > 0
+    assert "shipped default model" in captured.err
 
 
 def test_bench_guided_splits_out_the_guided_paths_work(capsys):

@@ -2,16 +2,21 @@
 (bytes a decode step reads / measured copy bandwidth), with transformers' eager generate as a peer."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 
 from brrr.bench.latency_workloads import WORKLOADS
+from brrr.errors import BrrrError
 
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("latency", help="decode tok/s, TTFT and %% of the HBM roofline at batch 1..N")
-    p.add_argument("--model", default="llama-3.1-8b",
-                   help="preset name (random weights) or model directory (its weights, random without any)")
+    p.add_argument("--model", default=None,
+                   help="preset name (random weights) or model directory (its weights, random without any); default: "
+                        "llama-3.1-8b on a GPU, brrr's shipped default model on a CPU (the 8B shape there takes "
+                        "16 GB of RAM and minutes per token)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights even for a model directory that has some (speed only)")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
@@ -23,7 +28,7 @@ def register(bench_sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs (CPU processes), one rank each")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads on CPU (default: all cores but one, as brrr generate)")
+                   help="torch threads on CPU (default: brrr's policy, the free cores but one)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
                         ": the record adds acceptance, mean accepted length and the formula's predicted speedup")
@@ -84,6 +89,18 @@ def run_prompts(engine, prompts: list[list[int]], new_tokens: int, tag: str):
     return first - start, time.perf_counter() - first
 
 
+def default_model(device_type: str) -> str:
+    """The 8B shape on a GPU (the reference point in bench/results); on a CPU the shipped default model, which
+    decodes there in milliseconds (the 8B shape's random weights would take 16 GB and minutes per token)."""
+    if device_type == "cuda":
+        return "llama-3.1-8b"
+    from brrr.default_model import default_model_dir
+
+    print("brrr bench latency: on a CPU the default is brrr's shipped default model; pass --model for another",
+          file=sys.stderr)
+    return str(default_model_dir())
+
+
 def weights_dir(spec: str, load_format: str):
     """The model directory whose weights to load, or None for random weights (a preset, --load-format dummy, or a
     directory of a config alone)."""
@@ -135,7 +152,7 @@ def cmd_latency(args) -> int:
 
     from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import measure
-    from brrr.analysis.model import decode_bytes_per_step
+    from brrr.analysis.model import decode_bytes_per_step, weight_bytes
     from brrr.bench.random_model import model_config, random_model
     from brrr.cli import cpu_threads
     from brrr.config import EngineConfig
@@ -145,11 +162,20 @@ def cmd_latency(args) -> int:
 
     require_at_least(prompt_len=(args.prompt_len, 1), new_tokens=(args.new_tokens, 2),
                      num_iters=(args.num_iters, 1))
+    if args.peer == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise BrrrError("--peer transformers needs transformers installed (pip install transformers); it is "
+                        "checked before brrr's half runs")
     speculative = parse_speculative_config(args.speculative_config)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.model = args.model or default_model(device.type)
     cfg = model_config(args.model)
     source = weights_dir(args.model, args.load_format)
     workload = make_workload(args, cfg)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and source is None:
+        gb = weight_bytes(cfg, dtype_format(resolve_dtype(args.dtype, cfg, device))) / 1e9
+        if gb > 2:
+            print(f"brrr bench latency: {args.model} on a CPU takes {gb:.1f} GB of random weights and about as "
+                  "many bytes per decoded token; this is a plumbing check, not a measurement", file=sys.stderr)
     dtype = resolve_dtype(args.dtype, cfg, device)
     batches = [int(b) for b in args.batch.split(",")]
     gpu = measure() if device.type == "cuda" else None

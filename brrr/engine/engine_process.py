@@ -35,6 +35,7 @@ from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+from brrr.threads import use_cpu_threads
 
 log = logging.getLogger("brrr.engine")
 # Counters the warm-up moves; reported relative to where it left them, so metrics count only real requests.
@@ -54,7 +55,7 @@ class EngineSpec:
     dtype: str = "auto"
     device: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
-    cpu_threads: int | None = None  # torch threads on CPU (default: all cores but one, which the HTTP side keeps)
+    cpu_threads: int | None = None  # torch threads on CPU (default: brrr.threads' policy)
     warm_up: bool = True
     log_level: str = "INFO"
 
@@ -194,12 +195,9 @@ def write_trace(path: str, trace: list) -> None:
 
 def engine_for(spec: EngineSpec, core: bool = False):
     """The engine `spec` describes: an EngineCore for the engine process (core), else an LLMEngine."""
-    import torch
-
     pretrained, engine = build_engine(spec.model, spec.dtype, spec.device, spec.config, core=core)
     if next(pretrained.model.parameters()).device.type == "cpu":
-        # On small CPU machines intra-op threads cost more than they give; the HTTP process keeps one core.
-        torch.set_num_threads(spec.cpu_threads or max(1, torch.get_num_threads() - 1))
+        use_cpu_threads(spec.cpu_threads)  # brrr's one policy: the free cores but one (the HTTP process's)
     return engine
 
 

@@ -7,12 +7,15 @@ from brrr.engine.outputs import RequestOutput
 from brrr.engine.sampling_params import SamplingParams
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
+from brrr.threads import use_cpu_threads
 
 
 class LLM:
     def __init__(self, model=None, dtype="auto", device=None, **engine_args):
         self.pretrained, self.engine = build_engine(model, dtype, device, EngineConfig(**engine_args))
         self._counter = 0
+        if self.engine.runner.device.type == "cpu":
+            use_cpu_threads()  # brrr's one policy; torch.set_num_threads afterwards overrides it
         if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):
             # the quantized matmuls' prefill shapes are tuned at start-up, as `brrr serve`'s engine does: timing
             # candidates is never done mid-run (an untuned shape takes the nearest tuned config)

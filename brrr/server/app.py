@@ -26,7 +26,7 @@ from brrr.server.middleware import APIKeyAuth, BodySizeLimit
 from brrr.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest, as_api_error,
                                   template_messages, template_tools, validation_error)
-from brrr.server.responses import best_samples, total_usage
+from brrr.server.responses import best_samples, prompt_only, total_usage
 from brrr.server.state import ServerState, close_all
 from brrr.server.streams import (ClientDisconnected, EventStream, chat_events, completion_events, final_outputs,
                                  join_logprobs, merge, until_disconnected)
@@ -40,15 +40,17 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | Path | None = None,
                api_key: str | None = None, max_waiting: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False,
-               lora_modules: list[tuple[str, str]] | None = None) -> FastAPI:
+               enable_auto_tool_choice: bool = False, lora_modules: list[tuple[str, str]] | None = None,
+               runtime_lora: bool = False, lora_dirs: list[str] | None = None) -> FastAPI:
     """The server on an AsyncLLM the caller owns (and shuts down). api_key: required as a Bearer token on every
     path but /health and /metrics. max_waiting: admitted requests without output yet before 429s (None: no cap).
     tool_call_parser: how the model writes tool calls (hermes, llama3_json; None: read from the chat template).
     enable_auto_tool_choice: tool_choice "auto" reads tool calls out of the model's free reply. lora_modules:
-    (name, path) adapters served from the start (the engine must serve LoRA); a bad one raises BrrrError."""
+    (name, path) adapters served from the start (the engine must serve LoRA); a bad one raises BrrrError.
+    runtime_lora: clients may load and unload adapters (vLLM's endpoints), from inside lora_dirs when given."""
     state = ServerState(llm, tokenizer, model_name, str(model_path) if model_path else None, max_waiting,
-                        tool_format(tokenizer, tool_call_parser, enable_auto_tool_choice), enable_auto_tool_choice)
+                        tool_format(tokenizer, tool_call_parser, enable_auto_tool_choice), enable_auto_tool_choice,
+                        runtime_lora, lora_dirs)
     for name, path in lora_modules or ():
         llm.add_lora(state.adapters.load(name, path)[0])
     app = FastAPI(title="brrr", version=__version__,
@@ -80,6 +82,7 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        state.adapters.check_runtime_update(body.lora_path)
         try:  # reads the adapter's files: off the event loop
             lora, replaced = await asyncio.to_thread(state.adapters.load, body.lora_name, body.lora_path,
                                                      body.load_inplace)
@@ -92,9 +95,19 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        state.adapters.check_runtime_update()
         lora = state.adapters.unload(body.lora_name)
         llm.remove_lora(lora.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval's tokenizer_backend=remote reads the
+        special tokens here, then tokenizes through /tokenize)."""
+        special = tokenizer.special_tokens
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": llm.max_model_len,
+                "vocab_size": tokenizer.vocab_size, "chat_template": tokenizer.chat_template,
+                **{key: special.get(key) for key in ("eos_token", "bos_token", "pad_token", "unk_token")}}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -139,7 +152,8 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         jobs, echo_texts = [], []
         for i, prompt in enumerate(prompts):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            max_tokens = body.max_tokens if body.max_tokens is not None else state.default_max_tokens(len(ids))
+            # scoring only: the engine draws one token, which the response leaves out
+            max_tokens = 1 if body.scoring_only else state.max_tokens(body, len(ids))
             params = state.sampling_params(body, max_tokens, engine_k, k if body.echo and k is not None else None,
                                            "prompt", constraint, n=body.num_candidates)
             jobs.append(state.validate(f"{response_id}-{i}", ids, params, "prompt", constraint, lora))
@@ -158,6 +172,8 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         finally:
             close_all(streams)
             ticket.release_all()
+        if body.scoring_only:
+            finals = [prompt_only(out) for out in finals]
         usage = total_usage(finals)  # every sample drawn counts, best_of's discarded ones too
         choices = []
         for i, out in enumerate(finals):
@@ -176,19 +192,17 @@ def create_app(llm: AsyncLLM, tokenizer, model_name: str, *, model_path: str | P
         lora = state.check_request(body)
         tools = tool_use(body, state.tool_format, state.auto_tool_choice)
         constraint = request_constraint(body, tools)
-        if tools is not None and tools.parse and tools.format.keeps_special_tokens:
+        if tools is not None and tools.keeps_special_tokens:
             body.skip_special_tokens = False  # as vLLM does for hermes: the parser must see the call markers
         try:
             prompt = tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt,
                                                    tools=body.template_tools())
         except BrrrError as e:
             raise APIError(400, str(e), param="messages") from None
-        if tools is not None and tools.forced:  # the model's own opening of a call; the constraint does the rest
-            prompt += tools.format.forced_opening
+        if tools is not None:  # a forced call in the model's format: its opening; the constraint does the rest
+            prompt += tools.opening
         ids = tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote the special tokens
-        max_tokens = body.requested_max_tokens
-        if max_tokens is None:
-            max_tokens = state.default_max_tokens(len(ids))
+        max_tokens = state.max_tokens(body, len(ids))
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = state.sampling_params(body, max_tokens, k, None, "messages", constraint)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,7 +3,7 @@
 brrr/cli.py wires it through `register(subparsers)`. The engine runs in a process of its own (engine_process.py),
 which loads the model and warms up before the server listens. SIGTERM / Ctrl-C: uvicorn stops accepting
 connections, lets in-flight requests finish for up to --shutdown-timeout seconds, cancels what is left (which aborts
-those engine requests), then the engine process stops and the server exits 0.
+those engine requests), then the engine process stops and the server exits 0 (1 if the engine process had died).
 """
 from __future__ import annotations
 
@@ -69,8 +69,12 @@ def register(sub) -> None:
                         "(slower under load: both share one GIL; for comparison and debugging)")
     lora = p.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
-                      help="serve LoRA adapters: 'model' in a request names one; /v1/load_lora_adapter and "
-                           "/v1/unload_lora_adapter change them at run time (implied by --lora-modules)")
+                      help="serve LoRA adapters: 'model' in a request names one (implied by --lora-modules)")
+    lora.add_argument("--enable-runtime-lora", action="store_true",
+                      help="let clients load and unload adapters at run time (/v1/load_lora_adapter and "
+                           "/v1/unload_lora_adapter read any path the server can, unless --lora-dirs limits them)")
+    lora.add_argument("--lora-dirs", nargs="+", default=None, metavar="DIR",
+                      help="with --enable-runtime-lora: load adapters only from inside these directories")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
                       help='adapters (PEFT directories) served from the start, as name=DIR or JSON '
                            '{"name": ..., "path": ...}')
@@ -102,13 +106,16 @@ def cmd_serve(args) -> int:
     from brrr.server.lora_adapters import parse_lora_modules
 
     lora_modules = parse_lora_modules(args.lora_modules)
+    if args.lora_dirs and not args.enable_runtime_lora:
+        raise BrrrError("--lora-dirs limits runtime adapter loading, which is off: add --enable-runtime-lora")
     check_port(args.host, args.port)  # before minutes of loading: a busy port fails now
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
-                          enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
+                          enable_lora=args.enable_lora or args.enable_runtime_lora or bool(lora_modules),
+                          max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                           speculative_config=parse_speculative_config(args.speculative_config),
                           tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
@@ -127,7 +134,8 @@ def cmd_serve(args) -> int:
         app = create_app(llm, llm.tokenizer, name, model_path=spec.model, api_key=api_key,
                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          tool_call_parser=args.tool_call_parser,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=lora_modules)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=lora_modules,
+                         runtime_lora=args.enable_runtime_lora, lora_dirs=args.lora_dirs)
         info = llm.info
         where = "in a thread" if args.engine_in_thread else f"in process {info.pid}"
         if config.disaggregate is not None:
@@ -152,7 +160,11 @@ def cmd_serve(args) -> int:
             # of theirs as leaked
             gc.unfreeze()
     finally:
+        failure = llm.failure  # read before shutdown: a server whose engine died must not exit as if all went well
         llm.shutdown()
+    if failure is not None:
+        print(f"brrr serve: exiting with status 1: the engine failed while serving: {failure}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 

@@ -1,5 +1,6 @@
-"""The server's LoRA adapters: served names -> `LoRARequest`, from --lora-modules at start-up and vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter at run time. A request picks one with "model": "<name>"; the
+"""The server's LoRA adapters: served names -> `LoRARequest`, from --lora-modules at start-up and, only when the
+server was started with --enable-runtime-lora (vLLM gates these the same way), vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter at run time, from inside --lora-dirs when that is given. A request picks one with "model": "<name>"; the
 LoRARequest (name, id, path) travels with the request to the engine process, which loads the adapter from its path
 when it first needs it.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest, load_servable
@@ -41,8 +43,9 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
 
 
 class LoraAdapters:
-    def __init__(self, llm, base_name: str):
-        self.llm, self.base_name = llm, base_name
+    def __init__(self, llm, base_name: str, runtime_updates: bool = False, allowed_dirs: list[str] | None = None):
+        self.llm, self.base_name, self.runtime_updates = llm, base_name, runtime_updates
+        self.allowed_dirs = [Path(d).expanduser().resolve() for d in allowed_dirs] if allowed_dirs else None
         info = llm.info
         self.max_lora_rank, self.shapes = info.max_lora_rank, info.lora_shapes
         self.served: dict[str, LoRARequest] = {}
@@ -63,6 +66,20 @@ class LoraAdapters:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {known}", param="model",
                            code="model_not_found")
         return lora
+
+    def check_runtime_update(self, path: str | None = None) -> None:
+        """A client's load or unload: 403 unless the server opted in; a path outside --lora-dirs is a 400 that
+        reads the same whether or not the path exists (the check is on the resolved path's text alone)."""
+        if not self.runtime_updates:
+            raise APIError(403, "loading and unloading LoRA adapters at run time is off on this server: start it "
+                           "with --enable-runtime-lora (and --lora-dirs to limit where adapters are read from)",
+                           code="runtime_lora_disabled")
+        if path is None or self.allowed_dirs is None:
+            return
+        real = Path(path).expanduser().resolve()  # links and ".." resolved: a link out of a directory is out
+        if not any(real.is_relative_to(d) for d in self.allowed_dirs):
+            raise APIError(400, "lora_path is not inside the directories this server loads adapters from "
+                           "(--lora-dirs)", param="lora_path", code="invalid_value")
 
     def load(self, name: str, path: str, inplace: bool = False) -> tuple[LoRARequest, LoRARequest | None]:
         """Check the adapter and serve it under `name`: (the new adapter, the one it replaced). inplace (vLLM's

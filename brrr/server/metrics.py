@@ -1,4 +1,7 @@
-"""Prometheus metrics, named like vLLM's with a `brrr:` prefix, each labelled with the served model name.
+"""Prometheus metrics, named like vLLM's with a `brrr:` prefix, each labelled with the served model name; the ones
+vLLM has are also exported under vLLM's own `vllm:` names (VLLM_NAMES), because aiperf, guidellm and the vLLM
+Grafana dashboards scrape those exact names. Both: renaming brrr's would break its own dashboards and `brrr bench`;
+the copies are made at scrape time only, so serving pays nothing for them.
 
 Engine state (running/waiting requests, KV cache usage, prefix-cache and token counters, preemptions) is read from
 `AsyncLLM.stats()` at scrape time: the engine's stats as of its latest step, which every step message carries.
@@ -11,6 +14,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from brrr.engine.outputs import RequestOutput
 
@@ -28,6 +32,32 @@ def _geometric(low: float, high: float, per_decade: int = 4) -> list[float]:
 
 LATENCY_BUCKETS = _geometric(0.001, 1000)  # 1 ms .. 1000 s
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+
+# vLLM's metric names (its v1 engine), which brrr's `brrr:` families mirror one for one
+VLLM_NAMES = frozenset((
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens", "request_success"))
+
+
+class _VllmNames:
+    """The `brrr:` families vLLM also has, copied under `vllm:` when scraped."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            name = family.name.removeprefix("brrr:")
+            if name not in VLLM_NAMES:
+                continue
+            copy = Metric("vllm:" + name, family.documentation, family.type, family.unit)
+            copy.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("brrr:"))
+                            for sample in family.samples]
+            yield copy
 
 
 class _EngineCollector:
@@ -85,8 +115,11 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, engine, model_name: str):
-        self.registry = registry = CollectorRegistry()
+        registry = CollectorRegistry()  # brrr's own families
         registry.register(_EngineCollector(engine, model_name))
+        self.registry = CollectorRegistry(auto_describe=False)  # what /metrics shows: brrr's, then vLLM's names
+        self.registry.register(registry)
+        self.registry.register(_VllmNames(registry))
 
         def histogram(name, doc, buckets):
             return Histogram(f"brrr:{name}", doc, ["model_name"], buckets=buckets, registry=registry).labels(model_name)

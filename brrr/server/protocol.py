@@ -16,14 +16,15 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from brrr.engine import SamplingParams
+from brrr.engine.sampling_params import LOGIT_BIAS_LIMIT
 from brrr.errors import BrrrError
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+             404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -53,6 +54,7 @@ ROLES = Literal["system", "developer", "user", "assistant", "tool", "function"] 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (guidellm and aiperf ask for it)
 
 
 class JSONSchemaFormat(BaseModel):
@@ -92,7 +94,7 @@ class _Request(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias; the engine clamps it to [-100, 100]
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in OpenAI's [-100, 100]
     user: str | None = None  # accepted and unused: it only labels the caller
     response_format: ResponseFormat | None = None
     # vLLM-style constraints
@@ -129,6 +131,11 @@ class _Request(BaseModel):
         def pick(value, default):
             return default if value is None else value
 
+        for token, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # OpenAI refuses these too (the engine clamps)
+                raise APIError(400, f"logit_bias[{token}] must be in [-100, 100], got {bias}",
+                               param=f"logit_bias.{token}", code="invalid_value")
+
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=pick(self.temperature, 1.0),
@@ -155,10 +162,16 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk. vLLM honours it only beside include_usage; brrr does not drop it alone."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Request):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "up to the context"
+    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "up to the context"; 0 with echo scores
+    max_completion_tokens: int | None = None  # the chat name, which benchmark clients send here too
     echo: bool = False
     logprobs: int | None = None  # top-k per token, 0 = only the chosen token's
     best_of: int | None = None
@@ -172,7 +185,27 @@ class CompletionRequest(_Request):
             bad.append(("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})"))
         elif self.stream and self.num_candidates > self.n:
             bad.append(("best_of", "best_of cannot be used with stream: the best samples are known only at the end"))
+        if self.requested_max_tokens == 0:
+            if not self.echo:
+                bad.append((self.max_tokens_field, f"{self.max_tokens_field} must be >= 1, or 0 with echo (a "
+                            "request that only scores its prompt)"))
+            elif self.num_candidates > 1 or self.min_tokens:
+                bad.append((self.max_tokens_field, f"{self.max_tokens_field} 0 (scoring only) draws no samples: "
+                            "n, best_of and min_tokens must be left at their defaults"))
         return bad
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def scoring_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt's logprobs, no completion (lm-eval's loglikelihood requests)."""
+        return self.requested_max_tokens == 0 and self.echo
 
     @property
     def num_candidates(self) -> int:
@@ -180,6 +213,8 @@ class CompletionRequest(_Request):
         return self.n if self.best_of is None else self.best_of
 
     def request_field(self, sampling_field: str) -> str:
+        if sampling_field == "max_tokens":
+            return self.max_tokens_field
         return "best_of" if sampling_field == "n" and self.num_candidates > self.n else sampling_field
 
 

@@ -120,6 +120,17 @@ def best_samples(samples: list[CompletionOutput], n: int) -> list[CompletionOutp
     return [replace(c, index=i) for i, c in enumerate(sorted(samples, key=score, reverse=True)[:n])]
 
 
+def prompt_only(out: RequestOutput) -> RequestOutput:
+    """A scoring-only request's output (max_tokens 0 with echo): the one token the engine drew to get there taken
+    out, so the reply is the prompt, its logprobs and no completion."""
+    def bare(c: CompletionOutput) -> CompletionOutput:
+        empty = None if c.logprobs is None else []
+        return replace(c, text="", token_ids=[], logprobs=empty, delta_text="", delta_token_ids=[],
+                       delta_logprobs=empty, finish_reason="length" if c.finish_reason else None)
+
+    return replace(out, outputs=[bare(c) for c in out.outputs])
+
+
 def total_usage(finals: list[RequestOutput]) -> dict:
     """Usage over every prompt of a request: each prompt counted once, every sample's tokens counted."""
     return usage(sum(len(o.prompt_token_ids) for o in finals),

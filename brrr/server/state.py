@@ -40,13 +40,14 @@ class Ticket:
 
 class ServerState:
     def __init__(self, llm: AsyncLLM, tokenizer, model_name: str, model_path: str | None, max_waiting: int | None,
-                 tool_format: ToolFormat | None = None, auto_tool_choice: bool = False):
+                 tool_format: ToolFormat | None = None, auto_tool_choice: bool = False, runtime_lora: bool = False,
+                 lora_dirs: list[str] | None = None):
         self.llm, self.tokenizer = llm, tokenizer
         # how the model writes tool calls (None: unknown) and whether "auto" reads calls out of free replies
         self.tool_format, self.auto_tool_choice = tool_format, auto_tool_choice
         self.model_name, self.model_path, self.max_waiting = model_name, model_path, max_waiting
         self.metrics = ServerMetrics(llm, model_name)
-        self.adapters = LoraAdapters(llm, model_name)
+        self.adapters = LoraAdapters(llm, model_name, runtime_lora, lora_dirs)
         self.num_waiting = 0  # admitted engine requests that have not produced an output yet
         self.created = int(time.time())
         info = llm.info
@@ -90,6 +91,20 @@ class ServerState:
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.max_total_tokens - prompt_len)
+
+    def max_tokens(self, body, prompt_len: int) -> int:
+        """The request's token cap (the context's rest when it sets none); a cap no prompt could fit under is a
+        400 naming the cap's field, not the prompt."""
+        requested = body.requested_max_tokens
+        if requested is None:
+            return self.default_max_tokens(prompt_len)
+        if requested > self.max_total_tokens:
+            field = body.request_field("max_tokens")
+            room = (f"the model's context of {self.max_total_tokens} tokens"
+                    if self.max_total_tokens == self.llm.max_model_len else
+                    f"the {self.max_total_tokens} tokens the KV cache holds (context {self.llm.max_model_len})")
+            raise APIError(400, f"{field} ({requested}) exceeds {room}", param=field, code="context_length_exceeded")
+        return requested
 
     def admit(self, count: int) -> Ticket:
         if self.max_waiting is not None and self.num_waiting + count > self.max_waiting:

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from brrr.engine.outputs import RequestOutput
 from brrr.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from brrr.server.responses import Formatter, sse, total_usage
+from brrr.server.responses import Formatter, prompt_only, sse, total_usage
 from brrr.server.state import Ticket, close_all
 from brrr.server.tool_parsers import tool_delta
 
@@ -143,10 +143,12 @@ async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts:
     """One chunk per engine step that gave a choice new tokens (its text may be empty while the detokenizer holds
     back an incomplete character or a possible stop string): clients see tokens arrive as they are made. Each
     output carries its own deltas; all this keeps is which choices have started and which have finished."""
-    n, started, finished, finals = body.n, set(), set(), {}
+    n, started, finished, latest = body.n, set(), set(), {}
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
+                if body.scoring_only:
+                    out = prompt_only(out)
                 choices = []
                 for c in out.outputs:
                     index = i * n + c.index
@@ -167,12 +169,12 @@ async def completion_events(body: CompletionRequest, fmt: Formatter, echo_texts:
                         finished.add(index)
                     choices.append({"index": index, "text": (echo or "") + c.delta_text, "logprobs": logprobs,
                                     "finish_reason": reason})
-                if out.finished:
-                    finals[i] = out
+                latest[i] = out
                 if choices:
-                    yield sse(fmt.completion_chunk(choices))
+                    yield sse(fmt.completion_chunk(choices, total_usage(list(latest.values()))
+                                                   if body.continuous_usage else None))
         if body.include_usage:
-            yield sse(fmt.completion_chunk([], total_usage(list(finals.values()))))
+            yield sse(fmt.completion_chunk([], total_usage(list(latest.values()))))
     except APIError as e:
         yield sse(e.body())
     yield sse("[DONE]")
@@ -228,7 +230,7 @@ async def chat_events(body: ChatCompletionRequest, fmt: Formatter, top_logprobs:
                     choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
                 final = out
                 if choices:
-                    yield sse(fmt.chat_chunk(choices))
+                    yield sse(fmt.chat_chunk(choices, total_usage([out]) if body.continuous_usage else None))
         if body.include_usage:
             yield sse(fmt.chat_chunk([], total_usage([final] if final else [])))
     except APIError as e:

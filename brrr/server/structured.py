@@ -4,12 +4,13 @@ OpenAI's response_format, vLLM's structured_outputs and guided_* fields, and the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from brrr.engine.sampling_params import StructuredOutputsParams
 from brrr.errors import BrrrError
 from brrr.server.protocol import APIError, ChatCompletionRequest
-from brrr.server.tool_parsers import ToolFormat
+from brrr.server.tool_parsers import ArgumentsParser, CallArrayParser, ToolFormat, call_array_schema
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # vLLM's older names for structured_outputs' fields
@@ -70,17 +71,21 @@ def body_constraints(body) -> list[Constraint]:
 # ---- tools ------------------------------------------------------------------------------------------------------
 @dataclass
 class ToolUse:
-    format: ToolFormat | None
-    parse: bool  # read tool calls out of the reply
-    forced: bool  # the prompt opens the call and a constraint makes it valid JSON of one of the functions
-    constraint: Constraint | None = None
+    make_parser: Callable[[], object] | None  # a fresh tool-call parser for each choice; None: the reply is text
+    constraint: Constraint | None = None  # a forced call's grammar
+    opening: str = ""  # appended to the prompt: the model's own opening of a forced call in its format
+    keeps_special_tokens: bool = False  # the parser must see special tokens (Hermes 2 Pro's <tool_call>)
 
     def parser(self):
-        return self.format.parser(self.forced) if self.parse else None
+        return self.make_parser() if self.make_parser else None
 
 
 def tool_use(body: ChatCompletionRequest, fmt: ToolFormat | None, auto_tool_choice: bool) -> ToolUse | None:
-    """How the request uses its tools (None: it has none), or a 400 naming the field that is wrong."""
+    """How the request uses its tools (None: it has none), or a 400 naming the field that is wrong. A forced call
+    ("required" or a named function) is made by a grammar, so it needs no parser: in the model's own format when
+    that is known (read from the chat template or --tool-call-parser; one call), else as vLLM does it, the grammar
+    writing a JSON array of calls ("required"; one call when parallel_tool_calls is false) or the named function's
+    arguments, which the server turns into tool_calls. Only "auto" reads calls out of free text, with a parser."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -95,28 +100,32 @@ def tool_use(body: ChatCompletionRequest, fmt: ToolFormat | None, auto_tool_choi
                            param=f"tools.{i}.function.name", code="invalid_value")
         names[name] = i
     choice = choice or "auto"
+    parallel = body.parallel_tool_calls is not False
     if choice == "none":
-        return ToolUse(fmt, parse=False, forced=False)
+        return ToolUse(None)
     if choice == "auto":
         if not auto_tool_choice or fmt is None:
             raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice (and '
                            "--tool-call-parser unless the chat template's format is known); tool_choice "
                            '"required", a named function and "none" work without it', param="tool_choice",
                            code="invalid_value")
-        return ToolUse(fmt, parse=True, forced=False)
-    if fmt is None:
-        raise APIError(400, "this model's chat template has no tool-call format brrr knows: start the server with "
-                       "--tool-call-parser hermes or llama3_json", param="tool_choice", code="invalid_value")
+        return ToolUse(lambda: fmt.parser(False, parallel), keeps_special_tokens=fmt.keeps_special_tokens)
     if choice == "required":
-        functions, field = [t.function for t in body.tools], "tools"
+        functions, field = [t.function.model_dump(exclude_none=True) for t in body.tools], "tools"
     else:
         name = choice.function.name
         if name not in names:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools "
                            f"({', '.join(map(repr, names))})", param="tool_choice", code="invalid_value")
-        functions, field = [body.tools[names[name]].function], f"tools.{names[name]}.function.parameters"
-    schema = fmt.call_schema([f.model_dump(exclude_none=True) for f in functions])
-    return ToolUse(fmt, parse=True, forced=True, constraint=_constraint(field, json=schema))
+        functions = [body.tools[names[name]].function.model_dump(exclude_none=True)]
+        field = f"tools.{names[name]}.function.parameters"
+    if fmt is not None:
+        return ToolUse(lambda: fmt.parser(True), _constraint(field, json=fmt.call_schema(functions)),
+                       fmt.forced_opening, fmt.keeps_special_tokens)
+    if choice == "required":
+        return ToolUse(CallArrayParser, _constraint(field, json=call_array_schema(functions, parallel)))
+    arguments = functions[0].get("parameters") or {"type": "object", "properties": {}}
+    return ToolUse(lambda: ArgumentsParser(functions[0]["name"]), _constraint(field, json=arguments))
 
 
 def request_constraint(body, tools: ToolUse | None = None) -> Constraint | None:

@@ -1,10 +1,14 @@
 """Tool-call parsers: a chat model's tool-call text -> OpenAI `tool_calls`, whole or while it streams.
 
-Two formats, named as vLLM's --tool-call-parser values:
+Two model formats, named as vLLM's --tool-call-parser values:
 - hermes (Hermes 2 Pro, Qwen2.5, Qwen3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, possibly
   several, possibly after some text.
 - llama3_json (Llama 3.1-3.3): the whole reply is `{"name": ..., "parameters": {...}}`, several separated by `;`,
   optionally after <|python_tag|>.
+
+and the two shapes a grammar makes when the server forces a call on a model whose format it does not know (vLLM's
+way: no parser needed): a JSON array of `{"name", "parameters"}` calls for tool_choice "required"
+(CallArrayParser), and the arguments object alone for a named function (ArgumentsParser).
 
 One incremental parser serves both paths: a non-streamed reply is fed whole, so the arguments a stream sends piece by
 piece concatenate to exactly the final message's (the model's own text of the arguments object). A call whose JSON
@@ -184,7 +188,8 @@ class ToolCallParser:
 
     def __init__(self):
         self.all_text = ""
-        self.mode = "text"
+        self.mode = "text"  # "ended": the calls allowed are all made, and what follows is dropped
+        self.max_calls: int | None = None  # parallel_tool_calls false: 1
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
         self.malformed = False  # a call went wrong: the final message is all content
@@ -215,6 +220,9 @@ class ToolCallParser:
             return None
         self.calls.append(ToolCall(self.call_id, scanner.name, scanner.args_text(final=True)))
         self.scanner = None
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self.mode = "ended"
+            return None
         return text[used:]
 
     def _call_failed(self, rest: str, events: list) -> None:
@@ -235,7 +243,7 @@ class ToolCallParser:
         events: list = []
         if self.mode == "plain":
             self._content(text, events)
-        else:
+        elif self.mode != "ended":
             self._feed(text, events)
         return events
 
@@ -243,7 +251,7 @@ class ToolCallParser:
         events: list = []
         if self.scanner is not None:  # cut short inside a call
             self._call_failed("", events)
-        elif self.mode != "plain":
+        elif self.mode not in ("plain", "ended"):
             self._finish(events)
         return events
 
@@ -367,6 +375,65 @@ class Llama3JsonParser(ToolCallParser):
         self.held = ""
 
 
+class CallArrayParser(ToolCallParser):
+    """The reply is a JSON array of calls, `[{"name": ..., "parameters": {...}}, ...]`: what the grammar of a
+    forced "required" call makes when the model's own format is unknown."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode = "lead"
+
+    def _feed(self, text: str, events: list) -> None:
+        while text:
+            if self.mode in ("lead", "between"):  # "[" first; then "," (another call) or "]"
+                body = text.lstrip(WHITESPACE)
+                if not body:
+                    return
+                wanted = "[" if self.mode == "lead" else ",]"
+                if body[0] not in wanted:
+                    self.malformed, self.mode = True, "plain"
+                    return self._content(body, events)
+                if body[0] == "]":
+                    self.mode = "ended"
+                    return
+                self.mode, text = "call", body[1:]
+                self._open_call("")
+            elif self.mode == "call":
+                rest = self._feed_call(text, events)
+                if rest is None:
+                    return
+                self.mode, text = "between", rest
+            else:
+                return self._content(text, events)
+
+    def _finish(self, events: list) -> None:
+        self.malformed = True  # ended before its "]": cut short
+
+
+class ArgumentsParser:
+    """The reply is the arguments object of one call to a function the request named: what the grammar of a forced
+    named call makes when the model's own format is unknown. The server names the call; the text streams as the
+    call's arguments."""
+
+    def __init__(self, name: str):
+        self.name, self.call_id, self.all_text = name, new_call_id(), ""
+
+    def feed(self, text: str) -> list:
+        events = [] if self.all_text or not text else [("call", 0, self.call_id, self.name)]
+        self.all_text += text
+        return events + ([("args", 0, text)] if text else [])
+
+    def finish(self) -> list:
+        return []
+
+    def result(self) -> tuple[str | None, list[ToolCall]]:
+        try:
+            whole = isinstance(json.loads(self.all_text), dict)
+        except ValueError:  # cut short by max_tokens
+            whole = False
+        return (None, [ToolCall(self.call_id, self.name, self.all_text)]) if whole else (self.all_text, [])
+
+
 def tool_delta(events: list) -> dict:
     """A tool-call parser's events as one chat delta: the content they release, and per call its opening chunk
     (index, id, type, name) and the arguments text that is new."""
@@ -398,8 +465,10 @@ class ToolFormat:
     # the format's markers may be special tokens (Hermes 2 Pro's <tool_call>), which a reply read for calls must keep
     keeps_special_tokens: bool = False
 
-    def parser(self, forced: bool) -> ToolCallParser:
-        return HermesParser(in_call=True) if forced and self.parser_class is HermesParser else self.parser_class()
+    def parser(self, forced: bool, parallel: bool = True) -> ToolCallParser:
+        parser = HermesParser(in_call=True) if forced and self.parser_class is HermesParser else self.parser_class()
+        parser.max_calls = None if parallel else 1
+        return parser
 
     def call_schema(self, functions: list[dict]) -> dict:
         """The JSON schema of one call to one of these functions (OpenAI `function` objects), its arguments
@@ -410,6 +479,13 @@ class ToolFormat:
             options.append({"type": "object", "properties": {"name": {"enum": [f["name"]]}, self.args_key: params},
                             "required": ["name", self.args_key], "additionalProperties": False})
         return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def call_array_schema(functions: list[dict], parallel: bool) -> dict:
+    """The JSON schema of CallArrayParser's array: one call at least, one at most unless parallel."""
+    schema = {"type": "array", "items": ToolFormat("", "parameters", "", CallArrayParser).call_schema(functions),
+              "minItems": 1}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
 TOOL_FORMATS = {

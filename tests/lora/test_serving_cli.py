@@ -19,7 +19,8 @@ def test_serve_with_lora_modules(tmp_path):
     save_adapter(tmp_path / "sql", random_adapter(model, 1, r=8))
     save_adapter(tmp_path / "big", random_adapter(model, 2, r=16))
     proc, url = start_server(tmp_path / "base", "--served-model-name", "base", "--lora-modules",
-                             f"sql={tmp_path / 'sql'}", "--max-loras", "2", "--max-lora-rank", "8")
+                             f"sql={tmp_path / 'sql'}", "--max-loras", "2", "--max-lora-rank", "8",
+                             "--enable-runtime-lora", "--lora-dirs", str(tmp_path))
     try:
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("sql", "base")]
@@ -28,6 +29,10 @@ def test_serve_with_lora_modules(tmp_path):
         assert r.status_code == 200 and r.json()["model"] == "sql", r.text
         big = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path / "big")})
         assert big.status_code == 400 and "--max-lora-rank=8" in big.json()["error"]["message"]
+        # outside --lora-dirs: one answer, whether the path exists (this test's own file) or not
+        outside = [httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}).json()
+                   for path in (__file__, "/nonexistent/adapter", str(tmp_path / ".." / "elsewhere"))]
+        assert outside[0] == outside[1] == outside[2] and outside[0]["error"]["param"] == "lora_path", outside
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
     config = EngineConfig(num_blocks=128, enable_lora=True, max_loras=2, max_lora_rank=16)
     llm = start_engine(model_dir, None, config)
     modules = parse_lora_modules([f"a0={adapters['a0'][0]}", json.dumps({"name": "a1", "path": adapters["a1"][0]})])
-    with serve(llm, model_dir, lora_modules=modules) as server:
+    with serve(llm, model_dir, lora_modules=modules, runtime_lora=True) as server:
         with httpx.Client(base_url=server.base_url, timeout=60) as http:
             yield server, http, adapters, bad, prompts, want
 

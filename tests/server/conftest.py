@@ -87,13 +87,13 @@ def start_engine(model_dir, pretrained, engine_config=None, in_thread=False):
 
 
 @contextmanager
-def serve(llm, model_path, **app_kwargs):
+def serve(llm, model_path, model_name=MODEL_NAME, **app_kwargs):
     """uvicorn on 127.0.0.1 (a free port) in a thread, serving llm, which it shuts down at the end."""
     import uvicorn
 
     from brrr.server import create_app
 
-    app = create_app(llm, llm.tokenizer, MODEL_NAME, model_path=model_path, **app_kwargs)
+    app = create_app(llm, llm.tokenizer, model_name, model_path=model_path, **app_kwargs)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -123,6 +123,27 @@ def thread_server(model_dir, pretrained):
     """The same, with the engine loop in a thread of this process on an engine object tests can reach into."""
     with serve(start_engine(model_dir, pretrained, in_thread=True), model_dir, api_key=API_KEY,
                max_body_bytes=64 << 10) as running:
+        yield running
+
+
+CLIENTS_MODEL = "llama-1b"  # the name the README's examples use, so its snippets run here as written
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tmp_path_factory):
+    """A tiny llama with brrr's default chat template, which shows no tool-call format (like most plain templates),
+    saved as transformers saves one (lm-eval's own hf backend loads it)."""
+    path = tmp_path_factory.mktemp("plain-model")
+    hf_models.save_tokenizer(path)
+    hf_models.save(hf_models.build("llama3-rope", vocab_size=320, max_position_embeddings=CONTEXT), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def clients_server(plain_model_dir):
+    """The server the third-party clients (lm-eval, instructor, LangChain, the agents SDK) share: the plain
+    template's model, its engine in a process of its own, no API key, served as CLIENTS_MODEL."""
+    with serve(start_engine(plain_model_dir, None), plain_model_dir, CLIENTS_MODEL) as running:
         yield running
 
 

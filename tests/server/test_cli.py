@@ -168,3 +168,24 @@ def test_serve_exits_without_nanobind_leak_reports(model_dir):
     assert proc.wait(timeout=30) == 0
     output = proc.stdout.read()
     assert "leaked" not in output, output
+
+
+@pytest.mark.skipif(not LINUX, reason="finds the engine process through /proc")
+def test_sigterm_after_the_engine_died_exits_1(model_dir):
+    """Before: the server still exited 0 on SIGTERM after its engine process had died, so a supervisor saw a clean
+    stop."""
+    proc, url = start_server(model_dir)
+    try:
+        (engine,) = engine_processes(proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health never saw the engine die"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+        assert "the engine failed while serving" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

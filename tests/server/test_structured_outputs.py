@@ -128,8 +128,10 @@ def test_logit_bias(client, offline):
     forced = 5 if greedy[0] != 5 else 6
     want = offline_ids(logit_bias={forced: 100.0})
     assert want.token_ids == [forced] * 4 and served({str(forced): 100}) == want.text
-    # out-of-range biases are clamped to OpenAI's [-100, 100], not refused
-    assert served({str(forced): 1e6}) == want.text
+    # out of OpenAI's [-100, 100]: the server refuses it as OpenAI does (issue 55); the engine clamps it offline
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias\[\d+\] must be in \[-100, 100\]"):
+        served({str(forced): 1e6})
+    assert offline_ids(logit_bias={forced: 1e6}).token_ids == want.token_ids
     banned = offline_ids(logit_bias={greedy[0]: -100.0})
     assert banned.token_ids[0] != greedy[0] and served({str(greedy[0]): -100}) == banned.text
 

@@ -18,7 +18,7 @@ from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
-from brrr.engine.spec_graphs import VerifyGraphs, VerifyGraphSpec
+from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
@@ -65,7 +65,7 @@ class ModelRunner:
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
                  verify: VerifyGraphSpec | None = None):
         """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
-        verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec_graphs.py).
+        verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
         A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
         runner on every worker first, then captures on every rank."""
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora

@@ -1,4 +1,4 @@
-"""Verify steps in CUDA graphs (brrr/engine/spec_graphs.py), checked on CPU: `capture_cuda_graphs` gets a capture
+"""Verify steps in CUDA graphs (brrr/engine/spec/verify_graphs.py), checked on CPU: `capture_cuda_graphs` gets a capture
 that re-runs the captured step eagerly on the same static buffers, so padding (rows with 0..k drafts, batches
 between captured sizes), the fixed query layout and the spare block are exercised as a replay would see them.
 Greedy tokens equal eager verification and decoding without speculation for every proposer; padded query slots
@@ -10,7 +10,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine, SamplingParams
 from brrr.engine.spec.proposer import Proposer
 from brrr.engine.spec.verify import Speculator
-from brrr.engine.spec_graphs import MAX_VERIFY_GRAPH_ROWS, VerifyGraphSpec, verify_graph_spec
+from brrr.engine.spec.verify_graphs import MAX_VERIFY_GRAPH_ROWS, VerifyGraphSpec, verify_graph_spec
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import attention_ref
 from brrr.kernels.attention.reference import paged_verify_ref

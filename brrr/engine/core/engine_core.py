@@ -32,7 +32,7 @@ from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.feature import Speculation
 from brrr.engine.spec.verify import Speculator
-from brrr.engine.spec_graphs import verify_graph_spec
+from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes

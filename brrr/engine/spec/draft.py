@@ -18,7 +18,7 @@ from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
-from brrr.engine.spec_graphs import verify_graph_spec
+from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 
 GREEDY = SamplingParams(temperature=0)

@@ -29,7 +29,7 @@ import torch
 from brrr.engine.spec.eagle_graphs import EagleGraphs
 from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
-from brrr.engine.spec_graphs import verify_graph_spec
+from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.engine.staging import index_in_row, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta

@@ -14,7 +14,7 @@ from brrr.engine.core.plan import SampleSlot, StepPlan, StepResult
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.verify import Speculator
-from brrr.engine.spec_graphs import graph_replays
+from brrr.engine.spec.verify_graphs import graph_replays
 
 log = logging.getLogger("brrr.engine")
 

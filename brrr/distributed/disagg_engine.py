@@ -28,7 +28,6 @@ import torch
 from brrr.distributed.disagg_instances import PrefillInstance, PrefillInstances
 from brrr.distributed.disagg_transfer import kv_shape, scatter_blocks
 from brrr.engine.core import EngineCore
-from brrr.engine.guided.feature import grammars
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
@@ -231,11 +230,7 @@ class DisaggEngineCore(EngineCore):
             buf.record_stream(torch.cuda.current_stream(buf.device))
         request = routed.request
         seq = self.scheduler.add_prefilled(request, request.prompt_token_ids + routed.first_tokens, routed.blocks)
-        if request.params.structured_outputs is not None:  # the grammar past the first token
-            seq.guide = grammars(self.tokenizer, self.model.config.vocab_size,
-                                 self.eos_token_ids).matcher(request.params.structured_outputs)
-            for token in routed.first_tokens:
-                seq.guide.accept(token)
+        self.adopt(seq, routed.first_tokens)  # the features' state past the tokens the prefill instance sampled
         self.kv_transfers += 1
         self.kv_transfer_bytes += buf.nbytes
         self.kv_transfer_seconds += seconds

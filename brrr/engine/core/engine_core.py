@@ -149,6 +149,11 @@ class EngineCore:
             live = self.requests.values()
             self._set_on([f for f in self._on if not f.per_request or any(map(f.wants, live))])
 
+    def adopt(self, seq: Sequence, tokens: list[int]) -> None:
+        """A sequence placed with tokens sampled elsewhere (Scheduler.add_prefilled): the features catch up."""
+        for f in self._hooks["adopt"]:
+            f.adopt(seq, tokens)
+
     def _released(self, seq: Sequence) -> None:
         for f in self._hooks["release"]:
             f.release(seq)

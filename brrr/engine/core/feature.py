@@ -23,7 +23,7 @@ from brrr.engine.sequence import Request, Sequence
 
 HOOKS = ("propose", "contribute", "sample_row", "allows_launch", "allows_ahead", "defers_sampling", "launched_ahead",
          "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step", "after_step",
-         "release")
+         "adopt", "release")
 
 
 def hooked(features: list["Feature"]) -> dict[str, list["Feature"]]:
@@ -97,6 +97,10 @@ class Feature:
         """The step is committed; `queued` is the step planned ahead of it (in flight), if any."""
 
     # ---- state -----------------------------------------------------------------------------------------------
+    def adopt(self, seq: Sequence, tokens: list[int]) -> None:
+        """seq joins with `tokens` already sampled elsewhere (a disaggregated prefill instance's first token): bring
+        its state past them."""
+
     def release(self, seq: Sequence) -> None:
         """seq lost its blocks (finished or preempted): drop what is kept for it."""
 

@@ -56,6 +56,13 @@ class Guided(Feature):
         row.guide = seq.guide.advanced(seq.spec_tokens[:offset]) if offset and seq.spec_tokens else seq.guide
         return row
 
+    def adopt(self, seq, tokens) -> None:
+        spec = seq.request.params.structured_outputs
+        if spec is not None:
+            seq.guide = grammars(self.tokenizer, self.vocab_size, self.eos_token_ids).matcher(spec)
+            for token in tokens:
+                seq.guide.accept(token)
+
     def defers_sampling(self, plan) -> bool:
         return any(row.guide is not None for row in plan.rows)
 

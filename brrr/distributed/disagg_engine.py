@@ -301,7 +301,7 @@ class DisaggLLMEngine(LLMEngine, DisaggEngineCore):
 def load_disaggregated(model, dtype, device, config, core: bool = False):
     """(Pretrained on the decode device, the engine): the flag checked against the machine first, the prefill
     instances started (they load while this process loads the decode instance's copy), then joined."""
-    from brrr.distributed.disagg_config import check_devices, instance_device
+    from brrr.config.disaggregation import check_devices, instance_device
     from brrr.hub import resolve_model
     from brrr.pretrained import check_device, load
 

@@ -6,7 +6,7 @@ from brrr.errors import BrrrError  # noqa: E402
 from brrr.generate import forward_logits, generate_tokens  # noqa: E402
 from brrr.loader import load_model, save_model  # noqa: E402
 from brrr.pretrained import Pretrained, load  # noqa: E402
-from brrr.engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from brrr.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from brrr.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["LLM", "BrrrError", "ModelConfig", "Pretrained", "SamplingParams", "StructuredOutputsParams", "Tokenizer",

@@ -35,7 +35,7 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
 
 
 def sampling_params(args):
-    from brrr.engine import SamplingParams
+    from brrr.sampling_params import SamplingParams
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -30,7 +30,8 @@ def cmd_engine_stats(args) -> int:
 
     import torch
 
-    from brrr.engine import LLM, SamplingParams
+    from brrr.engine import LLM
+    from brrr.sampling_params import SamplingParams
 
     require_at_least(requests=(args.requests, 1))
     llm = LLM(args.model, num_blocks=args.num_blocks, block_size=args.block_size,

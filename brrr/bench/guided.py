@@ -44,7 +44,7 @@ def register(bench_sub) -> None:
 
 
 def _run(engine, batch: int, steps: int, guided: bool) -> dict:
-    from brrr.engine import SamplingParams, StructuredOutputsParams
+    from brrr.sampling_params import SamplingParams, StructuredOutputsParams
 
     spec = StructuredOutputsParams(json=_SCHEMA) if guided else None
     for i in range(batch):

@@ -69,7 +69,7 @@ def run_prompts(engine, prompts: list[list[int]], new_tokens: int, tag: str):
     """Returns (ttft_s, decode_s) for the prompts started together as one batch."""
     import torch
 
-    from brrr.engine import SamplingParams
+    from brrr.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):

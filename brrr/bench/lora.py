@@ -45,8 +45,9 @@ def decode_run(model, cfg, args, loras: list | None, enable_lora: bool) -> dict:
 
     from brrr.bench.timing import step_kernels
     from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.engine import LLMEngine
     from brrr.kernels.graph_timing import replay_time_us
+    from brrr.sampling_params import SamplingParams
 
     engine = LLMEngine(model, None, EngineConfig(
         num_blocks=args.batch * -(-(args.prompt_len + args.warm_steps + args.steps + 32) // 16) + 64,

@@ -46,9 +46,10 @@ def cmd_throughput(args) -> int:
     from brrr.analysis.hardware import measure
     from brrr.bench.random_model import model_config, random_model
     from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.engine import LLMEngine
     from brrr.errors import BrrrError
     from brrr.loader import resolve_dtype
+    from brrr.sampling_params import SamplingParams
 
     if not torch.cuda.is_available():
         raise BrrrError("brrr bench throughput measures a GPU; torch sees no CUDA device")

@@ -4,9 +4,9 @@ from __future__ import annotations
 from brrr.config import EngineConfig
 from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import RequestOutput
-from brrr.engine.sampling_params import SamplingParams
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
+from brrr.sampling_params import SamplingParams
 
 
 class LLM:

@@ -18,7 +18,6 @@ from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
 from brrr.engine.sampler import PendingTokens, SampleRow, h2d, logprob_entries
-from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.verify import Speculator
@@ -28,6 +27,7 @@ from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
 from brrr.lora.serving_slots import LoraSlots
 from brrr.models.serving import prepare_for_serving
+from brrr.sampling_params import SamplingParams
 
 log = logging.getLogger("brrr.engine")
 CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CPU machines

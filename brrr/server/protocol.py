@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from brrr.engine import SamplingParams
 from brrr.errors import BrrrError
+from brrr.sampling_params import SamplingParams
 
 
 class APIError(Exception):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from brrr.engine.sampling_params import StructuredOutputsParams
 from brrr.errors import BrrrError
+from brrr.sampling_params import StructuredOutputsParams
 from brrr.server.protocol import APIError, ChatCompletionRequest
 from brrr.server.tool_parsers import ToolFormat
 

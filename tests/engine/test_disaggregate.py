@@ -13,7 +13,7 @@ import torch
 from brrr import LLM, BrrrError, SamplingParams
 from brrr.config import EngineConfig
 from brrr.config.disaggregation import check_devices, parse_disaggregate
-from brrr.engine.sampling_params import StructuredOutputsParams
+from brrr.sampling_params import StructuredOutputsParams
 from tests import hf_models
 
 VOCAB = 321

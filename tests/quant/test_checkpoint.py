@@ -7,13 +7,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from brrr.cli import main
-from brrr.engine import LLM, SamplingParams
+from brrr.engine import LLM
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.loader import load_model
 from brrr.quant.checkpoint import save_quantized
 from brrr.quant.linear import QuantLinear, projections
 from brrr.quant.methods import quantize_model, rtn_tensors
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 
 

@@ -243,7 +243,8 @@ def test_int4_g128_models_serve_with_the_norms_in_the_gemvs(tmp_path, calib, lm_
         torch.testing.assert_close(_one_row(served, calib, final), _one_row(ref, calib, final), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_logits(served, calib), _logits(ref, calib), rtol=1e-4, atol=1e-4)
     # the engine prepares the model itself: one-row decode steps through the GEMVs, the reference's greedy tokens
-    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.engine import LLMEngine
+    from brrr.sampling_params import SamplingParams
 
     tokens = []
     for m, pack in ((ref, False), (model, True)):

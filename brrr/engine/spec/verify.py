@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from brrr.config.speculative import SpeculativeConfig
-from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.sampling_params import SamplingParams
 
 
 class DeviceDrafts:

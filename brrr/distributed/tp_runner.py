@@ -188,8 +188,8 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
     from brrr.distributed.sharding import Partition, check_tensor_parallel
     from brrr.distributed.tp_worker import WorkerGroup, rank_device
     from brrr.loader import resolve_dtype, weight_files
-    from brrr.models.serving import prepare_for_serving
     from brrr.quant.checkpoint import quantization_config
+    from brrr.serving_form import prepare_for_serving
 
     path = None if isinstance(source, ModelConfig) else Path(source)
     cfg = source if path is None else ModelConfig.from_dir(path)

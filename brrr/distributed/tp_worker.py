@@ -85,7 +85,7 @@ def _serve(rank, world, store_path, cfg, path, files, dtype, device, pack_projec
     from brrr.distributed.sharding import Partition
     from brrr.distributed.tp_step import forward_step, replay_step, time_all_reduce
     from brrr.engine.model_runner import ModelRunner
-    from brrr.models.serving import prepare_for_serving
+    from brrr.serving_form import prepare_for_serving
 
     device = rank_device(device, rank)
     if device.type == "cuda":

@@ -26,8 +26,8 @@ from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
 from brrr.lora.serving_slots import LoraSlots
-from brrr.models.serving import prepare_for_serving
 from brrr.sampling_params import SamplingParams
+from brrr.serving_form import prepare_for_serving
 
 log = logging.getLogger("brrr.engine")
 CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CPU machines

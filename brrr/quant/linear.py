@@ -31,7 +31,7 @@ ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight fo
 
 
 class QuantLinear(nn.Module):
-    release_early = False  # set on packed q/k/v (models/serving.py): decode attention may start at the last K step
+    release_early = False  # set on packed q/k/v (serving_form.py): decode attention may start at the last K step
 
     def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, activations: str | None = None):
@@ -118,7 +118,7 @@ class QuantLinear(nn.Module):
     @property
     def takes_norms(self) -> bool:
         """Batch-1 decode runs the RMSNorm before it and the residual add after it inside its MMA GEMV (`forward`;
-        brrr/models/serving.py's GemvNormLlamaForCausalLM where every projection does): int4 g128. The int8 and FP8
+        brrr/serving_form.py's GemvNormLlamaForCausalLM where every projection does): int4 g128. The int8 and FP8
         kernels take them too, but their decode step was slower that way (docs/quantization.md)."""
         return self.activations is None and self.fmt == "int4" and self.group_size == 128
 

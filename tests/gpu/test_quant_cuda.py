@@ -22,13 +22,13 @@ from brrr.kernels import dispatch
 from brrr.kernels.dispatch import use_reference
 from brrr.kernels.quant import configs as cfgs, tune
 from brrr.kernels.quant.int8_rescale import int8_rescale_ref
-from brrr.models.serving import prepare_for_serving
 from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
 from brrr.quant.linear import QuantLinear
 from brrr.quant.methods import quantize_model
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
 from brrr.sampling_params import SamplingParams
+from brrr.serving_form import prepare_for_serving
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -6,13 +6,13 @@ from brrr.kernels import AttnMeta
 from brrr.kernels.rms_norm import PendingNorm
 from brrr.config import EngineConfig
 from brrr.loader import load_model
-from brrr.models.serving import (GatedGemvMLP, GemvNormLlamaForCausalLM, PackedAttention, QuantLogitsHead,
-                                 prepare_for_serving)
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
 from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.methods import SEQUENTIAL, awq_inputs, fold_awq_scales, quant_linear, quantize_model
+from brrr.serving_form import (GatedGemvMLP, GemvNormLlamaForCausalLM, PackedAttention, QuantLogitsHead,
+                               prepare_for_serving)
 
 PACK = EngineConfig(pack_projections=True)
 

@@ -28,7 +28,7 @@ def load_draft(path: str, target):
     """The draft model on the target's device and dtype; BrrrError when its vocabulary is not the target's (its
     token ids would mean other tokens)."""
     from brrr.loader import load_model
-    from brrr.models.serving import prepare_for_serving
+    from brrr.serving_form import prepare_for_serving
 
     if not Path(path).expanduser().is_dir():
         raise BrrrError(f"speculative_config.model: draft model directory not found: {path}")

@@ -149,7 +149,7 @@ def section_decode(args, machine, bandwidth, reports):
     so a drift of the GPU over the run (one bf16 run was 3% slower than another in the same session) reaches every
     variant alike; each variant's rate is its median round."""
     from brrr.bench.latency import run_batch
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
     from brrr.quant.methods import quantize_model

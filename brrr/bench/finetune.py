@@ -5,7 +5,7 @@ predicted peak.
 Every variant runs in its own process (so each peak is its own): random weights of a preset shape (nothing is
 downloaded), one packed row of --seq-len tokens per micro-batch (micro-batch 1: one document, all tokens trained),
 activation checkpointing, bf16 autocast, fused AdamW on the adapters only, r/alpha/dropout/targets alike.
-  brrr-lora     bf16 base (brrr.bench.random_model), LoraLinear on the targets
+  brrr-lora     bf16 base (brrr.models.random_weights), LoraLinear on the targets
   brrr-lora-selective   the same with selective checkpointing (`--activation-checkpointing selective`): matmul and
                 attention outputs kept, only norms, RoPE, SwiGLU, dropout and rank-r expansions recomputed
   brrr-qlora    NF4 + double-quant base built one tensor at a time (brrr.lora.qlora.random_nf4_model)
@@ -39,7 +39,7 @@ VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft
 def brrr_setup(args, qlora: bool, selective: bool = False):
     import torch
 
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.kernels import AttnMeta
     from brrr.lora import LoraConfig
     from brrr.lora.layers import apply_lora
@@ -71,7 +71,7 @@ def peft_setup(args, qlora: bool):
     import peft
     import transformers
 
-    from brrr.bench.random_model import model_config
+    from brrr.models.random_weights import model_config
 
     cfg = model_config(args.model)
     hf_config = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items()

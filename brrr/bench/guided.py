@@ -105,7 +105,7 @@ def _preset(args):
 
     import torch
 
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.errors import BrrrError
     from brrr.pretrained import Pretrained
     from brrr.tokenizer import Tokenizer

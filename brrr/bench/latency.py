@@ -136,7 +136,7 @@ def cmd_latency(args) -> int:
     from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import measure
     from brrr.analysis.model import decode_bytes_per_step
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.cli import cpu_threads
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine

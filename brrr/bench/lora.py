@@ -3,7 +3,7 @@ model alone on the same requests, and the LoRA kernels' device time per layer ag
 
     brrr bench lora --model llama-3.1-8b --num-adapters 8 --rank 16 --batch 64 --out FILE
 
-Random weights of the preset's shape (brrr.bench.random_model) and random rank-r adapters on all 7 projections,
+Random weights of the preset's shape (brrr.models.random_weights) and random rank-r adapters on all 7 projections,
 written in PEFT's format and loaded through the engine's own path. Three engine runs on the same requests:
 `base` (no LoRA), `lora-base-rows` (LoRA enabled, every request on the base: the cost of the wrapped modules
 alone) and `lora-mixed` (request i runs adapter i % num_adapters). Decode tok/s is timed over steps in which every
@@ -153,7 +153,7 @@ def cmd_lora(args) -> int:
     import torch
 
     from brrr.analysis.hardware import measure
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.errors import BrrrError
 
     require_at_least(num_adapters=(args.num_adapters, 1), rank=(args.rank, 1), batch=(args.batch, 1),

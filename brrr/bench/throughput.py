@@ -44,7 +44,7 @@ def cmd_throughput(args) -> int:
 
     from brrr.analysis.formats import dtype_format
     from brrr.analysis.hardware import measure
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
     from brrr.errors import BrrrError

@@ -113,7 +113,7 @@ def load_nf4_model(path, device, dtype: torch.dtype) -> nn.Module:
 
 
 def random_nf4_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """build_nf4_model with brrr.bench.random_model's values (N(0, 0.02) matrices, unit norms, zero biases): the
+    """build_nf4_model with brrr.models.random_weights's values (N(0, 0.02) matrices, unit norms, zero biases): the
     benchmark's 8B-shape QLoRA base without an 8B full-precision copy."""
     gen = torch.Generator(device).manual_seed(seed)
 

@@ -30,7 +30,7 @@ class HeldOutText:
         self.path, self.tokenizer = Path(path).expanduser(), tokenizer
         self._data = None
         if (self.path / "manifest.json").is_file():
-            from brrr.train.data import TokenData
+            from brrr.token_data import TokenData
 
             self._data = TokenData(self.path)
             data_tokenizer = Tokenizer.from_dir(self.path)

@@ -28,8 +28,8 @@ from brrr.analysis.spec_decode import eagle_training_flops_per_token
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint
+from brrr.token_data import TokenData
 from brrr.train import checkpoint
-from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.trainer import Trainer, TrainConfig, make_optimizer, one_process_layout, peak_flops
 

@@ -29,8 +29,8 @@ from brrr.errors import BrrrError
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.pretrained import check_device
+from brrr.token_data import TokenData
 from brrr.train import checkpoint
-from brrr.train.data import TokenData
 from brrr.train.loss import CausalLMLoss
 from brrr.train.parallel import Checkpointer, Parallel, decoder_layers, load_model_weights
 from brrr.train.parallel import checkpoint_activations as recompute_layers

@@ -138,7 +138,7 @@ def data_dir(tmp_path_factory):
 def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(tiny_dir, data_dir, tmp_path,
                                                                                 capsys):
     from brrr.quant.calib import calibration_tokens
-    from brrr.train.data import TokenData
+    from brrr.token_data import TokenData
 
     model = tmp_path / "model"  # the tiny model with the data's tokenizer, as `brrr train --data` would export it
     model.mkdir()

@@ -6,7 +6,16 @@ from __future__ import annotations
 import random
 import time
 
+from brrr.analysis.formats import dtype_format
+from brrr.analysis.hardware import measure
+from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine
+from brrr.errors import BrrrError
+from brrr.loader import resolve_dtype
+from brrr.models.random_weights import model_config, random_model
+from brrr.sampling_params import SamplingParams
 
 
 def register(bench_sub) -> None:
@@ -28,8 +37,6 @@ def register(bench_sub) -> None:
 
 def step_cost(cfg, items, gpu, dtype: str) -> float:
     """Roofline seconds for one step; items = [(tokens already computed, tokens this step)] per sequence."""
-    from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
-
     kv = kv_bytes_per_token(cfg, dtype)
     nbytes = decode_weight_bytes(cfg, len(items), dtype)
     flops = 0.0
@@ -42,15 +49,6 @@ def step_cost(cfg, items, gpu, dtype: str) -> float:
 def cmd_throughput(args) -> int:
     import torch
 
-    from brrr.analysis.formats import dtype_format
-    from brrr.analysis.hardware import measure
-    from brrr.models.random_weights import model_config, random_model
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine
-    from brrr.errors import BrrrError
-    from brrr.loader import resolve_dtype
-    from brrr.sampling_params import SamplingParams
-
     if not torch.cuda.is_available():
         raise BrrrError("brrr bench throughput measures a GPU; torch sees no CUDA device")
     cfg = model_config(args.model)
@@ -62,7 +60,7 @@ def cmd_throughput(args) -> int:
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
     if tp > 1:
-        from brrr.distributed.tp_runner import load_tensor_parallel
+        from brrr.distributed.tp_runner import load_tensor_parallel  # TP only: torch.distributed and workers
 
         model, config = load_tensor_parallel(cfg, tp, dtype, torch.device("cuda"), config)  # each rank its shard
     else:

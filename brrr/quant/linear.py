@@ -138,6 +138,7 @@ class QuantLinear(nn.Module):
 
     def _matmul(self, x, bias):
         if self.activations is not None:
+            # W8A8 only: its per-token activation kernels load with the first such layer, not with every model
             from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
 
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 44's comparison on one host with two GPUs: disaggregated prefill/decode against co-located serving on the
 # same two GPUs, at total request rates around what saturates one GPU; goodput under a TTFT and a TPOT SLO
-# (DistServe's metric), TTFT and TPOT percentiles. Random bf16 weights of the preset's shape (brrr.bench.random_model)
+# (DistServe's metric), TTFT and TPOT percentiles. Random bf16 weights of the preset's shape (brrr.models.random_weights)
 # with the default model's tokenizer; fresh prompts per rate (no prefix-cache hits across runs).
 #   bash bench/disagg_serve.sh checkpoint          # once: writes /tmp/ckpt-$PRESET
 #   OUT=dir bash bench/disagg_serve.sh disagg      # brrr serve --disaggregate prefill=0,decode=1, total rate R
@@ -32,7 +32,7 @@ if [ "$MODE" = checkpoint ]; then
   python - "$PRESET" "$CKPT" <<'PY'
 import json, shutil, sys, torch
 from pathlib import Path
-from brrr.bench.random_model import model_config, random_model
+from brrr.models.random_weights import model_config, random_model
 from brrr.default_model import default_model_dir
 from brrr.loader import save_model
 preset, out = sys.argv[1:]

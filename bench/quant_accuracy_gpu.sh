@@ -136,7 +136,7 @@ report() {
 import json, sys
 from pathlib import Path
 
-from brrr.train.data import TokenData
+from brrr.token_data import TokenData
 
 out, work, budget, calib = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:6]
 cfg = json.loads((out / "model_config.json").read_text())

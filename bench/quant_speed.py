@@ -11,7 +11,7 @@ Three sections, one JSON record per result (stdout, and appended to --out):
            `torch._int_mm` and the tuned W4A16 / W8A16 paths beside them.
   decode   batch-1, 16 and 64 (--batches) decode tok/s through the engine (LLMEngine, CUDA graphs, as `brrr bench
            latency`) for bf16, W8A16 and W4A16 g128 (RTN; q/k/v and gate/up packed for every variant: the engine
-           packs every model (brrr.models.serving.prepare_for_serving); -lmhead: lm_head quantized too),
+           packs every model (brrr.serving_form.prepare_for_serving); -lmhead: lm_head quantized too),
            the median of --rounds rounds that take the variants in turn, plus the device time of one captured
            decode step (graph replay alone), which separates kernel speed from the engine's host work per step;
            with --kernels, each kernel's device time in that step.
@@ -149,7 +149,7 @@ def section_decode(args, machine, bandwidth, reports):
     so a drift of the GPU over the run (one bf16 run was 3% slower than another in the same session) reaches every
     variant alike; each variant's rate is its median round."""
     from brrr.bench.latency import run_batch
-    from brrr.bench.random_model import model_config, random_model
+    from brrr.models.random_weights import model_config, random_model
     from brrr.config import EngineConfig
     from brrr.engine import LLMEngine
     from brrr.quant.methods import quantize_model

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from brrr.bench.latency import emit  # noqa: E402
-from brrr.bench.random_model import model_config, random_model  # noqa: E402
+from brrr.models.random_weights import model_config, random_model  # noqa: E402
 from brrr.kernels.dispatch import use_reference  # noqa: E402
 from brrr.quant.gptq import Hessian, gptq_quantize  # noqa: E402
 from brrr.quant.methods import quantize_model  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's H200 serving benchmark: for each shape, a random-weight bf16 checkpoint (brrr.bench.random_model) with
+# Issue 5's H200 serving benchmark: for each shape, a random-weight bf16 checkpoint (brrr.models.random_weights) with
 # the default model's tokenizer, `brrr serve` (its engine in a process of its own, warmed up before /health answers),
 # `brrr bench serve` at rising request rates (goodput: p99 TTFT <= 500 ms, p99 TPOT <= 50 ms), then the offline LLM
 # on the same requests as the saturation run (brrr bench serve-overhead: HTTP/offline output tok/s, target >= 0.9).
@@ -44,7 +44,7 @@ for preset in $presets; do
   dir=/tmp/ckpt-$preset
   python - "$preset" "$dir" <<'PY'
 import shutil, sys, torch
-from brrr.bench.random_model import model_config, random_model
+from brrr.models.random_weights import model_config, random_model
 from brrr.default_model import default_model_dir
 from brrr.loader import save_model
 preset, out = sys.argv[1:]

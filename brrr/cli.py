@@ -7,9 +7,11 @@ import sys
 import time
 
 from brrr import __version__
+from brrr.engine import LLM
 from brrr.errors import BrrrError
 from brrr.threads import cpu_threads as _cpu_threads
 from brrr.threads import use_cpu_threads
+from brrr.sampling_params import SamplingParams
 
 DESCRIPTION = """serve, shrink, train and measure LLMs.
 
@@ -38,8 +40,6 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float):
 
 
 def sampling_params(args):
-    from brrr.engine import SamplingParams
-
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -49,8 +49,6 @@ def sampling_params(args):
 
 def _load_llm(args):
     import torch
-
-    from brrr.engine import LLM
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device)

@@ -3,17 +3,14 @@ safetensors, 1,024 tokens of context, an 8,192-token byte-level BPE) that brrr's
 Python standard library and site-packages of an H200 machine. It ships inside the package
 (brrr/assets/default-model), so every command works offline on a fresh CPU machine. How it was made, its
 validation loss and samples: docs/default-model.md.
-
-The tokenizer helpers live in brrr.train.tokenizer; they are re-exported here for existing callers.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from brrr.errors import BrrrError
-from brrr.train.tokenizer import CHAT_TEMPLATE, SPECIALS, build_tokenizer  # noqa: F401  (re-exported)
 
-__all__ = ["CHAT_TEMPLATE", "DEFAULT_MODEL_DIR", "SPECIALS", "build_tokenizer", "default_model_dir"]
+__all__ = ["DEFAULT_MODEL_DIR", "default_model_dir"]
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

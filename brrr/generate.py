@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import torch
 
+from brrr.engine.sampler import SampleRow, sample
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
-from brrr.engine.sampler import SampleRow, sample
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 
 
 def allocate_contiguous_cache(model, capacity: int):

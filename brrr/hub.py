@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from brrr.default_model import default_model_dir
 from brrr.errors import BrrrError
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
@@ -11,8 +12,6 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 def resolve_model(name: str | Path | None) -> Path:
     if name is None or str(name) == "default":
-        from brrr.default_model import default_model_dir
-
         return default_model_dir()
     path = Path(name).expanduser()
     if path.is_dir():

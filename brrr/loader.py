@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.models import model_class
+from brrr.quant.checkpoint import quantization_config, swap_quantized
 from brrr.state_dict import hf_state_dict
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -62,8 +63,6 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     filled: set[str] = set()
-    from brrr.quant.checkpoint import quantization_config, swap_quantized
-
     qc = quantization_config(path)
     skip = swap_quantized(model, qc, files, device) if qc else set()  # projections -> QuantLinear, filled here
     for file in files:

@@ -12,7 +12,7 @@ from brrr.errors import BrrrError
 from brrr.generate import generate_tokens
 from brrr.hub import resolve_model
 from brrr.loader import load_model
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 from brrr.tokenizer import IncrementalDecoder, Tokenizer
 
 

@@ -6,7 +6,7 @@ import torch
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (a tied lm_head is stored once, as transformers does; packed
-    q/k/v and gate/up projections of the serving form (brrr.models.serving) are split back as views)."""
+    q/k/v and gate/up projections of the serving form (brrr.serving_form) are split back as views)."""
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {}

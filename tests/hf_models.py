@@ -40,7 +40,7 @@ def save(model, path, sharded=False):
 
 def save_tokenizer(path, vocab=300, chat_template=None):
     """A byte-level BPE tokenizer trained on a little local text, saved the way transformers saves one."""
-    from brrr.default_model import CHAT_TEMPLATE, build_tokenizer
+    from brrr.train.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
     text = ["def add(a, b):\n    return a + b\n", "Hello, world! The quick brown fox jumps over the lazy dog."] * 20
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(text, vocab), bos_token="<|bos|>",

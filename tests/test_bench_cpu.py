@@ -111,7 +111,7 @@ def test_throughput_profile_sorts_kernels_and_counts_idle_once():
 
 def test_throughput_splits_the_schedule_by_step_kind():
     from brrr.analysis.hardware import get_gpu
-    from brrr.bench.random_model import model_config
+    from brrr.models.random_weights import model_config
     from brrr.bench.throughput import by_step_kind, step_cost
 
     cfg, gpu = model_config("qwen3-0.6b"), get_gpu("h200")

@@ -18,7 +18,7 @@ def test_logits_and_greedy_tokens_match_transformers(family, tmp_path):
     model = load_model(tmp_path, dtype=torch.float32)
     # the reference form: Hugging Face's module names, which the checkpoint loaded into; no serving modules
     assert model.state_dict().keys() == hf.state_dict().keys()
-    assert not any(type(m).__module__ == "brrr.models.serving" for m in model.modules())
+    assert not any(type(m).__module__ == "brrr.serving_form" for m in model.modules())
 
     prompt = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
     long = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2))

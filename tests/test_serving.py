@@ -9,7 +9,7 @@ from brrr.kernels import AttnMeta
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from brrr.loader import hf_state_dict
 from brrr.models.llama import LlamaAttention, LlamaMLP
-from brrr.models.serving import PackedAttention, PackedMLP, prepare_for_serving
+from brrr.serving_form import PackedAttention, PackedMLP, prepare_for_serving
 from tests import hf_models
 
 PACK = EngineConfig(pack_projections=True)

@@ -3,8 +3,8 @@ import pytest
 import transformers
 
 from brrr import BrrrError, Tokenizer
-from brrr.default_model import build_tokenizer
 from brrr.tokenizer import IncrementalDecoder
+from brrr.train.tokenizer import build_tokenizer
 
 TEXT = ["def add(a, b):\n    return a + b\n", "Hello, world! Ünïcödé text — with dashes.", "class Foo:\n    pass\n"] * 20
 

@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 from brrr.analysis import model as arith
+from brrr.analysis.finetune import finetune_memory, lora_training_flops_per_token
 from brrr.analysis.formats import KV_BYTES, WEIGHT_FORMATS, weight_format
 from brrr.analysis.hardware import GPU, GPUS, get_gpu, measure
 from brrr.analysis.roofline import plot, roofline, transformer_ops
 from brrr.analysis.serve import serve_plan
+from brrr.analysis.spec_decode import MAX_K, cost_ratio, spec_plan
 from brrr.analysis.train import SCHEDULES, TYPICAL_EFFICIENCY, train_plan
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.lora import LoraConfig
 from brrr.presets import PRESETS, preset_config
 
 DEFAULT_GPU = "h200"
@@ -233,9 +236,6 @@ def cmd_train(args) -> int:
 
 def _cmd_finetune(args, cfg, gpu) -> int:
     """`brrr calc train --lora-r R [--qlora]`: one GPU fine-tuning adapters over a frozen base."""
-    from brrr.analysis.finetune import finetune_memory, lora_training_flops_per_token
-    from brrr.lora import LoraConfig
-
     targets = tuple(t.strip() for t in args.target_modules.split(",") if t.strip())
     checkpointing = "selective" if args.selective_checkpointing else "full" if args.checkpointing else "none"
     m = finetune_memory(cfg, r=args.lora_r, targets=targets, qlora=args.qlora, dora=args.use_dora,
@@ -305,8 +305,6 @@ def _is_eagle_head(path: str) -> bool:
 
 
 def cmd_spec(args) -> int:
-    from brrr.analysis.spec_decode import MAX_K, cost_ratio, spec_plan
-
     if args.k is not None and not 1 <= args.k <= MAX_K:
         raise BrrrError(f"-k {args.k} must be in [1, {MAX_K}]")
     costs = None

@@ -19,6 +19,7 @@ from brrr.analysis.hardware import GPU
 from brrr.analysis.model import prefill_flops_per_token
 from brrr.analysis.serve import decode_step
 from brrr.config import ModelConfig
+from brrr.config.speculative import MAX_SPECULATIVE_TOKENS
 from brrr.errors import BrrrError
 
 
@@ -49,7 +50,7 @@ def fit_alpha(mean_tokens_per_run: float, k: int) -> float:
 
 # -- brrr calc spec: per-position rates, the draft/target cost ratio on the roofline, the table over k --------
 
-MAX_K = 16  # the engine's MAX_SPECULATIVE_TOKENS
+MAX_K = MAX_SPECULATIVE_TOKENS  # the most draft tokens speculative_config takes
 
 
 def check_rates(rates: list[float]) -> None:

@@ -10,6 +10,8 @@ import random
 import time
 
 from brrr.bench.latency import emit, require_at_least
+from brrr.engine import LLM
+from brrr.sampling_params import SamplingParams
 
 
 def register(bench_sub) -> None:
@@ -29,8 +31,6 @@ def cmd_engine_stats(args) -> int:
     import platform
 
     import torch
-
-    from brrr.engine import LLM, SamplingParams
 
     require_at_least(requests=(args.requests, 1))
     llm = LLM(args.model, num_blocks=args.num_blocks, block_size=args.block_size,

@@ -5,7 +5,7 @@ predicted peak.
 Every variant runs in its own process (so each peak is its own): random weights of a preset shape (nothing is
 downloaded), one packed row of --seq-len tokens per micro-batch (micro-batch 1: one document, all tokens trained),
 activation checkpointing, bf16 autocast, fused AdamW on the adapters only, r/alpha/dropout/targets alike.
-  brrr-lora     bf16 base (brrr.bench.random_model), LoraLinear on the targets
+  brrr-lora     bf16 base (brrr.models.random_weights), LoraLinear on the targets
   brrr-lora-selective   the same with selective checkpointing (`--activation-checkpointing selective`): matmul and
                 attention outputs kept, only norms, RoPE, SwiGLU, dropout and rank-r expansions recomputed
   brrr-qlora    NF4 + double-quant base built one tensor at a time (brrr.lora.qlora.random_nf4_model)
@@ -30,8 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-from brrr.analysis.finetune import DEFAULT_TARGETS
+from brrr.analysis.finetune import DEFAULT_TARGETS, finetune_memory
 from brrr.bench.latency import emit, require_at_least
+from brrr.kernels import AttnMeta
+from brrr.lora import LoraConfig
+from brrr.lora.layers import apply_lora
+from brrr.models.random_weights import model_config, random_model
+from brrr.train.finetune import SFTLoss
+from brrr.train.trainer import autocast_for, checkpoint_activations, optimizer_step
 
 VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft-qlora")
 
@@ -39,13 +45,7 @@ VARIANTS = ("brrr-lora", "brrr-lora-selective", "brrr-qlora", "peft-lora", "peft
 def brrr_setup(args, qlora: bool, selective: bool = False):
     import torch
 
-    from brrr.bench.random_model import model_config, random_model
-    from brrr.kernels import AttnMeta
-    from brrr.lora import LoraConfig
-    from brrr.lora.layers import apply_lora
-    from brrr.lora.qlora import random_nf4_model
-    from brrr.train.finetune import SFTLoss
-    from brrr.train.trainer import checkpoint_activations
+    from brrr.lora.qlora import random_nf4_model  # the QLoRA kernels load for NF4 runs only
 
     cfg = model_config(args.model)
     device = _device()
@@ -70,8 +70,6 @@ def peft_setup(args, qlora: bool):
 
     import peft
     import transformers
-
-    from brrr.bench.random_model import model_config
 
     cfg = model_config(args.model)
     hf_config = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items()
@@ -124,9 +122,6 @@ def _to_bnb_nf4(model):
 
 def run_variant(variant: str, args) -> dict:
     import torch
-
-    from brrr.analysis.finetune import finetune_memory
-    from brrr.train.trainer import autocast_for, optimizer_step
 
     qlora = variant.endswith("qlora")
     device = _device()

@@ -9,6 +9,14 @@ import statistics
 import time
 
 from brrr.bench.latency import emit
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine
+from brrr.errors import BrrrError
+from brrr.models.random_weights import model_config, random_model
+from brrr.presets import PRESETS
+from brrr.pretrained import Pretrained, load
+from brrr.sampling_params import SamplingParams, StructuredOutputsParams
+from brrr.tokenizer import Tokenizer
 
 # Arrays of small records: enums, bounded numbers, nested objects, so the mask changes shape every few tokens (a
 # free-text string would allow nearly every token, the cheapest mask there is).
@@ -44,8 +52,6 @@ def register(bench_sub) -> None:
 
 
 def _run(engine, batch: int, steps: int, guided: bool) -> dict:
-    from brrr.engine import SamplingParams, StructuredOutputsParams
-
     spec = StructuredOutputsParams(json=_SCHEMA) if guided else None
     for i in range(batch):
         engine.add_request(str(i), "def main(", SamplingParams(max_tokens=steps + 4, seed=i, ignore_eos=True,
@@ -105,11 +111,6 @@ def _preset(args):
 
     import torch
 
-    from brrr.bench.random_model import model_config, random_model
-    from brrr.errors import BrrrError
-    from brrr.pretrained import Pretrained
-    from brrr.tokenizer import Tokenizer
-
     if not args.tokenizer:
         raise BrrrError(f"--model {args.model} is a preset (random weights): --tokenizer DIR must give its vocabulary")
     tokenizer = Tokenizer.from_dir(args.tokenizer)
@@ -127,11 +128,6 @@ def cmd_guided(args) -> int:
     import platform
 
     import torch
-
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine
-    from brrr.presets import PRESETS
-    from brrr.pretrained import load
 
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)

@@ -18,7 +18,19 @@ import platform
 import sys
 from datetime import datetime, timezone
 
+from brrr.analysis.hardware import GPU, _known_spec, measure
+from brrr.analysis.kernels import (decode_attention_op, kv_write_op, prefill_attention_op, rms_norm_op, rotary_op,
+                                   silu_and_mul_op)
+from brrr.analysis.roofline import Op, place, plot
+from brrr.config import RopeConfig
 from brrr.errors import BrrrError
+from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from brrr.kernels.attention import decode_attention_triton, write_kv_ref, write_kv_triton
+from brrr.kernels.attention.plan import decode_splits
+from brrr.kernels.attention.prefill import _prefill_kernel_tuned, prefill_attention_triton
+from brrr.kernels.dispatch import triton_available
+from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
 OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill")
 # Llama-3.1-8B: hidden 4096, MLP 14336, 32 query heads, 8 kv heads, head dim 128.
@@ -49,9 +61,6 @@ def replot(records_path: str, png: str) -> str:
     """The roofline plot of an earlier run, from its JSON records (the machine's measured ceilings are in them)."""
     from dataclasses import replace
 
-    from brrr.analysis.hardware import GPU, _known_spec
-    from brrr.analysis.roofline import Op, plot
-
     try:
         records = [json.loads(line) for line in open(records_path) if line.strip()]
     except (OSError, json.JSONDecodeError) as e:
@@ -70,8 +79,6 @@ def replot(records_path: str, png: str) -> str:
 
 def cmd(args) -> int:
     import torch
-
-    from brrr.kernels.dispatch import triton_available
 
     if args.replot:
         if not args.plot:
@@ -106,8 +113,6 @@ class KernelBench:
         import torch
         import triton
 
-        from brrr.analysis.hardware import measure
-
         self.torch, self.triton, self.args = torch, triton, args
         self.gpu = measure()
         self.out = open(args.out, "a") if args.out else None
@@ -130,8 +135,6 @@ class KernelBench:
 
     def emit(self, op, shape: dict, triton_s: float, peers: dict, extra: dict | None = None):
         """One record: the Triton kernel's time and rates, each peer's, and the roofline fraction."""
-        from brrr.analysis.roofline import place
-
         spot = place(op, self.gpu)
 
         def rates(seconds):
@@ -166,9 +169,6 @@ class KernelBench:
 
     # -- elementwise ops -----------------------------------------------------------------------------------
     def rms_norm(self):
-        from brrr.analysis.kernels import rms_norm_op
-        from brrr.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-
         n = self.args.tokens
         x, w = self.randn(n, HIDDEN), self.randn(HIDDEN)
         peers = {"torch_reference": self.time(lambda: rms_norm_ref(x, w, 1e-5))}
@@ -178,9 +178,6 @@ class KernelBench:
                   self.time(lambda: rms_norm_triton(x, w, 1e-5)), peers)
 
     def add_rms_norm(self):
-        from brrr.analysis.kernels import rms_norm_op
-        from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton
-
         n = self.args.tokens
         x, r, w = self.randn(n, HIDDEN), self.randn(n, HIDDEN), self.randn(HIDDEN)
         self.emit(rms_norm_op(n, HIDDEN, residual=True), {"tokens": n, "hidden": HIDDEN},
@@ -188,10 +185,6 @@ class KernelBench:
                   {"torch_reference": self.time(lambda: add_rms_norm_ref(x, r, w, 1e-5))})
 
     def rotary(self):
-        from brrr.analysis.kernels import rotary_op
-        from brrr.config import RopeConfig
-        from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
-
         n = self.args.tokens
         rope = RopeConfig("llama3", 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 8192})
@@ -205,9 +198,6 @@ class KernelBench:
                   {"torch_reference": self.time(lambda: apply_rotary_ref(q, k, cos, sin))})
 
     def silu_and_mul(self):
-        from brrr.analysis.kernels import silu_and_mul_op
-        from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-
         n = max(1, self.args.tokens // 4)
         gate, up = self.randn(n, MLP), self.randn(n, MLP)
         self.emit(silu_and_mul_op(n, MLP), {"tokens": n, "width": MLP},
@@ -215,9 +205,6 @@ class KernelBench:
                   {"torch_reference": self.time(lambda: silu_and_mul_ref(gate, up))})
 
     def kv_write(self):
-        from brrr.analysis.kernels import kv_write_op
-        from brrr.kernels.attention import write_kv_ref, write_kv_triton
-
         torch, n = self.torch, self.args.tokens
         blocks = 2 * n // BLOCK
         k_cache = torch.empty(blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -274,10 +261,6 @@ class KernelBench:
         return peers
 
     def decode(self):
-        from brrr.analysis.kernels import decode_attention_op
-        from brrr.kernels.attention import decode_attention_triton
-        from brrr.kernels.attention.plan import decode_splits
-
         torch = self.torch
         for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
             k_cache, v_cache, tables = self._paged(batch, context)
@@ -301,9 +284,6 @@ class KernelBench:
     def decode_sweep(self):
         """Tile and split choices of the decode kernel at three shapes (a full batch, a partial wave, one long
         sequence), one record each: what the split heuristic (decode_splits) is checked against."""
-        from brrr.analysis.kernels import decode_attention_op
-        from brrr.kernels.attention import decode_attention_triton
-
         torch = self.torch
         for (batch, context), split_choices in DECODE_SWEEP_SHAPES.items():
             k_cache, v_cache, tables = self._paged(batch, context)
@@ -330,9 +310,6 @@ class KernelBench:
                         self.out.write(json.dumps(record) + "\n")
 
     def prefill(self):
-        from brrr.analysis.kernels import prefill_attention_op
-        from brrr.kernels.attention.prefill import _prefill_kernel_tuned, prefill_attention_triton
-
         torch = self.torch
         for batch, tokens in PREFILL_SHAPES[1:2] if self.args.quick else PREFILL_SHAPES:
             n = batch * tokens
@@ -352,9 +329,6 @@ class KernelBench:
     def _prefill_with_prefix(self):
         """A 4k-token chunk over a 4k-token cached prefix (paged), one sequence; no SDPA peer reads a paged
         cache, so the peer is SDPA (efficient backend, explicit mask) over the same tokens made contiguous."""
-        from brrr.analysis.kernels import prefill_attention_op
-        from brrr.kernels.attention import prefill_attention_triton, write_kv_triton
-
         torch = self.torch
         prefix, new = 4096, 4096
         k_cache, v_cache, tables = self._paged(1, prefix + new)
@@ -380,7 +354,5 @@ class KernelBench:
                   {"sdpa_efficient_masked" + suffix: peer})
 
     def plot(self, path: str) -> str:
-        from brrr.analysis.roofline import plot
-
         ops = [op for op, _ in self.placed]
         return plot(self.gpu, ops, path, achieved={op.name: got for op, got in self.placed})

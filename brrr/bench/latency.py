@@ -7,8 +7,22 @@ import json
 import sys
 import time
 
-from brrr.bench.latency_workloads import WORKLOADS
+from brrr.analysis.cli import DEFAULT_GPU
+from brrr.analysis.formats import dtype_format
+from brrr.analysis.hardware import get_gpu, measure
+from brrr.analysis.model import decode_bytes_per_step, weight_bytes
+from brrr.analysis.spec_decode import cost_ratio, expected_speedup, fit_alpha
+from brrr.bench.latency_workloads import WORKLOADS, HeldOutText, Workload
+from brrr.cli import cpu_threads
+from brrr.config import EngineConfig, ModelConfig
+from brrr.default_model import default_model_dir
+from brrr.engine import LLMEngine
+from brrr.engine.spec import parse_speculative_config
 from brrr.errors import BrrrError
+from brrr.loader import hf_state_dict, load_model, resolve_dtype, weight_files
+from brrr.models.random_weights import model_config, random_model
+from brrr.sampling_params import SamplingParams
+from brrr.tokenizer import Tokenizer
 
 
 def register(bench_sub) -> None:
@@ -48,8 +62,6 @@ def register(bench_sub) -> None:
 
 def require_at_least(**flags: tuple) -> None:
     """flag_name=(value, least): a BrrrError naming the first flag below its least (None: left to its default)."""
-    from brrr.errors import BrrrError
-
     for name, (value, least) in flags.items():
         if value is not None and not value >= least:  # `not >=` also refuses NaN
             raise BrrrError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
@@ -65,16 +77,12 @@ def emit(record: dict, out: str | None) -> None:
 
 def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0):
     """(ttft_s, decode_s) for `batch` random prompts of prompt_len tokens started together."""
-    from brrr.bench.latency_workloads import Workload
-
     return run_prompts(engine, Workload("random", prompt_len, vocab).prompts(batch, seed), new_tokens, str(seed))
 
 
 def run_prompts(engine, prompts: list[list[int]], new_tokens: int, tag: str):
     """Returns (ttft_s, decode_s) for the prompts started together as one batch."""
     import torch
-
-    from brrr.engine import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -94,8 +102,6 @@ def default_model(device_type: str) -> str:
     decodes there in milliseconds (the 8B shape's random weights would take 16 GB and minutes per token)."""
     if device_type == "cuda":
         return "llama-3.1-8b"
-    from brrr.default_model import default_model_dir
-
     print("brrr bench latency: on a CPU the default is brrr's shipped default model; pass --model for another",
           file=sys.stderr)
     return str(default_model_dir())
@@ -105,9 +111,6 @@ def weights_dir(spec: str, load_format: str):
     """The model directory whose weights to load, or None for random weights (a preset, --load-format dummy, or a
     directory of a config alone)."""
     from pathlib import Path
-
-    from brrr.errors import BrrrError
-    from brrr.loader import weight_files
 
     if load_format == "dummy" or not Path(spec).is_dir():
         return None
@@ -122,9 +125,6 @@ def text_tokenizer(model_dir, dataset_path: str):
     """The model's tokenizer; for a preset, a data build's own (its ids must fit the model's vocabulary)."""
     from pathlib import Path
 
-    from brrr.errors import BrrrError
-    from brrr.tokenizer import Tokenizer
-
     for where in (model_dir, dataset_path):
         if where is not None and (Path(where) / "tokenizer.json").is_file():
             return Tokenizer.from_dir(where)
@@ -134,9 +134,6 @@ def text_tokenizer(model_dir, dataset_path: str):
 
 def make_workload(args, cfg):
     from pathlib import Path
-
-    from brrr.bench.latency_workloads import HeldOutText, Workload
-    from brrr.errors import BrrrError
 
     text = None
     if args.dataset_path is not None:
@@ -149,16 +146,6 @@ def make_workload(args, cfg):
 
 def cmd_latency(args) -> int:
     import torch
-
-    from brrr.analysis.formats import dtype_format
-    from brrr.analysis.hardware import measure
-    from brrr.analysis.model import decode_bytes_per_step, weight_bytes
-    from brrr.bench.random_model import model_config, random_model
-    from brrr.cli import cpu_threads
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine
-    from brrr.engine.spec import parse_speculative_config
-    from brrr.loader import load_model, resolve_dtype
 
     require_at_least(prompt_len=(args.prompt_len, 1), new_tokens=(args.new_tokens, 2),
                      num_iters=(args.num_iters, 1))
@@ -193,7 +180,7 @@ def cmd_latency(args) -> int:
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches), num_blocks=max(batches) * blocks + 8,
                           cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp)
     if tp > 1:
-        from brrr.distributed.tp_loader import load_tensor_parallel
+        from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
         # each rank loads its own shard (of random weights when there are none to load)
         model, config = load_tensor_parallel(source or cfg, tp, dtype, device, config)
@@ -250,12 +237,6 @@ def spec_prediction(speculative, cfg, gpu, batch: int, context: int, dtype, mean
     this GPU (measured; on CPU calc's default datasheet GPU): 0 for n-gram, the draft's decode step over the
     target's, or the EAGLE head's (one target layer, fc and the LM head). Launch overheads, which dominate a small
     model's steps, are not in c: the measured ratio falls short of S where they do."""
-    from brrr.analysis.cli import DEFAULT_GPU
-    from brrr.analysis.formats import dtype_format
-    from brrr.analysis.hardware import get_gpu
-    from brrr.analysis.spec_decode import cost_ratio
-    from brrr.config import ModelConfig
-
     gpu = gpu or get_gpu(DEFAULT_GPU)
     k = speculative.num_speculative_tokens
     if speculative.method == "ngram":
@@ -272,8 +253,6 @@ def spec_record(speculative, before: dict, after: dict, batch: int) -> dict:
     accepted length = tokens per verified run (1 + accepted drafts); alpha fitted to that mean; the formula's
     speedup at that alpha for a proposer of no cost (n-gram: c = 0; a draft model's c is its step-time ratio, which
     `brrr calc spec` takes), to set beside the measured tok/s ratio of a run without --speculative-config."""
-    from brrr.analysis.spec_decode import expected_speedup, fit_alpha
-
     def delta(key):
         return after[key] - before[key]
 
@@ -308,8 +287,6 @@ def peer_transformers(model, cfg, batches, args, gpu) -> None:
     """transformers' eager generate on the same weights (same names: state dicts load one into the other)."""
     import torch
     import transformers
-
-    from brrr.loader import hf_state_dict
 
     fields = {k: v for k, v in cfg.to_hf().items() if v is not None}
     hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)

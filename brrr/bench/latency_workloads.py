@@ -14,6 +14,8 @@ import random
 from pathlib import Path
 
 from brrr.errors import BrrrError
+from brrr.token_data import TokenData
+from brrr.tokenizer import Tokenizer
 
 WORKLOADS = ("random", "edit", "code")
 # What an edit request says between the text and its restatement; a Python comment, so code stays code.
@@ -25,13 +27,9 @@ class HeldOutText:
     data's own tokenizer first when it is not the model's, so any model's tokenizer reads them)."""
 
     def __init__(self, path: str | Path, tokenizer):
-        from brrr.tokenizer import Tokenizer
-
         self.path, self.tokenizer = Path(path).expanduser(), tokenizer
         self._data = None
         if (self.path / "manifest.json").is_file():
-            from brrr.train.data import TokenData
-
             self._data = TokenData(self.path)
             data_tokenizer = Tokenizer.from_dir(self.path)
             # the data's own tokens when they are the model's (a brrr-trained model and its data): nothing to

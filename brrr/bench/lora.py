@@ -3,7 +3,7 @@ model alone on the same requests, and the LoRA kernels' device time per layer ag
 
     brrr bench lora --model llama-3.1-8b --num-adapters 8 --rank 16 --batch 64 --out FILE
 
-Random weights of the preset's shape (brrr.bench.random_model) and random rank-r adapters on all 7 projections,
+Random weights of the preset's shape (brrr.models.random_weights) and random rank-r adapters on all 7 projections,
 written in PEFT's format and loaded through the engine's own path. Three engine runs on the same requests:
 `base` (no LoRA), `lora-base-rows` (LoRA enabled, every request on the base: the cost of the wrapped modules
 alone) and `lora-mixed` (request i runs adapter i % num_adapters). Decode tok/s is timed over steps in which every
@@ -16,16 +16,23 @@ import time
 from pathlib import Path
 
 from brrr.analysis.finetune import DEFAULT_TARGETS
+from brrr.analysis.hardware import measure
 from brrr.bench.latency import emit, require_at_least
+from brrr.bench.timing import step_kernels
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine, LoRARequest
+from brrr.errors import BrrrError
+from brrr.kernels.graph_timing import graph_time_us, replay_time_us
+from brrr.kernels.lora import lora_apply, lora_rows
+from brrr.lora import LoraAdapter, LoraConfig, save_adapter
+from brrr.lora.serving import projection_shapes
+from brrr.models.random_weights import model_config, random_model
+from brrr.sampling_params import SamplingParams
 
 
 
 def write_adapters(cfg, n: int, rank: int, root: Path) -> list:
     import torch
-
-    from brrr.engine import LoRARequest
-    from brrr.lora import LoraAdapter, LoraConfig, save_adapter
-    from brrr.lora.serving import projection_shapes
 
     shapes = projection_shapes(cfg)
     requests = []
@@ -42,11 +49,6 @@ def write_adapters(cfg, n: int, rank: int, root: Path) -> list:
 def decode_run(model, cfg, args, loras: list | None, enable_lora: bool) -> dict:
     """Prefill `batch` requests, then time decode steps in which all of them decode."""
     import torch
-
-    from brrr.bench.timing import step_kernels
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine, SamplingParams
-    from brrr.kernels.graph_timing import replay_time_us
 
     engine = LLMEngine(model, None, EngineConfig(
         num_blocks=args.batch * -(-(args.prompt_len + args.warm_steps + args.steps + 32) // 16) + 64,
@@ -91,9 +93,6 @@ def kernel_records(cfg, args, gpu) -> list[dict]:
     of the copy roofline; beside it the module's own bf16 GEMM. The `layer` record sums a layer's modules and adds
     what a step does once (group the rows, zero the shrink buffer of every module)."""
     import torch
-
-    from brrr.kernels.graph_timing import graph_time_us
-    from brrr.kernels.lora import lora_apply, lora_rows
 
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
         cfg.intermediate_size
@@ -150,10 +149,6 @@ def register(bench_sub) -> None:
 
 def cmd_lora(args) -> int:
     import torch
-
-    from brrr.analysis.hardware import measure
-    from brrr.bench.random_model import model_config, random_model
-    from brrr.errors import BrrrError
 
     require_at_least(num_adapters=(args.num_adapters, 1), rank=(args.rank, 1), batch=(args.batch, 1),
                      prompt_len=(args.prompt_len, 1), warm_steps=(args.warm_steps, 0), steps=(args.steps, 1))

@@ -15,6 +15,16 @@ import json
 import platform
 import time
 
+from brrr.bench.datasets import pseudo_text, synthetic_prompts
+
+from brrr.engine import LLM
+
+from brrr.engine.engine_process import engine_stats, write_trace
+
+from brrr.engine.engine_process_warmup import warm_up
+
+from brrr.sampling_params import SamplingParams
+
 
 
 def register(bench_sub) -> None:
@@ -35,11 +45,6 @@ def register(bench_sub) -> None:
 
 def cmd_serve_overhead(args) -> int:
     import torch
-
-    from brrr.bench.datasets import pseudo_text, synthetic_prompts
-    from brrr.engine import LLM, SamplingParams
-    from brrr.engine.engine_process import engine_stats, write_trace
-    from brrr.engine.engine_process_warmup import warm_up
 
     run = json.loads(open(args.result).read())
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,

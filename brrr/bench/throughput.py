@@ -6,9 +6,16 @@ from __future__ import annotations
 import random
 import time
 
+from brrr.analysis.formats import dtype_format
+from brrr.analysis.hardware import measure
 from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
-from brrr.engine import SamplingParams
+from brrr.config import EngineConfig
+from brrr.engine import LLMEngine
+from brrr.errors import BrrrError
+from brrr.loader import resolve_dtype
+from brrr.models.random_weights import model_config, random_model
+from brrr.sampling_params import SamplingParams
 
 
 def register(bench_sub) -> None:
@@ -127,14 +134,6 @@ def profiled_run(engine, cfg, args) -> dict:
 def cmd_throughput(args) -> int:
     import torch
 
-    from brrr.analysis.formats import dtype_format
-    from brrr.analysis.hardware import measure
-    from brrr.bench.random_model import model_config, random_model
-    from brrr.config import EngineConfig
-    from brrr.engine import LLMEngine
-    from brrr.errors import BrrrError
-    from brrr.loader import resolve_dtype
-
     if not torch.cuda.is_available():
         raise BrrrError("brrr bench throughput measures a GPU; torch sees no CUDA device")
     cfg = model_config(args.model)
@@ -146,7 +145,7 @@ def cmd_throughput(args) -> int:
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
     if tp > 1:
-        from brrr.distributed.tp_loader import load_tensor_parallel
+        from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
         model, config = load_tensor_parallel(cfg, tp, dtype, torch.device("cuda"), config)  # each rank its shard
     else:

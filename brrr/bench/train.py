@@ -30,8 +30,20 @@ import os
 import platform
 import time
 
+from brrr.analysis.hardware import measure
+from brrr.analysis.model import param_counts, training_flops_per_token
 from brrr.bench.latency import emit, require_at_least
+from brrr.bench.train_profile import profile_step
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+from brrr.presets import preset_config
 from brrr.train.cli import add_layout_flags
+from brrr.train.config import ParallelConfig
+from brrr.train.loss import CausalLMLoss
+from brrr.train.parallel import ParallelStep, Ranks, parallelize, plan_layout, predicted_memory, zero_stage
+from brrr.train.pretrain import TrainConfig, build_model
+from brrr.train.shapes import SHAPES
+from brrr.train.trainer import autocast_for, checkpoint_activations, device_gpu, make_optimizer, optimizer_step
 
 # Each mode keeps its own defaults: many small shapes fit one GPU; a layout is measured one model at a time.
 ALONE = {"model": ["smollm2-135m:16", "llama-3.2-1b:8"], "micro_batch": 8, "seq_len": 2048}
@@ -68,8 +80,6 @@ def register(bench_sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from brrr.errors import BrrrError
-
     require_at_least(steps=(args.steps, 1), warmup=(args.warmup, 0), micro_batch=(args.micro_batch, 1),
                      seq_len=(args.seq_len, 1))
     torchrun = "WORLD_SIZE" in os.environ
@@ -89,7 +99,6 @@ def cmd_train(args) -> int:
         if record is not None:  # rank 0's
             emit(record, args.out)
         return 0
-    from brrr.train.config import ParallelConfig
 
     layout = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches")
     changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(ParallelConfig(), k)]
@@ -100,8 +109,6 @@ def cmd_train(args) -> int:
     if not torch.cuda.is_available():
         raise BrrrError("brrr bench train measures a GPU; torch sees no CUDA device (under torchrun it also runs on "
                         "CPU processes)")
-    from brrr.analysis.hardware import measure
-
     gpu = measure()
     for name, micro_batch in specs:
         emit(run_one(name, micro_batch, args, gpu), args.out)
@@ -114,10 +121,6 @@ def model_config(name: str):
     """A training shape (brrr.train.shapes; its tokenizer-given vocabulary set to 8192), a config.json or a
     preset."""
     from pathlib import Path
-
-    from brrr.config import ModelConfig
-    from brrr.presets import preset_config
-    from brrr.train.shapes import SHAPES
 
     if name in SHAPES:
         return ModelConfig.from_hf({**SHAPES[name], "vocab_size": SHAPES[name]["vocab_size"] or 8192})
@@ -152,10 +155,6 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
     """One GPU, one process: the trainer's step on one model shape."""
     import torch
 
-    from brrr.analysis.model import param_counts, training_flops_per_token
-    from brrr.train.loss import CausalLMLoss
-    from brrr.train.pretrain import TrainConfig, build_model
-    from brrr.train.trainer import autocast_for, checkpoint_activations, make_optimizer, optimizer_step
 
     cfg = model_config(name)
     device = torch.device("cuda", torch.cuda.current_device())  # indexed: CausalLMLoss keys its cache by it
@@ -180,8 +179,6 @@ def run_one(name: str, micro_batch: int, args, gpu) -> dict:
     peak_memory = torch.cuda.max_memory_allocated()
     if args.profile:
         from pathlib import Path
-
-        from brrr.bench.train_profile import profile_step
 
         print(profile_step(lambda: step(0), args.profile, Path(name).stem, device), flush=True)
     tokens = micro_batch * args.seq_len
@@ -208,11 +205,6 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from brrr.analysis.model import param_counts, training_flops_per_token
-    from brrr.train.loss import CausalLMLoss
-    from brrr.train.parallel import ParallelStep, Ranks, parallelize, plan_layout, predicted_memory, zero_stage
-    from brrr.train.pretrain import TrainConfig, build_model
-    from brrr.train.trainer import autocast_for, device_gpu, make_optimizer, optimizer_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -255,8 +247,6 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
         bubble = parallel.log_fields(ranks) if parallel.pipeline is not None else {}  # the timed steps'
         memory = ranks.max_over_ranks(torch.cuda.max_memory_allocated(device) if cuda else 0)
         if args.profile:  # after the peak memory is read: the profiler's buffers are not the step's
-            from brrr.bench.train_profile import profile_step
-
             table = profile_step(lambda: step(0), args.profile, f"rank{mesh.rank}", device)
             if mesh.rank == 0:
                 print(table, flush=True)

@@ -288,7 +288,7 @@ class DisaggEngineCore(EngineCore):
 def load_disaggregated(model, dtype, device, config):
     """(Pretrained on the decode device, the engine core): the flag checked against the machine first, the prefill
     instances started (they load while this process loads the decode instance's copy), then joined."""
-    from brrr.distributed.disagg_config import check_devices, instance_device
+    from brrr.config.disaggregation import check_devices, instance_device
     from brrr.hub import resolve_model
     from brrr.pretrained import check_device, load
 

@@ -109,7 +109,7 @@ class PrefillInstances:
     def __init__(self, ids: tuple[int, ...], model: str, dtype: str, device: torch.device, config):
         import dataclasses
 
-        from brrr.distributed.disagg_config import instance_device
+        from brrr.config.disaggregation import instance_device
 
         self._dir = tempfile.TemporaryDirectory(prefix="brrr-disagg-")
         ctx = mp.get_context("spawn")

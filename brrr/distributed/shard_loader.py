@@ -18,10 +18,10 @@ from brrr.quant.checkpoint import quantization_config
 def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Collectives, dtype: torch.dtype,
                device: torch.device):
     """Build this rank's model and fill it from the checkpoint, reading only its slices; path None: random weights
-    of the config's shape (benchmarks, as `brrr.bench.random_model`), seeded per rank."""
+    of the config's shape (benchmarks, as `brrr.models.random_weights`), seeded per rank."""
     model = build_shard(part, comm, dtype, device)
     if path is None:
-        from brrr.bench.random_model import randomize
+        from brrr.models.random_weights import randomize
 
         return randomize(model, seed=part.rank).requires_grad_(False).eval()
     qc = quantization_config(path)

@@ -30,7 +30,7 @@ from brrr.engine.model_runner import ModelRunner
 from brrr.errors import BrrrError
 from brrr.hub import resolve_model
 from brrr.loader import resolve_dtype, weight_files
-from brrr.models.serving import prepare_for_serving
+from brrr.serving_form import prepare_for_serving
 from brrr.pretrained import Pretrained, check_device, stop_token_ids
 from brrr.quant.checkpoint import quantization_config
 from brrr.tokenizer import Tokenizer

@@ -31,7 +31,7 @@ from brrr.engine.model_runner import ModelRunner
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoraManager
 from brrr.lora.serving_slots import LoraSlots
-from brrr.models.serving import prepare_for_serving
+from brrr.serving_form import prepare_for_serving
 
 START_TIMEOUT_S = 600.0  # spawning, importing torch and loading a shard
 

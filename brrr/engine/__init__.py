@@ -5,8 +5,7 @@ from brrr.engine.core import EngineCore
 from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
-from brrr.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from brrr.lora.serving import LoRARequest
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineCore", "EngineOutput", "LLM", "LLMEngine", "LoRARequest",
-           "OutputProcessor", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+           "OutputProcessor", "RequestOutput"]

@@ -18,10 +18,10 @@ from brrr.engine.engine_process_client import EngineClient
 from brrr.engine.core import EngineCore, check_request
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
-from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
+from brrr.sampling_params import SamplingParams
 
 
 class EngineLimits:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 
 from brrr.engine.llm_engine import LLMEngine
-from brrr.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from brrr.kernels.attention.plan import AUTOTUNE_MIN_TOKENS, decode_plan
 from brrr.kernels.quant.tune import bucket_sizes
+from brrr.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("brrr.engine")
 BUDGET = -1  # a prompt as long as the step's token budget

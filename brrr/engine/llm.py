@@ -4,7 +4,7 @@ from __future__ import annotations
 from brrr.config import EngineConfig
 from brrr.engine.build import build_engine
 from brrr.engine.outputs import RequestOutput
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
 from brrr.threads import use_cpu_threads

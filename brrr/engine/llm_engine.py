@@ -7,7 +7,7 @@ from brrr.config import EngineConfig
 from brrr.engine.core import EngineCore
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import RequestOutput
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Request
 from brrr.lora.serving import LoRARequest

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from brrr.engine.guided import GuidedMatcher, apply_token_bitmask, fill_bitmask
-from brrr.engine.sampling_params import SamplingParams
 from brrr.kernels.sampling import greedy_argmax, gumbel_argmax, row_keys
+from brrr.sampling_params import SamplingParams
 
 
 @dataclass

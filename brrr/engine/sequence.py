@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from brrr.engine.guided import GuidedMatcher
-from brrr.engine.sampling_params import SamplingParams
 from brrr.lora.serving import LoRARequest
+from brrr.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -44,14 +44,14 @@ class LoraLinear(nn.Module):
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The frozen weight [out, in] (dequantized for NF4), for DoRA's row norms."""
         if isinstance(self.base, QuantLinear):
-            from brrr.lora.qlora import nf4_weight
+            from brrr.lora.qlora import nf4_weight  # NF4 bases only: the QLoRA kernels load with the first one
 
             return nf4_weight(self.base, dtype)
         return self.base.weight.to(dtype)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.base, QuantLinear):
-            from brrr.lora.qlora import nf4_linear
+            from brrr.lora.qlora import nf4_linear  # NF4 bases only: the QLoRA kernels load with the first one
 
             return nf4_linear(x, self.base)
         return self.base(x)

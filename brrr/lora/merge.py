@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from brrr.errors import BrrrError
+from brrr.loader import weight_files
 from brrr.lora.peft_format import LoraAdapter, load_adapter
 
 
@@ -28,8 +29,6 @@ def merged_tensor(weight: torch.Tensor, adapter: LoraAdapter, name: str) -> torc
 def merge_adapter(model_dir, adapter_dir, out_dir) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from brrr.loader import weight_files
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not model_dir.is_dir():

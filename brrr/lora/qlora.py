@@ -15,6 +15,8 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.loader import weight_files
+from brrr.models import model_class
 from brrr.quant.nf4_kernel import dequantize_nf4_weight
 from brrr.quant.formats import quantize_nf4
 from brrr.quant.linear import PROJECTIONS, QuantLinear
@@ -59,8 +61,6 @@ def build_nf4_model(cfg: ModelConfig, tensor: Callable[[str, tuple], torch.Tenso
     """A model whose projections are NF4 QuantLinears and whose other parameters (embeddings, norms, lm_head) are in
     `dtype`, all on `device`, filled by tensor(name, shape) one at a time: each projection's weight is quantized on
     the device right after it arrives and freed, so the peak is the quantized model plus one full weight."""
-    from brrr.models import model_class
-
     device = torch.device(device)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -88,8 +88,6 @@ def load_nf4_model(path, device, dtype: torch.dtype) -> nn.Module:
     """An HF model directory's Llama-family model with NF4 projections (build_nf4_model over its safetensors)."""
     from safetensors import safe_open
 
-    from brrr.loader import weight_files
-
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     where: dict[str, Path] = {}
@@ -113,7 +111,7 @@ def load_nf4_model(path, device, dtype: torch.dtype) -> nn.Module:
 
 
 def random_nf4_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """build_nf4_model with brrr.bench.random_model's values (N(0, 0.02) matrices, unit norms, zero biases): the
+    """build_nf4_model with brrr.models.random_weights's values (N(0, 0.02) matrices, unit norms, zero biases): the
     benchmark's 8B-shape QLoRA base without an 8B full-precision copy."""
     gen = torch.Generator(device).manual_seed(seed)
 

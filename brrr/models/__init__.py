@@ -1,7 +1,6 @@
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.models.llama import LlamaForCausalLM
-from brrr.models.serving import prepare_for_serving  # noqa: F401  (the load-time serving transform)
 
 FAMILIES = {"llama": LlamaForCausalLM}
 

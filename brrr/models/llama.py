@@ -3,7 +3,7 @@
 The reference form. Module names and projection shapes follow Hugging Face's, so checkpoints load by name and
 every GEMM has the shape transformers runs. That is deliberate: packing q/k/v into one GEMM changes cuBLAS's kernel
 choice and with it bf16 rounding, enough to flip greedy tokens (docs/models.md). Packed projections, quantized GEMV
-epilogues and norms folded into GEMVs are serving modules that `brrr.models.serving.prepare_for_serving` swaps in.
+epilogues and norms folded into GEMVs are serving modules that `brrr.serving_form.prepare_for_serving` swaps in.
 Shapes: activations are a flattened batch of tokens [N, hidden]; `AttnMeta` says how they split into sequences.
 """
 from __future__ import annotations

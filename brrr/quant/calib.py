@@ -11,6 +11,8 @@ import torch
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.quant.linear import projections
+from brrr.token_data import TokenData
+from brrr.tokenizer import Tokenizer
 
 
 def calibration_tokens(source: str | Path, tokenizer, n_samples: int = 128, seq_len: int = 256,
@@ -30,9 +32,6 @@ def load_tokens(source: str | Path | None, tokenizer, split: str = "train") -> t
         raise BrrrError("calibration data is required for this method: pass --calib DIR|FILE")
     path = Path(source)
     if path.is_dir():
-        from brrr.tokenizer import Tokenizer
-        from brrr.train.data import TokenData
-
         data = TokenData(path)
         if tokenizer is not None and Tokenizer.from_dir(path).vocab() != tokenizer.vocab():
             example = Path(sysconfig.get_paths()["stdlib"]) / "json"

@@ -5,6 +5,11 @@ import json
 import time
 from pathlib import Path
 
+import brrr
+from brrr.errors import BrrrError
+from brrr.quant.checkpoint import quantization_config, save_quantized
+from brrr.quant.linear import QuantLinear, projections
+
 METHODS = ("rtn-int8", "rtn-int4", "gptq", "awq", "nf4", "fp8", "smoothquant", "fp8-w8a8")
 
 
@@ -56,12 +61,9 @@ def register(sub) -> None:
 def cmd_quantize(args) -> int:
     import torch
 
-    import brrr
+    # the quantizers (GPTQ, AWQ, SmoothQuant, calibration) load for this command only: brrr.cli imports this module
     from brrr.quant.calib import calibration_tokens
-    from brrr.quant.checkpoint import save_quantized
     from brrr.quant.methods import NEEDS_CALIBRATION, quantize_model
-
-    from brrr.errors import BrrrError
 
     if args.method in NEEDS_CALIBRATION and not args.calib:
         raise BrrrError(f"--method {args.method} needs calibration data: pass --calib DIR|FILE")
@@ -79,15 +81,14 @@ def cmd_quantize(args) -> int:
 
 
 def _eval_tokens(args, tokenizer):
-    from brrr.quant.calib import load_tokens
+    from brrr.quant.calib import load_tokens  # for `brrr eval` only: brrr.cli imports this module
 
     tokens = load_tokens(args.data, tokenizer, args.split)
     return tokens[: args.max_tokens] if args.max_tokens else tokens
 
 
 def cmd_ppl(args) -> int:
-    import brrr
-    from brrr.quant.evaluate import perplexity
+    from brrr.quant.evaluate import perplexity  # for `brrr eval` only: brrr.cli imports this module
 
     pre = brrr.load(args.model, dtype=args.dtype, device=args.device)
     result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride,
@@ -98,9 +99,6 @@ def cmd_ppl(args) -> int:
 
 def model_summary(path: Path, model) -> dict:
     """method, stored bits per projection weight, bytes of *.safetensors."""
-    from brrr.quant.checkpoint import quantization_config
-    from brrr.quant.linear import QuantLinear, projections
-
     qc = quantization_config(path) or {}
     bits = numel = 0
     for _, m in projections(model):
@@ -115,8 +113,7 @@ def model_summary(path: Path, model) -> dict:
 
 
 def cmd_compare(args) -> int:
-    import brrr
-    from brrr.quant.evaluate import perplexity
+    from brrr.quant.evaluate import perplexity  # for `brrr eval` only: brrr.cli imports this module
 
     rows, base = [], None
     tokens = None

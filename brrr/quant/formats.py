@@ -14,6 +14,7 @@ import torch
 from brrr.analysis.finetune import NF4_BLOCK, NF4_SCALE_BLOCK
 from brrr.errors import BrrrError
 from brrr.kernels.quant.layouts import int4_params, int4_round
+from brrr.quant.published import dequantize_awq, dequantize_gptq, dequantize_gptq_v2
 
 GROUP_SIZES = (32, 64, 128)
 NF4_LEVELS = torch.tensor([-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
@@ -131,8 +132,6 @@ def dequantize_fp8(t: dict) -> torch.Tensor:
 
 
 def _published():
-    from brrr.quant.published import dequantize_awq, dequantize_gptq, dequantize_gptq_v2
-
     return {"gptq": dequantize_gptq, "gptq_v2": dequantize_gptq_v2, "awq": dequantize_awq}
 
 

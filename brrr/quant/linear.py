@@ -31,7 +31,7 @@ ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight fo
 
 
 class QuantLinear(nn.Module):
-    release_early = False  # set on packed q/k/v (models/serving.py): decode attention may start at the last K step
+    release_early = False  # set on packed q/k/v (serving_form.py): decode attention may start at the last K step
 
     def __init__(self, fmt: str, tensors: dict, in_features: int, out_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, activations: str | None = None):
@@ -118,7 +118,7 @@ class QuantLinear(nn.Module):
     @property
     def takes_norms(self) -> bool:
         """Batch-1 decode runs the RMSNorm before it and the residual add after it inside its MMA GEMV (`forward`;
-        brrr/models/serving.py's GemvNormLlamaForCausalLM where every projection does): int4 g128. The int8 and FP8
+        brrr/serving_form.py's GemvNormLlamaForCausalLM where every projection does): int4 g128. The int8 and FP8
         kernels take them too, but their decode step was slower that way (docs/quantization.md)."""
         return self.activations is None and self.fmt == "int4" and self.group_size == 128
 
@@ -138,6 +138,7 @@ class QuantLinear(nn.Module):
 
     def _matmul(self, x, bias):
         if self.activations is not None:
+            # W8A8 only: its per-token activation kernels load with the first such layer, not with every model
             from brrr.quant.w8a8 import fp8_w8a8_linear, int8_w8a8_linear
 
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
@@ -145,7 +146,7 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def gated(self, x):
-        """silu(gate) * up of a packed gate/up projection (outputs: gate, then up; brrr/models/serving.GatedGemvMLP):
+        """silu(gate) * up of a packed gate/up projection (outputs: gate, then up; brrr/serving_form.GatedGemvMLP):
         weight-only int8/int4 in one kernel at batch-1 decode (`w8a16_gated_matmul`), else forward then
         silu_and_mul."""
         bias = None if self.bias is None else self.bias.to(PendingNorm.rows(x).dtype)

@@ -120,7 +120,7 @@ def cmd_serve(args) -> int:
                           speculative_config=parse_speculative_config(args.speculative_config),
                           tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
     if config.disaggregate is not None:  # the GPUs named exist: before the engine process starts loading
-        from brrr.distributed.disagg_config import check_devices
+        from brrr.config.disaggregation import check_devices
 
         check_devices(config.disaggregate, check_device(args.device))
     spec = EngineSpec(str(resolve_model(args.model)), args.dtype, args.device, config, args.cpu_threads,

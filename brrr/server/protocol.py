@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from brrr.engine import SamplingParams
-from brrr.engine.sampling_params import LOGIT_BIAS_LIMIT
+from brrr.sampling_params import LOGIT_BIAS_LIMIT
 from brrr.errors import BrrrError
+from brrr.sampling_params import SamplingParams
 
 
 class APIError(Exception):

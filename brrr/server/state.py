@@ -7,10 +7,11 @@ import logging
 import time
 from functools import lru_cache
 
-from brrr.engine import AsyncLLM, SamplingParams
+from brrr.engine import AsyncLLM
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
+from brrr.sampling_params import SamplingParams
 from brrr.server.lora_adapters import LoraAdapters
 from brrr.server.metrics import ServerMetrics
 from brrr.server.protocol import APIError, as_api_error

@@ -7,8 +7,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from brrr.engine.sampling_params import StructuredOutputsParams
 from brrr.errors import BrrrError
+from brrr.sampling_params import StructuredOutputsParams
 from brrr.server.protocol import APIError, ChatCompletionRequest
 from brrr.server.tool_parsers import ArgumentsParser, CallArrayParser, ToolFormat, call_array_schema
 

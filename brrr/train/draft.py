@@ -29,8 +29,8 @@ from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.loader import load_model
 from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerprint
+from brrr.token_data import TokenData
 from brrr.train.config import DRAFT_LOOP, LoopConfig, ParallelConfig, split_flags
-from brrr.train.data import TokenData
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.trainer import Trainer
 

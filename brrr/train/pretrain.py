@@ -22,7 +22,7 @@ from brrr.errors import BrrrError
 from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.train.config import LoopConfig, ParallelConfig, split_flags
-from brrr.train.data import TokenData
+from brrr.token_data import TokenData
 from brrr.train.loss import CausalLMLoss
 from brrr.train.parallel import load_model_weights, predicted_memory
 from brrr.train.sampler import TrainWindows, eval_windows

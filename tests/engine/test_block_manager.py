@@ -3,8 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brrr.engine.block_manager import BlockManager
-from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.sequence import Request, Sequence
+from brrr.sampling_params import SamplingParams
 
 BLOCK = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]

@@ -2,8 +2,9 @@
 import pytest
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.pretrained import load
+from brrr.sampling_params import SamplingParams
 from brrr.tokenizer import IncrementalDecoder
 from tests import hf_models
 

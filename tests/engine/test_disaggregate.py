@@ -12,8 +12,8 @@ import torch
 
 from brrr import LLM, BrrrError, SamplingParams
 from brrr.config import EngineConfig
-from brrr.distributed.disagg_config import check_devices, parse_disaggregate
-from brrr.engine.sampling_params import StructuredOutputsParams
+from brrr.config.disaggregation import check_devices, parse_disaggregate
+from brrr.sampling_params import StructuredOutputsParams
 from tests import hf_models
 
 VOCAB = 321

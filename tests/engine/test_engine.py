@@ -6,7 +6,8 @@ import torch
 
 from brrr import load_model
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 
 VOCAB = 256

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
+from brrr.sampling_params import SamplingParams
 from tests.engine.test_engine import VOCAB, hf_greedy, models, run_all  # noqa: F401  (fixture)
 
 

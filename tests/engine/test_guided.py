@@ -12,11 +12,12 @@ import torch
 
 from brrr import BrrrError, StructuredOutputsParams
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.engine.guided import compile_cache_info, compiler_for, fill_bitmask
 from brrr.engine.guided.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from brrr.engine.sampler import SampleRow, sample
 from brrr.pretrained import load
+from brrr.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",

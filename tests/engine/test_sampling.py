@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import AsyncLLM, LLMEngine, SamplingParams
+from brrr.engine import AsyncLLM, LLMEngine
 from brrr.engine.sampler import SampleRow, sample
 from brrr.pretrained import load
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])

@@ -10,13 +10,15 @@ from scipy.stats import chi2_contingency
 
 from brrr import load_model
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams, StructuredOutputsParams
+from brrr.config.speculative import SpeculativeConfig
+from brrr.engine import LLMEngine
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.spec.ngram import NgramProposer, lookup
-from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
+from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import Speculator
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.sampling_params import SamplingParams, StructuredOutputsParams
 from brrr.tokenizer import Tokenizer
 from tests import hf_models
 

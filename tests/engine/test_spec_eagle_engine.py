@@ -6,10 +6,10 @@ import torch
 
 pytest.importorskip("brrr.engine.spec.verify")
 
-from brrr.engine import SamplingParams  # noqa: E402
 from brrr.errors import BrrrError  # noqa: E402
 from brrr.kernels import AttnMeta  # noqa: E402
 from brrr.models.eagle import new_head, save_head  # noqa: E402
+from brrr.sampling_params import SamplingParams  # noqa: E402
 from brrr.train.draft import EagleLoss  # noqa: E402
 from tests import hf_models  # noqa: E402
 from tests.engine.test_spec_decode import repetitive_prompts, run, setup, stress_engine, texts  # noqa: E402, F401

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.engine.spec.eagle import EagleProposer
 from brrr.engine.spec.proposer import SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
 from brrr.errors import BrrrError
+from brrr.sampling_params import SamplingParams
 from tests.engine.test_graph_inputs import EagerReplay
 from tests.engine.test_spec_decode import repetitive_prompts, run, setup, stress_engine, texts  # noqa: F401
 from tests.engine.test_spec_eagle_engine import head_dir  # noqa: F401

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.engine.spec.proposer import Proposer
 from brrr.engine.spec.verify import Speculator
 from brrr.engine.spec.verify_graphs import MAX_VERIFY_GRAPH_ROWS, VerifyGraphSpec, verify_graph_spec
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import attention_ref
 from brrr.kernels.attention.reference import paged_verify_ref
+from brrr.sampling_params import SamplingParams
 from tests.engine.test_graph_inputs import EagerReplay
 from tests.engine.test_spec_decode import RecordingProposer, repetitive_prompts, run, setup, texts  # noqa: F401
 

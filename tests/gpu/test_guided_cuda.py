@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.pretrained import load
+from brrr.sampling_params import SamplingParams
 from tests.engine.test_guided import CHOICES, REGEX, SCHEMA, check, guided
 
 pytestmark = pytest.mark.gpu

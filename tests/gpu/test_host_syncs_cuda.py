@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
-from brrr.engine.sampling_params import StructuredOutputsParams
+from brrr.engine import LLMEngine
+from brrr.sampling_params import SamplingParams
+from brrr.sampling_params import StructuredOutputsParams
 from brrr.pretrained import load
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.kernels.lora import lora_apply, lora_apply_ref, lora_rows
+from brrr.sampling_params import SamplingParams
 from tests.lora.test_serving_engine import merged, prompts_for, random_adapter
 
 pytestmark = pytest.mark.gpu

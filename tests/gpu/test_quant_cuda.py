@@ -13,21 +13,22 @@ import torch
 import brrr
 from brrr import load_model
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.generate import generate_tokens
 from brrr.kernels import AttnMeta
 from brrr.kernels import pdl
 from brrr.kernels import quant as qm
-from brrr.kernels.quant import configs as cfgs, tune
 from brrr.kernels import dispatch
 from brrr.kernels.dispatch import use_reference
+from brrr.kernels.quant import configs as cfgs, tune
+from brrr.kernels.quant.int8_rescale import int8_rescale_ref
 from brrr.quant import formats
 from brrr.quant.checkpoint import save_quantized
-from brrr.models.serving import prepare_for_serving
 from brrr.quant.linear import QuantLinear
 from brrr.quant.methods import quantize_model
-from brrr.kernels.quant.int8_rescale import int8_rescale_ref
 from brrr.quant.w8a8 import _int_mm, fp8_w8a8_linear, int8_w8a8_linear, int_mm_ref
+from brrr.sampling_params import SamplingParams
+from brrr.serving_form import prepare_for_serving
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -10,8 +10,9 @@ import torch
 
 from brrr import load_model
 from brrr.config import EngineConfig
-from brrr.engine import LLMEngine, SamplingParams
+from brrr.engine import LLMEngine
 from brrr.kernels.dispatch import use_reference
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 
 pytestmark = pytest.mark.gpu

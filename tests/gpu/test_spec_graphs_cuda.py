@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from brrr import load_model
-from brrr.engine import SamplingParams
 from brrr.kernels.dispatch import use_reference
 from brrr.models.eagle import new_head, save_head
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 from tests.gpu.test_spec_decode_cuda import _outputs as run_engine
 

@@ -40,7 +40,7 @@ def test_merged_model_gives_the_adapters_greedy_tokens(tmp_path, base_dir, dora)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert _greedy(merged) == want
     import brrr
-    from brrr.engine import SamplingParams
+    from brrr.sampling_params import SamplingParams
 
     ours = brrr.load(tmp_path / "merged", dtype="float32", device="cpu")
     tokens = list(ours.generate_ids(PROMPT[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))

@@ -7,13 +7,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from brrr.cli import main
-from brrr.engine import LLM, SamplingParams
+from brrr.engine import LLM
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.loader import load_model
 from brrr.quant.checkpoint import save_quantized
 from brrr.quant.linear import QuantLinear, projections
 from brrr.quant.methods import quantize_model, rtn_tensors
+from brrr.sampling_params import SamplingParams
 from tests import hf_models
 
 
@@ -137,7 +138,7 @@ def data_dir(tmp_path_factory):
 def test_calibration_from_a_brrr_data_directory_reads_its_memmapped_train_split(tiny_dir, data_dir, tmp_path,
                                                                                 capsys):
     from brrr.quant.calib import calibration_tokens
-    from brrr.train.data import TokenData
+    from brrr.token_data import TokenData
 
     model = tmp_path / "model"  # the tiny model with the data's tokenizer, as `brrr train --data` would export it
     model.mkdir()

@@ -6,13 +6,13 @@ from brrr.kernels import AttnMeta
 from brrr.kernels.rms_norm import PendingNorm
 from brrr.config import EngineConfig
 from brrr.loader import load_model
-from brrr.models.serving import (GatedGemvMLP, GemvNormLlamaForCausalLM, PackedAttention, QuantLogitsHead,
-                                 prepare_for_serving)
 from brrr.quant import formats
 from brrr.quant.gptq import Hessian, gptq_quantize
 from brrr.quant.calib import record_inputs
 from brrr.quant.linear import QuantLinear, projections, swap_linears
 from brrr.quant.methods import SEQUENTIAL, awq_inputs, fold_awq_scales, quant_linear, quantize_model
+from brrr.serving_form import (GatedGemvMLP, GemvNormLlamaForCausalLM, PackedAttention, QuantLogitsHead,
+                               prepare_for_serving)
 
 PACK = EngineConfig(pack_projections=True)
 
@@ -243,7 +243,8 @@ def test_int4_g128_models_serve_with_the_norms_in_the_gemvs(tmp_path, calib, lm_
         torch.testing.assert_close(_one_row(served, calib, final), _one_row(ref, calib, final), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_logits(served, calib), _logits(ref, calib), rtol=1e-4, atol=1e-4)
     # the engine prepares the model itself: one-row decode steps through the GEMVs, the reference's greedy tokens
-    from brrr.engine import LLMEngine, SamplingParams
+    from brrr.engine import LLMEngine
+    from brrr.sampling_params import SamplingParams
 
     tokens = []
     for m, pack in ((ref, False), (model, True)):

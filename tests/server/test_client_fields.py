@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brrr.engine import SamplingParams
+from brrr.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, CONTEXT, MODEL_NAME
 from tests.server.test_errors import CHAT, COMPLETION, error_of
 

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from brrr.config import EngineConfig
-from brrr.engine import SamplingParams
+from brrr.sampling_params import SamplingParams
 from tests.server.conftest import LINUX, MODEL_NAME, engine_processes, running, serve, start_engine
 
 

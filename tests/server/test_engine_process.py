@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from brrr.config import EngineConfig
-from brrr.engine import EngineCore, EngineOutput, LLMEngine, OutputProcessor, SamplingParams
+from brrr.engine import EngineCore, EngineOutput, LLMEngine, OutputProcessor
 from brrr.engine.async_llm import _LatestOutput
 from brrr.engine.engine_process import engine_stats
 from brrr.engine.engine_process_warmup import warm_up
+from brrr.sampling_params import SamplingParams
 from tests.server.conftest import CONTEXT, LINUX, MODEL_NAME, running, serve, start_engine
 
 

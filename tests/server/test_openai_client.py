@@ -4,7 +4,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brrr.engine import SamplingParams
+from brrr.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, CONTEXT, MODEL_NAME
 
 PROMPT = "def add(a, b):"

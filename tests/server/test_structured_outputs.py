@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from brrr.engine import SamplingParams
+from brrr.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, MODEL_NAME
 from tests.server.test_errors import error_of
 

@@ -5,6 +5,7 @@ import json
 import pytest
 from safetensors import safe_open
 
+import brrr.bench.latency
 import brrr.engine
 from brrr.bench.latency_workloads import EDIT_MARKER, HeldOutText, Workload
 from brrr.cli import main
@@ -86,7 +87,7 @@ def test_bench_loads_the_trained_weights_unless_dummy(trained, data_dir, tmp_pat
             engines.append(model)
             super().__init__(model, *args, **kwargs)
 
-    monkeypatch.setattr(brrr.engine, "LLMEngine", Recording)
+    monkeypatch.setattr(brrr.bench.latency, "LLMEngine", Recording)  # the engine the bench builds
     with safe_open(str(trained / "model.safetensors"), "pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight")
     for load_format, weights, equal in (("auto", "loaded", True), ("dummy", "random", False)):

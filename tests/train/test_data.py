@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from brrr import BrrrError
-from brrr.train.data import TokenData, build, split_of
+from brrr.token_data import TokenData
+from brrr.train.data import build, split_of
 from brrr.train.sampler import TrainWindows, eval_windows
 from tests.train.conftest import write_sources
 

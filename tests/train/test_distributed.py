@@ -137,7 +137,7 @@ def test_fsdp_in_fp16_follows_fp32_with_a_loss_scale(runs):
 
 
 def _model_cfg(data_dir, path):
-    from brrr.train.data import TokenData
+    from brrr.token_data import TokenData
 
     data = TokenData(data_dir)
     return resolve_config(str(path), data.vocab_size, data.special_tokens, 32)

@@ -51,7 +51,7 @@ def test_training_raises_agreement_with_the_target(head_run):
 
 
 def test_saved_head_reloads_with_the_same_agreement(head_run, target_dir, data_dir):
-    from brrr.train.data import TokenData
+    from brrr.token_data import TokenData
 
     target = brrr.load_model(target_dir, dtype="float32")
     head = load_head(head_run, target)

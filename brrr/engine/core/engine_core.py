@@ -27,7 +27,7 @@ from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.prompt_logprobs import PromptLogprobs
 from brrr.engine.sampler import SampleRow, h2d
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.feature import Speculation
@@ -37,7 +37,7 @@ from brrr.errors import BrrrError
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
 from brrr.lora.serving_slots import LoraSlots
-from brrr.models.serving import prepare_for_serving
+from brrr.serving_form import prepare_for_serving
 
 log = logging.getLogger("brrr.engine")
 CPU_KV_DEFAULT = 256 << 20  # zeroing more costs seconds at start-up on small CPU machines

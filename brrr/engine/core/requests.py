@@ -3,7 +3,7 @@ the engine process)."""
 from __future__ import annotations
 
 from brrr.engine.guided.feature import grammars
-from brrr.engine.sampling_params import SamplingParams
+from brrr.sampling_params import SamplingParams
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest

@@ -14,8 +14,8 @@ from collections import OrderedDict
 
 import llguidance
 
-from brrr.engine.sampling_params import StructuredOutputsParams
 from brrr.errors import BrrrError
+from brrr.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger("brrr.engine")
 CACHE_SIZE = 512  # compiled grammars kept per tokenizer; a server sees a few schemas many times, not many once

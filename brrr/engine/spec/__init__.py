@@ -2,11 +2,11 @@
 (proposer.py); the engine verifies their drafts (brrr/engine/spec/verify.py, docs/speculative.md)."""
 from __future__ import annotations
 
-from brrr.engine.spec.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpecInput, SpeculativeConfig
+from brrr.config.speculative import SpeculativeConfig
+from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.errors import BrrrError
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "Proposer", "SpecInput", "SpeculativeConfig", "make_proposer",
-           "parse_speculative_config"]
+__all__ = ["Proposer", "SpecInput", "make_proposer", "parse_speculative_config"]
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

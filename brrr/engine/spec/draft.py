@@ -13,13 +13,13 @@ from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.sampler import SampleRow, draw, h2d
-from brrr.engine.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.sequence import Sequence
 from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
 from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
+from brrr.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -28,7 +28,7 @@ def load_draft(path: str, target):
     """The draft model on the target's device and dtype; BrrrError when its vocabulary is not the target's (its
     token ids would mean other tokens)."""
     from brrr.loader import load_model
-    from brrr.models.serving import prepare_for_serving
+    from brrr.serving_form import prepare_for_serving
 
     if not Path(path).expanduser().is_dir():
         raise BrrrError(f"speculative_config.model: draft model directory not found: {path}")

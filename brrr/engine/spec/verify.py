@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brrr.engine.sampling_params import SamplingParams
+from brrr.config.speculative import SpeculativeConfig
 from brrr.engine.sequence import Sequence
-from brrr.engine.spec.proposer import Proposer, SpecInput, SpeculativeConfig
+from brrr.engine.spec.proposer import Proposer, SpecInput
+from brrr.sampling_params import SamplingParams
 
 
 class DeviceDrafts:

@@ -1,19 +1,19 @@
-"""Random-weight models of real shapes (from brrr.presets), built straight on the target device: benchmarks
-measure speed, which does not depend on the values, so nothing is downloaded."""
+"""Random-weight models of real shapes (from brrr.presets), built straight on the target device: benchmarks and
+tensor-parallel loads without a checkpoint measure speed, which does not depend on the values, so nothing is
+downloaded."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.models import model_class
+from brrr.presets import PRESETS, preset_config
 
 
 def model_config(spec: str) -> ModelConfig:
-    from pathlib import Path
-
-    from brrr.presets import PRESETS, preset_config
-
     if spec in PRESETS:
         return preset_config(spec)
     if Path(spec).is_dir():

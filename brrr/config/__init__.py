@@ -1,10 +1,14 @@
-"""ModelConfig: the one description of a model, parsed from a Hugging Face config.json."""
+"""ModelConfig: the one description of a model, parsed from a Hugging Face config.json; EngineConfig: how the
+serving engine sizes and schedules itself, with its speculative (speculative.py) and disaggregation
+(disaggregation.py) parts. Nothing here imports another brrr package but errors: every layer reads its configs."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from brrr.config.disaggregation import check_combination, parse_disaggregate
+from brrr.config.speculative import SpeculativeConfig
 from brrr.errors import BrrrError
 
 # Architectures brrr runs, and the family file that implements each.
@@ -285,16 +289,12 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.speculative_config is not None:
-            from brrr.engine.spec.proposer import SpeculativeConfig  # lazy: brrr.engine imports this module
-
             if isinstance(self.speculative_config, dict):
                 self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             elif not isinstance(self.speculative_config, SpeculativeConfig):
                 raise BrrrError("EngineConfig.speculative_config must be a dict or a SpeculativeConfig, got "
                                 f"{type(self.speculative_config).__name__}")
         if self.disaggregate is not None:
-            from brrr.distributed.disagg_config import check_combination, parse_disaggregate
-
             self.disaggregate = parse_disaggregate(self.disaggregate)
             check_combination(self)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",

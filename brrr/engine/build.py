@@ -4,19 +4,17 @@ disaggregated one (the decode instance here, the prefill instances started), wit
 from __future__ import annotations
 
 from brrr.config import EngineConfig
+from brrr.distributed.disagg_engine import load_disaggregated
+from brrr.distributed.tp_loader import load_pretrained
 from brrr.engine.core import EngineCore
 from brrr.engine.llm_engine import LLMEngine
+from brrr.pretrained import load
 
 
 def build_engine(model, dtype, device, config: EngineConfig, core: bool = False):
     """(the loaded Pretrained, the engine): an EngineCore when `core` (the engine process sends its records on),
     else an LLMEngine over it (outputs assembled in this process). model: a directory, a hub id, or None for the
     shipped default."""
-    # distributed sits above the engine core: these loaders start processes and import it
-    from brrr.distributed.disagg_engine import load_disaggregated
-    from brrr.distributed.tp_loader import load_pretrained
-    from brrr.pretrained import load
-
     if config.disaggregate is not None:  # the decode instance here, the prefill instances in processes of their own
         pretrained, engine = load_disaggregated(model, dtype, device, config)
     else:

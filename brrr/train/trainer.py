@@ -269,7 +269,7 @@ class Trainer:
                 seconds = now - window_start
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
-                mfu = tok_s * self.flops_per_token / (self.peak * self.ranks.world) if self.peak else None
+                mfu = tok_s * self.task.flops_per_token / (self.peak * self.ranks.world) if self.peak else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
                           "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.ranks.world, "mfu": mfu,
                           "tokens_seen": st["tokens_seen"], "epoch": self.task.batches.epoch(st["position"]),

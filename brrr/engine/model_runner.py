@@ -11,6 +11,8 @@ previous step's tokens, drafts left on the device) are broadcast from there on t
 """
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -48,6 +50,8 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 def _cuda_capture(step, pool, device):
+    # No garbage collection during a capture: an unreachable engine's graphs and buffers freed mid-capture (a CUDA
+    # graph destroyed, a tensor released) invalidate it (`capture_here` collects once before it starts).
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     # A capture stream of this runner's device: torch.cuda.graph's default one is made once per process, on the
@@ -55,8 +59,14 @@ def _cuda_capture(step, pool, device):
     # instance on GPU 1, in a process that captured on GPU 0 before, then launched its kernels against GPU 0).
     # thread_local: the engine's other threads (a disaggregated engine's KV transfers, the mask thread) may call
     # CUDA while this one captures; in the default global mode such a call breaks the capture.
-    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
-        logits = step()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+            logits = step()
+    finally:
+        if was_enabled:
+            gc.enable()
     return graph, logits
 
 
@@ -143,6 +153,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_here(self, max_batch: int, max_blocks: int, capture=None) -> None:
+        gc.collect()  # what an earlier engine left is freed now, not in the middle of a capture
         sizes = graph_sizes(max_batch)
         n, dev = sizes[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)

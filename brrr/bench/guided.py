@@ -32,7 +32,7 @@ _ITEM = {"type": "object", "properties": {
 _SCHEMA = {"type": "array", "items": _ITEM, "minItems": 40}
 # each part: where the engine calls its function from, (module, attribute) (the fill: the mask thread of a pipelined
 # step, or the sampler of a step that fills its own masks)
-_PARTS = {"mask_fill_ms": [("brrr.engine.llm_engine", "fill_bitmask"), ("brrr.engine.sampler", "fill_bitmask")],
+_PARTS = {"mask_fill_ms": [("brrr.engine.guided.feature", "fill_bitmask"), ("brrr.engine.sampler", "fill_bitmask")],
           "mask_apply_ms": [("brrr.engine.sampler", "apply_token_bitmask")],
           "advance_ms": [("brrr.engine.guided.backend", "GuidedMatcher.accept")]}
 

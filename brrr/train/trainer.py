@@ -270,7 +270,7 @@ class Trainer:
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
                 per_rank = "GPU" if self.device.type == "cuda" else "rank"  # gloo ranks on a CPU are processes
-                mfu = tok_s * self.flops_per_token / (self.peak * self.ranks.world) if self.peak else None
+                mfu = tok_s * self.task.flops_per_token / (self.peak * self.ranks.world) if self.peak else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
                           "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.ranks.world, "mfu": mfu,
                           "tokens_seen": st["tokens_seen"], "epoch": self.task.batches.epoch(st["position"]),

@@ -49,6 +49,7 @@ def test_aiperf(clients_server, plain_model_dir, tmp_path):
                     str(PROMPT_TOKENS), "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean",
                     str(OUTPUT_TOKENS), "--output-tokens-stddev", "0", "--request-count", str(REQUESTS),
                     "--concurrency", "2", "--tokenizer", str(plain_model_dir), "--artifact-dir", str(tmp_path),
+                    "--extra-inputs", '{"ignore_eos": true}',  # fixed lengths: the random model may draw EOS
                     "--ui-type", "none"], check=True, capture_output=True, timeout=300, env=env)
     (export,) = tmp_path.rglob("profile_export_aiperf.json")
     result = json.loads(export.read_text())

@@ -169,6 +169,21 @@ def test_each_shipped_task_runs_a_step_through_the_one_loop(kind, tiny_config, d
     assert (tmp_path / "checkpoint" / "state.pt").is_file()
 
 
+@pytest.mark.parametrize("kind", list(TASKS))
+def test_each_task_reports_mfu_and_its_memory_on_a_known_gpu(kind, tiny_config, data_dir, trained_target, sft_setup,
+                                                             tmp_path, monkeypatch):
+    """The paths a GPU takes (MFU from the task's FLOPs per token, the memory prediction), on the CPU: the trainer is
+    told it runs on an H100."""
+    from brrr.analysis.hardware import get_gpu
+    from brrr.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "device_gpu", lambda device: get_gpu("h100"))
+    trainer = Trainer(_configs(kind, tiny_config, data_dir, trained_target, sft_setup, tmp_path))
+    trainer.run()
+    (step,) = [r for r in _log(tmp_path) if "loss" in r]
+    assert 0 < step["mfu"] < 1e-3  # a tiny model on a CPU, counted against an H100's peak
+
+
 def test_the_command_trainers_are_the_loop():
     assert Finetuner is Trainer and DraftTrainer is Trainer
 

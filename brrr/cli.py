@@ -22,6 +22,17 @@ is not chat-tuned. Point --model at a Hugging Face model directory (or hub id, w
 DEFAULT_MODEL_NOTE = "brrr's small default model completes Python and is not chat-tuned"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each default said once: argparse's "(default: X)" is added only where the help text does not
+    state the default itself and there is a value to show (a None default means "see the text", not "None")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help="HF model directory or hub id (default: brrr's shipped Python-code model)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), float32, bfloat16, float16")

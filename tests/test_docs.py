@@ -8,6 +8,9 @@ import itertools
 import re
 from pathlib import Path
 
+from brrr.presets import PRESETS
+from brrr.train.shapes import SHAPES
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "bench" / "results" / "README.md"]
 RESULTS = ROOT / "bench" / "results"
@@ -184,3 +187,45 @@ def test_the_extraction_finds_what_it_should(tmp_path):
     assert clean("docs/engine.md.") == "docs/engine.md" and clean("tests/x.py::test_y") == "tests/x.py"
     assert module_exists("brrr.engine.scheduler.Scheduler") and not module_exists("brrr.engine.no_such_module.x")
     assert not module_exists("brrr.engine.scheduler.no_such_name") and not module_exists("brrr.models.no_such.x")
+
+
+# the flags whose values are files or directories a command reads, unless they name a preset or training shape
+NAMED_SHAPES = set(PRESETS) | set(SHAPES)
+INPUT_FLAGS = {"--data", "--calib", "--model", "--models", "--target", "--adapter", "--dataset-path", "--config"}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The README's shell commands in order: ```bash blocks, continuation lines joined, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [line.split("   #")[0].split("  #")[0].strip() for line in lines if line.strip() and
+            not line.lstrip().startswith("#")]
+
+
+def unmade_inputs(commands: list[str]) -> list[str]:
+    """Files a command reads that no earlier command writes (`> FILE`, `--out FILE`) and the tree does not hold;
+    commands on the reader's own files (a `~/` path) are theirs to bring."""
+    made, missing = set(), []
+    for command in commands:
+        words = command.split()
+        if "brrr" in words[:3] and not any(w.startswith("~/") for w in words):
+            reading = None
+            for w in words:
+                if w.startswith("-"):
+                    reading = w if w in INPUT_FLAGS else None
+                elif reading and re.fullmatch(r"[\w./-]+", w) and w.rstrip("/") not in made \
+                        and not (ROOT / w).exists() and w not in NAMED_SHAPES:
+                    missing.append(f"{w} in: {command}")
+        made |= {m.rstrip("/") for m in re.findall(r"(?:>|--out)\s+([\w./-]+)", command)}
+    return missing
+
+
+def test_the_readme_commands_make_the_files_they_read():
+    """A command the README runs on the shipped model reads only files the README made before it (calib.txt,
+    eval.txt, data/, run/) or the tree's own (brrr/assets/default-model)."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert any("eval compare" in c for c in commands) and any("--calib calib.txt" in c for c in commands)
+    missing = unmade_inputs(commands)
+    assert not missing, "\n".join(missing)
+    assert unmade_inputs(["cat x > a.txt", "brrr q --calib a.txt --out q", "brrr e --models q --data b.txt"]) == \
+        ["b.txt in: brrr e --models q --data b.txt"]

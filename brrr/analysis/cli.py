@@ -76,8 +76,12 @@ def _table(title: str, columns: list[str], rows: list[list]):
 
 def _print(items):
     from rich.console import Console
+    from rich.measure import Measurement
 
     console = Console()
+    if not console.is_terminal:  # piped: no terminal to fit, so no wrapping at rich's 80 columns either
+        wide = console.options.update(max_width=10**6)
+        console = Console(width=max([80] + [Measurement.get(console, wide, item).maximum for item in items]))
     for item in items:
         console.print(item)
 

@@ -12,7 +12,6 @@ enable_gqa, or K/V expanded to every query head when a backend refuses it).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -22,6 +21,7 @@ from brrr.analysis.hardware import GPU, _known_spec, measure
 from brrr.analysis.kernels import (decode_attention_op, kv_write_op, prefill_attention_op, rms_norm_op, rotary_op,
                                    silu_and_mul_op)
 from brrr.analysis.roofline import Op, place, plot
+from brrr.cli import HelpFormatter
 from brrr.config import RopeConfig
 from brrr.errors import BrrrError
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -43,7 +43,7 @@ DECODE_SWEEP_SHAPES = {(64, 4096): (1, 2), (16, 8192): (1, 3, 5, 8), (1, 32768):
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("kernels", help="Triton kernels vs torch/SDPA peers: GB/s, TFLOP/s, roofline fraction",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=HelpFormatter)
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     p.add_argument("--tokens", type=int, default=16384, help="rows for the elementwise ops (RMSNorm, RoPE, ...)")
     p.add_argument("--quick", action="store_true", help="one shape per attention op (a smoke run)")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from brrr.bench.datasets import DATASETS, BenchPrompt, pseudo_text, synthetic_prompts
+from brrr.cli import HelpFormatter
 from brrr.errors import BrrrError
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -32,7 +33,7 @@ SLO_KEYS = ("ttft", "tpot", "e2el")
 
 def register(bench_sub) -> None:
     p = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, "
-                             "goodput", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             "goodput", formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
                    help="completions sends token ids (exact input lengths); chat sends text through the template")

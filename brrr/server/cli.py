@@ -7,7 +7,6 @@ those engine requests), then the engine process stops and the server exits 0 (1 
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import gc
 import logging
@@ -16,13 +15,13 @@ import signal
 import socket
 import sys
 
-from brrr.cli import DEFAULT_MODEL_NOTE, add_model_args
+from brrr.cli import DEFAULT_MODEL_NOTE, HelpFormatter, add_model_args
 from brrr.errors import BrrrError
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from brrr.cli import HelpFormatter
+
 
 def register(sub):
     data = sub.add_parser("data", help="build training data from Python source on this machine")
     data_sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     p = data_sub.add_parser("build", help="collect .py files, train a BPE tokenizer, write token files per split",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (tokenizer, train/val token files, manifest)")
     p.add_argument("--source", nargs="+", default=["stdlib"],
                    help="'stdlib' (this interpreter's standard library), 'site-packages', or directories")
@@ -26,7 +28,7 @@ def register(sub):
 
     d = TrainConfig("", "", "").loop
     p = sub.add_parser("train", help="train a Llama-family model on a `brrr data build` directory",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, dest="model",
                    help="a training shape (brrr-default), a preset (brrr calc's names) or a config.json")
     p.add_argument("--data", required=True, help="directory made by `brrr data build`")

@@ -2,8 +2,9 @@
 brrr/train/cli.py."""
 from __future__ import annotations
 
-import argparse
 import json
+
+from brrr.cli import HelpFormatter
 
 
 def register(sub):
@@ -11,7 +12,7 @@ def register(sub):
 
     d = DraftConfig("", "", "").loop
     p = sub.add_parser("train-draft", help="train an EAGLE draft head for speculative decoding on a data directory",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, dest="model", metavar="DIR", help="the target model's HF directory (frozen)")
     p.add_argument("--data", required=True, help="directory made by `brrr data build` with the target's tokenizer")
     p.add_argument("--out", required=True, help="output: the head's directory, plus checkpoint/ and train_log.jsonl")

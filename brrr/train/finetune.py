@@ -254,7 +254,7 @@ class FinetuneTask:
 
     def eval_line(self, val: dict) -> str:
         loss = val.get("val_loss", float("nan"))
-        return f"val loss {loss:.4f} (ppl {math.exp(loss):.2f}) | "
+        return f"val loss {loss:.4f} (ppl {math.exp(loss):.2f})"
 
     def eval_tokens(self, max_windows: int | None) -> int:
         return len(self._eval_rows(max_windows)) * self.seq_len
@@ -272,7 +272,8 @@ class FinetuneTask:
         return {}
 
     def summary(self, run, final: dict) -> dict:
-        return {"model": self.cfg.model, "params": param_counts(self.model_cfg)["total"],
+        # base_name names the model without --model too (the shipped default's path)
+        return {"model": self.base_name, "params": param_counts(self.model_cfg)["total"],
                 **{k.replace("val_loss", "val_ppl"): math.exp(v) for k, v in final.items()}}
 
     def export(self, run) -> dict:

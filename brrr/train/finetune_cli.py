@@ -2,8 +2,9 @@
 registered by brrr/train/cli.py."""
 from __future__ import annotations
 
-import argparse
 import json
+
+from brrr.cli import HelpFormatter
 
 
 def register(sub):
@@ -12,7 +13,7 @@ def register(sub):
     defaults = FinetuneConfig("", "", "")
     d, t = defaults.loop, defaults.task
     p = sub.add_parser("finetune", help="LoRA / QLoRA supervised fine-tuning on chat JSONL -> a PEFT adapter",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="base: an HF model directory or hub id (default: brrr's model)")
     p.add_argument("--data", required=True,
                    help='JSONL, one example a line: {"messages": [...]} (OpenAI chat) or {"prompt", "completion"}')

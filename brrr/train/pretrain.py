@@ -157,7 +157,7 @@ class PretrainTask:
     def eval_line(self, val: dict) -> str:
         parts = " | ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in val.items() if "/" in k)
         loss = val.get("val_loss", float("nan"))
-        return f"val loss {loss:.4f} (ppl {math.exp(loss):.2f}) | {parts}"
+        return f"val loss {loss:.4f} (ppl {math.exp(loss):.2f})" + (f" | {parts}" if parts else "")
 
     def eval_tokens(self, max_windows: int | None) -> int:
         return sum(len(starts) * length for _, starts, length in self._val_rows(max_windows))

@@ -269,6 +269,7 @@ class Trainer:
                 seconds = now - window_start
                 st["train_seconds"] += seconds
                 tok_s = window_steps * self.tokens_per_step / seconds
+                per_rank = "GPU" if self.device.type == "cuda" else "rank"  # gloo ranks on a CPU are processes
                 mfu = tok_s * self.task.flops_per_token / (self.peak * self.ranks.world) if self.peak else None
                 record = {"step": step, "loss": loss_sum.item() / window_steps, "lr": lr, "grad_norm": norm.item(),
                           "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.ranks.world, "mfu": mfu,
@@ -283,8 +284,8 @@ class Trainer:
                 record.update(self.train_step.log_fields(self.ranks))
                 record.update(self.task.log_fields())
                 self.log(record, f"step {step:>6}/{st['max_steps']} | loss {record['loss']:.4f} | lr {lr:.2e} | "
-                                 f"grad {record['grad_norm']:.3f} | {tok_s / 1e3:,.1f}k tok/s"
-                                 + (f" ({tok_s / self.ranks.world / 1e3:,.1f}k/GPU)" if self.ranks.world > 1 else "")
+                                 f"grad {record['grad_norm']:.3f} | {rate(tok_s)} tok/s"
+                                 + (f" ({rate(tok_s / self.ranks.world)}/{per_rank})" if self.ranks.world > 1 else "")
                                  + (f" | MFU {mfu:.1%}" if mfu is not None else "")
                                  + (f" | mem {record['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes"
                                     in record else "")
@@ -384,6 +385,13 @@ class Trainer:
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.log_file.close()
         return summary
+
+
+def rate(per_second: float) -> str:
+    """A rate for the log line: thousands with a k (12.3k), smaller ones plainly (42, 0.4), never 0.0k."""
+    if per_second >= 1e3:
+        return f"{per_second / 1e3:,.1f}k"
+    return f"{per_second:.0f}" if per_second >= 10 else f"{per_second:.1f}"
 
 
 def _duration(seconds: float) -> str:

@@ -96,6 +96,16 @@ def test_roofline_json_and_plot(tmp_path, capsys):
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+def test_roofline_table_piped_keeps_one_line_a_row(capsys, monkeypatch):
+    """capsys is not a terminal, as a pipe is not: rich's 80 columns used to wrap and cut the op names."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    _, ops = calc(["roofline", "--json"], capsys)
+    code, out = calc(["roofline"], capsys)
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert code == 0 and "…" not in out and len(rows) == len(ops["ops"]), out
+    assert all(f"│ {op['name']} " in row for op, row in zip(ops["ops"], rows)), out
+
+
 # ---- bad input: each error names the field or lists what is known ----
 
 def test_unknown_gpu_lists_the_known_ones():

@@ -34,11 +34,16 @@ def _cfg(data, out, **kw):
     return FinetuneConfig(kw.pop("model", None), str(data), str(out), **{**base, **kw})
 
 
-def test_short_finetune_of_the_shipped_model_lowers_held_out_loss(tmp_path):
+def test_short_finetune_of_the_shipped_model_lowers_held_out_loss(tmp_path, capsys):
     tuner = Finetuner(_cfg(write_chat(tmp_path / "chat.jsonl"), tmp_path / "out"))
     before = tuner.evaluate(None)["val_loss"]
     summary = tuner.run()
     assert summary["val_loss"] < 0.5 * before, (before, summary["val_loss"])
+    # the summary names the model it tuned (the shipped default's directory), not null
+    assert json.loads((tmp_path / "out" / "train_summary.json").read_text())["model"].endswith("default-model")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith(("eval @", "final eval @"))] and \
+        not [line for line in lines if line.rstrip().endswith("|")], lines  # no empty last field
     adapter = load_adapter(tmp_path / "out")
     assert adapter.config.r == 8 and adapter.config.base_model_name_or_path.endswith("default-model")
     assert len(adapter.weights) == 6 * 7  # every projection of the 6 layers

@@ -1,7 +1,9 @@
 """lm-eval (0.4.13) against `brrr serve`: `local-completions` through the server scores a local task file the same
 as lm-eval's own `hf` backend on the same checkpoint, per request (each loglikelihood within 1e-4) and per task,
 for loglikelihood, multiple-choice and generate_until tasks; its remote tokenizer (auto-detected through
-/tokenizer_info and /tokenize) is brrr's. A server that scored prompts at chance (no echoed logprobs) fails here."""
+/tokenizer_info and /tokenize) is brrr's. A server that scored prompts at chance (no echoed logprobs) fails here.
+`local-chat-completions` (generate_until only: lm-eval sends chat messages, which carry no loglikelihoods) through
+/v1/chat/completions generates what the `hf` backend generates from the same chat template."""
 import json
 import os
 import random
@@ -51,12 +53,11 @@ def _task_files(root) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-def _evaluate(model, model_args, include):
-    from lm_eval.tasks import TaskManager
-
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
-                                   task_manager=TaskManager(include_path=str(include)), batch_size=1,
-                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+def _evaluate(model, model_args, task_manager, tasks=TASKS, chat=False):
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), log_samples=True,
+                                   task_manager=task_manager, batch_size=1,
+                                   apply_chat_template=chat, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                   fewshot_random_seed=0)
 
 
 def _responses(results, task):
@@ -66,17 +67,26 @@ def _responses(results, task):
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory, clients_server, plain_model_dir):
+def task_manager(tmp_path_factory):
+    """lm-eval's index of its own tasks and the local ones, built once (it reads every task file lm-eval ships,
+    seconds a time)."""
+    from lm_eval.tasks import TaskManager
+
     root = tmp_path_factory.mktemp("lm-eval-tasks")
     _task_files(root)
+    return TaskManager(include_path=str(root))
+
+
+@pytest.fixture(scope="module")
+def both(task_manager, clients_server, plain_model_dir):
     served = _evaluate("local-completions", f"model={CLIENTS_MODEL},base_url={clients_server.base_url}"
-                       "/v1/completions,num_concurrent=4,max_retries=1,tokenized_requests=True", root)
+                       "/v1/completions,num_concurrent=4,max_retries=1,tokenized_requests=True", task_manager)
     # lm-eval's hf backend prepends the tokenizer's BOS unless told not to, and puts BOS before an empty context;
     # its API backends (against vLLM too) add nothing and put end-of-text there: the same token ids on both sides
     # need hf's add_bos_token=False and prefix_token_id=EOS
     eos = clients_server.llm.tokenizer.eos_token_id
     reference = _evaluate("hf", f"pretrained={plain_model_dir},dtype=float32,device=cpu,add_bos_token=False,"
-                          f"prefix_token_id={eos}", root)
+                          f"prefix_token_id={eos}", task_manager)
     return served, reference
 
 
@@ -112,4 +122,22 @@ def test_loglikelihoods_equal_the_hf_backend(both, task):
 def test_generate_until_equals_the_hf_backend(both):
     served, reference = both
     assert _responses(served, "brrr_gen") == _responses(reference, "brrr_gen")
+    assert served["results"]["brrr_gen"]["exact_match,none"] == reference["results"]["brrr_gen"]["exact_match,none"]
+
+
+def test_chat_completions_generate_what_the_hf_backend_does_from_the_chat_template(task_manager, clients_server,
+                                                                                   plain_model_dir):
+    """lm-eval's chat backend sends each prompt as a user message; brrr renders the checkpoint's chat template
+    (BOS first) and generates greedily up to the task's stop string. The hf backend renders the same template with
+    transformers and, seeing BOS at the start, adds no second one: the same token ids on both sides."""
+    served = _evaluate("local-chat-completions", f"model={CLIENTS_MODEL},base_url={clients_server.base_url}"
+                       "/v1/chat/completions,num_concurrent=4,max_retries=1", task_manager, ("brrr_gen",), chat=True)
+    reference = _evaluate("hf", f"pretrained={plain_model_dir},dtype=float32,device=cpu", task_manager,
+                          ("brrr_gen",), chat=True)
+    docs = sorted(served["samples"]["brrr_gen"], key=lambda s: s["doc_id"])
+    # the request is chat messages, not text: lm-eval's chat path ran, not the completions one
+    sent = [json.loads(d["arguments"][0][0][0]) for d in docs]  # (JsonChatStr(messages), generation kwargs)
+    assert sent == [[{"role": "user", "content": d["doc"]["prompt"]}] for d in docs] and len(sent) == 8, sent
+    got, want = _responses(served, "brrr_gen"), _responses(reference, "brrr_gen")
+    assert got == want and any(text for (text,) in got), (got, want)  # not all empty: generated text is compared
     assert served["results"]["brrr_gen"]["exact_match,none"] == reference["results"]["brrr_gen"]["exact_match,none"]

@@ -50,7 +50,9 @@ def test_sigterm_writes_a_checkpoint_and_the_run_resumes_from_it(tiny_config, da
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    printed, err = proc.communicate(timeout=120)
+    steps = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert steps and all(" tok/s (" in line and "/rank) |" in line for line in steps), printed  # CPU ranks, no GPU
     stopped = json.loads((out / "checkpoint" / "dcp" / "trainer.json").read_text())["step"]
     assert stopped >= 3
     assert f"interrupted: checkpoint of step {stopped} written to {out / 'checkpoint' / 'dcp'}" in err

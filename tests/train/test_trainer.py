@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import brrr
-from brrr.train.trainer import TrainConfig, Trainer, TrainingDiverged, lr_at
+from brrr.train.trainer import TrainConfig, Trainer, TrainingDiverged, lr_at, rate
 
 
 def _config(tiny_config, data_dir, out, **kw):
@@ -174,3 +174,9 @@ def test_compiled_checkpointed_layers_are_traced_into_graphs(selective):
     torch.testing.assert_close(losses[1], losses[0])
     for (name, p), q in zip(model.named_parameters(), want_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_log_line_rates_print_small_values_plainly():
+    # a CPU finetune or a loaded machine logs tens of tokens/s, which a fixed k suffix showed as "0.0k tok/s"
+    assert [rate(x) for x in (0.43, 9.94, 42.4, 999.4, 1000.0, 12_345.0, 1_234_567.0)] == \
+        ["0.4", "9.9", "42", "999", "1.0k", "12.3k", "1,234.6k"]

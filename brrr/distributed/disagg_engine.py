@@ -1,7 +1,9 @@
 """The decode instance and the router of a disaggregated engine (DistServe's split of prefill and decode).
 
-`DisaggEngineCore` is an EngineCore (scheduler, block manager, runner, sampler on the decode device) that sends each
-new request to a prefill instance (disagg_prefill.py) instead of its own queue. A routed request goes through:
+`DisaggEngineCore` is a router in front of an EngineCore (the decode instance: scheduler, block manager, runner and
+sampler on the decode device), by composition: it takes the core's place (the same methods: enqueue, abort, step,
+stats) and sends each new request to a prefill instance (disagg_prefill.py) instead of the core's queue; what it
+does not do itself is the core's (attribute reads pass through). A routed request goes through:
 
   prefill   sent to the instance with the fewest outstanding requests
   ready     the instance computed the prompt and sampled the first token: its records (first token, logprobs,
@@ -50,13 +52,13 @@ class Routed:
     aborted: bool = False  # aborted while its KV was in flight: the blocks are freed when it lands
 
 
-class DisaggEngineCore(EngineCore):
+class DisaggEngineCore:
     def __init__(self, model, tokenizer=None, config=None, eos_token_ids=(), instances: PrefillInstances = None):
         if instances is None:
             raise BrrrError("a disaggregated engine needs its prefill instances: build it with "
                             "LLM(model, disaggregate=...) or brrr serve --disaggregate")
-        # the decode instance is an engine of its own; the flag is this class's (a plain core refuses it)
-        super().__init__(model, tokenizer, dataclasses.replace(config, disaggregate=None), eos_token_ids)
+        # the decode instance is an engine of its own; the flag is the router's (a plain core refuses it)
+        self.core = EngineCore(model, tokenizer, dataclasses.replace(config, disaggregate=None), eos_token_ids)
         self.config = config
         self.instances = instances
         instances.check_layout(self.runner.kv_caches, self.block_manager.block_size)
@@ -66,15 +68,26 @@ class DisaggEngineCore(EngineCore):
         self.kv_transfers = self.kv_transfer_bytes = 0
         self.kv_transfer_seconds = 0.0
 
+    def __getattr__(self, name):
+        if name == "core":  # not set yet (a failed __init__)
+            raise AttributeError(name)
+        return getattr(self.core, name)  # the decode instance's scheduler, runner, tokenizer, ...
+
     # ---- requests ---------------------------------------------------------------------------------------------
+    def make_request(self, *args, **kwargs) -> Request:
+        return self.core.make_request(*args, **kwargs)
+
+    def add_request(self, request_id: str, prompt, params=None, lora_request=None) -> Request:
+        return self.enqueue(self.core.make_request(request_id, prompt, params, lora_request))
+
     def enqueue(self, request: Request) -> Request:
         instance = self._instance_for(request)
         if instance is None:
-            return super().enqueue(request)
+            return self.core.enqueue(request)
         if request.request_id in self.requests or request.request_id in self.routed:  # (a cancelled one in flight)
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self._activate(request)
+        self.core.requests[request.request_id] = request
+        self.core._activate(request)
         self.routed[request.request_id] = Routed(request, instance)
         instance.outstanding += 1
         if not instance.prefilling:  # busy from now: its silence counts from here
@@ -98,7 +111,7 @@ class DisaggEngineCore(EngineCore):
     def abort(self, request_id: str, index: int | None = None) -> bool:
         routed = self.routed.get(request_id)
         if routed is None:
-            return super().abort(request_id, index)
+            return self.core.abort(request_id, index)
         if routed.phase == "pull":  # the receive is posted: its blocks are freed when it completes
             routed.aborted = True
         else:
@@ -130,7 +143,7 @@ class DisaggEngineCore(EngineCore):
         records = self._poll()
         self._pull()
         if self.scheduler.num_unfinished or self._queued is not None or batch is not None:
-            return records + super().step(batch)
+            return records + self.core.step(batch)
         if not records and self.routed:  # only prefill-side work: wait for it a moment instead of spinning
             conns = [i.conn for i in self.instances.alive()]
             if conns and not self.in_transfer:
@@ -195,8 +208,8 @@ class DisaggEngineCore(EngineCore):
             routed.first_tokens = [t for rec in recs for t in rec.new_token_ids]
             routed.phase = "ready"
             self.ready.append(request_id)
-            self.prompt_tokens_total += routed.prompt_len - request.num_cached_tokens
-        self.generation_tokens_total += sum(len(rec.new_token_ids) for rec in recs)
+            self.core.prompt_tokens_total += routed.prompt_len - request.num_cached_tokens
+        self.core.generation_tokens_total += sum(len(rec.new_token_ids) for rec in recs)
         return recs
 
     def _pull(self) -> None:
@@ -277,7 +290,7 @@ class DisaggEngineCore(EngineCore):
 
     def stats(self) -> dict:
         prefilling = sum(r.phase != "pull" for r in self.routed.values())
-        return {**super().stats(), "kv_transfers": self.kv_transfers, "kv_transfer_bytes": self.kv_transfer_bytes,
+        return {**self.core.stats(), "kv_transfers": self.kv_transfers, "kv_transfer_bytes": self.kv_transfer_bytes,
                 "kv_transfer_seconds": self.kv_transfer_seconds, "num_requests_prefilling": prefilling,
                 "prefill_instances_alive": len(self.instances.alive())}
 

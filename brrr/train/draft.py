@@ -32,7 +32,6 @@ from brrr.models.eagle import draft_logits, new_head, save_head, target_fingerpr
 from brrr.token_data import TokenData
 from brrr.train.config import DRAFT_LOOP, LoopConfig, ParallelConfig, split_flags
 from brrr.train.sampler import TrainWindows, eval_windows
-from brrr.train.trainer import Trainer
 
 CE_WEIGHT = 0.1  # EAGLE-1's weight on the token loss, next to 1.0 on the feature regression
 ACCEPTANCE_K = 8  # draft tokens per step when measuring acceptance: per-position rates for calc spec's k = 1..8
@@ -221,9 +220,6 @@ class DraftTask:
                 + " ".join(f"{r:.2f}" for r in acceptance["acceptance_per_position"]))
         return {"acceptance": acceptance}
 
-
-# brrr train-draft's trainer is the loop itself; the name stays for its callers
-DraftTrainer = Trainer
 
 
 def _check_tokenizer(target_dir: Path, data: TokenData) -> None:

@@ -33,7 +33,6 @@ from brrr.train.config import FINETUNE_LOOP, LoopConfig, ParallelConfig, split_f
 from brrr.train.loss import head_weight, linear_cross_entropy
 from brrr.train.parallel import checkpoint_activations, decoder_layers
 from brrr.train.sft import IGNORE, SFTBatches, load_sft
-from brrr.train.trainer import Trainer
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -280,6 +279,3 @@ class FinetuneTask:
         save_adapter(run.out, lora_state(self.model, self.base_name))
         return {}
 
-
-# brrr finetune's trainer is the loop itself; the name stays for its callers
-Finetuner = Trainer

@@ -10,7 +10,7 @@ from brrr.engine.spec.eagle import EagleProposer
 from brrr.engine.spec.proposer import SpecInput
 from brrr.models.eagle import load_head, new_head
 from brrr.train.data import build
-from brrr.train.draft import DraftConfig, DraftTrainer
+from brrr.train.draft import DraftConfig
 from brrr.train.trainer import TrainConfig, Trainer
 from tests import hf_models
 from tests.engine.test_spec_eagle import features, reference_drafts, tokens
@@ -44,7 +44,7 @@ def test_train_draft_on_cuda(tmp_path):
     Trainer(TrainConfig(str(tmp_path / "config.json"), str(tmp_path / "data"), str(tmp_path / "target"),
                         seq_len=64, micro_batch=8, max_steps=40, lr=3e-3, warmup_steps=5, eval_every=40,
                         eval_windows=2, final_eval_windows=2)).run()
-    summary = DraftTrainer(DraftConfig(str(tmp_path / "target"), str(tmp_path / "data"), str(tmp_path / "head"),
+    summary = Trainer(DraftConfig(str(tmp_path / "target"), str(tmp_path / "data"), str(tmp_path / "head"),
                                        seq_len=64, micro_batch=8, max_steps=80, lr=3e-3, warmup_steps=4,
                                        eval_every=80, eval_windows=4, final_eval_windows=8)).run()
     log = [json.loads(line) for line in (tmp_path / "head" / "train_log.jsonl").read_text().splitlines()]

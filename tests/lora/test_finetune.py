@@ -8,7 +8,8 @@ import torch
 from brrr.cli import main
 from brrr.errors import BrrrError
 from brrr.lora import load_adapter
-from brrr.train.finetune import Finetuner, FinetuneConfig
+from brrr.train.finetune import FinetuneConfig
+from brrr.train.trainer import Trainer
 from tests.hf_models import build, save, save_tokenizer
 
 COLORS = {"apple": "red", "sky": "blue", "grass": "green", "banana": "yellow", "plum": "purple", "orange": "orange",
@@ -35,7 +36,7 @@ def _cfg(data, out, **kw):
 
 
 def test_short_finetune_of_the_shipped_model_lowers_held_out_loss(tmp_path, capsys):
-    tuner = Finetuner(_cfg(write_chat(tmp_path / "chat.jsonl"), tmp_path / "out"))
+    tuner = Trainer(_cfg(write_chat(tmp_path / "chat.jsonl"), tmp_path / "out"))
     before = tuner.evaluate(None)["val_loss"]
     summary = tuner.run()
     assert summary["val_loss"] < 0.5 * before, (before, summary["val_loss"])
@@ -61,9 +62,9 @@ def tiny_dir(tmp_path_factory):
 def test_resume_continues_bit_for_bit(tmp_path, tiny_dir, qlora):
     data = write_chat(tmp_path / "chat.jsonl", 48)
     kw = dict(model=str(tiny_dir), max_steps=6, eval_every=3, checkpoint_every=3, lora_dropout=0.1, qlora=qlora)
-    Finetuner(_cfg(data, tmp_path / "straight", **kw)).run()
-    Finetuner(_cfg(data, tmp_path / "halted", stop_at=3, **kw)).run()
-    Finetuner(_cfg(data, tmp_path / "halted", resume=True, **kw)).run()
+    Trainer(_cfg(data, tmp_path / "straight", **kw)).run()
+    Trainer(_cfg(data, tmp_path / "halted", stop_at=3, **kw)).run()
+    Trainer(_cfg(data, tmp_path / "halted", resume=True, **kw)).run()
     a, b = load_adapter(tmp_path / "straight"), load_adapter(tmp_path / "halted")
     for name, (x, y) in a.weights.items():
         assert torch.equal(x, b.weights[name][0]) and torch.equal(y, b.weights[name][1]), name
@@ -88,7 +89,7 @@ def test_cli_writes_a_peft_adapter_and_refuses_bad_flags(tmp_path, tiny_dir, cap
         assert message in capsys.readouterr().err
     with pytest.raises(BrrrError, match="line 2"):
         (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{oops\n')
-        Finetuner(_cfg(tmp_path / "bad.jsonl", tmp_path / "bad", model=str(tiny_dir)))
+        Trainer(_cfg(tmp_path / "bad.jsonl", tmp_path / "bad", model=str(tiny_dir)))
 
 
 def test_calc_train_lora_and_qlora(capsys):
@@ -170,9 +171,9 @@ def test_a_brrr_quantized_nf4_checkpoint_is_a_qlora_base(tmp_path, tiny_dir):
     assert main(["quantize", "--model", str(tiny_dir), "--method", "nf4", "--out", str(tmp_path / "nf4")]) == 0
     data = tmp_path / "pairs.jsonl"  # prompt/completion: this output directory carries no chat template
     data.write_text("".join(json.dumps({"prompt": f"x{i} =", "completion": f" {i}"}) + "\n" for i in range(24)))
-    tuner = Finetuner(_cfg(data, tmp_path / "out", model=str(tmp_path / "nf4"), max_steps=1))
+    tuner = Trainer(_cfg(data, tmp_path / "out", model=str(tmp_path / "nf4"), max_steps=1))
     assert all(m.base.fmt == "nf4" for m in tuner.model.modules() if hasattr(m, "lora_A"))
     tuner.run()
     assert main(["quantize", "--model", str(tiny_dir), "--method", "rtn-int8", "--out", str(tmp_path / "int8")]) == 0
     with pytest.raises(BrrrError, match="int8 weights"):
-        Finetuner(_cfg(data, tmp_path / "out8", model=str(tmp_path / "int8")))
+        Trainer(_cfg(data, tmp_path / "out8", model=str(tmp_path / "int8")))

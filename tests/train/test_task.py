@@ -13,8 +13,8 @@ from torch import nn
 from brrr.errors import BrrrError
 from brrr.train.cli import register
 from brrr.train.config import LoopConfig, RunConfig, flat_flags
-from brrr.train.draft import DraftConfig, DraftTask, DraftTrainer
-from brrr.train.finetune import FinetuneConfig, FinetuneTask, Finetuner
+from brrr.train.draft import DraftConfig, DraftTask
+from brrr.train.finetune import FinetuneConfig, FinetuneTask
 from brrr.train.pretrain import PretrainTask, TrainConfig
 from brrr.train.trainer import Trainer
 
@@ -182,10 +182,6 @@ def test_each_task_reports_mfu_and_its_memory_on_a_known_gpu(kind, tiny_config, 
     trainer.run()
     (step,) = [r for r in _log(tmp_path) if "loss" in r]
     assert 0 < step["mfu"] < 1e-3  # a tiny model on a CPU, counted against an H100's peak
-
-
-def test_the_command_trainers_are_the_loop():
-    assert Finetuner is Trainer and DraftTrainer is Trainer
 
 
 def test_configs_compose_the_flat_flags_and_refuse_an_unknown_one():

@@ -11,7 +11,8 @@ import brrr
 from brrr.errors import BrrrError
 from brrr.models.eagle import load_head
 from brrr.train.cli import register
-from brrr.train.draft import DraftConfig, DraftTrainer, EagleLoss
+from brrr.train.draft import DraftConfig, EagleLoss
+from brrr.train.trainer import Trainer
 from brrr.train.sampler import eval_windows
 
 HEAD_RUN = dict(device="cpu", seq_len=32, micro_batch=4, max_steps=80, lr=3e-3, warmup_steps=4, eval_every=40,
@@ -75,21 +76,21 @@ def test_bad_input(target_dir, data_dir, tmp_path, head_run):
         (tmp_path / "other").mkdir()
         (tmp_path / "other" / "tokenizer.json").write_text("{}")
         (tmp_path / "other" / "config.json").write_text((target_dir / "config.json").read_text())
-        DraftTrainer(DraftConfig(str(tmp_path / "other"), str(data_dir), str(tmp_path / "o1"), device="cpu"))
+        Trainer(DraftConfig(str(tmp_path / "other"), str(data_dir), str(tmp_path / "o1"), device="cpu"))
     with pytest.raises(BrrrError, match="already holds a train-draft run"):
-        DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(head_run), device="cpu"))
+        Trainer(DraftConfig(str(target_dir), str(data_dir), str(head_run), device="cpu"))
     with pytest.raises(BrrrError, match="exceeds the target's context"):
-        DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path / "o2"), device="cpu", seq_len=4096))
+        Trainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path / "o2"), device="cpu", seq_len=4096))
 
 
 def test_stop_and_resume_gives_the_same_head(head_run, target_dir, data_dir, tmp_path):
     from safetensors.torch import load_file
 
     cfg = dict(HEAD_RUN, stop_at=40)
-    DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **cfg)).run()
-    DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **HEAD_RUN, resume=True)).run()
+    Trainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **cfg)).run()
+    Trainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **HEAD_RUN, resume=True)).run()
     want, got = load_file(head_run / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     with pytest.raises(BrrrError, match="--resume: the checkpoint was trained with seq_len"):
-        DraftTrainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **{**HEAD_RUN, "seq_len": 16},
+        Trainer(DraftConfig(str(target_dir), str(data_dir), str(tmp_path), **{**HEAD_RUN, "seq_len": 16},
                                  resume=True))

@@ -13,15 +13,16 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
+from brrr.engine.core import EngineCore, check_request
 from brrr.engine.engine_process import EngineInfo, EngineSpec
 from brrr.engine.engine_process_client import EngineClient
-from brrr.engine.core import EngineCore, check_request
 from brrr.engine.output_processor import OutputProcessor
 from brrr.engine.outputs import EngineOutput, RequestOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
 from brrr.lora.serving import LoRARequest
 from brrr.sampling_params import SamplingParams
+from brrr.tokenizer import Tokenizer
 
 
 class EngineLimits:
@@ -92,8 +93,6 @@ class AsyncLLM:
     def spawn(cls, spec: EngineSpec) -> "AsyncLLM":
         """The engine in its own process, built there from `spec`. Returns once it is loaded and warmed up;
         raises BrrrError (with the engine's reason) if it could not start."""
-        from brrr.tokenizer import Tokenizer
-
         self = cls.__new__(cls)
         self.engine = None
         client = EngineClient.spawn(spec)

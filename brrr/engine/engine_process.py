@@ -31,10 +31,12 @@ from multiprocessing.connection import Connection
 from brrr.config import EngineConfig
 from brrr.engine.build import build_engine
 from brrr.engine.core import EngineCore
+from brrr.engine.engine_process_warmup import warm_up
 from brrr.engine.llm_engine import LLMEngine
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.sequence import Request
 from brrr.errors import BrrrError
+from brrr.kernels.quant import quant_tuning
 from brrr.threads import use_cpu_threads
 
 log = logging.getLogger("brrr.engine")
@@ -210,9 +212,6 @@ def run_engine_process(spec: EngineSpec, commands: Connection, outputs: Connecti
         engine = engine_for(spec, core=True)
         baseline, seconds = None, 0.0
         if spec.warm_up:
-            from brrr.engine.engine_process_warmup import warm_up
-            from brrr.kernels.quant import quant_tuning
-
             start = time.perf_counter()
             with quant_tuning():  # the quantized matmuls' prefill shapes: tuned here, never while serving
                 warm_up(engine)

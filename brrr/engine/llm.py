@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from brrr.config import EngineConfig
 from brrr.engine.build import build_engine
+from brrr.engine.engine_process_warmup import warm_up
 from brrr.engine.outputs import RequestOutput
-from brrr.sampling_params import SamplingParams
 from brrr.errors import BrrrError
+from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoRARequest
+from brrr.quant.linear import QuantLinear
+from brrr.sampling_params import SamplingParams
 from brrr.threads import use_cpu_threads
 
 
@@ -19,9 +22,6 @@ class LLM:
         if self.engine.runner.device.type == "cuda" and _quantized(self.engine.model):
             # the quantized matmuls' prefill shapes are tuned at start-up, as `brrr serve`'s engine does: timing
             # candidates is never done mid-run (an untuned shape takes the nearest tuned config)
-            from brrr.engine.engine_process_warmup import warm_up
-            from brrr.kernels.quant import quant_tuning
-
             with quant_tuning():
                 warm_up(self.engine)
 
@@ -113,6 +113,4 @@ class _progress:
 
 
 def _quantized(model) -> bool:
-    from brrr.quant.linear import QuantLinear
-
     return any(isinstance(m, QuantLinear) for m in model.modules())

@@ -19,7 +19,9 @@ from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
 from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
+from brrr.loader import load_model
 from brrr.sampling_params import SamplingParams
+from brrr.serving_form import prepare_for_serving
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -27,9 +29,6 @@ GREEDY = SamplingParams(temperature=0)
 def load_draft(path: str, target):
     """The draft model on the target's device and dtype; BrrrError when its vocabulary is not the target's (its
     token ids would mean other tokens)."""
-    from brrr.loader import load_model
-    from brrr.serving_form import prepare_for_serving
-
     if not Path(path).expanduser().is_dir():
         raise BrrrError(f"speculative_config.model: draft model directory not found: {path}")
     p = next(target.parameters())

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from brrr.engine.model_runner import _cuda_capture, graph_sizes
 from brrr.engine.spec.eagle_graphs import EagleGraphs
 from brrr.engine.spec.proposer import Proposer, SpecInput
 from brrr.engine.spec.verify import DeviceDrafts
@@ -109,8 +110,6 @@ class EagleProposer(Proposer):
         """Capture the proposal of k drafts for batch sizes up to max_batch (the decode graphs' sizes) over a new
         pool of num_blocks (the current size when None) and a spare block; no sequence may hold blocks yet.
         capture(step, pool) -> (graph, output): torch.cuda.graph's (tests pass one that re-runs the step)."""
-        from brrr.engine.model_runner import _cuda_capture, graph_sizes
-
         if self.seqs:
             raise BrrrError("EAGLE proposer: graphs are captured before any sequence is proposed for")
         blocks = num_blocks or self.k_cache.shape[0]

@@ -37,14 +37,15 @@ SPECIAL = {"bos": 1, "eos": 2, "pad": 0, "im_end": 3, "im_start": 4}
 
 def busy_us(events) -> float:
     """The union of the kernels' and copies' device intervals."""
-    total, end = 0.0, None
+    total, start, end = 0.0, None, None
     for s, e in sorted((ev.time_range.start, ev.time_range.end) for ev in events):
         if end is None or s > end:
-            total += 0 if end is None else end - start
+            if end is not None:
+                total += end - start
             start, end = s, e
         else:
             end = max(end, e)
-    return total + (0 if end is None else end - start)
+    return total if end is None else total + end - start
 
 
 def host_us(prof, name: str) -> float:

@@ -57,7 +57,7 @@ def measure(model, method: str, k: int, head_dir: str, prompt: list[int], steps:
                                           **({"model": head_dir} if method == "eagle" else {})}
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=16, max_num_batched_tokens=2048,
                                                  speculative_config=spec))
-    params = SamplingParams(max_tokens=steps * (k + 1) + 200, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=model.config.max_context - len(prompt) - 1, temperature=0, ignore_eos=True)
     engine.add_request("warm", prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -100,7 +100,7 @@ def main() -> None:
     unit = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     base = None
     for method in ("none", "eagle", "ngram"):
-        rec = measure(model, method, args.k, head_dir, unit * 32, args.steps)
+        rec = measure(model, method, args.k, head_dir, unit * 16, args.steps)
         base = base or rec["wall_ms_per_step"]
         rec.update(bench="spec_round", shape=args.shape, batch=1, round_vs_plain_step=rec["wall_ms_per_step"] / base,
                    machine=torch.cuda.get_device_name(), host=platform.node(), torch=torch.__version__)

@@ -91,19 +91,53 @@ def top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-_COPY_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
+class _SideStreams:
+    """A device's two side streams for the engine's small copies, and the one event each direction's ordering
+    wait reads: a stream's wait on an event waits for the record made before the wait was queued, so every copy can
+    record the same event again. (Each step's own `ready` event is not shared: it is waited on a step later.)"""
+
+    def __init__(self, index: int):
+        device = torch.device("cuda", index)
+        self.up, self.down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.uploaded, self.computed = torch.cuda.Event(), torch.cuda.Event()
+
+
+_SIDE_STREAMS: dict[int, _SideStreams] = {}
+# per device: events that read steps gave back (creating one per step costs a driver call)
+_READY_EVENTS: dict[int, list[torch.cuda.Event]] = {}
+
+
+def _side_streams(device: torch.device) -> _SideStreams | None:
+    """The device's side streams, None while a CUDA graph is being captured (a capture stays on its stream)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = _SideStreams(index)
+    return side
 
 
 def copy_stream(kind: str, device: torch.device) -> torch.cuda.Stream | None:
     """A side stream for the engine's small host <-> device copies ("up" or "down"), or None while a CUDA graph is
     being captured. On the compute stream each copy would wait for the kernels queued before it and hold back the
     ones after, widening the gap between two decode steps."""
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    key = (kind, device.index if device.index is not None else torch.cuda.current_device())
-    if key not in _COPY_STREAMS:
-        _COPY_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", key[1]))
-    return _COPY_STREAMS[key]
+    side = _side_streams(device)
+    return None if side is None else (side.up if kind == "up" else side.down)
+
+
+def _on_stream(stream: torch.cuda.Stream, device: torch.device, fn):
+    """fn() with `stream` current, the previous streams restored after (torch.cuda.stream's context, without its
+    per-call device bookkeeping: this runs a few times every engine step)."""
+    outer = torch.cuda.current_stream()
+    main = outer if outer.device == stream.device else torch.cuda.current_stream(device)
+    torch.cuda.set_stream(stream)
+    try:
+        return fn(), main
+    finally:
+        torch.cuda.set_stream(main)
+        if main is not outer:
+            torch.cuda.set_stream(outer)
 
 
 def h2d(values, device: torch.device, dtype=None) -> torch.Tensor:
@@ -113,13 +147,17 @@ def h2d(values, device: torch.device, dtype=None) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
-    up = copy_stream("up", device)
-    if up is None:
-        return t.pin_memory().to(device, non_blocking=True)
-    main = torch.cuda.current_stream(device)
-    with torch.cuda.stream(up):
-        out = t.pin_memory().to(device, non_blocking=True)
-    main.wait_stream(up)
+    return upload_pinned(t.pin_memory(), device)
+
+
+def upload_pinned(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A pinned host tensor on `device`, as `h2d` copies it."""
+    side = _side_streams(device)
+    if side is None:
+        return pinned.to(device, non_blocking=True)
+    out, main = _on_stream(side.up, device, lambda: pinned.to(device, non_blocking=True))
+    side.uploaded.record(side.up)
+    main.wait_event(side.uploaded)
     out.record_stream(main)  # allocated on the upload stream, used on the compute stream
     return out
 
@@ -130,25 +168,28 @@ class PendingTokens:
 
     def __init__(self, tokens: torch.Tensor):
         self.device_tokens = tokens
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._ready = torch.cuda.Event()
-            down = copy_stream("down", tokens.device)
-            if down is None:
-                self._host.copy_(tokens, non_blocking=True)
-                self._ready.record()
-            else:
-                down.wait_stream(torch.cuda.current_stream(tokens.device))
-                with torch.cuda.stream(down):
-                    self._host.copy_(tokens, non_blocking=True)
-                    self._ready.record(down)
-                tokens.record_stream(down)
-        else:
+        if not tokens.is_cuda:
             self._host, self._ready = tokens, None
+            return
+        self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self._free = _READY_EVENTS.setdefault(tokens.device.index, [])
+        self._ready = self._free.pop() if self._free else torch.cuda.Event()
+        side = _side_streams(tokens.device)
+        if side is None:
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready.record()
+            return
+        side.computed.record(torch.cuda.current_stream(tokens.device))
+        side.down.wait_event(side.computed)
+        _on_stream(side.down, tokens.device, lambda: self._host.copy_(tokens, non_blocking=True))
+        self._ready.record(side.down)
+        tokens.record_stream(side.down)
 
     def tokens(self) -> list[int]:
         if self._ready is not None:
             self._ready.synchronize()
+            self._free.append(self._ready)
+            self._ready = None
         return self._host.tolist()
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from brrr.engine.sampler import h2d
+from brrr.engine.sampler import upload_pinned
 
 # Every array starts 16-byte aligned, as its own allocation would: Triton specializes a pointer argument on 16-byte
 # divisibility, so views at other offsets would compile (and autotune) the kernels again inside served steps.
@@ -63,8 +63,10 @@ def stage(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
         total = -(-total // ALIGN) * ALIGN
         offsets.append(total)
         total += a.nbytes
-    packed = np.zeros(total, dtype=np.uint8)
+    # on CUDA packed straight into pinned memory: no pageable buffer copied into a pinned one
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    packed = host.numpy()
     for a, offset in zip(arrays, offsets):
         packed[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    data = h2d(torch.from_numpy(packed), device)
+    data = upload_pinned(host, device) if device.type == "cuda" else host
     return [data[offset:offset + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape) for a, offset in zip(arrays, offsets)]

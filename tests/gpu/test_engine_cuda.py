@@ -2,6 +2,7 @@
 transformers' in fp32. The Triton path is held to a logit tolerance in tests/gpu/test_fast_path_parity.py."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,16 @@ def test_copies_on_side_streams_stay_ordered_with_the_compute_stream():
         pending.append((i, PendingTokens(values * 3)))
     for i, p in pending:
         assert p.tokens() == [3 * v for v in range(i, i + 1000)]
+    # again with the events the read steps gave back, and the runner's packed staging (pinned, one upload)
+    from brrr.engine.staging import stage
+
+    pending = []
+    for i in range(30):
+        busy = (busy @ busy).clamp_(-1, 1)
+        ids, rows = stage(dev, np.arange(i, i + 999, dtype=np.int64), np.full((3, 5), i, dtype=np.int32))
+        pending.append((i, PendingTokens(ids * 3 + rows.sum())))
+    for i, p in pending:
+        assert p.tokens() == [3 * v + 15 * i for v in range(i, i + 999)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # inside a capture: the plain path, no side streams
         assert copy_stream("down", dev) is None

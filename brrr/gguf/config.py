@@ -112,8 +112,10 @@ def llama3_factors(head_dim: int, theta: float, factor: float, low_freq_factor: 
 
 
 def llama3_rope(f: GGUFFile, head_dim: int) -> dict:
-    """Llama 3's rope parameters, recovered from rope_freqs.weight: its largest divisor is the factor; the other
-    three are the published set whose divisors match the tensor's."""
+    """Llama 3's rope parameters, recovered from rope_freqs.weight. Its largest divisor is the factor. The other
+    three enter the formula only as two wavelengths (original / low_freq_factor, original / high_freq_factor), so
+    the published set is tried first, then the two wavelengths are fitted on the smoothly scaled frequencies (the
+    interpolation weight is linear in 1 / wavelength) with low_freq_factor 1; either must reproduce the tensor."""
     t = f.tensors["rope_freqs.weight"]
     if t.numel != head_dim // 2 or t.data.dtype != np.float32:
         raise BrrrError(f"{f.path}: tensor 'rope_freqs.weight' must be {head_dim // 2} float32 values, got "
@@ -121,11 +123,42 @@ def llama3_rope(f: GGUFFile, head_dim: int) -> dict:
     stored = np.asarray(t.data, dtype=np.float32).reshape(-1)
     theta = f.get(f"{f.architecture}.rope.freq_base", float, 10000.0)
     factor = float(stored.max())
-    for params in LLAMA3_ROPE_CANDIDATES:
+    candidates = list(LLAMA3_ROPE_CANDIDATES)
+    if factor > 1:
+        candidates += [{"low_freq_factor": 1.0, "high_freq_factor": float(xh / xl),
+                        "original_max_position_embeddings": float(1 / xl)}
+                       for xl, xh in _wavelength_fits(head_dim, theta, factor, stored)]
+    for params in candidates:
         if np.allclose(llama3_factors(head_dim, theta, factor, **params), stored, rtol=1e-4, atol=1e-6):
             return {"rope_type": "llama3", "factor": factor, **params}
     raise BrrrError(f"{f.path}: tensor 'rope_freqs.weight' holds RoPE divisors brrr cannot match to Llama 3's "
                     "rope parameters (factor, low/high_freq_factor, original_max_position_embeddings)")
+
+
+def _wavelength_fits(head_dim: int, theta: float, factor: float, stored: np.ndarray):
+    """(1 / low wavelength, 1 / high wavelength) pairs that may reproduce `stored`: frequencies above 1 / high keep
+    divisor 1, those below 1 / low get `factor`, and between them the weight (1/f - 1/factor) / (1 - 1/factor) is
+    linear in the frequency. With two or more such frequencies the line is fitted; with fewer, the bounds are
+    only known to lie between neighbouring frequencies, so points inside those gaps are proposed."""
+    x = np.array([1 / (2 * math.pi * theta ** (i / head_dim)) for i in range(0, head_dim, 2)])  # falling
+    ones, full = stored <= 1 + 1e-6, stored >= factor - 1e-6
+    mid = ~ones & ~full
+    weight = (1 / stored - 1 / factor) / (1 - 1 / factor)
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(x[mid], weight[mid], 1)
+        if slope > 0:
+            yield -intercept / slope, (1 - intercept) / slope
+        return
+    top = x[ones].min() if ones.any() else x[0] * 2          # xh lies below every divisor-1 frequency
+    bottom = x[full].max() if full.any() else x[-1] / 2      # xl lies above every full-factor frequency
+    if mid.sum() == 1:
+        x1, w1 = x[mid][0], weight[mid][0]
+        for xh in np.linspace(x1, top, 11)[1:-1]:
+            xl = (x1 - w1 * xh) / (1 - w1)
+            if bottom < xl < x1:
+                yield xl, xh
+    else:
+        yield bottom + (top - bottom) / 3, bottom + 2 * (top - bottom) / 3
 
 
 def _dtype(f: GGUFFile) -> str:

@@ -82,3 +82,34 @@ def test_q4_0_repack_equals_the_dequantized_reference(gguf_file):
     assert torch.equal(q.dequantize(), plain.model.layers[0].self_attn.q_proj.weight)
     ids = list(range(3, 40))
     assert torch.allclose(_logits(packed, ids), _logits(plain, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("family, rope", [("llama3-rope", "llama3"), ("llama-linear-rope", "linear"),
+                                          ("llama-yarn-rope", "yarn")])
+def test_rope_scaling_survives_the_file(tmp_path, family, rope):
+    """llama.cpp keeps linear/yarn as rope.scaling.* keys and Llama 3's as rope_freqs.weight divisors; transformers'
+    GGUF reader drops both, so the original checkpoint is the oracle."""
+    from brrr.gguf.export import export_gguf
+    from tests import hf_models
+
+    model = hf_models.build(family, vocab_size=320)
+    hf_models.save(model, tmp_path)
+    hf_models.save_tokenizer(tmp_path)
+    export_gguf(tmp_path, tmp_path / "r.gguf", "f32")
+    mine = brrr.load(tmp_path / "r.gguf", device="cpu")
+    assert mine.config.rope.type == rope
+    ids = list(range(3, 90))  # past llama3's original 32 and yarn's 64 positions
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    assert (_logits(mine.model, ids) - want).abs().max().item() < 1e-4
+
+
+def test_a_rope_without_a_gguf_form_is_refused(tmp_path):
+    from brrr.errors import BrrrError
+    from brrr.gguf.export import export_gguf
+    from tests import hf_models
+
+    hf_models.save(hf_models.build("llama-dynamic-rope", vocab_size=320), tmp_path)
+    hf_models.save_tokenizer(tmp_path)
+    with pytest.raises(BrrrError, match="rope type 'dynamic'"):
+        export_gguf(tmp_path, tmp_path / "d.gguf", "f32")

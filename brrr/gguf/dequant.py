@@ -27,6 +27,11 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
+def _u8(values, like: torch.Tensor) -> torch.Tensor:
+    """Shift amounts as a uint8 tensor on the blocks' device (dequantization runs where the weights go)."""
+    return torch.tensor(list(values), dtype=torch.uint8, device=like.device)
+
+
 def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
     """[n, groups * 16k] bytes -> [n, groups, 2, 16k]: each group's low nibbles, then its high nibbles."""
     qs = qs.reshape(qs.shape[0], groups, 1, -1)
@@ -74,7 +79,7 @@ def q2_k(b):
     scales, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
     dl = (d * (scales & 0xF).float()).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = _u8([0, 2, 4, 6], b).reshape(1, 1, 4, 1)
     q = ((qs.reshape(n, -1, 1, 32) >> shifts) & 3).reshape(n, 16, 16).float()
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -83,11 +88,11 @@ def q3_k(b):
     n = b.shape[0]
     hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
     low = torch.cat([scales[:, :8].reshape(n, 1, 8) & 0x0F, scales[:, :8].reshape(n, 1, 8) >> 4], 1).reshape(n, 16)
-    hs = scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)
+    hs = scales[:, 8:].reshape(n, 1, 4) >> _u8([0, 2, 4, 6], b).reshape(1, 4, 1)
     sc = (low | ((hs.reshape(n, 16) & 0x03) << 4)).to(torch.int8) - 32
     dl = (d * sc.float()).reshape(n, 16, 1)
-    ql = (qs.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1))
-    qh = hmask.reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+    ql = (qs.reshape(n, -1, 1, 32) >> _u8([0, 2, 4, 6], b).reshape(1, 1, 4, 1))
+    qh = hmask.reshape(n, -1, 1, 32) >> _u8(range(8), b).reshape(1, 1, 8, 1)
     ql = ql.reshape(n, 16, 16) & 3
     qh = (qh.reshape(n, 16, 16) & 1) ^ 1  # a set mask bit means no -4 offset
     q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
@@ -122,7 +127,7 @@ def q5_k(b):
     d = (d * sc.float()).reshape(n, -1, 1)
     dm = (dmin * m.float()).reshape(n, -1, 1)
     ql = _nibbles(qs, 4).reshape(n, -1, 32)
-    high = ((qh.reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1).reshape(n, -1, 32)
+    high = ((qh.reshape(n, -1, 1, 32) >> _u8(range(8), b).reshape(1, 1, 8, 1)) & 1).reshape(n, -1, 32)
     q = (ql | (high << 4)).float()
     return (d * q - dm).reshape(n, QK_K)
 
@@ -132,7 +137,7 @@ def q6_k(b):
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
     d = (d * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     low = _nibbles(ql, 2).reshape(n, -1, 32)
-    high = ((qh.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3)
+    high = ((qh.reshape(n, -1, 1, 32) >> _u8([0, 2, 4, 6], b).reshape(1, 1, 4, 1)) & 3)
     q = (low | (high.reshape(n, -1, 32) << 4)).to(torch.int8) - 32
     return (d * q.reshape(n, 16, -1).float()).reshape(n, QK_K)
 

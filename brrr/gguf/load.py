@@ -72,17 +72,17 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
             continue
         if tuple(target.shape) != t.shape:
             raise BrrrError(f"{path}: tensor {name!r} has shape {t.shape}, the metadata implies {tuple(target.shape)}")
-        data = torch.from_numpy(t.data)
+        data = torch.from_numpy(t.data).to(device)  # the blocks go over once; they expand where they will live
         heads = permuted_heads(arch, hf, cfg.num_heads, cfg.num_kv_heads)
         if heads is not None:  # rows are whole blocks: reorder them before anything reads the values
-            data = data.reshape(t.shape[0], -1)[row_order(t.shape[0], heads)]
+            data = data.reshape(t.shape[0], -1)[row_order(t.shape[0], heads).to(device)]
         is_projection = leaf == "weight" and module_name.rsplit(".", 1)[-1] in PROJECTIONS and len(t.shape) == 2
         if is_projection and repack and t.type in REPACKED:
             linear = model.get_submodule(module_name)
             q = QuantLinear("int4", q4_0_int4(data.reshape(t.shape[0], -1), *t.shape), linear.in_features,
                             linear.out_features, linear.bias, dtype=dtype)
             parent, _, attr = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, q.to(device))
+            setattr(model.get_submodule(parent), attr, q)
             filled.add(hf)
             continue
         if is_projection and t.type not in (T.F32, T.F16, T.BF16):

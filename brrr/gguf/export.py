@@ -42,6 +42,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str = "f16", 
         raise BrrrError(f"--model must be an HF model directory; {model_dir} is not a directory")
     raw = _json(model_dir / "config.json")
     cfg = ModelConfig.from_hf(raw, source=str(model_dir / "config.json"))  # refuses what brrr cannot describe
+    if raw.get("quantization_config"):
+        raise BrrrError(f"{model_dir} is a quantized checkpoint (config.json has quantization_config); export the "
+                        "float model it came from, and pick the GGUF quantization with --type")
     tokenizer = tokenizer_metadata(model_dir, cfg.vocab_size)
     files = weight_files(model_dir)
     names = []

@@ -70,3 +70,17 @@ def test_bad_export_requests(hf_dir, tmp_path):
     with pytest.raises(BrrrError, match="not a directory"):
         from brrr.gguf.export import export_gguf
         export_gguf(tmp_path / "nope", tmp_path / "x.gguf")
+
+
+def test_a_quantized_checkpoint_is_refused(hf_dir, tmp_path):
+    import json
+    import shutil
+
+    path, _ = hf_dir("llama")
+    shutil.copytree(path, tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "brrr", "format": "int8"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    from brrr.gguf.export import export_gguf
+    with pytest.raises(BrrrError, match="quantization_config"):
+        export_gguf(tmp_path / "q", tmp_path / "x.gguf")

@@ -113,3 +113,19 @@ def test_a_rope_without_a_gguf_form_is_refused(tmp_path):
     hf_models.save_tokenizer(tmp_path)
     with pytest.raises(BrrrError, match="rope type 'dynamic'"):
         export_gguf(tmp_path, tmp_path / "d.gguf", "f32")
+
+
+def test_the_load_says_which_projections_were_dequantized(gguf_file, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="brrr.gguf"):
+        brrr.load(gguf_file("llama", "q8_0"), device="cpu")
+    assert "14 quantized projections dequantized" in caplog.text and "blk.1.ffn_down.weight (Q8_0)" in caplog.text
+
+
+def test_bf16_load_of_a_q4_0_file(gguf_file):
+    path = gguf_file("llama", "q4_0")
+    ids = list(range(3, 40))
+    want = _logits(brrr.load(path, device="cpu").model, ids)
+    got = _logits(brrr.load(path, device="cpu", dtype="bfloat16").model, ids).float()
+    assert ((got - want).norm() / want.norm()).item() < 5e-2

@@ -73,3 +73,42 @@ def test_a_tokenizer_that_cannot_be_rebuilt_names_the_key():
     with pytest.raises(ValueError, match="tokenizer.ggml.token_type"):
         from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.scores": [0.0],
                    "tokenizer.ggml.token_type": [1, 1]})
+
+
+def test_a_split_regex_pre_tokenizer_and_user_defined_tokens_round_trip(tmp_path):
+    """A Qwen2-style tokenizer (its own split regex before byte-level BPE, a non-special added token): exported as
+    pre "qwen2" with <think> USER_DEFINED, read back with the same ids as transformers and the original."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+
+    from brrr.gguf.tokenizer import QWEN2_SPLIT, USER_DEFINED
+    from brrr.train.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(["def add(a, b):\n    return a + b\n", "Hello, world! 1234 <think> ok"] * 20, 300)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.add_tokens([AddedToken("<think>", normalized=False, special=False)])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    hf.save_pretrained(tmp_path)
+    hf_models.save(hf_models.build("qwen2-bias", vocab_size=320), tmp_path)
+    export_gguf(tmp_path, tmp_path / "q.gguf", "f32")
+    fields = GGUFReader(tmp_path / "q.gguf").fields
+    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    assert types[tokens.index("<think>")] == USER_DEFINED
+    mine, theirs = Tokenizer.from_dir(tmp_path / "q.gguf"), _hf_tok(tmp_path / "q.gguf")
+    original = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS + ["a<think>b 12345678"]:
+        assert mine.encode(text) == theirs(text)["input_ids"] == original(text)["input_ids"], text
+
+
+@pytest.mark.parametrize("dropped", ["tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre"])
+def test_files_without_optional_keys_read_like_transformers(hf_dir, tmp_path, dropped):
+    """Older files lack add_bos_token (the default then depends on the tokenizer family) or the pre name."""
+    path, model = hf_dir("llama")
+    meta = tokenizer_metadata(path, model.config.vocab_size)
+    del meta[dropped]
+    out = tmp_path / "old.gguf"
+    write_gguf(out, model.config.to_dict(), model.state_dict().items(), meta, "f32")
+    mine, theirs = Tokenizer.from_dir(out), _hf_tok(out)
+    for text in TEXTS:
+        assert mine.encode(text) == theirs(text)["input_ids"], text

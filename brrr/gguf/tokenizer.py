@@ -52,11 +52,11 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     return [(a, b) for a, b, _ in found]
 
 
-def _strings(meta: dict, key: str, n: int | None = None) -> list:
+def _strings(meta: dict, key: str, source: str, n: int | None = None) -> list:
     value = meta.get(key)
     if not isinstance(value, list) or (n is not None and len(value) != n):
         want = "a list" if n is None else f"a list of {n}"
-        raise BrrrError(f"cannot rebuild the tokenizer: metadata key {key!r} must be {want}, got "
+        raise BrrrError(f"{source}: cannot rebuild the tokenizer: metadata key {key!r} must be {want}, got "
                         f"{type(value).__name__}{'' if not isinstance(value, list) else f' of {len(value)}'}")
     return value
 
@@ -68,7 +68,7 @@ def from_gguf(meta: dict, source: str = "GGUF") -> tuple[Tokenizer, dict]:
     if kind not in ("gpt2", "llama"):
         raise BrrrError(f"{source}: cannot rebuild the tokenizer: metadata key 'tokenizer.ggml.model' is {kind!r}; "
                         "brrr reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece-style BPE)")
-    tokens = _strings(meta, "tokenizer.ggml.tokens")
+    tokens = _strings(meta, "tokenizer.ggml.tokens", source)
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise BrrrError(f"{source}: cannot rebuild the tokenizer: metadata key 'tokenizer.ggml.tokens' must be a "
                         "non-empty list of strings")
@@ -77,11 +77,13 @@ def from_gguf(meta: dict, source: str = "GGUF") -> tuple[Tokenizer, dict]:
         raise BrrrError(f"{source}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries for "
                         f"{len(tokens)} tokens")
     if "tokenizer.ggml.merges" in meta:
-        merges = [tuple(m.split(" ", 1)) for m in _strings(meta, "tokenizer.ggml.merges")]
+        raw = _strings(meta, "tokenizer.ggml.merges", source)
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in raw]
         if any(len(m) != 2 for m in merges):
-            raise BrrrError(f"{source}: metadata key 'tokenizer.ggml.merges' holds an entry without a space")
+            raise BrrrError(f"{source}: metadata key 'tokenizer.ggml.merges' holds an entry that is not two tokens "
+                            "joined by a space")
     elif kind == "llama":
-        merges = merges_from_scores(tokens, _strings(meta, "tokenizer.ggml.scores", len(tokens)))
+        merges = merges_from_scores(tokens, _strings(meta, "tokenizer.ggml.scores", source, len(tokens)))
     else:
         raise BrrrError(f"{source}: cannot rebuild the tokenizer: metadata key 'tokenizer.ggml.merges' is missing "
                         "(a byte-level BPE needs its merges)")
@@ -113,7 +115,7 @@ def from_gguf(meta: dict, source: str = "GGUF") -> tuple[Tokenizer, dict]:
     for name, key in SPECIAL_IDS.items():
         i = meta.get(f"tokenizer.ggml.{key}")
         if i is not None:
-            if not isinstance(i, int) or not 0 <= i < len(tokens):
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens):
                 raise BrrrError(f"{source}: metadata key 'tokenizer.ggml.{key}' is {i!r}, not a token id "
                                 f"(0 to {len(tokens) - 1})")
             config[name] = tokens[i]

@@ -60,6 +60,14 @@ def test_k_quant_super_blocks_where_rows_are_wide(tmp_path):
     assert main(["export", "gguf", "--model", str(tmp_path), "--out", str(tmp_path / "q4_0.gguf"), "--type", "q4_0",
                  "--no-progress"]) == 0
     assert error(out) < error(tmp_path / "q4_0.gguf")
+    import transformers  # the oracle reads brrr's K-quant blocks to the same logits brrr does
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = theirs(torch.tensor([ids])).logits[0]
+        got = brrr.load(out, device="cpu").model.logits(torch.tensor(ids), torch.arange(len(ids)),
+                                                        brrr.kernels.AttnMeta.causal([len(ids)], "cpu"))
+    assert (got - want).abs().max().item() < 1e-4
 
 
 def test_bad_export_requests(hf_dir, tmp_path):

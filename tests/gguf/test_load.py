@@ -12,7 +12,7 @@ from tests.gguf.conftest import TEXT
 
 # logits tolerance per type: F32 reads the same numbers (only op order differs); the quantized types dequantize to
 # the same numbers transformers does, so the same bound holds for them
-TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 1e-4, "q4_0": 1e-4, "q4_k_m": 1e-4}
+TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 1e-4, "q4_0": 1e-4, "q4_k_m": 1e-4, "q6_k": 1e-4}
 
 
 def _hf(path):
@@ -27,7 +27,7 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "tied"])
-@pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0", "q4_0", "q4_k_m"])
+@pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0", "q4_0", "q4_k_m", "q6_k"])
 def test_logits_match_transformers_reading_the_same_file(gguf_file, family, file_type):
     path = gguf_file(family, file_type)
     mine = brrr.load(path, device="cpu")
@@ -39,7 +39,7 @@ def test_logits_match_transformers_reading_the_same_file(gguf_file, family, file
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     repacked = [m for m in mine.model.modules() if isinstance(m, QuantLinear)]
     assert len(repacked) == (14 if file_type == "q4_0" else 0)  # Q4_0 projections stay int4, the rest dequantize
-    assert (len(mine.model.gguf_fallback) > 0) == (file_type in ("q8_0", "q4_k_m"))
+    assert (len(mine.model.gguf_fallback) > 0) == (file_type in ("q8_0", "q4_k_m", "q6_k"))
 
 
 def test_mistral_keeps_its_sliding_window(gguf_file, hf_dir):

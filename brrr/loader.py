@@ -1,5 +1,6 @@
-"""Load a Hugging Face model directory (or a GGUF file, through brrr/gguf/load.py): safetensors (single file or sharded), memory-mapped, copied once
-straight into parameters already allocated in the target dtype on the target device."""
+"""Load a Hugging Face model directory: safetensors (single file or sharded), memory-mapped, copied once
+straight into parameters already allocated in the target dtype on the target device. A GGUF file goes to
+brrr/gguf/load.py."""
 from __future__ import annotations
 
 import json

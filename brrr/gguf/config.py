@@ -106,7 +106,8 @@ def llama3_factors(head_dim: int, theta: float, factor: float, low_freq_factor: 
         elif wavelen > low_wavelen:
             out.append(factor)
         else:
-            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = ((original_max_position_embeddings / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
 

@@ -28,7 +28,7 @@ SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_to
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of each byte (byte-level BPE vocabularies are written in it)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = keep[:], 0
     for b in range(256):
         if b not in keep:
@@ -46,7 +46,8 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     by_score = dict(zip(tokens, scores))
     found = []
     for token, score in by_score.items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
         found.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     found = sorted(found, key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in found]

@@ -21,7 +21,8 @@ def test_export_reads_back(hf_dir, tmp_path, capsys, file_type, types):
     assert reader.fields["general.architecture"].contents() == "qwen3"
     assert reader.fields["qwen3.block_count"].contents() == 2
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
-    assert {t.tensor_type.name for t in reader.tensors} == types  # rows narrower than a 256 super-block (in 64): Q8_0; o_proj (in 512) takes the K-quant
+    # rows narrower than a 256 super-block (in 64) take Q8_0; o_proj (in 512) takes the K-quant
+    assert {t.tensor_type.name for t in reader.tensors} == types
     mine = brrr.load(out, device="cpu")
     ids = mine.tokenizer.encode("Hello, world!")
     with torch.no_grad():

@@ -71,7 +71,8 @@ def test_a_tokenizer_that_cannot_be_rebuilt_names_the_key():
         from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": [],
                    "tokenizer.ggml.eos_token_id": 7})
     with pytest.raises(ValueError, match="Token `c` out of vocabulary"):
-        from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a c"]})
+        from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
+                   "tokenizer.ggml.merges": ["a c"]})
     with pytest.raises(ValueError, match="'tokenizer.ggml.scores' must be a list of 2"):
         from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"]})
     with pytest.raises(ValueError, match="tokenizer.ggml.bos_token_id"):

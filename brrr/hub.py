@@ -1,11 +1,12 @@
 """Resolve what the user named into a local model directory: the shipped default, a local path, or an HF hub id
-(through huggingface_hub's cache, downloading when the network allows)."""
+(through huggingface_hub's cache, downloading when the network allows), or a GGUF file."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from brrr.default_model import default_model_dir
 from brrr.errors import BrrrError
+from brrr.gguf.reader import is_gguf
 
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
@@ -14,10 +15,11 @@ def resolve_model(name: str | Path | None) -> Path:
     if name is None or str(name) == "default":
         return default_model_dir()
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise BrrrError(f"--model must be a directory holding config.json and *.safetensors; {path} is a file")
+        raise BrrrError(f"--model must be a directory holding config.json and *.safetensors, or a .gguf file; "
+                        f"{path} is neither")
     text = str(name)
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         return _from_hub(text)

@@ -1,5 +1,6 @@
 """Load a Hugging Face model directory: safetensors (single file or sharded), memory-mapped, copied once
-straight into parameters already allocated in the target dtype on the target device."""
+straight into parameters already allocated in the target dtype on the target device. A GGUF file goes to
+brrr/gguf/load.py."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ from safetensors.torch import save_file
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.gguf.load import load_gguf_model
+from brrr.gguf.reader import is_gguf
 from brrr.models import model_class
 from brrr.quant.checkpoint import quantization_config, swap_quantized
 from brrr.state_dict import hf_state_dict
@@ -51,6 +54,9 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu"):
     path = Path(path)
+    if is_gguf(path):  # llama.cpp's single-file format (brrr/gguf/)
+        cfg = ModelConfig.from_dir(path)
+        return load_gguf_model(path, resolve_dtype(dtype, cfg, torch.device(device)), torch.device(device))
     if not path.is_dir():
         raise BrrrError(f"model directory not found: {path}")
     cfg = ModelConfig.from_dir(path)

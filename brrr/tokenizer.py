@@ -13,6 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from brrr.errors import BrrrError
+from brrr.gguf.reader import is_gguf, open_gguf
+from brrr.gguf.tokenizer import from_gguf
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -36,6 +38,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
+        if is_gguf(path):  # rebuilt from tokenizer.ggml.* (brrr/gguf/tokenizer.py)
+            tok, config = from_gguf(open_gguf(path).metadata, str(path))
+            return cls(tok, config)
         file = path / "tokenizer.json"
         if not file.is_file():
             raise BrrrError(f"tokenizer.json not found in {path} (brrr needs a fast-tokenizer file)")

@@ -18,13 +18,14 @@ ROOT = Path(brrr.__file__).parent.parent
 # brrr.cli and the benchmarks.
 LAYERS = [
     ("brrr.errors",),
+    ("brrr.gguf",),                # GGUF metadata, tokenizer, block codecs and writer (gguf package + torch only)
     ("brrr.config", "brrr.presets", "brrr.sampling_params", "brrr.tokenizer", "brrr.token_data", "brrr.progress",
      "brrr.state_dict", "brrr.default_model", "brrr.hub", "brrr.threads"),
     ("brrr.kernels",),
     ("brrr.analysis",),            # every FLOP, byte and formula, over ModelConfig
     ("brrr.models",),              # the reference forms (HF module names and GEMM shapes)
     ("brrr.quant",),
-    ("brrr.loader",),              # checkpoints in and out, quantized ones included
+    ("brrr.loader", "brrr.gguf.load", "brrr.gguf.export"),  # checkpoints in and out, quantized and GGUF ones
     ("brrr.lora",),
     ("brrr.serving_form",),        # prepare_for_serving: packs projections over quant's and lora's modules
     ("brrr.engine",),              # the engine core: scheduler, runner, sampler, spec, guided, output processor

@@ -19,6 +19,7 @@ from brrr.default_model import default_model_dir
 from brrr.engine import LLMEngine
 from brrr.engine.spec import parse_speculative_config
 from brrr.errors import BrrrError
+from brrr.gguf import is_gguf
 from brrr.loader import hf_state_dict, load_model, resolve_dtype, weight_files
 from brrr.models.random_weights import model_config, random_model
 from brrr.sampling_params import SamplingParams
@@ -112,6 +113,8 @@ def weights_dir(spec: str, load_format: str):
     directory of a config alone)."""
     from pathlib import Path
 
+    if load_format != "dummy" and is_gguf(spec):  # a GGUF file holds its weights
+        return Path(spec)
     if load_format == "dummy" or not Path(spec).is_dir():
         return None
     try:
@@ -126,7 +129,7 @@ def text_tokenizer(model_dir, dataset_path: str):
     from pathlib import Path
 
     for where in (model_dir, dataset_path):
-        if where is not None and (Path(where) / "tokenizer.json").is_file():
+        if where is not None and ((Path(where) / "tokenizer.json").is_file() or is_gguf(where)):
             return Tokenizer.from_dir(where)
     raise BrrrError("--dataset-path needs a tokenizer to encode its text: a --model directory with tokenizer.json, "
                     "or a `brrr data build` directory as --dataset-path")
@@ -139,7 +142,7 @@ def make_workload(args, cfg):
     if args.dataset_path is not None:
         if args.workload == "random":
             raise BrrrError("--dataset-path is for --workload code or edit (random prompts read no text)")
-        model_dir = args.model if Path(args.model).is_dir() else None
+        model_dir = args.model if Path(args.model).is_dir() or is_gguf(args.model) else None
         text = HeldOutText(args.dataset_path, text_tokenizer(model_dir, args.dataset_path))
     return Workload(args.workload, args.prompt_len, cfg.vocab_size, text)
 

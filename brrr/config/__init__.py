@@ -1,6 +1,7 @@
 """ModelConfig: the one description of a model, parsed from a Hugging Face config.json; EngineConfig: how the
 serving engine sizes and schedules itself, with its speculative (speculative.py) and disaggregation
-(disaggregation.py) parts. Nothing here imports another brrr package but errors: every layer reads its configs."""
+(disaggregation.py) parts. Nothing here imports another brrr package but errors and brrr.gguf's metadata reader
+(a GGUF file is a config too): every layer reads its configs."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from pathlib import Path
 from brrr.config.disaggregation import check_combination, parse_disaggregate
 from brrr.config.speculative import SpeculativeConfig
 from brrr.errors import BrrrError
+from brrr.gguf.config import hf_config as gguf_hf_config
+from brrr.gguf.reader import is_gguf, open_gguf
 
 # Architectures brrr runs, and the family file that implements each.
 RUNNABLE_ARCHITECTURES = {
@@ -120,6 +123,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
+        if is_gguf(path):  # a GGUF file carries its config as metadata
+            return cls.from_hf(gguf_hf_config(open_gguf(path)), source=str(path))
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise BrrrError(f"config.json not found: {file}")

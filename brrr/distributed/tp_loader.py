@@ -28,6 +28,7 @@ from brrr.distributed.tp_group import RankZero
 from brrr.distributed.tp_worker import WorkerGroup, gather_vocabulary, rank_device
 from brrr.engine.model_runner import ModelRunner
 from brrr.errors import BrrrError
+from brrr.gguf.reader import is_gguf
 from brrr.hub import resolve_model
 from brrr.loader import resolve_dtype, weight_files
 from brrr.serving_form import prepare_for_serving
@@ -103,6 +104,9 @@ def load_pretrained(model: str | Path | None, dtype, device, config: EngineConfi
     """`brrr.load` for a tensor-parallel engine: (Pretrained holding rank 0's shard, the engine config to use)."""
     device = check_device(device)
     path = resolve_model(model)
+    if is_gguf(path):
+        raise BrrrError(f"{path}: tensor parallelism loads safetensors shards by slice; a GGUF file runs on one GPU "
+                        "(--tensor-parallel-size 1), or export the HF directory and shard that")
     tokenizer = Tokenizer.from_dir(path)
     net, config = load_tensor_parallel(path, config.tensor_parallel_size, dtype, device, config)
     return Pretrained(path, net, tokenizer, stop_token_ids(path, net.full_config, tokenizer)), config

@@ -9,6 +9,7 @@ import torch
 
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
+from brrr.gguf import is_gguf
 from brrr.models import model_class
 from brrr.presets import PRESETS, preset_config
 
@@ -16,9 +17,10 @@ from brrr.presets import PRESETS, preset_config
 def model_config(spec: str) -> ModelConfig:
     if spec in PRESETS:
         return preset_config(spec)
-    if Path(spec).is_dir():
+    if Path(spec).is_dir() or is_gguf(spec):
         return ModelConfig.from_dir(spec)
-    raise BrrrError(f"--model must be a preset ({', '.join(sorted(PRESETS))}) or a model directory; got {spec!r}")
+    raise BrrrError(f"--model must be a preset ({', '.join(sorted(PRESETS))}), a model directory or a .gguf file; "
+                    f"got {spec!r}")
 
 
 @torch.no_grad()

@@ -54,6 +54,8 @@ def _is_quant_tensor(model, key: str) -> bool:
 
 
 def quantization_config(path: Path) -> dict | None:
+    if not Path(path).is_dir():  # a GGUF file: its block types are its quantization (brrr/gguf/)
+        return None
     raw = json.loads((path / "config.json").read_text())
     qc = raw.get("quantization_config")
     if qc is None:

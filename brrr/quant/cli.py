@@ -5,11 +5,16 @@ import json
 import time
 from pathlib import Path
 
+from gguf import GGML_QUANT_SIZES
+
 import brrr
 from brrr.errors import BrrrError
+from brrr.gguf import is_gguf, open_gguf
 from brrr.quant.checkpoint import quantization_config, save_quantized
 from brrr.quant.linear import QuantLinear, projections
 
+GGUF_PROJECTIONS = tuple(f"{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                 "ffn_down"))
 METHODS = ("rtn-int8", "rtn-int4", "gptq", "awq", "nf4", "fp8", "smoothquant", "fp8-w8a8")
 
 
@@ -97,8 +102,25 @@ def cmd_ppl(args) -> int:
     return 0
 
 
+def gguf_summary(path: Path) -> dict:
+    """A GGUF file's projection bits per weight from its block types (docs/gguf.md), its file size."""
+    f = open_gguf(path)
+    bits = numel = 0
+    types: dict[str, int] = {}
+    for name, t in f.tensors.items():
+        if name.endswith(GGUF_PROJECTIONS):
+            block, size = GGML_QUANT_SIZES[t.type]
+            bits += t.numel * size * 8 // block
+            numel += t.numel
+            types[t.type.name] = types.get(t.type.name, 0) + t.numel
+    method = "gguf-" + max(types, key=types.get).lower() if types else "gguf"
+    return {"method": method, "bits_per_weight": bits / max(numel, 1), "bytes": path.stat().st_size}
+
+
 def model_summary(path: Path, model) -> dict:
-    """method, stored bits per projection weight, bytes of *.safetensors."""
+    """method, stored bits per projection weight, bytes of *.safetensors (or of the GGUF file)."""
+    if is_gguf(path):
+        return gguf_summary(path)
     qc = quantization_config(path) or {}
     bits = numel = 0
     for _, m in projections(model):

@@ -72,6 +72,10 @@ def register(sub):
 
     register_dpo(sub)
 
+    from brrr.train.grpo_cli import register as register_grpo  # the command's own module holds its flags
+
+    register_grpo(sub)
+
 
 def add_parallel_flags(p):
     g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")

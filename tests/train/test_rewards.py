@@ -20,8 +20,8 @@ def tokenizer():
 def test_builtins(tokenizer):
     comps = ['{"a": 1}', '{"a": "x"}', "x = (", "42\n"]
     ids = [tokenizer.encode(c, add_special_tokens=False) for c in comps]
-    rows = [{"answer": "42", "pattern": r"\{.*\}", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                                                "required": ["a"]}}] * 4
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rows = [{"answer": "42", "pattern": r"\{.*\}", "schema": schema}] * 4
     per_fn, total = Rewards(["exact_match", "regex_format", "json_schema", "python_syntax"],
                             [1.0, 0.5, 2.0, 0.25], tokenizer)(["p"] * 4, comps, ids, rows)
     assert per_fn.tolist() == [[0, 1, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 1]]

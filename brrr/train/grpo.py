@@ -1,5 +1,6 @@
 """`brrr grpo`: Group Relative Policy Optimization with TRL's names and defaults, a task of the one training loop,
-rolling out through brrr's engine in the same process (brrr/train/rollout.py).
+rolling out through brrr's engine in the same process (brrr/train/rollout.py), which shares the trainer's weight
+tensors (or, for fp32 master weights on CUDA, holds a bf16 serving copy that each step's sync overwrites in place).
 
 One optimizer step: the step's prompts (micro_batch x grad_accum completions / num_generations of them) go to the
 engine as one request each with n = num_generations, seeded by (seed, step, prompt) so a run (and --resume) draws
@@ -234,9 +235,11 @@ class GRPOTask:
         self.loss = self.loss_fn = GRPOLoss(self)
         self.flops_per_token = (6 if not self.policy.lora else 4) * param_counts(self.model_cfg)["total"]
         eos = stop_token_ids(self.model_path, self.model_cfg, self.tokenizer)
-        self.engine = ColocatedRollout(self.model, self.tokenizer, eos,
-                                       self.max_model_len, max_num_seqs=max(8, self.batches.prompts_per_step
-                                                                            * self.cfg.num_generations))
+        # fp32 master weights on CUDA roll out from a bf16 serving copy (packed projections), synced by copying;
+        # adapters over a bf16 base, and anything on the CPU, share the trainer's tensors
+        copy_dtype = torch.bfloat16 if run.device.type == "cuda" and not self.policy.lora else None
+        self.engine = ColocatedRollout(self.model, self.tokenizer, eos, self.max_model_len,
+                                       max(8, self.batches.prompts_per_step * self.cfg.num_generations), copy_dtype)
         self.kv_bytes = self.engine.kv_cache_bytes()
         self._train_start = None
         return self.model
@@ -322,8 +325,8 @@ class GRPOTask:
         c, st = self.cfg, run.state
         return (f"GRPO ({c.loss_type}, beta {c.beta}, {c.num_generations} generations x "
                 f"{self.batches.prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
-                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process over the "
-                f"same tensors (KV cache {self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
+                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process over "
+                f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache {self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
                 f"{len(self.prompt_ids)} prompts; rewards {' + '.join(self.rewards.names)}; "
                 f"steps {st['step']} -> {st['max_steps']}")
 

@@ -115,3 +115,32 @@ def test_bad_flags(tiny, tmp_path):
         Trainer(_cfg(tiny, tmp_path / "b", loss_type="ppo"))
     with pytest.raises(BrrrError, match="MODULE:FUNCTION"):
         Trainer(_cfg(tiny, tmp_path / "c", reward=["nope"]))
+
+
+def test_copied_serving_form_syncs_in_place(tiny):
+    """The engine's own packed copy (what fp32 master weights on CUDA roll out from, here fp32 on the CPU): until
+    sync_weights it runs the old weights, after it the trainer's new ones, copied into its packed tensors."""
+    from brrr.loader import load_model
+    from brrr.tokenizer import Tokenizer
+    from brrr.train.rollout import ColocatedRollout
+
+    model = load_model(tiny[0], dtype=torch.float32)
+    tok = Tokenizer.from_dir(tiny[0])
+    rollout = ColocatedRollout(model, tok, (tok.eos_token_id,), 64, 8, copy_dtype=torch.float32,
+                               pack_projections=True)
+    assert not rollout.shared and any("qkv_proj" in n for n, _ in rollout.core.model.named_parameters())
+    with torch.no_grad():  # a train step's in-place update
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt, params = tok.encode("def f(x):"), [SamplingParams(n=2, max_tokens=6, logprobs=0, seed=2)]
+
+    def engine_vs_trainer():
+        out = rollout.generate([prompt], params)[0].outputs
+        engine = torch.tensor([[next(iter(e.values())) for e in s.logprobs] for s in out])
+        with torch.no_grad():
+            mine = completion_logprobs(model, [prompt] * 2, [list(s.token_ids) for s in out], "cpu")
+        return (engine - mine).abs().max()
+
+    assert engine_vs_trainer() > 1e-3  # stale: the engine still runs the weights it copied at start
+    assert rollout.sync_weights() >= 0
+    assert engine_vs_trainer() < 1e-4

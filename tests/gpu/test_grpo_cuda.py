@@ -46,3 +46,17 @@ def test_lora_grpo_on_cuda(tmp_path):
         assert (e - m[:len(t)]).abs().max() < 0.1
     log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines() if '"reward"' in x]
     assert all(r["kv_cache_freed_bytes"] == kv and r["logprob_mismatch/max"] < 0.5 for r in log)
+
+
+def test_full_parameter_grpo_syncs_a_bf16_copy(tmp_path):
+    """fp32 master weights roll out from the engine's bf16 packed copy; each step's sync copies them in (timed)."""
+    path = save_tokenizer(save(build("llama3-rope", vocab_size=320), tmp_path / "model"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(8)))
+    cfg = GRPOConfig(str(path), str(prompts), str(tmp_path / "out"), reward=["custom"], num_generations=8,
+                     micro_batch=16, max_completion_length=16, max_steps=3, lr=1e-3, log_every=1, device="cuda")
+    task = GRPOTask(cfg.task, Rewards([share_low]))
+    Trainer(cfg, task).run()
+    assert not task.engine.shared and next(task.engine.core.model.parameters()).dtype == torch.bfloat16
+    log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines() if '"reward"' in x]
+    assert all(r["weight_sync_s"] > 0 and r["logprob_mismatch/max"] < 0.5 for r in log[1:])

@@ -165,7 +165,7 @@ class GRPOLoss(nn.Module):
         logps = completion_logprobs(t.model, prompts, completions, device, cfg.temperature)
         mask = completion_mask([len(c) for c in completions], device)
         with torch.no_grad():  # the trainer's scoring of the engine's tokens, before this step's update
-            delta = (logps.detach() - engine_logps).abs() * mask
+            delta = torch.nan_to_num((logps.detach() - engine_logps).abs() * mask)  # NaN: no engine logprob
             self.metrics.setdefault("logprob_mismatch/max", []).append(delta.max())
             self.metrics.setdefault("logprob_mismatch/mean", []).append(delta.sum() / mask.sum().clamp(min=1))
         weights = None

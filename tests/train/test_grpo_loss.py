@@ -120,3 +120,17 @@ def test_advantages_and_importance_weights():
     torch.testing.assert_close(tok, torch.tensor([[3.0, 1.0, 1.0]]))  # e^2 capped at 3; masked token exactly 1
     seq = importance_weights(old, sampled, mask, "sequence_mask", clip_max=3.0)
     torch.testing.assert_close(seq, torch.tensor([[0.0]]))  # e^2 > 3: the sequence is masked out
+
+
+def test_importance_weights_scale_the_policy_term_only():
+    """TRL multiplies the clipped policy term by the importance weights before adding beta * KL."""
+    torch.manual_seed(0)
+    logps = torch.randn(3, 4, requires_grad=True)
+    ref, adv, mask = torch.randn(3, 4), torch.tensor([1.0, -0.5, 0.2]), torch.ones(3, 4)
+    kw = dict(loss_type="dapo", num_items=12.0)
+    plain, _ = grpo_loss(logps, None, None, adv, mask, **kw)
+    doubled, _ = grpo_loss(logps, None, None, adv, mask, is_weights=torch.full((3, 4), 2.0), **kw)
+    torch.testing.assert_close(doubled, 2 * plain)
+    kl_only = grpo_loss(logps, None, ref, torch.zeros(3), mask, beta=0.5, is_weights=torch.full((3, 4), 2.0),
+                        **kw)[0]
+    torch.testing.assert_close(kl_only, 0.5 * (torch.exp(ref - logps) - (ref - logps) - 1).sum() / 12)

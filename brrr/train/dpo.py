@@ -134,7 +134,11 @@ class DPOTask:
             raise BrrrError(f"--max-length {run.cfg.seq_len} exceeds the model's context ({model_cfg.max_context})")
         cfg.torch_dtype(run.device)  # a bad --dtype fails before the load
         self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.pairs, self.data_stats = load_preferences(cfg.data, self.tokenizer, run.cfg.seq_len)
+        self.max_length = run.cfg.seq_len
+        self.pairs, self.data_stats = load_preferences(cfg.data, self.tokenizer, self.max_length)
+        # the loop counts micro_batch x seq_len tokens a micro-batch (tokens/s): a pair is two sequences, at most
+        # this long
+        run.cfg.seq_len = 2 * max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in self.pairs)
         return model_cfg
 
     def build(self, run) -> nn.Module:
@@ -176,7 +180,7 @@ class DPOTask:
         c, loop = self.cfg, run.cfg
         return {"model": self.base_name, "data_sha256": _sha256(c.data), "beta": c.beta, "loss_type": c.loss_type,
                 "peft": c.peft, "lora_r": c.lora_r if c.peft else None, "qlora": c.qlora,
-                "max_length": loop.seq_len, "micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum,
+                "max_length": self.max_length, "micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum,
                 "seed": loop.seed}
 
     def describe(self, run) -> str:

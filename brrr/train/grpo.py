@@ -267,7 +267,8 @@ class GRPOTask:
                 ids = list(sample.token_ids) or [self.tokenizer.eos_token_id or 0]
                 prompts.append(self.prompt_ids[i])
                 completions.append(ids)
-                texts.append(sample.text)
+                chat = isinstance(self.rows[i]["prompt"], list)  # TRL hands chat completions as messages
+                texts.append([{"role": "assistant", "content": sample.text}] if chat else sample.text)
                 rows.append(self.rows[i])
                 lines.append(self.lines[i])
                 prompt_objs.append(self.rows[i]["prompt"])
@@ -326,7 +327,8 @@ class GRPOTask:
         return (f"GRPO ({c.loss_type}, beta {c.beta}, {c.num_generations} generations x "
                 f"{self.batches.prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
                 f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process over "
-                f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache {self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
+                f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache "
+                f"{self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
                 f"{len(self.prompt_ids)} prompts; rewards {' + '.join(self.rewards.names)}; "
                 f"steps {st['step']} -> {st['max_steps']}")
 

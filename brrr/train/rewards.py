@@ -2,7 +2,9 @@
 
     f(prompts=[...], completions=[...], completion_ids=[[...]], **fields) -> [float | None, ...]
 
-one value per completion (None: this function does not score it), where `fields` are the prompt rows' other
+one value per completion (None: this function does not score it). For chat prompts (a list of messages) each
+completion is given as TRL gives it, [{"role": "assistant", "content": text}]; the built-ins read either form.
+`fields` are the prompt rows' other
 columns, each repeated per completion (`answer=[...]`, `schema=[...]`), plus `tokenizer` (brrr's). `--reward
 MODULE:FUNCTION` names one (any importable module, or a file path: path/to/file.py:FUNCTION), or a built-in by
 name; several are summed with `--reward-weights` (TRL's reward_weights; default 1 each). The built-ins need no
@@ -31,6 +33,13 @@ from brrr.errors import BrrrError
 from brrr.sampling_params import StructuredOutputsParams
 
 
+def completion_text(completion) -> str:
+    """A completion's text, from a string or TRL's conversational form (a list with one assistant message)."""
+    if isinstance(completion, list):
+        return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
+    return completion
+
+
 def _field(kwargs: dict, name: str, fn: str) -> list:
     if name not in kwargs:
         raise BrrrError(f"reward {fn} reads each prompt row's \"{name}\" field; the rows have "
@@ -40,12 +49,12 @@ def _field(kwargs: dict, name: str, fn: str) -> list:
 
 def exact_match(prompts, completions, **kwargs) -> list[float]:
     answers = _field(kwargs, "answer", "exact_match")
-    return [float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answers)]
+    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
 def regex_format(prompts, completions, **kwargs) -> list[float]:
     patterns = _field(kwargs, "pattern", "regex_format")
-    return [float(re.fullmatch(p, c, re.DOTALL) is not None) for c, p in zip(completions, patterns)]
+    return [float(re.fullmatch(p, completion_text(c), re.DOTALL) is not None) for c, p in zip(completions, patterns)]
 
 
 def python_syntax(prompts, completions, **kwargs) -> list[float]:
@@ -56,7 +65,7 @@ def python_syntax(prompts, completions, **kwargs) -> list[float]:
             return False
         return True
 
-    return [float(parses(c)) for c in completions]
+    return [float(parses(completion_text(c))) for c in completions]
 
 
 def json_schema(prompts, completions, completion_ids, tokenizer, **kwargs) -> list[float]:
@@ -160,5 +169,5 @@ def _where(fn, prompts, completions, completion_ids, tokenizer, fields, lines) -
         except Exception:
             row = f" (prompt row at line {lines[i]})" if lines is not None else ""
             return f"first on completion {i}{row}: prompt {str(prompts[i])[:60]!r}, completion " \
-                f"{completions[i][:60]!r}"
+                f"{completion_text(completions[i])[:60]!r}"
     return "on the whole batch only"

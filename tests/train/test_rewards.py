@@ -54,3 +54,9 @@ def test_none_is_left_out_and_errors_name_the_function_and_row():
     with pytest.raises(BrrrError, match='"answer" field'):
         Rewards(["exact_match"])(["p"], ["a"], [[1]], [{"other": 1}])
     assert torch.equal(Rewards(["python_syntax"])(["p"], ["1 +"], [[1]], [{}])[1], torch.tensor([0.0]))
+
+
+def test_chat_completions_arrive_as_messages_the_builtins_read():
+    chat = [[{"role": "assistant", "content": "42"}], [{"role": "assistant", "content": "x = ("}]]
+    per_fn, _ = Rewards(["python_syntax", "exact_match"])(["p", "q"], chat, [[1], [2]], [{"answer": "42"}] * 2)
+    assert per_fn.tolist() == [[1, 1], [0, 0]]

@@ -71,6 +71,15 @@ class BlockManager:
             else:
                 self.free_uncached.append(block_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's hash (vLLM's reset_prefix_cache): after the KV cache was freed, or the
+        weights changed, no block holds what its hash says. Only with no sequence running."""
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+        self.hash_to_block.clear()
+        self.free_uncached.extend(self.free_cached)
+        self.free_cached.clear()
+
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_for(len(seq.token_ids)) <= self.num_free_blocks
 

@@ -196,6 +196,19 @@ class ModelRunner:
         if copies:
             self._every_rank("copy_here", block_copies(copies))
 
+    def sleep(self) -> int:
+        """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py); the bytes freed. One
+        process only; captured graphs hold the old cache, so a sleeping engine runs without them."""
+        freed = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        self.kv_shape, self.kv_caches = self.kv_caches[0][0].shape, []
+        return freed
+
+    def wake(self) -> None:
+        """The KV cache back, as allocated at start (its contents are gone: the caller drops its prefix cache)."""
+        self.kv_caches = [(torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.config.num_layers)]
+
     def copy_here(self, copies: np.ndarray) -> None:
         src, dst = h2d(copies, self.device)
         for k, v in self.kv_caches:

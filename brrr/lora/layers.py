@@ -14,6 +14,7 @@ weights); under bf16 autocast their matmuls run in bf16.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +38,7 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's (and nn.Linear's) init of A
         self.dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
         self.lora_magnitude = None
+        self.disabled = False  # adapters_disabled(): the base alone (DPO/GRPO's reference)
         if config.use_dora:
             with torch.no_grad():
                 self.lora_magnitude = nn.Parameter(self._row_norm(self.base_weight(torch.float32)))
@@ -65,6 +67,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_forward(x)
+        if self.disabled:
+            return result
         dropped = self.dropout(x)
         a = self.lora_A if torch.is_autocast_enabled(x.device.type) else self.lora_A.to(x.dtype)
         b = self.lora_B if torch.is_autocast_enabled(x.device.type) else self.lora_B.to(x.dtype)
@@ -124,6 +128,20 @@ def apply_lora(model: nn.Module, config: LoraConfig, names: list[str] | None = N
 
 def _projection_kinds(modules: dict) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _adaptable(m)})
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model without its adapters inside the block (PEFT's disable_adapter): the frozen base, which is the
+    reference of preference and RL training, with no second copy of the weights."""
+    mods = list(lora_modules(model).values())
+    for m in mods:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.disabled = False
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:

@@ -68,6 +68,14 @@ def register(sub):
 
     register_draft(sub)
 
+    from brrr.train.dpo_cli import register as register_dpo  # the command's own module holds its flags
+
+    register_dpo(sub)
+
+    from brrr.train.grpo_cli import register as register_grpo  # the command's own module holds its flags
+
+    register_grpo(sub)
+
 
 def add_parallel_flags(p):
     g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x tp x pp = WORLD_SIZE)")

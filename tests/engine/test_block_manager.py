@@ -91,3 +91,18 @@ def test_lru_evicts_least_recently_freed_tail_first():
     bm.free(b), bm.free(c)
     assert bm.allocate(_seq(3, list(range(9)))) == 4
 
+
+
+def test_reset_prefix_cache_forgets_every_hash():
+    """After the KV cache was freed and reallocated (an RL engine's sleep/wake) or the weights changed, no prefix
+    may hit: reset_prefix_cache drops every hash and keeps every block free."""
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    seq = _seq(0, PREFIXES[0])
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(seq.token_ids)
+    bm.commit_computed(seq)
+    bm.free(seq)
+    assert len(bm.hash_to_block) == 2 and bm.num_free_blocks == 8  # two full blocks cached, findable
+    bm.reset_prefix_cache()
+    assert bm.num_free_blocks == 8 and not bm.hash_to_block
+    assert bm.allocate(_seq(1, PREFIXES[0])) == 0  # no hit

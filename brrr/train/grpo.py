@@ -1,0 +1,364 @@
+"""`brrr grpo`: Group Relative Policy Optimization with TRL's names and defaults, a task of the one training loop,
+rolling out through brrr's engine in the same process (brrr/train/rollout.py), which shares the trainer's weight
+tensors (or, for fp32 master weights on CUDA, holds a bf16 serving copy that each step's sync overwrites in place).
+
+One optimizer step: the step's prompts (micro_batch x grad_accum completions / num_generations of them) go to the
+engine as one request each with n = num_generations, seeded by (seed, step, prompt) so a run (and --resume) draws
+the same completions; the reward functions score them (brrr/train/rewards.py) and the group advantages follow
+(brrr/train/grpo_loss.py); with beta != 0 the reference scores them too (the base with the adapters off, or a
+frozen copy of a full-parameter policy); the engine sleeps (its KV cache freed) and the loop runs the micro-batches
+through the GRPO loss; at the next step the engine wakes and sees the new weights, which it shares with the
+trainer. The first micro-batch forward is the "old policy" of TRL's num_iterations = 1: the ratio is 1 in value,
+and the same forward measures the engine-vs-trainer mismatch |logp_engine - logp_trainer| (max and mean) and gives
+the truncated importance weights. Every log line carries the phase times (rollout_s, reference_logps_s, train_s,
+weight_sync_s, wake_s), the mismatch, and TRL's metrics (reward, reward_std, rewards/NAME/mean, frac_reward_zero_std,
+completions/mean_length, clip_ratio/*, kl).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from brrr.analysis.model import param_counts
+from brrr.config import ModelConfig
+from brrr.errors import BrrrError
+from brrr.hub import resolve_model
+from brrr.pretrained import stop_token_ids
+from brrr.sampling_params import SamplingParams
+from brrr.tokenizer import Tokenizer
+from brrr.train.completion_batch import completion_logprobs, completion_mask, padded
+from brrr.train.config import LoopConfig, ParallelConfig, split_flags
+from brrr.train.grpo_loss import IS_MODES, LOSS_TYPES, SCALE_REWARDS, group_advantages, grpo_loss, \
+    importance_weights, nanstd
+from brrr.train.policy import Policy, PolicyConfig
+from brrr.train.rewards import Rewards
+from brrr.train.rollout import ColocatedRollout
+from brrr.train.sft import read_jsonl
+
+# TRL's GRPOConfig defaults where the loop has the knob (learning_rate 1e-6, batch 8 completions, no decay)
+GRPO_LOOP = dict(seq_len=None, micro_batch=8, grad_accum=1, max_steps=500, lr=1e-6, min_lr_ratio=0.0,
+                 warmup_steps=0, weight_decay=0.0, beta2=0.999, eval_every=100, log_every=1, checkpoint_every=100)
+
+
+@dataclass
+class GRPOTaskConfig(PolicyConfig):
+    """GRPO's own flags (TRL's GRPOConfig names and defaults) and the policy's."""
+    model: str | None = None
+    prompts: str = ""
+    reward: list = field(default_factory=list)  # MODULE:FUNCTION specs or built-in names (brrr/train/rewards.py)
+    reward_weights: list | None = None
+    num_generations: int = 8
+    max_completion_length: int = 512
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    importance_sampling_correction: bool = True
+    importance_sampling_mode: str = "token_truncate"
+    importance_sampling_clip_max: float = 3.0
+
+    def check(self, loop: LoopConfig):
+        for name, value, allowed in (("loss_type", self.loss_type, LOSS_TYPES),
+                                     ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+                                     ("importance_sampling_mode", self.importance_sampling_mode, IS_MODES)):
+            if value not in allowed:
+                raise BrrrError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        if self.num_generations < 2:
+            raise BrrrError(f"--num-generations must be >= 2 (advantages compare the samples of a group), got "
+                            f"{self.num_generations}")
+        per_step = loop.micro_batch * loop.grad_accum
+        if per_step % self.num_generations:
+            raise BrrrError(f"--per-device-train-batch-size x --gradient-accumulation-steps ({per_step} completions "
+                            f"a step) must be a multiple of --num-generations ({self.num_generations})")
+        if self.max_completion_length < 1 or self.beta < 0 or self.epsilon <= 0:
+            raise BrrrError("--max-completion-length must be >= 1, --beta >= 0 and --epsilon > 0")
+        if self.temperature <= 0:
+            raise BrrrError(f"--temperature must be > 0 (GRPO samples), got {self.temperature}")
+
+
+@dataclass(init=False)
+class GRPOConfig:
+    """`brrr grpo`'s flags, composed: the loop's (GRPO_LOOP's defaults) and the task's; one process."""
+    loop: LoopConfig
+    parallel: ParallelConfig
+    task: GRPOTaskConfig
+
+    def __init__(self, model: str | None, prompts: str, out: str, **flags):
+        self.task, self.loop = split_flags(flags, GRPOTaskConfig(model=model, prompts=prompts),
+                                           LoopConfig(out, **GRPO_LOOP))
+        self.parallel = ParallelConfig()
+
+    def make_task(self) -> "GRPOTask":
+        return GRPOTask(self.task)
+
+
+def load_prompts(path, tokenizer) -> tuple[list[dict], list[list[int]], list[int]]:
+    """(rows, prompt token ids, line numbers): "prompt" is text (encoded with the special tokens) or chat messages
+    (rendered with the generation prompt); the other fields go to the reward functions."""
+    rows, ids, lines = [], [], []
+    for lineno, row in read_jsonl(path):
+        prompt = row.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            ids.append(tokenizer.encode(prompt))
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids.append(tokenizer.encode_chat(prompt, add_generation_prompt=True))
+        else:
+            raise BrrrError(f"{path}, line {lineno}: \"prompt\" must be a non-empty string or a list of chat "
+                            f"messages; got {type(prompt).__name__}")
+        rows.append(row)
+        lines.append(lineno)
+    return rows, ids, lines
+
+
+class RolloutBatches:
+    """The loop's batches: the first micro-batch of every step runs that step's rollout; each micro-batch is a
+    slice of its completions."""
+
+    def __init__(self, task: "GRPOTask", micro_batch: int, grad_accum: int):
+        self.task, self.micro_batch, self.grad_accum = task, micro_batch, grad_accum
+        self.prompts_per_step = micro_batch * grad_accum // task.cfg.num_generations
+        self._step, self._data = -1, None
+
+    def epoch(self, position: int) -> float:
+        return position // self.grad_accum * self.prompts_per_step / len(self.task.prompt_ids)
+
+    def prompt_indices(self, step: int) -> list[int]:
+        n, seed = len(self.task.prompt_ids), self.task.seed
+        out = []
+        for k in range(step * self.prompts_per_step, (step + 1) * self.prompts_per_step):
+            order = np.random.default_rng([seed, k // n]).permutation(n)
+            out.append(int(order[k % n]))
+        return out
+
+    def batch_at(self, position: int, device):
+        step, i = divmod(position, self.grad_accum)
+        if step != self._step:
+            self._step, self._data = step, self.task.rollout(step, self.prompt_indices(step), device)
+        d, mb = self._data, self.micro_batch
+        part = slice(i * mb, (i + 1) * mb)
+        ref = None if d["ref"] is None else d["ref"][part]
+        return (d["prompts"][part], d["completions"][part], d["advantages"][part], ref, d["engine_logps"][part],
+                d["num_items"])
+
+
+class GRPOLoss(nn.Module):
+    def __init__(self, task: "GRPOTask"):
+        super().__init__()
+        self.task = task
+        self.metrics: dict[str, list] = {}
+
+    def forward(self, prompts, completions, advantages, ref_logps, engine_logps, num_items):
+        t, cfg = self.task, self.task.cfg
+        device = advantages.device
+        logps = completion_logprobs(t.model, prompts, completions, device, cfg.temperature)
+        mask = completion_mask([len(c) for c in completions], device)
+        with torch.no_grad():  # the trainer's scoring of the engine's tokens, before this step's update
+            delta = torch.nan_to_num((logps.detach() - engine_logps).abs() * mask)  # NaN: no engine logprob
+            self.metrics.setdefault("logprob_mismatch/max", []).append(delta.max())
+            self.metrics.setdefault("logprob_mismatch/mean", []).append(delta.sum() / mask.sum().clamp(min=1))
+        weights = None
+        if cfg.importance_sampling_correction and t.engine_logps_comparable:
+            weights = importance_weights(logps.detach(), engine_logps, mask, cfg.importance_sampling_mode,
+                                         cfg.importance_sampling_clip_max)
+            self.metrics.setdefault("sampling/importance_sampling_ratio/mean", []).append(
+                (weights * mask).sum() / mask.sum() if weights.shape == mask.shape else weights.mean())
+        loss, metrics = grpo_loss(logps, None, ref_logps, advantages, mask, loss_type=cfg.loss_type, beta=cfg.beta,
+                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                  max_completion_length=cfg.max_completion_length, num_items=num_items,
+                                  is_weights=weights)
+        for k, v in metrics.items():
+            self.metrics.setdefault(k, []).append(v)
+        return loss
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class GRPOTask:
+    """brrr grpo (brrr/train/task.py's interface)."""
+    command, run_name, parallel, eval_at_start = "grpo", "GRPO", False, False
+    flops_per_token = 0.0
+
+    def __init__(self, cfg: GRPOTaskConfig, rewards: Rewards | None = None):
+        """rewards: reward functions given as objects (tests); else cfg.reward's specs are loaded."""
+        self.cfg, self._rewards = cfg, rewards
+        self.phase: dict[str, float] = {}
+        self.stats: dict[str, list] = {}
+
+    def configure(self, run) -> ModelConfig:
+        cfg, loop = self.cfg, run.cfg
+        cfg.check(loop)
+        self.seed = loop.seed
+        self.model_path = resolve_model(cfg.model)
+        self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
+        model_cfg = ModelConfig.from_dir(self.model_path)
+        cfg.torch_dtype(run.device)
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        self.rewards = self._rewards or Rewards(cfg.reward, cfg.reward_weights, self.tokenizer)
+        self.rewards.tokenizer = self.tokenizer
+        self.rows, self.prompt_ids, self.lines = load_prompts(cfg.prompts, self.tokenizer)
+        longest = max(map(len, self.prompt_ids))
+        if longest + cfg.max_completion_length > model_cfg.max_context:
+            at = self.lines[max(range(len(self.prompt_ids)), key=lambda i: len(self.prompt_ids[i]))]
+            raise BrrrError(f"{cfg.prompts}, line {at}: a prompt of {longest} tokens plus --max-completion-length "
+                            f"{cfg.max_completion_length} exceeds the model's context ({model_cfg.max_context})")
+        loop.seq_len = longest + cfg.max_completion_length  # the step's tokens are counted at this bound
+        self.max_model_len = loop.seq_len
+        # the engine reports raw log-probs (softmax of the logits): the sampling distribution's only at T = 1
+        # with no top-p / top-k filter, so only then are they compared with (and importance-weight) the trainer's
+        self.engine_logps_comparable = cfg.temperature == 1.0 and cfg.top_p == 1.0 and cfg.top_k == 0
+        return model_cfg
+
+    def build(self, run) -> nn.Module:
+        torch.manual_seed(run.cfg.seed)
+        self.policy = Policy(self.cfg, self.model_path, self.base_name, run.device)
+        self.model = self.policy.model
+        self.model_cfg = self.model.config
+        self.frozen_ref = None
+        if self.cfg.beta != 0 and not self.policy.reference_is_live:  # full-parameter: a frozen copy, as TRL
+            self.frozen_ref = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.checkpointed = self.policy.checkpointed
+        self.batches = RolloutBatches(self, run.cfg.micro_batch, run.cfg.grad_accum)
+        self.loss = self.loss_fn = GRPOLoss(self)
+        self.flops_per_token = (6 if not self.policy.lora else 4) * param_counts(self.model_cfg)["total"]
+        eos = stop_token_ids(self.model_path, self.model_cfg, self.tokenizer)
+        # fp32 master weights on CUDA roll out from a bf16 serving copy (packed projections), synced by copying;
+        # adapters over a bf16 base, and anything on the CPU, share the trainer's tensors
+        copy_dtype = torch.bfloat16 if run.device.type == "cuda" and not self.policy.lora else None
+        self.engine = ColocatedRollout(self.model, self.tokenizer, eos, self.max_model_len,
+                                       max(8, self.batches.prompts_per_step * self.cfg.num_generations), copy_dtype)
+        self.kv_bytes = self.engine.kv_cache_bytes()
+        self._train_start = None
+        return self.model
+
+    # -- one step's data -------------------------------------------------------------------------------------
+    def rollout(self, step: int, indices: list[int], device) -> dict:
+        cfg, ph = self.cfg, self.phase
+        if self._train_start is not None:  # the previous step's micro-batches, optimizer step and log line
+            ph["train_s"] = time.perf_counter() - self._train_start
+        if self.engine.asleep:
+            ph["weight_sync_s"] = self.engine.sync_weights()
+            start = time.perf_counter()
+            self.engine.wake()
+            ph["wake_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        params = [SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_completion_length,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, logprobs=0,
+                                 seed=(self.seed * 1_000_003 + step * 4099 + j) % 2**62)
+                  for j in range(len(indices))]
+        results = self.engine.generate([self.prompt_ids[i] for i in indices], params)
+        ph["rollout_s"] = time.perf_counter() - start
+        prompts, completions, texts, rows, lines, prompt_objs, engine_lp = [], [], [], [], [], [], []
+        for i, res in zip(indices, results):
+            for sample in sorted(res.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids) or [self.tokenizer.eos_token_id or 0]
+                prompts.append(self.prompt_ids[i])
+                completions.append(ids)
+                chat = isinstance(self.rows[i]["prompt"], list)  # TRL hands chat completions as messages
+                texts.append([{"role": "assistant", "content": sample.text}] if chat else sample.text)
+                rows.append(self.rows[i])
+                lines.append(self.lines[i])
+                prompt_objs.append(self.rows[i]["prompt"])
+                lp = [next(iter(e.values())) if e else math.nan for e in (sample.logprobs or [])]
+                engine_lp.append(torch.tensor((lp + [math.nan] * len(ids))[:len(ids)], dtype=torch.float32))
+        per_fn, rewards = self.rewards(prompt_objs, texts, completions, rows, lines)
+        advantages, std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        self._reward_stats(per_fn, rewards, std, completions)
+        ref = None
+        start = time.perf_counter()
+        if cfg.beta != 0:
+            ref = self.reference_logps(prompts, completions, device)
+        ph["reference_logps_s"] = time.perf_counter() - start
+        self.kv_freed = self.engine.sleep()
+        self._train_start = time.perf_counter()
+        lengths = [len(c) for c in completions]
+        return {"prompts": prompts, "completions": completions, "advantages": advantages.to(device), "ref": ref,
+                "engine_logps": padded(torch.cat(engine_lp), lengths).to(device),
+                "num_items": float(sum(lengths)) / self.batches.grad_accum}
+
+    @torch.no_grad()
+    def reference_logps(self, prompts, completions, device) -> torch.Tensor:
+        model = self.frozen_ref if self.frozen_ref is not None else self.model
+        was = self.model.training
+        self.model.eval()
+        out = []
+        mb = self.batches.micro_batch
+        with self.policy.reference() if self.frozen_ref is None else torch.no_grad():
+            for s in range(0, len(prompts), mb):
+                out.append(completion_logprobs(model, prompts[s:s + mb], completions[s:s + mb], device,
+                                               self.cfg.temperature))
+        self.model.train(was)
+        width = max(t.shape[1] for t in out)
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in out])
+
+    def _reward_stats(self, per_fn, rewards, std, completions):
+        s = self.stats
+        s.setdefault("reward", []).append(torch.nanmean(rewards).item())
+        s.setdefault("reward_std", []).append(nanstd(rewards).item())
+        s.setdefault("frac_reward_zero_std", []).append(torch.isclose(std, torch.zeros_like(std)).float().mean()
+                                                        .item())
+        s.setdefault("completions/mean_length", []).append(float(np.mean([len(c) for c in completions])))
+        for j, name in enumerate(self.rewards.names):
+            s.setdefault(f"rewards/{name}/mean", []).append(torch.nanmean(per_fn[:, j]).item())
+
+    # -- the loop's interface ----------------------------------------------------------------------------------
+    def resume_key(self, run) -> dict:
+        c, loop = self.cfg, run.cfg
+        return {"model": self.base_name, "prompts_sha256": _sha256(c.prompts), "reward": list(c.reward) or
+                self.rewards.names, "num_generations": c.num_generations,
+                "max_completion_length": c.max_completion_length, "beta": c.beta, "loss_type": c.loss_type,
+                "peft": c.peft, "micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum, "seed": loop.seed}
+
+    def describe(self, run) -> str:
+        c, st = self.cfg, run.state
+        return (f"GRPO ({c.loss_type}, beta {c.beta}, {c.num_generations} generations x "
+                f"{self.batches.prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
+                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process over "
+                f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache "
+                f"{self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
+                f"{len(self.prompt_ids)} prompts; rewards {' + '.join(self.rewards.names)}; "
+                f"steps {st['step']} -> {st['max_steps']}")
+
+    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
+        return {}
+
+    def eval_line(self, val: dict) -> str:
+        return "no held-out evaluation (the reward is logged each step)"
+
+    def eval_tokens(self, max_windows: int | None) -> int:
+        return 0
+
+    def predicted_memory(self, run) -> dict | None:
+        return None
+
+    def log_fields(self) -> dict:
+        out = {k: float(np.mean(v)) for k, v in self.stats.items()}
+        for k, v in self.loss.metrics.items():
+            values = torch.stack([x.float() for x in v])
+            out[k] = (values.max() if k.endswith("/max") else values.mean()).item()
+        self.stats.clear()
+        self.loss.metrics.clear()
+        out.update({k: v for k, v in self.phase.items()})
+        out["kv_cache_freed_bytes"] = self.kv_freed
+        return out
+
+    def summary(self, run, final: dict) -> dict:
+        return {"model": self.base_name, "loss_type": self.cfg.loss_type, "beta": self.cfg.beta,
+                "prompts": len(self.prompt_ids)}
+
+    def export(self, run) -> dict:
+        self.policy.export(run.out)
+        return {}

@@ -189,7 +189,8 @@ def _plugins():
     """Subcommands that live with their feature (brrr/<feature>/cli.py), present once that feature lands."""
     import importlib
 
-    for module in ("brrr.analysis.cli", "brrr.train.cli", "brrr.server.cli", "brrr.bench.cli", "brrr.quant.cli"):
+    for module in ("brrr.analysis.cli", "brrr.train.cli", "brrr.server.cli", "brrr.bench.cli", "brrr.quant.cli",
+                   "brrr.prune.cli"):
         try:
             yield importlib.import_module(module).register
         except ModuleNotFoundError as e:

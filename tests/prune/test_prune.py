@@ -11,6 +11,7 @@ from brrr.kernels import AttnMeta
 from brrr.prune.layerwise import prune_model
 from brrr.prune.magnitude import magnitude_prune
 from brrr.prune.mask import Pattern, is_n_m, keep_mask, parse_pattern
+from brrr.prune.semi_structured import supports_semi_structured, swap_semi_structured
 from brrr.prune.sparsegpt import sparsegpt_prune
 from brrr.prune.wanda import InputNorms, wanda_prune
 from brrr.quant.gptq import Hessian
@@ -95,6 +96,8 @@ def test_prune_model_layer_by_layer(tiny_dir):
         assert config["global_sparsity"] == 0.5 and config["sparsity_structure"] == "2:4"
         assert all(is_n_m(m.weight, 2, 4) for _, m in projections(model))
         assert (model.lm_head.weight != 0).all()  # embeddings and the head stay dense
+    assert swap_semi_structured(model) == []  # on the CPU the 2:4 weights stay a dense nn.Linear
+    assert not supports_semi_structured(torch.device("cpu"), torch.bfloat16, 4096, 4096)
 
 
 def test_brrr_prune_writes_a_directory_brrr_and_transformers_load(tiny_dir, tmp_path, capsys):

@@ -128,3 +128,24 @@ def test_bad_input_is_named(tiny_dir, tmp_path, capsys):
     refuses(capsys, base + ["--method", "magnitude", "--pattern", "2:4", "--sparsity", "0.3"], "contradicts")
     refuses(capsys, base + ["--method", "wanda", "--sparsity", "0.5"], "needs calibration data")
     refuses(capsys, base + ["--method", "magnitude", "--pattern", "2:48"], "not a multiple of 48")
+
+
+def test_eval_compare_shows_sparsity_beside_perplexity(tiny_dir, tmp_path, capsys):
+    from brrr.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 100)
+    pruned, quantized = tmp_path / "pruned", tmp_path / "pruned-int8"
+    assert main(["prune", "--model", str(tiny_dir), "--method", "magnitude", "--pattern", "2:4",
+                 "--out", str(pruned)]) == 0
+    assert main(["quantize", "--model", str(pruned), "--method", "rtn-int8", "--out", str(quantized)]) == 0
+    capsys.readouterr()
+    report = tmp_path / "compare.json"
+    assert main(["eval", "compare", "--models", str(tiny_dir), str(pruned), str(quantized), "--data", str(text),
+                 "--window", "32", "--stride", "16", "--max-tokens", "256", "--json", str(report)]) == 0
+    table = capsys.readouterr().out
+    assert "sparsity" in table.splitlines()[0] and "magnitude 2:4" in table
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["sparsity"] for r in rows] == [0.0, 0.5, 0.5]  # int8's zero is exact: the pruned zeros survive
+    assert rows[1]["method"] == "magnitude 2:4" and rows[2]["method"] == "rtn-int8"
+    assert rows[1]["ppl"] != rows[0]["ppl"]  # the pruned model is scored (random weights: no ordering)

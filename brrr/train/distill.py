@@ -16,6 +16,7 @@ the teacher's tokenizer files.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -34,6 +35,7 @@ from brrr.errors import BrrrError
 from brrr.hub import resolve_model
 from brrr.kernels import AttnMeta
 from brrr.loader import load_model, save_model
+from brrr.quant.calib import load_tokens
 from brrr.quant.checkpoint import TOKENIZER_FILES, quantization_config
 from brrr.quant.linear import projections
 from brrr.token_data import TokenData
@@ -56,7 +58,7 @@ class DistillTaskConfig:
     """Distillation's own flags; the loop's are LoopConfig's, with DISTILL_LOOP's defaults."""
     teacher: str  # an HF model directory (or hub id)
     student: str  # an HF model directory, or a shape / preset / config.json for a fresh student
-    data: str  # a `brrr data build` directory made with the teacher's tokenizer
+    data: str  # a `brrr data build` directory made with the teacher's tokenizer, or a text file
     kind: str = "forward"  # forward | reverse KL
     temperature: float = 2.0
     alpha: float = 0.5  # weight of the hard-label cross-entropy; 1 - alpha on the KL
@@ -138,6 +140,24 @@ class DistillLoss(nn.Module):
         return a * ce.mean() + (1 - a) * kl.mean()
 
 
+def distill_data(source: str, teacher_dir: Path, seq_len: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train token ids, validation token ids, what identifies the data for --resume): a `brrr data build`
+    directory's splits (its tokenizer must be the teacher's), or a text file tokenized with the teacher's tokenizer
+    whose last tenth (at least one window) is held out."""
+    tokenizer = Tokenizer.from_dir(teacher_dir)
+    path = Path(source)
+    if path.is_dir():
+        data = TokenData(path)
+        train, val = (load_tokens(path, tokenizer, split).numpy() for split in ("train", "val"))
+        return train, val, data.manifest["tokenizer_sha256"]
+    ids = load_tokens(path, tokenizer).numpy()
+    held = max(seq_len + 1, len(ids) // 10)
+    if len(ids) < held + seq_len + 1:
+        raise BrrrError(f"--data {path}: {len(ids)} tokens, fewer than a training and a held-out window of "
+                        f"--seq-len {seq_len} + 1")
+    return ids[:-held], ids[-held:], hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def mask_pruned_gradients(model: nn.Module) -> int:
     """For a pruned student: each projection's zero weights get a zero gradient, so AdamW (whose moments start at
     zero and whose weight decay scales the weight) leaves them at zero. Returns the weights held at zero."""
@@ -166,12 +186,7 @@ class DistillTask:
         if quantization_config(self.teacher_dir) is not None:
             raise BrrrError(f"--teacher {self.teacher_dir} is quantized: distil from the floating-point teacher")
         self.teacher_cfg = ModelConfig.from_dir(self.teacher_dir)
-        self.data = TokenData(cfg.data)
-        teacher_tok, data_tok = Tokenizer.from_dir(self.teacher_dir), Tokenizer.from_dir(self.data.path)
-        if teacher_tok.vocab() != data_tok.vocab():
-            raise BrrrError(f"--data {self.data.path} was tokenized with another tokenizer than the teacher's "
-                            f"({self.data.vocab_size} vs {teacher_tok.vocab_size} tokens): build the data with "
-                            "the teacher's tokenizer")
+        self.train_tokens, self.val_tokens, self.data_key = distill_data(cfg.data, self.teacher_dir, loop.seq_len)
         student = Path(cfg.student).expanduser()
         self.student_dir = student if (student / "model.safetensors").is_file() or \
             (student / "model.safetensors.index.json").is_file() else None
@@ -181,8 +196,9 @@ class DistillTask:
                                 "quantize the student")
             self.model_cfg = ModelConfig.from_dir(student)
         else:
-            special = self.data.special_tokens
-            self.model_cfg = resolve_config(cfg.student, self.teacher_cfg.vocab_size, special, loop.seq_len)
+            t = self.teacher_cfg  # a fresh student takes the teacher's special tokens
+            special = {"bos": t.bos_token_id, "eos": t.eos_token_ids[0], "im_end": t.eos_token_ids[-1]}
+            self.model_cfg = resolve_config(cfg.student, t.vocab_size, special, loop.seq_len)
         if self.model_cfg.vocab_size != self.teacher_cfg.vocab_size:
             raise BrrrError(f"--student vocab_size {self.model_cfg.vocab_size} differs from the teacher's "
                             f"{self.teacher_cfg.vocab_size}: token-level distillation compares the two "
@@ -210,7 +226,7 @@ class DistillTask:
             student = build_model(self.model_cfg, run.device, loop.seed)
         self.held_at_zero = mask_pruned_gradients(student) if self.sparse else 0
         self.model = self.checkpointed = run.parallelize(student)
-        self.batches = TrainWindows(self.data.splits["train"], loop.seq_len, loop.micro_batch, loop.seed,
+        self.batches = TrainWindows(self.train_tokens, loop.seq_len, loop.micro_batch, loop.seed,
                                     run.mesh.dp_rank, run.mesh.dp_world)
         self.loss = self.loss_fn = DistillLoss(self.model, self.teacher, self.cfg)
         # model FLOPs per trained token: the student's forward and backward, and the teacher's forward
@@ -223,7 +239,7 @@ class DistillTask:
         return {"teacher": str(self.teacher_dir.resolve()), "teacher_config": self.teacher_cfg.to_hf(),
                 "student": c.student, "student_config": self.model_cfg.to_hf(), "kind": c.kind,
                 "temperature": c.temperature, "alpha": c.alpha, "teacher_top_k": c.teacher_top_k,
-                "tokenizer_sha256": self.data.manifest["tokenizer_sha256"], "seq_len": loop.seq_len,
+                "data": self.data_key, "seq_len": loop.seq_len,
                 "micro_batch": loop.micro_batch * run.mesh.dp_world, "grad_accum": loop.grad_accum,
                 "seed": loop.seed}
 
@@ -234,18 +250,17 @@ class DistillTask:
         return (f"distilling {self.teacher_dir} ({t / 1e6:.2f}M) into {c.student} ({n / 1e6:.2f}M){held} on "
                 f"{run.device} ({run.gpu_name}): {c.kind} KL at T={c.temperature:g}, alpha {c.alpha:g} on the hard "
                 f"labels{f', teacher top-{c.teacher_top_k}' if c.teacher_top_k else ''}; "
-                f"{self.data.manifest['splits']['train']['tokens']:,} train tokens, {run.tokens_per_step:,} "
+                f"{len(self.train_tokens):,} train tokens, {run.tokens_per_step:,} "
                 f"tokens/step; steps {st['step']} -> {st['max_steps']}")
 
     def _val_rows(self, max_windows: int | None):
-        start, end = 0, len(self.data.splits["val"])
-        return eval_windows(start, end, self.seq_len, max_windows)
+        return eval_windows(0, len(self.val_tokens), self.seq_len, max_windows)
 
     @torch.no_grad()
     def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
         """The student's next-token loss on the validation split and its forward KL to the teacher at T = 1."""
         self.model.eval()
-        val, mb = self.data.splits["val"], run.cfg.micro_batch
+        val, mb = self.val_tokens, run.cfg.micro_batch
         starts, length = self._val_rows(max_windows)
         ce = kl = 0.0
         n = 0

@@ -16,7 +16,8 @@ def register(sub):
     p.add_argument("--student", required=True, metavar="DIR|CONFIG",
                    help="an HF model directory (a smaller or a pruned model: its zeros are kept), or a training "
                         "shape, preset or config.json for a fresh student")
-    p.add_argument("--data", required=True, help="directory made by `brrr data build` with the teacher's tokenizer")
+    p.add_argument("--data", required=True, help="directory made by `brrr data build` with the teacher's tokenizer, or a text file (tokenized "
+                   "with it; its last tenth held out)")
     p.add_argument("--out", required=True, help="output: the student's HF directory, plus checkpoint/ and "
                    "train_log.jsonl")
     p.add_argument("--kind", default=t.kind, choices=["forward", "reverse"],

@@ -69,11 +69,14 @@ def test_distillation_closes_the_kl_that_hard_labels_alone_do_not(trained_target
     assert out.config.hidden_size == 32 and (tmp_path / "soft" / "tokenizer.json").is_file()
 
 
-def test_a_pruned_student_keeps_its_zeros(trained_target, data_dir, tmp_path):
+def test_a_pruned_student_keeps_its_zeros(trained_target, source_dir, tmp_path):
+    """From a text file (tokenized with the teacher's tokenizer) into the teacher pruned 2:4."""
+    text = tmp_path / "text.py"
+    text.write_text("\n".join(f.read_text() for f in sorted(source_dir.rglob("mod_*.py"))))
     pruned = tmp_path / "pruned"
     assert main(["prune", "--model", str(trained_target), "--method", "magnitude", "--pattern", "2:4",
                  "--out", str(pruned)]) == 0
-    summary = distil(trained_target, pruned, data_dir, tmp_path / "out", max_steps=10, eval_every=10,
+    summary = distil(trained_target, pruned, text, tmp_path / "out", max_steps=10, eval_every=10,
                      checkpoint_every=10, alpha=0.0, lr=3e-4)
     import brrr
 

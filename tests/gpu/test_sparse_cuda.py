@@ -53,7 +53,8 @@ def test_the_engine_runs_a_2_4_model_on_the_sparse_gemm(pruned_dir):
     meta = AttnMeta.causal([len(ids)], "cuda")
     with torch.no_grad():
         want = dense.compute_logits(dense(ids, torch.arange(len(ids), device="cuda"), meta)).float()
-    out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32, temperature=0))[0]
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 32
     # the engine's own forward on the same ids, outside its cache: the reference model with the sparse modules
     reference = brrr.load(pruned_dir, device="cuda", dtype="bfloat16").model

@@ -97,3 +97,12 @@ def test_bad_input_is_named(trained_target, student_config, data_dir, tmp_path, 
     wide.write_text(json.dumps({**STUDENT, "vocab_size": 1000}))
     refuses(capsys, base + ["--student", str(wide)], "differs from the teacher's")
     refuses(capsys, base + ["--student", str(student_config), "--seq-len", "4096"], "exceeds the model's context")
+
+
+def test_stop_and_resume(trained_target, student_config, data_dir, tmp_path):
+    flags = dict(max_steps=8, eval_every=8, checkpoint_every=4, temperature=1.0, kind="reverse", teacher_top_k=16)
+    distil(trained_target, student_config, data_dir, tmp_path / "r", stop_at=4, **flags)
+    summary = distil(trained_target, student_config, data_dir, tmp_path / "r", resume=True, **flags)
+    whole = distil(trained_target, student_config, data_dir, tmp_path / "whole", **flags)
+    assert summary["steps"] == whole["steps"] == 8
+    assert summary["val_kl"] == pytest.approx(whole["val_kl"], rel=1e-4)

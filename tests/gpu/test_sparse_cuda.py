@@ -63,3 +63,16 @@ def test_the_engine_runs_a_2_4_model_on_the_sparse_gemm(pruned_dir):
         got = reference.compute_logits(reference(ids, torch.arange(len(ids), device="cuda"), meta)).float()
     torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_pruning_on_the_gpu_hits_the_pattern(method):
+    from brrr.prune.layerwise import prune_model
+    from brrr.prune.mask import is_n_m
+    from brrr.quant.linear import projections
+
+    model = brrr.load(device="cuda", dtype="float32").model
+    calib = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    config = prune_model(model, method, TWO_FOUR, calib)
+    assert config["global_sparsity"] == 0.5
+    assert all(is_n_m(m.weight, 2, 4) and m.weight.is_cuda for _, m in projections(model))

@@ -46,7 +46,8 @@ class SemiSparseLinear(nn.Module):
         return self.weight.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # the sparse GEMM may hand back a transposed view; the attention and activation kernels read rows
+        return F.linear(x, self.weight, self.bias).contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, 2:4 semi-structured"

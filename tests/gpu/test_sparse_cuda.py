@@ -76,3 +76,10 @@ def test_pruning_on_the_gpu_hits_the_pattern(method):
     config = prune_model(model, method, TWO_FOUR, calib)
     assert config["global_sparsity"] == 0.5
     assert all(is_n_m(m.weight, 2, 4) and m.weight.is_cuda for _, m in projections(model))
+
+
+def test_the_output_is_row_major():
+    """The packed qkv output is split and viewed per head by the attention kernels: rows must be contiguous."""
+    w = magnitude_prune(torch.randn(768, 256, device="cuda", dtype=torch.bfloat16), TWO_FOUR)
+    for m in (1, 5, 64):
+        assert SemiSparseLinear(w, None)(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)).is_contiguous()

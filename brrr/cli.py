@@ -190,7 +190,7 @@ def _plugins():
     import importlib
 
     for module in ("brrr.analysis.cli", "brrr.train.cli", "brrr.server.cli", "brrr.bench.cli", "brrr.quant.cli",
-                   "brrr.gguf.cli"):
+                   "brrr.gguf.cli", "brrr.prune.cli"):
         try:
             yield importlib.import_module(module).register
         except ModuleNotFoundError as e:

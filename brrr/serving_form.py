@@ -31,6 +31,7 @@ from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.lora.serving_slots import LoraLinear, LoraSlots
 from brrr.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from brrr.prune.semi_structured import swap_semi_structured
 from brrr.quant.linear import QuantLinear
 
 
@@ -252,7 +253,9 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
             layer.self_attn = _serving_attention(layer.self_attn, lora)
         if isinstance(layer.mlp, LlamaMLP):
             layer.mlp = _serving_mlp(layer.mlp, lora)
-    if lora is not None:
+    if lora is None:  # LoRA slots wrap the dense projections
+        swap_semi_structured(model)  # 2:4-pruned projections (and their packed forms) onto the sparse GEMM
+    else:
         _add_lora(model, lora)
     if isinstance(model.lm_head, QuantLinear):
         model.lm_head = QuantLogitsHead(model.lm_head)

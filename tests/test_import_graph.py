@@ -25,6 +25,7 @@ LAYERS = [
     ("brrr.analysis",),            # every FLOP, byte and formula, over ModelConfig
     ("brrr.models",),              # the reference forms (HF module names and GEMM shapes)
     ("brrr.quant",),
+    ("brrr.prune",),               # magnitude, Wanda, SparseGPT over quant's calibration and Hessians; 2:4 modules
     ("brrr.loader", "brrr.gguf.load", "brrr.gguf.export"),  # checkpoints in and out, quantized and GGUF ones
     ("brrr.lora",),
     ("brrr.serving_form",),        # prepare_for_serving: packs projections over quant's and lora's modules

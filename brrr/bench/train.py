@@ -37,7 +37,7 @@ from brrr.bench.train_profile import profile_step
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.presets import preset_config
-from brrr.train.cli import add_layout_flags
+from brrr.train.launch_cli import add_layout_flags
 from brrr.train.config import ParallelConfig
 from brrr.train.loss import CausalLMLoss
 from brrr.train.parallel import ParallelStep, Ranks, parallelize, plan_layout, predicted_memory, zero_stage

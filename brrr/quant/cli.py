@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES
 import brrr
 from brrr.errors import BrrrError
 from brrr.gguf import is_gguf, open_gguf
+from brrr.prune.semi_structured import swap_semi_structured
 from brrr.quant.checkpoint import quantization_config, save_quantized
 from brrr.quant.linear import QuantLinear, projections
 
@@ -43,7 +44,7 @@ def register(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate models: ppl (sliding-window perplexity), compare (table)")
     ev_sub = ev.add_subparsers(dest="eval_command", metavar="EVAL")
     for name, func, helptext in (("ppl", cmd_ppl, "sliding-window perplexity of one model"),
-                                 ("compare", cmd_compare, "perplexity, bits/weight and size of several models")):
+                                 ("compare", cmd_compare, "perplexity, bits/weight, sparsity and size of several models")):
         e = ev_sub.add_parser(name, help=helptext)
         if name == "ppl":
             e.add_argument("--model", default=None)
@@ -96,6 +97,7 @@ def cmd_ppl(args) -> int:
     from brrr.quant.evaluate import perplexity  # for `brrr eval` only: brrr.cli imports this module
 
     pre = brrr.load(args.model, dtype=args.dtype, device=args.device)
+    swap_semi_structured(pre.model)  # a 2:4-pruned model runs its sparse GEMM on CUDA (a no-op elsewhere)
     result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride,
                         progress_label=f"ppl {pre.path.name}")
     print(json.dumps({"model": str(pre.path), **result}))
@@ -118,20 +120,30 @@ def gguf_summary(path: Path) -> dict:
 
 
 def model_summary(path: Path, model) -> dict:
-    """method, stored bits per projection weight, bytes of *.safetensors (or of the GGUF file)."""
-    if is_gguf(path):
-        return gguf_summary(path)
-    qc = quantization_config(path) or {}
-    bits = numel = 0
+    """method (quantization's, and pruning's from config.json's sparsity_config), stored bits per projection weight,
+    the fraction of projection weights that are zero (as the model computes with them: dequantized), bytes of
+    *.safetensors (or of the GGUF file)."""
+    gguf = is_gguf(path)
+    qc = {} if gguf else quantization_config(path) or {}
+    pruned = {} if gguf else json.loads((path / "config.json").read_text()).get("sparsity_config") or {}
+    bits = numel = zeros = 0
     for _, m in projections(model):
         n = m.in_features * m.out_features
         if isinstance(m, QuantLinear):
             bits += m.stored_bits
+            zeros += (m.dequantize() == 0).sum().item()
         else:
             bits += n * {"float32": 32}.get(model.config.torch_dtype, 16)  # as stored, not as loaded
+            zeros += (m.weight == 0).sum().item()
         numel += n
+    if gguf:  # the file's block types say what is stored; the zeros are the model's as it computes
+        return {**gguf_summary(path), "sparsity": zeros / numel}
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return {"method": qc.get("method", "none"), "bits_per_weight": bits / numel, "bytes": size}
+    method = qc.get("method", "none")
+    if isinstance(pruned, dict) and pruned.get("method"):
+        method = f"{pruned['method']} {pruned.get('sparsity_structure', '')}".strip() + \
+            (f" + {method}" if qc else "")
+    return {"method": method, "bits_per_weight": bits / numel, "sparsity": zeros / numel, "bytes": size}
 
 
 def cmd_compare(args) -> int:
@@ -143,16 +155,19 @@ def cmd_compare(args) -> int:
         pre = brrr.load(spec, dtype=args.dtype, device=args.device)
         if tokens is None:
             tokens = _eval_tokens(args, pre.tokenizer)
-        row = {"model": spec, **model_summary(pre.path, pre.model),
+        row = {"model": spec, **model_summary(pre.path, pre.model)}
+        swap_semi_structured(pre.model)  # after counting the zeros: a 2:4 model's sparse GEMM on CUDA
+        row = {**row,
                **perplexity(pre.model, tokens, args.window, args.stride,
                             progress_label=f"ppl {len(rows) + 1}/{len(args.models)} {pre.path.name}")}
         base = base or row["ppl"]
         row["delta_pct"] = 100 * (row["ppl"] / base - 1)
         rows.append(row)
-    print(f"{'method':<12} {'bits/w':>7} {'MB':>8} {'ppl':>9} {'delta':>8}  model")
+    width = max(12, *(len(r["method"]) for r in rows))
+    print(f"{'method':<{width}} {'bits/w':>7} {'sparsity':>8} {'MB':>8} {'ppl':>9} {'delta':>8}  model")
     for r in rows:
-        print(f"{r['method']:<12} {r['bits_per_weight']:>7.2f} {r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} "
-              f"{r['delta_pct']:>+7.2f}%  {r['model']}")
+        print(f"{r['method']:<{width}} {r['bits_per_weight']:>7.2f} {100 * r['sparsity']:>7.1f}% "
+              f"{r['bytes'] / 1e6:>8.2f} {r['ppl']:>9.4f} {r['delta_pct']:>+7.2f}%  {r['model']}")
     if args.json:
         settings = {k: getattr(args, k) for k in ("data", "split", "window", "stride", "max_tokens", "device",
                                                   "dtype")}

@@ -28,24 +28,37 @@ class Hessian:
         self.n = total
 
 
+def without_dead_inputs(w: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of w and H (on w's device) with the inputs calibration never saw (zero diagonal) zeroed in w and
+    given a unit diagonal in H, so H is invertible and their columns cost nothing."""
+    W, H = w.float().clone(), H.to(w.device).float().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H
+
+
+def upper_inverse_factor(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in place on H: row i from the diagonal on is
+    what the column sweeps of GPTQ and SparseGPT (brrr/prune/sparsegpt.py) spread column i's error with."""
+    H.diagonal().add_(damp * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, group_size: int = 128, symmetric: bool = False,
                   act_order: bool = True, block: int = 128, damp: float = 0.01) -> dict:
     """On w's device (H is moved there): the column sweep runs `gptq_block` per block of columns, a Triton kernel
     on CUDA."""
     out, n = w.shape
     check_group(n, group_size)
-    W, H = w.float().clone(), H.to(w.device).float().clone()
-    dead = H.diagonal() == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    W, H = without_dead_inputs(w, H)
     static = act_order  # without act-order groups are computed lazily from the updated columns, as the reference
     groups = n // group_size
     scale, zero = int4_params(W.view(out, groups, group_size), symmetric)  # [out, groups]
     scale, zero = scale.contiguous(), zero.contiguous()
     perm = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(n, device=W.device)
     W, H = W[:, perm], H[perm][:, perm]
-    H.diagonal().add_(damp * H.diagonal().mean())
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Hinv = upper_inverse_factor(H, damp)
     codes = torch.zeros_like(W)
     group_of = (perm // group_size).to(torch.int32)
     for i1 in range(0, n, block):

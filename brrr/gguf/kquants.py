@@ -2,11 +2,12 @@
 
 Both work on 256-weight super-blocks. Q6_K: 16 sub-blocks of 16, w = d * sc_j * q with q in [-32, 31] (stored
 +32 as 6 bits), sc_j an int8, d one fp16 per super-block. Q4_K: 8 sub-blocks of 32, w = d * sc_j * q - dmin * m_j
-with q in [0, 15], sc_j and m_j 6-bit, d and dmin fp16. Scales are chosen by the range of each sub-block (absmax
-for Q6_K; min and max for Q4_K), the super-scales so the largest sub-block scale uses the full 6/8 bits, and the
-codes by rounding against the scales as stored (fp16 d times the integer sc), so the stored codes minimise the
-error for the scales the reader will see. llama.cpp also searches the scales iteratively (make_qx_quants); this
-does not, and its error is within one quantization step of each weight (tests/gguf/test_kquants.py)."""
+with q in [0, 15], sc_j and m_j 6-bit, d and dmin fp16. Each sub-block's scale (and Q4_K's offset) is searched:
+candidates from 75% to 100% of the range-filling scale each round the codes, a least-squares fit of the scale
+(and offset) to those codes follows, and the least squared error wins (llama.cpp's make_qkx2_quants searches the
+same way, over more candidates and with weights). The super-scales make the largest sub-block scale use all 6
+or 8 bits, and the final codes round against the scales as stored (fp16 d times the integer sc), which is what
+the reader will multiply by. tests/gguf/test_dequant.py bounds the error per weight and its RMS."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
     x = _super_blocks(w)
     n = x.shape[0]
     sub = x.reshape(n, 16, 16)
-    scale = sub.abs().amax(-1) / 31                               # [n, 16], >= 0
+    scale = _search(sub, lambda c: sub.abs().amax(-1) * c / 31, lambda s: (-32, 31), None)  # [n, 16], >= 0
     d = (scale.amax(-1) / 127).to(torch.float16).float()          # [n]
     inv_d = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     sc = torch.round(scale * inv_d[:, None]).clamp(-128, 127)     # int8 sub-block scales
@@ -44,6 +45,41 @@ def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
     scales = sc.to(torch.int8).view(torch.uint8)
     out = torch.cat([ql, qh, scales, _f16_bytes(d)], dim=1)
     return out.reshape(w.shape[0], -1)
+
+
+SEARCH = torch.linspace(0.75, 1.0, 11)  # sub-block scale candidates, as fractions of the range-filling scale
+
+
+def _search(sub, scale_of, code_range, lo):
+    """Per sub-block, the scale (and for Q4_K the offset) of least squared error among SEARCH's candidates: each
+    candidate rounds the codes, then a least-squares fit of scale (and offset) to those codes (llama.cpp's
+    make_qkx2_quants idea: clipping the largest weights a little often lowers the error of all the others)."""
+    best_err = best_scale = best_lo = None
+    qmin, qmax = code_range(None)
+    for c in SEARCH.tolist():
+        scale = scale_of(c).clamp(min=1e-30)
+        if lo is None:
+            q = torch.round(sub / scale[..., None]).clamp(qmin, qmax)
+            fit = ((sub * q).sum(-1) / (q * q).sum(-1).clamp(min=1e-30)).clamp(min=0)  # w ~ fit q
+            cand_lo = None
+            err = (sub - fit[..., None] * q).pow(2).sum(-1)
+        else:
+            q = torch.round((sub - lo[..., None]) / scale[..., None]).clamp(qmin, qmax)
+            qm, xm = q.mean(-1), sub.mean(-1)
+            var = (q - qm[..., None]).pow(2).sum(-1)
+            fit = ((q - qm[..., None]) * (sub - xm[..., None])).sum(-1) / var.clamp(min=1e-30)
+            fit = torch.where(var > 0, fit, scale).clamp(min=0)
+            cand_lo = (xm - fit * qm).clamp(max=0)                  # w ~ fit q + lo, lo <= 0
+            err = (sub - (fit[..., None] * q + cand_lo[..., None])).pow(2).sum(-1)
+        if best_err is None:
+            best_err, best_scale, best_lo = err, fit, cand_lo
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, fit, best_scale)
+            if lo is not None:
+                best_lo = torch.where(better, cand_lo, best_lo)
+    return best_scale if lo is None else (best_scale, best_lo)
 
 
 def pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -62,7 +98,8 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     sub = x.reshape(n, 8, 32)
     lo = sub.amin(-1).clamp(max=0)                                # the offset only ever lowers (m >= 0)
     hi = sub.amax(-1)
-    scale, mins = (hi - lo) / 15, -lo
+    scale, lo = _search(sub, lambda c: (hi - lo) * c / 15, lambda s: (0, 15), lo)
+    mins = -lo
     d = (scale.amax(-1) / 63).to(torch.float16).float()
     dmin = (mins.amax(-1) / 63).to(torch.float16).float()
     inv_d = torch.where(d > 0, 1 / d, torch.zeros_like(d))

@@ -43,8 +43,9 @@ def test_float_types(qtype):
 @pytest.mark.parametrize("quantize, qtype, bits", [(quantize_q4_k, T.Q4_K, 4), (quantize_q6_k, T.Q6_K, 6)],
                          ids=["Q4_K", "Q6_K"])
 def test_k_quants_round_trip_within_one_step(quantize, qtype, bits):
-    """Each weight comes back within one quantization step of its sub-block (range / (2^bits - 1)), plus the fp16
-    rounding of the super-scales; the RMS error is near the uniform-rounding error, step / sqrt(12)."""
+    """Each weight comes back within 1.25 quantization steps of its sub-block (step = range / (2^bits - 1); the
+    scale search may clip the largest weight a little, and the super-scales round to fp16); the RMS error is below
+    the uniform-rounding error of the range-filling scale, step / sqrt(12) (the search's point)."""
     torch.manual_seed(0)
     w = torch.randn(32, 512) * torch.rand(32, 1) * 3
     raw = quantize(w).numpy()
@@ -56,8 +57,8 @@ def test_k_quants_round_trip_within_one_step(quantize, qtype, bits):
     span = groups.amax(1) - groups.amin(1).clamp(max=0) if qtype == T.Q4_K else 2 * groups.abs().amax(1)
     step = (span / (2 ** bits - 1)).repeat_interleave(sub).reshape(w.shape)
     err = (back - w).abs()
-    assert (err <= step * 1.05 + 1e-6).all()
-    assert err.pow(2).mean().sqrt() < (step.pow(2).mean() / 12).sqrt() * 1.5
+    assert (err <= step * 1.25 + 1e-6).all()
+    assert err.pow(2).mean().sqrt() < (step.pow(2).mean() / 12).sqrt()
 
 
 def test_unknown_type_is_refused_by_name():

@@ -1,0 +1,68 @@
+"""The routed experts of an MoE layer: out[t] = sum over t's k choices (e, w) of w * down_e(silu(gate_e x) * up_e x).
+
+Two plain-torch forms of one computation:
+- `moe_experts_ref`: a loop over the experts that got tokens (transformers' loop): gather the expert's tokens, its
+  three GEMMs, scale by the routing weight, index_add into the output. Per-expert weights as separate tensors (the
+  reference model's nn.Linear modules, checkpoint names), so quantized expert modules swap in one by one.
+- `moe_experts_grouped_mm`: dropless dispatch through grouped GEMM (MegaBlocks' point): sort the (token, choice)
+  pairs by expert, one `torch._grouped_mm` over the expert runs for gate/up and one for down, then a weighted sum
+  back per token. The weights stacked [E, out, in] (what a serving form holds). No capacity, nothing dropped; an
+  expert with no tokens is an empty run.
+Both sum a token's expert outputs in expert order, in the activations' dtype, as transformers does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brrr.kernels.activation import silu_and_mul
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """x [T, H]; weights [T, k] (fp32), ids [T, k] from `route`; experts: a sequence of (gate, up, down) callables
+    or weight tensors per expert ([I, H], [I, H], [H, I]). -> [T, H] in x's dtype."""
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    hit = torch.bincount(ids.flatten(), minlength=len(experts)).nonzero().flatten().tolist()  # one host read
+    for e in hit:
+        token, choice = torch.where(ids == e)
+        gate, up, down = (_apply(f) for f in experts[e])
+        h = x[token]
+        y = down(silu_and_mul(gate(h), up(h)))
+        # the product in fp32 (the weights' dtype), rounded once to x's: as transformers' Mixtral and DeepSeek do
+        out.index_add_(0, token, (y * weights[token, choice, None]).to(x.dtype))
+    return out
+
+
+def _apply(f):
+    return f if callable(f) else (lambda h, w=f: F.linear(h, w))
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """torch._grouped_mm exists in this torch and takes x's dtype (it wants 16-byte-aligned rows)."""
+    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def moe_experts_grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                           w_down: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; weights/ids [T, k]; w_gate_up [E, 2I, H] (gate rows then up rows, as transformers v5 stacks
+    them), w_down [E, H, I] -> [T, H]."""
+    num_experts, k = w_gate_up.shape[0], ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens ascending
+    token = order // k
+    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # each expert's run ends here
+    h = torch.ops.aten._grouped_mm(x[token], w_gate_up.transpose(1, 2), offs=ends)
+    inter = w_gate_up.shape[1] // 2
+    h = silu_and_mul(h[:, :inter], h[:, inter:])
+    y = torch.ops.aten._grouped_mm(h, w_down.transpose(1, 2), offs=ends)
+    y = (y * weights.flatten()[order, None]).to(x.dtype)
+    # back to (token, choice) order, then each token's k outputs summed in expert order (sort ids per token)
+    per_choice = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])
+    by_expert = ids.argsort(dim=1, stable=True)
+    per_choice = per_choice.gather(1, by_expert[..., None].expand(-1, -1, y.shape[-1]))
+    out = torch.zeros_like(x)
+    for j in range(k):  # left to right, the order index_add gives transformers' loop
+        out = out + per_choice[:, j]
+    return out

@@ -31,6 +31,7 @@ from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.lora.serving_slots import LoraLinear, LoraSlots
 from brrr.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from brrr.models.moe import SparseMoeBlock
 from brrr.quant.linear import QuantLinear
 
 
@@ -235,6 +236,9 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
     Triton kernels run on the model's device) says whether to; False keeps the reference form. Layer by layer,
     each packed copy replaces the originals, so peak memory grows by one layer. lora: every projection also adds
     each row's adapter update from these slots. Idempotent."""
+    cfg = model.config
+    if lora is not None and (cfg.num_experts or cfg.kv_lora_rank):
+        raise BrrrError(f"serving LoRA adapters covers the dense Llama family; {cfg.architecture} is not one")
     pack = engine_config.pack_projections
     if pack is None:
         pack = fast_path(next(model.parameters()).device)
@@ -252,6 +256,8 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
             layer.self_attn = _serving_attention(layer.self_attn, lora)
         if isinstance(layer.mlp, LlamaMLP):
             layer.mlp = _serving_mlp(layer.mlp, lora)
+        elif type(layer.mlp) is SparseMoeBlock:  # experts stacked for the grouped GEMMs
+            layer.mlp = layer.mlp.stacked()
     if lora is not None:
         _add_lora(model, lora)
     if isinstance(model.lm_head, QuantLinear):

@@ -9,7 +9,9 @@ from safetensors import safe_open
 
 from brrr import LLM, SamplingParams, forward_logits, generate_tokens, load_model
 from brrr.config import ModelConfig
-from brrr.models.moe import SparseMoeBlock
+from brrr.engine.model_runner import kv_bytes_per_block
+from brrr.kernels import AttnMeta
+from brrr.models.moe import SparseMoeBlock, StackedMoeBlock
 from brrr.state_dict import hf_state_dict
 from tests import hf_models
 from tests.engine.test_engine import hf_greedy
@@ -49,6 +51,11 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
         assert (forward_logits(model, ids.tolist()) - expected).abs().max().item() <= 1e-4
     ours = list(generate_tokens(model, prompt.tolist(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
     assert ours == hf_greedy(hf, prompt.tolist(), NEW_TOKENS)
+    # a training-style batch (no cache): MLA runs expanded, the cached paths above read the latent cache
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=gen)
+    with torch.no_grad():
+        batch = model.compute_logits(model(ids.flatten(), torch.arange(24).repeat(2), AttnMeta.causal([24] * 2, "cpu")))
+    assert (batch - torch.cat([forward_logits(model, row.tolist()) for row in ids])).abs().max().item() <= 1e-5
 
 
 def test_paged_engine_matches_transformers_under_preemption_chunking_and_prefix_hits(pair):
@@ -58,12 +65,21 @@ def test_paged_engine_matches_transformers_under_preemption_chunking_and_prefix_
     prompts = [(shared if i % 2 == 0 else []) + [rng.randrange(320) for _ in range(rng.randint(1, 40))]
                for i in range(8)]
     lengths = [rng.randint(4, 16) for _ in prompts]
-    # 14 blocks of 8 tokens for 8 requests of up to 96 tokens: preemption; a 24-token budget: chunked prefill
+    # 14 blocks of 8 tokens for 8 requests of up to 96 tokens: preemption; a 24-token budget: chunked prefill;
+    # the serving form (packed attention projections, experts stacked for torch._grouped_mm)
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=14, block_size=8, max_num_batched_tokens=24,
-              max_num_seqs=8)
+              max_num_seqs=8, pack_projections=True)
+    assert any(isinstance(layer.mlp, StackedMoeBlock) for layer in llm.engine.model.model.layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths], use_tqdm=False)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         assert outs[i].outputs[0].token_ids == hf_greedy(hf, p, n), f"request {i}"
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    # the cache the engine allocated is what it sized itself by (brrr calc's count): for MLA the latent rows
+    cfg = llm.engine.model.config
+    block_bytes = sum(k[0].numel() + v[0].numel() for k, v in llm.engine.runner.kv_caches) * 4  # fp32
+    assert block_bytes == kv_bytes_per_block(cfg, 8, torch.float32)
+    if cfg.kv_lora_rank:
+        assert block_bytes == cfg.num_layers * 8 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+

@@ -110,6 +110,14 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """The paged KV cache per token and layer: (heads, key width, value width). MLA caches one latent row,
+        kv_lora_rank + qk_rope_head_dim, and no separate values (they are the latent's first kv_lora_rank)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
     def runnable(self) -> bool:
         return self.architecture in RUNNABLE_ARCHITECTURES
 

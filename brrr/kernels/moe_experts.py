@@ -39,9 +39,29 @@ def _apply(f):
     return f if callable(f) else (lambda h, w=f: F.linear(h, w))
 
 
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """torch._grouped_mm exists in this torch and takes x's dtype (it wants 16-byte-aligned rows)."""
-    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float32)
+def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] int64, without a host read (bincount reads its max back), so a CUDA graph can hold it."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
+def grouped_mm_ok(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """torch._grouped_mm exists and takes these: bf16 on CUDA (Hopper's kernel), bf16/fp32 on CPU, rows 16-byte
+    aligned."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w_gate_up.dtype:
+        return False
+    dtypes = (torch.bfloat16,) if x.is_cuda else (torch.bfloat16, torch.float32)
+    aligned = all(d * x.element_size() % 16 == 0 for d in (w_down.shape[1], w_down.shape[2]))
+    return x.dtype in dtypes and aligned
+
+
+def moe_experts(x, weights, ids, w_gate_up, w_down):
+    """The routed experts with stacked weights (the serving form): grouped GEMMs where torch._grouped_mm takes
+    them, else the per-expert loop over views of the stacks."""
+    if grouped_mm_ok(x, w_gate_up, w_down):
+        return moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)
+    inter = w_gate_up.shape[1] // 2
+    return moe_experts_ref(x, weights, ids, [(w[:inter], w[inter:], d) for w, d in zip(w_gate_up, w_down)])
 
 
 def moe_experts_grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
@@ -52,7 +72,7 @@ def moe_experts_grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens ascending
     token = order // k
-    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # each expert's run ends here
+    ends = expert_counts(flat, num_experts).cumsum(0).to(torch.int32)  # each expert's run ends here
     h = torch.ops.aten._grouped_mm(x[token], w_gate_up.transpose(1, 2), offs=ends)
     inter = w_gate_up.shape[1] // 2
     h = silu_and_mul(h[:, :inter], h[:, inter:])

@@ -5,10 +5,11 @@ one rotary key k_r = RoPE(W_kr x) of qk_rope_head_dim values shared by every hea
 both). kv_b_proj expands c into each head's non-rotary key k_n and value v; a head's key is [k_n, k_r]. Queries
 are [q_n, RoPE(q_r)] per head, from q_proj or, with q_lora_rank, from the low-rank q_a_proj -> RMSNorm -> q_b_proj.
 
-This expanded form runs the ordinary paged attention op: keys of qk_nope + qk_rope per head, and values padded
-with zeros to the same width (the attention kernels take one head dim for q, k and v), the padding sliced off the
-output. So its cache holds heads x (qk_nope + qk_rope) for k and for v per token; the latent form
-(brrr/kernels/mla_decode.py) holds kv_lora_rank + qk_rope_head_dim.
+Without a cache (training, one-shot scoring) attention runs expanded through the ordinary attention op: keys of
+qk_nope + qk_rope per head, values padded with zeros to the same width (the attention kernels take one head dim for
+q, k and v), the padding sliced off the output. With a cache (the engine, reference generation) the cache is the
+latent one, kv_lora_rank + qk_rope_head_dim per token (ModelConfig.kv_cache_dims), written and read by
+brrr/kernels/mla_attention.py: decodes through the absorbed weights, prefill chunks expanded from the latents.
 
 DeepSeek's rotary half is laid out in interleaved pairs (x0, x1), (x2, x3), ...; permuting it to [evens, odds]
 turns that rotation into the rotate-half one brrr's rotary op applies (transformers' V3 does the same permutation).
@@ -23,6 +24,7 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.kernels import AttnMeta, apply_rotary, attention, rms_norm
+from brrr.kernels.mla_attention import mla_attention_ref, write_latent_ref
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -83,10 +85,21 @@ class MLAttention(nn.Module):
         k_rot = k_rot.unsqueeze(1)
         return self.kv_a_layernorm(c), deinterleave(k_rot) if self.interleaved else k_rot
 
+    def absorbed_weights(self):
+        """kv_b_proj's rows per head as (W_kb [H, nope, r], W_vb [H, v, r]): views, no copy."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
     def forward(self, x, cos, sin, meta: AttnMeta):
         n, h = x.shape[0], self.n_heads
         q_nope, q_rot = self.queries(x)
         c, k_rot = self.latents(x)
+        if meta.kv_caches is not None:  # the latent cache
+            q_rot, k_rot = apply_rotary(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
+            cache = meta.kv_caches[self.layer][0]
+            write_latent_ref(c, k_rot[:, 0], cache, meta.slot_mapping)
+            out = mla_attention_ref(q_nope, q_rot, cache, meta, *self.absorbed_weights(), self.scale)
+            return self.o_proj(out.reshape(n, h * self.v_dim))
         k_nope, v = self.kv_b_proj(c).view(n, h, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         # the rotation first (the shared key once, not per head), then one head dim for q, k and padded v
         q_rot, k_rot = apply_rotary(q_rot.contiguous(), k_rot.contiguous(), cos, sin)

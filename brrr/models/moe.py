@@ -16,7 +16,7 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.kernels.activation import silu_and_mul
-from brrr.kernels.moe_experts import moe_experts_ref
+from brrr.kernels.moe_experts import moe_experts, moe_experts_ref
 from brrr.kernels.moe_routing import route
 
 class GatedMLP(nn.Module):
@@ -74,7 +74,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
         self.last_routing: torch.Tensor | None = None  # training: the step's router logits, for the aux losses
 
-    def forward(self, x):
+    def route(self, x):
+        """-> (weights [T, k], expert ids [T, k]) of each token."""
         cfg = self.cfg
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, cfg.router_scoring, cfg.norm_topk_prob, cfg.n_group,
@@ -83,13 +84,41 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         if self.training:
             self.last_routing = logits
-        out = moe_experts_ref(x, weights, ids, [e.projections() for e in self.experts])
+        return weights, ids
+
+    def add_shared(self, x, out):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
+    def forward(self, x):
+        weights, ids = self.route(x)
+        return self.add_shared(x, moe_experts_ref(x, weights, ids, [e.projections() for e in self.experts]))
+
+    def stacked(self) -> "StackedMoeBlock":
+        return StackedMoeBlock(self)
+
+
+class StackedMoeBlock(SparseMoeBlock):
+    """The serving form (prepare_for_serving swaps it in): the experts' weights stacked, w_gate_up [E, 2I, H] (each
+    expert's gate rows then up rows, transformers v5's layout) and w_down [E, H, I], for the grouped GEMMs (and the
+    fused MoE kernel); router and shared experts are the reference block's own modules."""
+
+    def __init__(self, block: SparseMoeBlock):
+        nn.Module.__init__(self)
+        self.cfg, self.top_k, self.last_routing = block.cfg, block.top_k, None
+        self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
+        self.shared_experts = block.shared_experts
+        projs = [e.projections() for e in block.experts]
+        self.w_gate_up = nn.Parameter(torch.stack([torch.cat((g.weight, u.weight)) for g, u, _ in projs]),
+                                      requires_grad=False)
+        self.w_down = nn.Parameter(torch.stack([d.weight for _, _, d in projs]), requires_grad=False)
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        return self.add_shared(x, moe_experts(x, weights, ids, self.w_gate_up, self.w_down))
 
 def is_sparse(cfg: ModelConfig, layer: int) -> bool:
     return cfg.num_experts > 0 and layer not in cfg.dense_mlp_layers

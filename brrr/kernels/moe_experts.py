@@ -8,14 +8,18 @@ Two plain-torch forms of one computation:
   pairs by expert, one `torch._grouped_mm` over the expert runs for gate/up and one for down, then a weighted sum
   back per token. The weights stacked [E, out, in] (what a serving form holds). No capacity, nothing dropped; an
   expert with no tokens is an empty run.
-Both sum a token's expert outputs in expert order, in the activations' dtype, as transformers does.
+Both sum a token's expert outputs in expert order, in the activations' dtype, as transformers does. `moe_experts`
+dispatches the stacked form: the fused Triton kernel (brrr/kernels/fused_moe.py) on CUDA, else grouped GEMMs.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from brrr.errors import BrrrError
 from brrr.kernels.activation import silu_and_mul
+from brrr.kernels.dispatch import use_triton
+from brrr.kernels.fused_moe import expert_counts, fused_moe_ok, fused_moe_triton, sum_in_expert_order
 
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
@@ -24,6 +28,10 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise BrrrError("the per-expert MoE loop reads the experts' loads back to the host, which a CUDA graph "
+                        "cannot hold: serve MoE models in the serving form (pack_projections, the default on CUDA: "
+                        "the fused kernel) or with cuda_graphs=False")
     hit = torch.bincount(ids.flatten(), minlength=len(experts)).nonzero().flatten().tolist()  # one host read
     for e in hit:
         token, choice = torch.where(ids == e)
@@ -39,12 +47,6 @@ def _apply(f):
     return f if callable(f) else (lambda h, w=f: F.linear(h, w))
 
 
-def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens per expert [E] int64, without a host read (bincount reads its max back), so a CUDA graph can hold it."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
-    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-
-
 def grouped_mm_ok(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     """torch._grouped_mm exists and takes these: bf16 on CUDA (Hopper's kernel), bf16/fp32 on CPU, rows 16-byte
     aligned."""
@@ -56,8 +58,10 @@ def grouped_mm_ok(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def moe_experts(x, weights, ids, w_gate_up, w_down):
-    """The routed experts with stacked weights (the serving form): grouped GEMMs where torch._grouped_mm takes
-    them, else the per-expert loop over views of the stacks."""
+    """The routed experts with stacked weights (the serving form): the fused Triton kernel on CUDA, else grouped
+    GEMMs where torch._grouped_mm takes them, else the per-expert loop over views of the stacks."""
+    if use_triton(x, w_gate_up, w_down) and fused_moe_ok(x, w_gate_up, w_down):
+        return fused_moe_triton(x, weights, ids, w_gate_up, w_down)
     if grouped_mm_ok(x, w_gate_up, w_down):
         return moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)
     inter = w_gate_up.shape[1] // 2
@@ -78,11 +82,4 @@ def moe_experts_grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     h = silu_and_mul(h[:, :inter], h[:, inter:])
     y = torch.ops.aten._grouped_mm(h, w_down.transpose(1, 2), offs=ends)
     y = (y * weights.flatten()[order, None]).to(x.dtype)
-    # back to (token, choice) order, then each token's k outputs summed in expert order (sort ids per token)
-    per_choice = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])
-    by_expert = ids.argsort(dim=1, stable=True)
-    per_choice = per_choice.gather(1, by_expert[..., None].expand(-1, -1, y.shape[-1]))
-    out = torch.zeros_like(x)
-    for j in range(k):  # left to right, the order index_add gives transformers' loop
-        out = out + per_choice[:, j]
-    return out
+    return sum_in_expert_order(torch.empty_like(y).index_copy_(0, order, y), ids, x)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from brrr.kernels.fused_moe import align_by_expert, fused_moe_plan, fused_moe_triton
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref
 
@@ -61,3 +62,40 @@ def test_grouped_mm_dispatch_equals_the_expert_loop(top_k):
     got = moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert moe_experts_ref(x[:0], weights[:0], ids[:0], experts).shape == (0, hidden)
+
+
+def _stacked(experts):
+    return (torch.stack([torch.cat([g, u]) for g, u, _ in experts]), torch.stack([d for _, _, d in experts]))
+
+
+def test_align_pads_each_experts_run_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])  # expert 0: 2 pairs, 1: 1, 2: 4, 3: 1, 4: none
+    pairs, block_expert = align_by_expert(ids, 5, 4)
+    assert block_expert.tolist()[:4] == [0, 1, 2, 3] and all(b == -1 for b in block_expert.tolist()[4:])
+    runs = pairs.view(-1, 4).tolist()
+    assert runs[0] == [1, 4, 8, 8] and runs[1] == [3, 8, 8, 8] and runs[2] == [0, 2, 5, 6] and runs[3] == [7, 8, 8, 8]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_moe_kernel_equals_the_reference(device, top_k, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); "
+                    "bf16 is checked on the GPU (tests/gpu/test_fused_moe_cuda.py)")
+    gen = torch.Generator().manual_seed(10 + top_k)
+    num, hidden, inter, tokens = 9, 64, 48, 21  # 48: a partial BLOCK_N tile
+    experts = [tuple(t.to(device, dtype) for t in e) for e in _experts(num, hidden, inter, gen)]
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    logits = torch.randn(tokens, num, generator=gen) + torch.linspace(0, 4, num)  # uneven loads
+    logits[:, 4] = -1e9  # an expert no token picks
+    weights, ids = route_ref(logits, min(top_k, num - 1), renormalize=True)
+    assert not (ids == 4).any()
+    weights, ids = weights.to(device), ids.to(device)
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up, w_down = _stacked(experts)
+    for block_m in (16, 32):
+        plan = dict(fused_moe_plan(tokens, top_k, num, hidden, inter), BLOCK_M=block_m)
+        got = fused_moe_triton(x, weights, ids, w_gate_up, w_down, plan)
+        # half precision: the GEMMs' summation order moves the roundings of the intermediate activations
+        tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

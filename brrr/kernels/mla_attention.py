@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from brrr.kernels.attention.meta import AttnMeta
-from brrr.kernels.attention.reference import paged_decode_ref
 
 
 def write_latent_ref(c: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor):
@@ -29,11 +28,16 @@ def write_latent_ref(c: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,
 
 def mla_decode_ref(q_nope, q_rope, cache, block_tables, context_lens, w_kb, w_vb, scale):
     """The absorbed decode, vectorised over a batch of one new token each: q_nope [B, H, nope], q_rope [B, H, rope]
-    (rotated), cache [blocks, bs, 1, r + rope], context_lens [B] (device) -> [B, H, v]."""
-    rank = w_kb.shape[-1]
-    q = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_kb), q_rope), dim=-1)
-    o = paged_decode_ref(q, cache, cache[..., :rank], block_tables, context_lens, scale)
-    return torch.einsum("bhr,hvr->bhv", o.view(q.shape[0], q.shape[1], rank), w_vb)
+    (rotated), cache [blocks, bs, 1, r + rope], context_lens [B] (device) -> [B, H, v]. The one latent head is
+    never repeated per query head: scores [B, H, T] come from one batched product with the gathered rows."""
+    batch, rank = q_nope.shape[0], w_kb.shape[-1]
+    q = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_kb), q_rope), dim=-1)  # [B, H, r + rope]
+    rows = cache.index_select(0, block_tables.long().flatten()).view(batch, -1, cache.shape[-1])  # [B, T, r + rope]
+    scores = torch.einsum("bhd,btd->bht", q.float(), rows.float()) * scale
+    valid = torch.arange(rows.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("bht,btr->bhr", probs, rows[..., :rank].float()).to(q.dtype)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_vb)
 
 
 def _expanded_one(q_nope, q_rope, rows, w_kb, w_vb, scale):

@@ -256,7 +256,7 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
             layer.self_attn = _serving_attention(layer.self_attn, lora)
         if isinstance(layer.mlp, LlamaMLP):
             layer.mlp = _serving_mlp(layer.mlp, lora)
-        elif type(layer.mlp) is SparseMoeBlock:  # experts stacked for the grouped GEMMs
+        elif type(layer.mlp) is SparseMoeBlock and layer.mlp.stackable():  # stacked for the grouped GEMMs
             layer.mlp = layer.mlp.stacked()
     if lora is not None:
         _add_lora(model, lora)

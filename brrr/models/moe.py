@@ -97,6 +97,10 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         return self.add_shared(x, moe_experts_ref(x, weights, ids, [e.projections() for e in self.experts]))
 
+    def stackable(self) -> bool:
+        """Whether the experts are plain Linears (quantized expert modules stay in the per-expert loop)."""
+        return all(type(p) is nn.Linear for e in self.experts for p in e.projections())
+
     def stacked(self) -> "StackedMoeBlock":
         return StackedMoeBlock(self)
 

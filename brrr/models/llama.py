@@ -1,6 +1,6 @@
-"""Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm), and with a
-mixture-of-experts MLP on their sparse layers (brrr/models/moe.py) Mixtral, Qwen2-MoE and Qwen3-MoE, and with
-multi-head latent attention (brrr/models/mla.py) as well DeepSeek-V2/V3: the same pre-norm decoder layer.
+"""Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); with a
+mixture-of-experts MLP on the sparse layers (brrr/models/moe.py), Mixtral, Qwen2-MoE and Qwen3-MoE; with multi-head
+latent attention (brrr/models/mla.py) as well, DeepSeek-V2/V3. All share the one pre-norm decoder layer.
 
 The reference form. Module names and projection shapes follow Hugging Face's, so checkpoints load by name and
 every GEMM has the shape transformers runs. That is deliberate: packing q/k/v into one GEMM changes cuBLAS's kernel

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from brrr.errors import BrrrError
 from brrr.kernels.attention.meta import AttnMeta
 
 
@@ -56,6 +57,9 @@ def _expanded_one(q_nope, q_rope, rows, w_kb, w_vb, scale):
 def mla_attention_ref(q_nope, q_rope, cache, meta: AttnMeta, w_kb, w_vb, scale):
     """q_nope [N, H, nope], q_rope [N, H, rope] (rotated) of the step's new tokens, whose latent rows are already
     in `cache`; w_kb [H, nope, r], w_vb [H, v, r] -> [N, H, v]. Decode rows absorb, prefill chunks expand."""
+    if meta.context_lens is None and meta.max_seqlen_q > 1:
+        raise BrrrError("latent attention has no captured multi-token (speculative verify) step yet: serve this "
+                        "model without speculative decoding, or with cuda_graphs=False")
     if meta.context_lens is None or meta.max_seqlen_q == 1:  # all decodes (a captured graph's device-only meta too)
         return mla_decode_ref(q_nope, q_rope, cache, meta.block_tables, meta.device_context_lens(q_nope.device),
                               w_kb, w_vb, scale)

@@ -34,8 +34,10 @@ def mla_decode_ref(q_nope, q_rope, cache, block_tables, context_lens, w_kb, w_vb
     batch, rank = q_nope.shape[0], w_kb.shape[-1]
     q = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_kb), q_rope), dim=-1)  # [B, H, r + rope]
     rows = cache.index_select(0, block_tables.long().flatten()).view(batch, -1, cache.shape[-1])  # [B, T, r + rope]
-    scores = torch.einsum("bhd,btd->bht", q.float(), rows.float()) * scale
     valid = torch.arange(rows.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    # slots past a row's context may hold anything (an uninitialized cache: NaN), and 0 * NaN is NaN
+    rows = rows.masked_fill(~valid[..., None], 0)
+    scores = torch.einsum("bhd,btd->bht", q.float(), rows.float()) * scale
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("bht,btr->bhr", probs, rows[..., :rank].float()).to(q.dtype)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_vb)

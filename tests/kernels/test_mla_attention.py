@@ -22,7 +22,7 @@ def test_latent_cache_attention_equals_expanded_attention():
         tables[b, :nb] = perm[at:at + nb]
         at += nb
     num_blocks = len(perm)
-    latent = torch.zeros(num_blocks, BS, 1, R + ROPE)
+    latent = torch.full((num_blocks, BS, 1, R + ROPE), float("nan"))  # unwritten slots must never be read
     k_cache, v_cache = torch.zeros(num_blocks, BS, H, NOPE + ROPE), torch.zeros(num_blocks, BS, H, NOPE + ROPE)
     # every context token's latent row; the cached prefix goes in first, the new tokens through the step
     c_all = [torch.randn(n, R, generator=gen) for n in context]

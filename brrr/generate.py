@@ -15,11 +15,12 @@ from brrr.sampling_params import SamplingParams
 
 
 def allocate_contiguous_cache(model, capacity: int):
-    """Per layer (k, v) of shape [1 block, capacity, kv_heads, head_dim]: the paged layout with one block."""
+    """Per layer (k, v) of shape [1 block, capacity, kv_heads, head_dim]: the paged layout with one block (MLA: the
+    latent row as k, no v; ModelConfig.kv_cache_dims)."""
     cfg, p = model.config, next(model.parameters())
-    shape = (1, capacity, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.empty(shape, dtype=p.dtype, device=p.device), torch.empty(shape, dtype=p.dtype, device=p.device))
-            for _ in range(cfg.num_layers)]
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    return [(torch.empty(1, capacity, heads, k_dim, dtype=p.dtype, device=p.device),
+             torch.empty(1, capacity, heads, v_dim, dtype=p.dtype, device=p.device)) for _ in range(cfg.num_layers)]
 
 
 def _step_meta(start: int, n: int, caches, device) -> AttnMeta:

@@ -16,7 +16,7 @@ from brrr.gguf.load import load_gguf_model
 from brrr.gguf.reader import is_gguf
 from brrr.models import model_class
 from brrr.quant.checkpoint import quantization_config, swap_quantized
-from brrr.state_dict import hf_state_dict
+from brrr.state_dict import checkpoint_name, hf_state_dict
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -110,7 +110,7 @@ def _load_file(model, file: Path, filled: set, skip: set = frozenset()):
             raise BrrrError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                             f"the config implies {tuple(target.shape)}")
         target.data.copy_(tensor)
-        filled.add(name)
+        filled.add(checkpoint_name(model.config, name))
 
 
 def save_model(model, out_dir: str | Path, dtype: torch.dtype | None = None):

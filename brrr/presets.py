@@ -72,6 +72,16 @@ PRESETS: dict[str, dict] = {
                      "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
                      "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
                      "torch_dtype": "bfloat16", "vocab_size": 32000},
+    # Qwen/Qwen3-30B-A3B (128 experts of width 768 per layer, 8 active per token, renormalized)
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+                      "attention_bias": False, "bos_token_id": 151643, "decoder_sparse_step": 1,
+                      "eos_token_id": 151645, "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144,
+                      "max_position_embeddings": 40960, "mlp_only_layers": [], "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+                      "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                      "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+                      "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                      "use_sliding_window": False, "vocab_size": 151936},
     # deepseek-ai/DeepSeek-V3 (multi-head latent attention; 256 routed + 1 shared expert, 8 routed per token;
     # the first 3 layers dense; the checkpoint's extra multi-token-prediction layer is not part of this shape)
     "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",

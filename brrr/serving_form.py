@@ -31,6 +31,7 @@ from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.lora.serving_slots import LoraLinear, LoraSlots
 from brrr.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from brrr.models.moe import SparseMoeBlock
 from brrr.prune.semi_structured import swap_semi_structured
 from brrr.quant.linear import QuantLinear
 
@@ -236,6 +237,9 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
     Triton kernels run on the model's device) says whether to; False keeps the reference form. Layer by layer,
     each packed copy replaces the originals, so peak memory grows by one layer. lora: every projection also adds
     each row's adapter update from these slots. Idempotent."""
+    cfg = model.config
+    if lora is not None and (cfg.num_experts or cfg.kv_lora_rank):
+        raise BrrrError(f"serving LoRA adapters covers the dense Llama family; {cfg.architecture} is not one")
     pack = engine_config.pack_projections
     if pack is None:
         pack = fast_path(next(model.parameters()).device)
@@ -253,6 +257,8 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
             layer.self_attn = _serving_attention(layer.self_attn, lora)
         if isinstance(layer.mlp, LlamaMLP):
             layer.mlp = _serving_mlp(layer.mlp, lora)
+        elif type(layer.mlp) is SparseMoeBlock and layer.mlp.stackable():  # stacked for the grouped GEMMs
+            layer.mlp = layer.mlp.stacked()
     if lora is None:  # LoRA slots wrap the dense projections
         swap_semi_structured(model)  # 2:4-pruned projections (and their packed forms) onto the sparse GEMM
     else:

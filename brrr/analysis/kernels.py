@@ -51,3 +51,11 @@ def prefill_attention_op(batch: int, new_tokens: int, heads: int, kv_heads: int,
     name = f"prefill attention {batch}x{new_tokens}" + (f" +{prefix} cached" if prefix else "") + \
         f" ({heads}/{kv_heads}, hd{head_dim})"
     return Op(name, 4 * head_dim * heads * pairs, dtype_bytes * moved)
+
+
+def fused_moe_op(tokens: int, top_k: int, experts_run: int, hidden: int, inter: int, dtype_bytes: int = 2) -> Op:
+    """The routed experts of one MoE layer: three GEMMs of hidden x inter per (token, choice); the bytes are the
+    weights of the experts that got tokens (each read once), x read and the output written."""
+    return Op(f"fused MoE {tokens}x{hidden} top{top_k} ({experts_run} experts x {inter})",
+              2 * 3 * tokens * top_k * hidden * inter,
+              dtype_bytes * (experts_run * 3 * hidden * inter + 2 * tokens * hidden))

@@ -18,8 +18,8 @@ import sys
 from datetime import datetime, timezone
 
 from brrr.analysis.hardware import GPU, _known_spec, measure
-from brrr.analysis.kernels import (decode_attention_op, kv_write_op, prefill_attention_op, rms_norm_op, rotary_op,
-                                   silu_and_mul_op)
+from brrr.analysis.kernels import (decode_attention_op, fused_moe_op, kv_write_op, prefill_attention_op, rms_norm_op,
+                                   rotary_op, silu_and_mul_op)
 from brrr.analysis.roofline import Op, place, plot
 from brrr.cli import HelpFormatter
 from brrr.config import RopeConfig
@@ -29,10 +29,15 @@ from brrr.kernels.attention import decode_attention_triton, write_kv_ref, write_
 from brrr.kernels.attention.plan import decode_splits
 from brrr.kernels.attention.prefill import _prefill_kernel_tuned, prefill_attention_triton
 from brrr.kernels.dispatch import triton_available
+from brrr.kernels.fused_moe import fused_moe_triton
+from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
+from brrr.kernels.moe_routing import route_ref
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill", "fused_moe")
+# Mixtral-8x7B's MoE layer (8 experts, top 2, hidden 4096, expert width 14336) at these token counts
+MOE_EXPERTS, MOE_TOP_K, MOE_INTER, MOE_TOKENS = 8, 2, 14336, (1, 16, 64, 256, 1024)
 # Llama-3.1-8B: hidden 4096, MLP 14336, 32 query heads, 8 kv heads, head dim 128.
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 14336, 32, 8, 128, 16
 DECODE_SHAPES = ((64, 4096), (64, 16384), (1, 32768), (16, 8192))  # (batch, context)
@@ -214,6 +219,25 @@ class KernelBench:
         self.emit(kv_write_op(n, KV_HEADS, HEAD_DIM), {"tokens": n, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
                   self.time(lambda: write_kv_triton(k, v, k_cache, v_cache, slots)),
                   {"torch_reference": self.time(lambda: write_kv_ref(k, v, k_cache, v_cache, slots))})
+
+    # -- mixture of experts ---------------------------------------------------------------------------------
+    def fused_moe(self):
+        """The routed experts at Mixtral-8x7B's shape, random routing: the fused kernel, torch._grouped_mm over
+        expert-sorted runs, and the per-expert loop (transformers' and the reference model's)."""
+        torch = self.torch
+        w_gate_up = self.randn(MOE_EXPERTS, 2 * MOE_INTER, HIDDEN) * 0.02
+        w_down = self.randn(MOE_EXPERTS, HIDDEN, MOE_INTER) * 0.02
+        loop_experts = [(w[:MOE_INTER], w[MOE_INTER:], d) for w, d in zip(w_gate_up, w_down)]
+        for tokens in ((1, 64) if self.args.quick else MOE_TOKENS):
+            x = self.randn(tokens, HIDDEN)
+            weights, ids = route_ref(self.randn(tokens, MOE_EXPERTS, dtype=torch.float32), MOE_TOP_K, renormalize=True)
+            run = int((torch.bincount(ids.flatten(), minlength=MOE_EXPERTS) > 0).sum())
+            peers = {"grouped_mm": self.try_time(lambda: moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)),
+                     "per_expert_loop": self.try_time(lambda: moe_experts_ref(x, weights, ids, loop_experts))}
+            self.emit(fused_moe_op(tokens, MOE_TOP_K, run, HIDDEN, MOE_INTER),
+                      {"tokens": tokens, "experts": MOE_EXPERTS, "top_k": MOE_TOP_K, "hidden": HIDDEN,
+                       "inter": MOE_INTER, "experts_run": run},
+                      self.time(lambda: fused_moe_triton(x, weights, ids, w_gate_up, w_down)), peers)
 
     # -- attention -----------------------------------------------------------------------------------------
     def _paged(self, batch, context):

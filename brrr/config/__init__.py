@@ -20,13 +20,24 @@ RUNNABLE_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # the Llama family's attention with a mixture-of-experts MLP (brrr/models/moe.py) on its sparse layers
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
+    # with multi-head latent attention (brrr/models/mla.py)
+    "DeepseekV2ForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "llama",
 }
 # Architectures brrr can describe (calc, bench arithmetic) but not yet run.
-DESCRIBED_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+DESCRIBED_ARCHITECTURES: set[str] = set()
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
-                "Qwen2MoeForCausalLM": "qwen2_moe"}
+                "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+                "DeepseekV3ForCausalLM": "deepseek_v3"}
+# How an MoE router turns its logits into each token's experts and weights (brrr/kernels/moe_routing.py):
+# softmax then top-k (Mixtral, Qwen-MoE; DeepSeek-V2's "greedy"), softmax top-k within the best groups
+# (DeepSeek-V2's "group_limited_greedy"), sigmoid plus a balancing bias within the best groups (V3's "noaux_tc").
+ROUTER_SCORINGS = ("softmax", "softmax_group_limited", "sigmoid_grouped")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ROPE_REQUIRED = {
     "linear": ("factor",),
@@ -75,6 +86,12 @@ class ModelConfig:
     num_shared_experts: int = 0  # DeepSeek's always-on experts, each moe_intermediate_size wide
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one gated shared expert
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
+    router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
+    norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum to 1 (Mixtral always does)
+    routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights are multiplied by it
+    n_group: int = 1  # DeepSeek's grouped top-k: experts form n_group groups, tokens pick topk_group of them
+    topk_group: int = 1
+    router_aux_loss_coef: float = 0.0  # training: the load-balancing loss's weight (transformers' name)
     # Multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 means the KV cache holds a
     # kv_lora_rank latent plus a qk_rope_head_dim shared rotary key per token per layer.
     q_lora_rank: int = 0  # 0: queries come from one hidden -> heads * (nope + rope) projection
@@ -82,6 +99,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = True  # MLA: the rotary half of q/k is laid out in interleaved pairs (DeepSeek's)
 
     @property
     def family(self) -> str:
@@ -93,6 +111,14 @@ class ModelConfig:
         if self.rope.type == "dynamic":
             return int(self.max_position_embeddings * self.rope.params["factor"])
         return self.max_position_embeddings
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """The paged KV cache per token and layer: (heads, key width, value width). MLA caches one latent row,
+        kv_lora_rank + qk_rope_head_dim, and no separate values (they are the latent's first kv_lora_rank)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
     def runnable(self) -> bool:
@@ -118,7 +144,31 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-        return out
+        return {**out, **self._moe_mla_hf()}
+
+    def _moe_mla_hf(self) -> dict:
+        """The mixture-of-experts and latent-attention fields of to_hf, under each architecture's names."""
+        if not self.num_experts:
+            return {}
+        dense, arch = list(self.dense_mlp_layers), self.architecture
+        moe = {"num_experts_per_tok": self.num_experts_per_tok, "router_aux_loss_coef": self.router_aux_loss_coef}
+        if arch == "MixtralForCausalLM":
+            return {**moe, "num_local_experts": self.num_experts}
+        moe.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob)
+        if arch.startswith("Qwen"):
+            return {**moe, "num_experts": self.num_experts, "mlp_only_layers": dense, "decoder_sparse_step": 1,
+                    "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if dense != list(range(len(dense))):
+            raise BrrrError(f"{arch}: dense MLP layers {dense} are not the first k layers (first_k_dense_replace)")
+        method = {"softmax": "greedy", "softmax_group_limited": "group_limited_greedy", "sigmoid_grouped": "noaux_tc"}
+        return {**moe, "n_routed_experts": self.num_experts, "n_shared_experts": self.num_shared_experts,
+                "first_k_dense_replace": len(dense), "topk_method": method[self.router_scoring],
+                "n_group": self.n_group, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor, "q_lora_rank": self.q_lora_rank or None,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
+                "rope_interleave": self.rope_interleave,
+                "head_dim": self.qk_rope_head_dim}  # transformers' DeepSeek configs: the rotary width
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -154,6 +204,11 @@ class ModelConfig:
         head_dim = get("head_dim", int, default=None, positive=True) or hidden // heads
         if head_dim % 2:
             raise BrrrError(f"{source}: field 'head_dim' must be even for rotary embeddings, got {head_dim}")
+        if get("kv_lora_rank", int, default=0):
+            # MLA: every head gets its own key of qk_nope + qk_rope expanded from the latent (num_key_value_heads
+            # and head_dim, where a config has them, describe the latent's rotary part, not the heads)
+            kv_heads = heads
+            head_dim = get("qk_nope_head_dim", int, default=0) + get("qk_rope_head_dim", int, default=0) or head_dim
         max_pos = get("max_position_embeddings", int, default=4096, positive=True)
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         use_sw = get("use_sliding_window", bool, default=not arch.startswith("Qwen"))
@@ -202,7 +257,45 @@ class ModelConfig:
             qk_nope_head_dim=get("qk_nope_head_dim", int, default=0),
             qk_rope_head_dim=get("qk_rope_head_dim", int, default=0),
             v_head_dim=get("v_head_dim", int, default=0),
+            rope_interleave=get("rope_interleave", bool, default=True),
+            **_router_fields(arch, get, source),
         )
+
+
+def _router_fields(arch: str, get: "_Getter", source: str) -> dict:
+    """The router's rule, read the way transformers' modeling code reads it for each architecture."""
+    out = dict(router_aux_loss_coef=get("router_aux_loss_coef", float, default=0.0))
+    if arch == "MixtralForCausalLM":
+        return dict(out, norm_topk_prob=True)  # Mixtral always renormalizes its top-k
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return dict(out, norm_topk_prob=get("norm_topk_prob", bool, default=False))
+    if not arch.startswith("Deepseek"):
+        return out
+    if arch == "DeepseekV3ForCausalLM":
+        scoring, norm = "sigmoid_grouped", get("norm_topk_prob", bool, default=True)
+    else:  # transformers' V2 router ignores norm_topk_prob
+        method = get("topk_method", str, default="greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise BrrrError(f"{source}: field 'topk_method' is {method!r}; DeepseekV2 supports greedy, group_limited_greedy")
+        scoring, norm = ("softmax" if method == "greedy" else "softmax_group_limited"), False
+    experts = get("n_routed_experts", int, default=0)
+    n_group = get("n_group", int, default=1, positive=True)
+    topk_group = get("topk_group", int, default=1, positive=True)
+    if scoring != "softmax":
+        if experts % n_group:
+            raise BrrrError(f"{source}: field 'n_group' ({n_group}) must divide n_routed_experts ({experts})")
+        if topk_group > n_group:
+            raise BrrrError(f"{source}: field 'topk_group' ({topk_group}) must be <= n_group ({n_group})")
+        per_group = experts // n_group
+        top_k = get("num_experts_per_tok", int, default=0)
+        if scoring == "sigmoid_grouped" and per_group < 2:
+            raise BrrrError(f"{source}: field 'n_group' ({n_group}) leaves {per_group} expert per group; the "
+                            f"sigmoid router scores a group by its best two, so n_routed_experts / n_group must be >= 2")
+        if top_k > topk_group * per_group:
+            raise BrrrError(f"{source}: field 'num_experts_per_tok' ({top_k}) exceeds the experts of topk_group "
+                            f"({topk_group}) groups of {per_group}")
+    return dict(out, router_scoring=scoring, norm_topk_prob=norm, n_group=n_group, topk_group=topk_group,
+                routed_scaling_factor=get("routed_scaling_factor", float, default=1.0))
 
 
 def _dense_mlp_layers(get: "_Getter") -> tuple[int, ...]:

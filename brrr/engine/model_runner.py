@@ -87,9 +87,10 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
         # One block more than the block manager hands out: padded rows of a captured graph write there.
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        heads, k_dim, v_dim = cfg.kv_cache_dims  # MLA: one latent row per token, no separate values
+        self.kv_caches = [(torch.zeros(num_blocks + 1, block_size, heads, k_dim, dtype=self.dtype, device=self.device),
+                           torch.zeros(num_blocks + 1, block_size, heads, v_dim, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}

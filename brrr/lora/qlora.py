@@ -95,8 +95,8 @@ def load_nf4_model(path, device, dtype: torch.dtype) -> nn.Module:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 where[key] = file
-    if not cfg.runnable:
-        raise BrrrError(f"{path}: brrr cannot fine-tune a {cfg.architecture} (Llama-family models only)")
+    if not cfg.runnable or cfg.num_experts or cfg.kv_lora_rank:  # NF4 builds dense Llama-family layers only
+        raise BrrrError(f"{path}: brrr cannot QLoRA-fine-tune a {cfg.architecture} (dense Llama-family models only)")
 
     def tensor(name: str, shape: tuple) -> torch.Tensor:
         if name not in where:

@@ -1,4 +1,6 @@
-"""Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+"""Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); with a
+mixture-of-experts MLP on the sparse layers (brrr/models/moe.py), Mixtral, Qwen2-MoE and Qwen3-MoE; with multi-head
+latent attention (brrr/models/mla.py) as well, DeepSeek-V2/V3. All share the one pre-norm decoder layer.
 
 The reference form. Module names and projection shapes follow Hugging Face's, so checkpoints load by name and
 every GEMM has the shape transformers runs. That is deliberate: packing q/k/v into one GEMM changes cuBLAS's kernel
@@ -15,6 +17,9 @@ from brrr.config import ModelConfig
 from brrr.kernels import (AttnMeta, add_rms_norm, attention, rms_norm, rope_inv_freq, rotary_cos_sin,
                           silu_and_mul)
 from brrr.kernels.rms_norm import embed_rms_norm
+from brrr.models.mla import MLAttention
+from brrr.models.moe import SparseMoeBlock, is_sparse
+from brrr.state_dict import checkpoint_name
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +40,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self._cache: dict = {}  # (device, seq_len bucket) -> (inv_freq, scale); not a buffer, so meta init is safe
+        self.dim = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim  # MLA rotates only the rope half
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         cfg = self.cfg
@@ -44,7 +50,7 @@ class RotaryEmbedding(nn.Module):
             seq_len = None
         key = (positions.device, seq_len)
         if key not in self._cache:
-            inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, seq_len)
+            inv_freq, scale = rope_inv_freq(cfg.rope, self.dim, cfg.max_position_embeddings, seq_len)
             self._cache[key] = (inv_freq.to(positions.device), scale)
         inv_freq, scale = self._cache[key]
         return rotary_cos_sin(positions, inv_freq, scale, dtype)
@@ -92,9 +98,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer)
+        self.self_attn = MLAttention(cfg, layer) if cfg.kv_lora_rank else LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if is_sparse(cfg, layer) else LlamaMLP(cfg)
 
     def forward(self, h, cos, sin, meta, residual=None, normed=None):
         """The residual stream is h + residual (residual None: h alone, the first layer, whose input norm of h may
@@ -164,5 +170,5 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # same storage as embed_tokens
-        return self.get_parameter(name)
+        return self.get_parameter(checkpoint_name(self.config, name))
 

@@ -57,6 +57,9 @@ def register(sub):
                    help="seconds this run may take: steps are capped to fit after timing a few")
     p.add_argument("--stop-at", type=int, default=None, help="halt after this step (checkpoint + export)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/ (state.pt, or dcp/ from a torchrun launch)")
+    p.add_argument("--router-aux-loss-coef", type=float, default=None,
+                   help="MoE models: weight of the load-balancing loss (default: the config's router_aux_loss_coef)")
+    p.add_argument("--router-z-loss-coef", type=float, default=0.0, help="MoE models: weight of the router z-loss")
     p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     add_parallel_flags(p)
     p.set_defaults(func=cmd_train)

@@ -24,6 +24,7 @@ from brrr.models import model_class
 from brrr.train.config import LoopConfig, ParallelConfig, split_flags
 from brrr.token_data import TokenData
 from brrr.train.loss import CausalLMLoss
+from brrr.train.moe_loss import MoELoss
 from brrr.train.parallel import load_model_weights, predicted_memory
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.shapes import resolve_config
@@ -38,11 +39,19 @@ class PretrainConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1  # with activation_checkpointing: recompute every N-th layer only
+    # MoE models (brrr/train/moe_loss.py): the load-balancing loss's weight (None: the config's
+    # router_aux_loss_coef, transformers' field) and the router z-loss's (ST-MoE)
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
     export_dtype: str = "auto"  # auto: bfloat16 when trained under bf16 autocast, else float32
 
     def check(self):
         if self.activation_checkpointing_every < 1:
             raise BrrrError(f"--activation-checkpointing-every must be >= 1, got {self.activation_checkpointing_every}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise BrrrError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         if self.export_dtype not in ("auto", "float32", "bfloat16"):
             raise BrrrError(f"--export-dtype must be auto, float32 or bfloat16, got {self.export_dtype!r}")
 
@@ -103,6 +112,11 @@ class PretrainTask:
         self.batches = TrainWindows(self.data.splits["train"], loop.seq_len, loop.micro_batch, loop.seed,
                                     run.mesh.dp_rank, run.mesh.dp_world)
         self.loss = self.loss_fn = CausalLMLoss(self.model)
+        self.moe_loss = None
+        if self.model_cfg.num_experts:  # router losses added, expert loads counted
+            aux = self.model_cfg.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
+            self.loss = self.loss_fn = self.moe_loss = MoELoss(self.loss, self.model, self.model_cfg, aux,
+                                                               cfg.router_z_loss_coef)
         # one process compiles the whole loss (distributed runs compile per layer); fill the eager caches first
         # (AttnMeta, RoPE frequencies), so the graph sees no mutation
         if cfg.compile and not run.mesh.distributed:
@@ -167,7 +181,8 @@ class PretrainTask:
                                 self.cfg.activation_checkpointing, run.gpu)
 
     def log_fields(self) -> dict:
-        return {}
+        """MoE: tokens each expert of each MoE layer received since the last log line, on this rank."""
+        return {"expert_tokens": self.moe_loss.take_counts()} if self.moe_loss is not None else {}
 
     def summary(self, run, final: dict) -> dict:
         return {"model": self.cfg.model, "params": param_counts(self.model_cfg)["total"],

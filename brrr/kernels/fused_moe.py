@@ -1,0 +1,170 @@
+"""The fused MoE layer in Triton (the shape of vLLM/SGLang's fused_moe): the routed experts of
+`moe_experts.moe_experts` in two grouped GEMM launches, nothing read back to the host.
+
+1. Align (`align_by_expert`, torch on the device): the T x k (token, choice) pairs sorted by expert, each expert's
+   run padded to a multiple of BLOCK_M with a sentinel pair id, and the expert of every BLOCK_M-row block (-1
+   past the last run). Fixed sizes from T, k and E only: T*k + min(E, T*k) * (BLOCK_M - 1) rows bound the padded
+   runs, so a CUDA graph can hold the whole layer.
+2. Gate/up (`_gate_up_kernel`): one program per (block, BLOCK_N columns of the expert width I): the block's rows of
+   x gathered by token, both halves of w_gate_up[e] against them, SiLU-and-mul in the epilogue; the [T*k, I]
+   activations stored at each pair's row.
+3. Down (`_down_kernel`): the same blocking over w_down[e] [H, I], the routing weight multiplied in the epilogue;
+   [T*k, H] per pair. A token's k rows are then summed in expert order (the reference's order).
+The epilogues round where the reference rounds (the GEMM outputs, silu's output, the product), so the kernel
+differs from `moe_experts_ref` only by the GEMMs' summation order. `fused_moe_plan` picks the tiles.
+"""
+from __future__ import annotations
+
+import torch
+
+
+
+def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] int64, without a host read (bincount reads its max back), so a CUDA graph can hold it."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
+def sum_in_expert_order(per_pair: torch.Tensor, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """per_pair [T*k, H] in (token, choice) order -> [T, H]: each token's k rows summed left to right in expert
+    order, the order transformers' loop (and `moe_experts_ref`'s index_add) adds them in."""
+    k = ids.shape[1]
+    rows = per_pair.view(-1, k, per_pair.shape[-1])
+    rows = rows.gather(1, ids.argsort(dim=1, stable=True)[..., None].expand(-1, -1, rows.shape[-1]))
+    out = torch.zeros_like(like)
+    for j in range(k):
+        out = out + rows[:, j]
+    return out
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """ids [T, k] -> (pairs [R] int32: pair id t*k + j in expert-sorted, block-padded order, T*k for padding;
+    block_expert [R / block_m] int32: each block's expert, -1 for blocks past the last run)."""
+    flat = ids.flatten()
+    n_pairs = flat.numel()
+    counts = expert_counts(flat, num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(n_pairs, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    rows = -(-(n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m) * block_m
+    pairs = torch.full((rows,), n_pairs, dtype=torch.int32, device=ids.device)
+    pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+    return pairs, block_expert
+
+
+def fused_moe_plan(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """Tiles for one call. BLOCK_M follows the mean rows per expert (decode: a few rows, so 16, the smallest
+    tl.dot takes; prefill: 64), BLOCK_N/K the weight tiles every row block streams."""
+    per_expert = tokens * top_k / max(1, min(num_experts, tokens * top_k))
+    block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if inter >= 64 else 32, BLOCK_K=64 if hidden >= 64 else 32,
+                num_warps=4 if block_m <= 32 else 8)
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(X, W, OUT, PAIRS, BLOCK_EXPERT, n_pairs, top_k, hidden, inter, stride_x, stride_we,
+                        stride_wn, stride_o, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        block, col = tl.program_id(0), tl.program_id(1)
+        e = tl.load(BLOCK_EXPERT + block).to(tl.int64)
+        if e >= 0:
+            pair = tl.load(PAIRS + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            valid = pair < n_pairs
+            token = pair // top_k
+            n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < inter
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            w_base = W + e * stride_we
+            for k0 in range(0, hidden, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < hidden
+                a = tl.load(X + token[:, None] * stride_x + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                            other=0.0)
+                w_mask = k_ok[:, None] & n_ok[None, :]
+                wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+                wu = tl.load(w_base + (n[None, :] + inter) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+                if IEEE:
+                    acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, wg, acc_g)
+                    acc_u = tl.dot(a, wu, acc_u)
+            dt = OUT.dtype.element_ty
+            g = acc_g.to(dt).to(tl.float32)
+            u = acc_u.to(dt).to(tl.float32)
+            s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+            tl.store(OUT + pair[:, None] * stride_o + n[None, :], (s * u).to(dt), mask=valid[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(A, W, WEIGHTS, OUT, PAIRS, BLOCK_EXPERT, n_pairs, hidden, inter, stride_a, stride_we,
+                     stride_wn, stride_o, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        block, col = tl.program_id(0), tl.program_id(1)
+        e = tl.load(BLOCK_EXPERT + block).to(tl.int64)
+        if e >= 0:
+            pair = tl.load(PAIRS + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            valid = pair < n_pairs
+            n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < hidden
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            w_base = W + e * stride_we
+            for k0 in range(0, inter, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < inter
+                a = tl.load(A + pair[:, None] * stride_a + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+            dt = OUT.dtype.element_ty
+            r = tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)
+            y = acc.to(dt).to(tl.float32) * r[:, None]
+            tl.store(OUT + pair[:, None] * stride_o + n[None, :], y.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+def fused_moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+    """x [T, H]; weights [T, k] (fp32), ids [T, k]; w_gate_up [E, 2I, H], w_down [E, H, I] (last dims unit-stride)
+    -> [T, H], as `moe_experts_ref`."""
+    tokens, hidden = x.shape
+    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
+    top_k = ids.shape[1]
+    plan = plan or fused_moe_plan(tokens, top_k, num_experts, hidden, inter)
+    bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
+    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    n_pairs = tokens * top_k
+    ieee = x.dtype == torch.float32  # fp32 stays fp32 (no TF32), as the reference's matmuls
+    act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
+    grid = (block_expert.shape[0], triton.cdiv(inter, bn))
+    _gate_up_kernel[grid](x, w_gate_up, act, pairs, block_expert, n_pairs, top_k, hidden, inter, x.stride(0),
+                          w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), IEEE=ieee, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, num_warps=plan["num_warps"])
+    per_pair = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
+    grid = (block_expert.shape[0], triton.cdiv(hidden, bn))
+    _down_kernel[grid](act, w_down, weights.float().contiguous(), per_pair, pairs, block_expert, n_pairs, hidden,
+                       inter, act.stride(0), w_down.stride(0), w_down.stride(1), per_pair.stride(0), IEEE=ieee,
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan["num_warps"])
+    return sum_in_expert_order(per_pair, ids, x)
+
+
+def fused_moe_ok(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    return (triton is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype == w_gate_up.dtype == w_down.dtype
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.stride(-1) == 1
+            and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1)

@@ -1,0 +1,101 @@
+"""MoE ops: the routing rules' defining properties, and the grouped-GEMM dispatch against the per-expert loop."""
+import pytest
+import torch
+
+from brrr.kernels.fused_moe import align_by_expert, fused_moe_plan, fused_moe_triton
+from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
+from brrr.kernels.moe_routing import route_ref
+
+
+def test_softmax_topk_renormalized_and_not():
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    w, ids = route_ref(logits, 2)
+    p = logits.softmax(-1)
+    assert torch.equal(w, p.gather(1, ids)) and torch.equal(ids, p.topk(2).indices)
+    w_norm, _ = route_ref(logits, 2, renormalize=True, scaling_factor=2.5)
+    torch.testing.assert_close(w_norm.sum(-1), torch.full((16,), 2.5))
+
+
+@pytest.mark.parametrize("scoring", ["softmax_group_limited", "sigmoid_grouped"])
+def test_grouped_routers_only_pick_experts_of_the_best_groups(scoring):
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(2)) if scoring == "sigmoid_grouped" else None
+    w, ids = route_ref(logits, 3, scoring, renormalize=scoring == "sigmoid_grouped", n_group=4, topk_group=2,
+                       correction_bias=bias)
+    groups = ids // 4  # 16 experts in 4 groups of 4
+    assert all(len(set(g.tolist())) <= 2 for g in groups)
+    if scoring == "sigmoid_grouped":  # the bias steers the choice; the weights are the unbiased scores, renormalized
+        s = logits.sigmoid().gather(1, ids)
+        torch.testing.assert_close(w, s / s.sum(-1, keepdim=True))
+        choice = logits.sigmoid() + bias
+        group_score = choice.view(64, 4, 4).topk(2, -1).values.sum(-1)
+        best = group_score.topk(2, -1).indices
+        assert all(set(g.tolist()) <= set(b.tolist()) for g, b in zip(groups, best))
+    else:
+        p = logits.softmax(-1)
+        torch.testing.assert_close(w, p.gather(1, ids))
+
+
+def _experts(num, hidden, inter, gen):
+    return [tuple(torch.randn(shape, generator=gen) * 0.1 for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
+            for _ in range(num)]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_grouped_mm_dispatch_equals_the_expert_loop(top_k):
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    gen = torch.Generator().manual_seed(top_k)
+    num, hidden, inter, tokens = 8, 64, 32, 37
+    experts = _experts(num, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    # uneven loads and one expert (3) that no token picks: route over 7 experts, skipping 3
+    logits = torch.randn(tokens, num, generator=gen) + torch.linspace(0, 3, num)
+    logits[:, 3] = -1e9
+    weights, ids = route_ref(logits, min(top_k, num - 1), renormalize=True)
+    if top_k == 8:  # every expert but the empty one, and a load as uneven as it gets
+        weights, ids = route_ref(logits, 7)
+    assert not (ids == 3).any() and torch.bincount(ids.flatten(), minlength=num).unique().numel() > 1
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+    w_down = torch.stack([d for _, _, d in experts])
+    got = moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert moe_experts_ref(x[:0], weights[:0], ids[:0], experts).shape == (0, hidden)
+
+
+def _stacked(experts):
+    return (torch.stack([torch.cat([g, u]) for g, u, _ in experts]), torch.stack([d for _, _, d in experts]))
+
+
+def test_align_pads_each_experts_run_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])  # expert 0: 2 pairs, 1: 1, 2: 4, 3: 1, 4: none
+    pairs, block_expert = align_by_expert(ids, 5, 4)
+    assert block_expert.tolist()[:4] == [0, 1, 2, 3] and all(b == -1 for b in block_expert.tolist()[4:])
+    runs = pairs.view(-1, 4).tolist()
+    assert runs[0] == [1, 4, 8, 8] and runs[1] == [3, 8, 8, 8] and runs[2] == [0, 2, 5, 6] and runs[3] == [7, 8, 8, 8]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_moe_kernel_equals_the_reference(device, top_k, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); "
+                    "bf16 is checked on the GPU (tests/gpu/test_fused_moe_cuda.py)")
+    gen = torch.Generator().manual_seed(10 + top_k)
+    num, hidden, inter, tokens = 9, 64, 48, 21  # 48: a partial BLOCK_N tile
+    experts = [tuple(t.to(device, dtype) for t in e) for e in _experts(num, hidden, inter, gen)]
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    logits = torch.randn(tokens, num, generator=gen) + torch.linspace(0, 4, num)  # uneven loads
+    logits[:, 4] = -1e9  # an expert no token picks
+    weights, ids = route_ref(logits, min(top_k, num - 1), renormalize=True)
+    assert not (ids == 4).any()
+    weights, ids = weights.to(device), ids.to(device)
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up, w_down = _stacked(experts)
+    for block_m in (16, 32):
+        plan = dict(fused_moe_plan(tokens, top_k, num, hidden, inter), BLOCK_M=block_m)
+        got = fused_moe_triton(x, weights, ids, w_gate_up, w_down, plan)
+        # half precision: the GEMMs' summation order moves the roundings of the intermediate activations
+        tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

@@ -276,6 +276,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     cuda_graphs: bool = True  # capture decode steps at batch sizes 1, 2, 4, ... max_num_seqs (CUDA only)
     pack_projections: bool | None = None  # one q/k/v GEMM and one gate/up GEMM; None: when the Triton kernels run
+    # every op in its batch-invariant form (docs/batch-invariance.md): a row's logprobs do not depend on the batch
+    batch_invariant: bool = False
     enable_lora: bool = False  # serve LoRA adapters (brrr/lora/serving.py); the knobs below size their slots
     max_loras: int = 1  # adapters a step may mix: device slots
     max_lora_rank: int = 16  # the largest adapter rank accepted; slots are padded to it

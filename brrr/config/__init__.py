@@ -308,6 +308,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1 or None, got {value!r}")
+        if self.batch_invariant and (self.tensor_parallel_size > 1 or self.disaggregate is not None):
+            raise BrrrError("EngineConfig.batch_invariant runs on one device: tensor_parallel_size must be 1 and "
+                            "disaggregate None (a sharded all-reduce's order is not fixed)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -38,25 +38,26 @@ def _logprobs(output):
     return o.token_ids, torch.tensor([lp[t] for lp, t in zip(o.logprobs, o.token_ids)], dtype=torch.float32)
 
 
-def _trainer_logprobs(model_dir, dtype, prompt, tokens, invariant: bool):
+def _trainer_logprobs(model_dir, dtype, prompt, tokens, invariant: bool, device="cpu"):
     """What a trainer recomputes: one forward over prompt + completion, with gradients, then log-softmax."""
-    model = load_model(model_dir, dtype=dtype)
+    model = load_model(model_dir, dtype=dtype, device=device)
     for p in model.parameters():
         p.requires_grad_(True)
-    ids = torch.tensor(prompt + tokens)
+    ids = torch.tensor(prompt + tokens, device=device)
     with batch_invariant() if invariant else torch.enable_grad():
-        logits = model.compute_logits(model(ids, torch.arange(len(ids)), AttnMeta.causal([len(ids)], "cpu")))
+        positions = torch.arange(len(ids), device=device)
+        logits = model.compute_logits(model(ids, positions, AttnMeta.causal([len(ids)], device)))
         lp = log_softmax(logits)
     assert lp.requires_grad
-    rows = torch.arange(len(prompt) - 1, len(ids) - 1)
-    return lp[rows, torch.tensor(tokens)].detach()
+    rows = torch.arange(len(prompt) - 1, len(ids) - 1, device=device)
+    return lp[rows, torch.tensor(tokens, device=device)].detach().cpu()
 
 
-def _every_way(model_dir, dtype, invariant: bool):
+def _every_way(model_dir, dtype, invariant: bool, device="cpu"):
     """{way: (tokens, logprobs)} for the prompt alone, in a batch, chunked, after a prefix hit, and the trainer's."""
     prompt, others = _prompts()
     name = str(dtype).removeprefix("torch.")
-    args = dict(dtype=name, device="cpu", num_blocks=96, batch_invariant=invariant)
+    args = dict(dtype=name, device=device, num_blocks=96, batch_invariant=invariant)
     llm = LLM(str(model_dir), **args)
     ways = {"alone": _logprobs(llm.generate([prompt], PARAMS, use_tqdm=False)[0])}
     blocks = llm.engine.scheduler.block_manager
@@ -67,7 +68,7 @@ def _every_way(model_dir, dtype, invariant: bool):
     chunked = LLM(str(model_dir), max_num_batched_tokens=8, **args)
     ways["chunked"] = _logprobs(chunked.generate([prompt], PARAMS, use_tqdm=False)[0])
     tokens = ways["alone"][0]
-    ways["trainer"] = (tokens, _trainer_logprobs(model_dir, dtype, prompt, tokens, invariant))
+    ways["trainer"] = (tokens, _trainer_logprobs(model_dir, dtype, prompt, tokens, invariant, device))
     return ways
 
 

@@ -66,13 +66,15 @@ if triton is not None:
                      mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _tile(dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): one tile for every M of a dtype (that is the point)."""
+def _tile(dtype: torch.dtype, n: int, sms: int, interpreted: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): one tile for every M (that is the point), chosen from the dtype
+    and the weight's N alone. Decode steps have one row-tile, so N / BLOCK_N is all the parallelism there is:
+    narrow column tiles where the weight would not give every SM one."""
     if interpreted:
         return 16, 32, 16, 4, 1
     if dtype == torch.float32:
-        return 32, 64, 32, 4, 2
-    return 64, 128, 64, 4, 3
+        return 32, 64 if n >= 64 * sms else 32, 32, 4, 2
+    return 64, 128 if n >= 128 * sms else 64 if n >= 64 * sms else 32, 64, 4, 3
 
 
 def mm_invariant_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -83,10 +85,10 @@ def mm_invariant_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m == 0 or n == 0:
         return out
     interpreted = not x.is_cuda
-    bm, bn, bk, warps, stages = _tile(x.dtype, interpreted)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     # the program count is the device's SM count (a constant of the GPU): a tile's sums never depend on it anyway
     programs = 4 if interpreted else num_sms(x.device.index if x.device.index is not None else 0)
+    bm, bn, bk, warps, stages = _tile(x.dtype, n, programs, interpreted)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     _mm_kernel[(min(tiles, programs),)](x, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                                         out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                         PROGRAMS=programs, IEEE=x.dtype == torch.float32, num_warps=warps,

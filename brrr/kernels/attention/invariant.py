@@ -180,7 +180,8 @@ def attention_invariant_triton(q, k, v, meta: AttnMeta, layer: int, scale: float
         q, k_src, v_src, out, seq, length, start, seq if tables is None else tables, q.stride(0), q.stride(1),
         k_src.stride(0), k_src.stride(1), out.stride(0), 0 if tables is None else tables.stride(0), scale,
         sliding_window or 0, GROUPS=n_heads // k.shape[1], DIM=dim, BLOCK_D=next_power_of_2(dim), BLOCK_N=KV_CHUNK,
-        BLOCK_SIZE=block_size, PAGED=tables is not None, WINDOW=sliding_window is not None, num_warps=4)
+        BLOCK_SIZE=block_size, PAGED=tables is not None, WINDOW=sliding_window is not None, num_warps=4,
+        enable_fp_fusion=False)  # no FMA contraction: the paged and cache-less variants round alike
     return out
 
 

@@ -1,18 +1,23 @@
 """The engine in the batch-invariant mode: one prompt's sampled-token logprobs are the same bits when it runs alone,
 beside 7 other prompts, in chunked prefill, after a prefix-cache hit, and in a trainer's full-sequence forward under
 autograd (`torch.equal`). With the mode off the same comparisons differ, so these tests can fail."""
+import copy
+
 import pytest
 import torch
 
 from brrr import LLM, SamplingParams
 from brrr.config import EngineConfig
+from brrr.engine import LLMEngine, LoRARequest
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.batch_invariant import batch_invariant
 from brrr.kernels.log_softmax import log_softmax
 from brrr.loader import load_model
+from brrr.lora import save_adapter
 from brrr.serving_form import prepare_for_serving
 from tests import hf_models
+from tests.lora.test_serving_engine import random_adapter
 
 VOCAB = 320
 PARAMS = SamplingParams(max_tokens=16, temperature=1.0, seed=5, logprobs=0, ignore_eos=True)
@@ -93,3 +98,29 @@ def test_a_packed_model_is_refused(model_dir):
     model = prepare_for_serving(load_model(model_dir, dtype=torch.float32), EngineConfig(pack_projections=True))
     with pytest.raises(BrrrError, match="batch_invariant: this model has quantized or packed projections"):
         prepare_for_serving(model, EngineConfig(batch_invariant=True))
+
+
+def _lora_logprobs(base, items, invariant: bool):
+    engine = LLMEngine(copy.deepcopy(base), None, EngineConfig(num_blocks=64, enable_lora=True, max_loras=2,
+                                                               batch_invariant=invariant))
+    for i, (prompt, lora) in enumerate(items):
+        engine.add_request(str(i), prompt, PARAMS, stream=False, lora_request=lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step())
+    return _logprobs(done["0"])[1]
+
+
+def test_lora_rows_are_invariant_across_the_adapters_beside_them(model_dir, tmp_path):
+    """The serving slots' shrink and expand run through the invariant matmul too: a request's adapter rows give the
+    same bits alone and beside rows of another adapter and of the base."""
+    base = load_model(model_dir, dtype=torch.float32)
+    loras = [LoRARequest(f"a{i}", i + 1, str(save_adapter(tmp_path / f"a{i}", random_adapter(base, 10 + i))))
+             for i in range(2)]
+    prompt, others = _prompts()
+    mixed = [(prompt, loras[0]), (others[0], loras[1]), (others[1], None), (others[2], loras[0])]
+    deltas = {}
+    for invariant in (True, False):
+        alone = _lora_logprobs(base, mixed[:1], invariant)
+        deltas[invariant] = (alone - _lora_logprobs(base, mixed, invariant)).abs().max().item()
+    assert deltas[True] == 0 and deltas[False] > 0, deltas

@@ -124,3 +124,8 @@ def test_lora_rows_are_invariant_across_the_adapters_beside_them(model_dir, tmp_
         alone = _lora_logprobs(base, mixed[:1], invariant)
         deltas[invariant] = (alone - _lora_logprobs(base, mixed, invariant)).abs().max().item()
     assert deltas[True] == 0 and deltas[False] > 0, deltas
+
+
+def test_a_sharded_engine_is_refused():
+    with pytest.raises(BrrrError, match="batch_invariant runs on one device: tensor_parallel_size must be 1"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2)

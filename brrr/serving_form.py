@@ -27,6 +27,7 @@ from torch import nn
 from brrr.config import EngineConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta, attention, silu_and_mul
+from brrr.kernels.batch_invariant import batch_invariant
 from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.lora.serving_slots import LoraLinear, LoraSlots
@@ -137,6 +138,41 @@ class GemvNormLlamaForCausalLM(LlamaForCausalLM):
         return h, x
 
 
+class BatchInvariantLlamaForCausalLM(LlamaForCausalLM):
+    """The serving model of an engine built with batch_invariant: the reference form's modules (nothing packed or
+    fused, so the engine runs exactly the modules a trainer runs), each call inside `batch_invariant()`, captured
+    CUDA graphs included. Adopts the modules of the model it wraps; nothing is copied, so weights a trainer updates
+    in place are the engine's."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        nn.Module.__init__(self)
+        self.config, self.model, self.lm_head = model.config, model.model, model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        with batch_invariant():
+            return super().forward(input_ids, positions, meta)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        with batch_invariant():
+            return super().logits(input_ids, positions, meta)
+
+    def compute_logits(self, hidden) -> torch.Tensor:
+        with batch_invariant():
+            return super().compute_logits(hidden)
+
+
+def _batch_invariant_form(model: LlamaForCausalLM, lora: LoraSlots | None) -> LlamaForCausalLM:
+    if isinstance(model, BatchInvariantLlamaForCausalLM):
+        return model
+    if isinstance(model, GemvNormLlamaForCausalLM) or any(isinstance(m, (QuantLinear, PackedAttention, PackedMLP))
+                                                          for m in model.modules()):
+        raise BrrrError("batch_invariant: this model has quantized or packed projections, which have no "
+                        "batch-invariant form; load it unquantized (and not prepared for serving before)")
+    if lora is not None:
+        _add_lora(model, lora)
+    return BatchInvariantLlamaForCausalLM(model)
+
+
 def _packed_linear(linears: list[nn.Linear]) -> nn.Linear:
     w = linears[0].weight
     out = nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None,
@@ -236,10 +272,13 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
     `GemvNormLlamaForCausalLM` where its GEMVs take the norms. `engine_config.pack_projections` (None: when the
     Triton kernels run on the model's device) says whether to; False keeps the reference form. Layer by layer,
     each packed copy replaces the originals, so peak memory grows by one layer. lora: every projection also adds
-    each row's adapter update from these slots. Idempotent."""
+    each row's adapter update from these slots. `engine_config.batch_invariant`: the reference form, wrapped to run
+    in the batch-invariant mode (`BatchInvariantLlamaForCausalLM`). Idempotent."""
     cfg = model.config
     if lora is not None and (cfg.num_experts or cfg.kv_lora_rank):
         raise BrrrError(f"serving LoRA adapters covers the dense Llama family; {cfg.architecture} is not one")
+    if engine_config.batch_invariant:
+        return _batch_invariant_form(model, lora)
     pack = engine_config.pack_projections
     if pack is None:
         pack = fast_path(next(model.parameters()).device)

@@ -31,6 +31,8 @@ def register(bench_sub) -> None:
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs, one rank each")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine in the batch-invariant mode (docs/batch-invariance.md): what it costs")
     p.add_argument("--profile", action="store_true",
                    help="run the workload once more under torch.profiler: device time by kernel category (GEMM, "
                         "attention, norms and activations, sampling, ...) and device idle, beside the cost model")
@@ -143,7 +145,8 @@ def cmd_throughput(args) -> int:
     tp = args.tensor_parallel_size
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
-                          cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
+                          cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp,
+                          batch_invariant=args.batch_invariant)
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
@@ -181,7 +184,7 @@ def cmd_throughput(args) -> int:
     model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule) / tp, len(schedule)
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
-          "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "num_requests": args.num_requests,
+          "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "batch_invariant": args.batch_invariant, "num_requests": args.num_requests,
           "lengths": [args.min_len, args.max_len],
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
           "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],

@@ -374,6 +374,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     cuda_graphs: bool = True  # capture decode steps at batch sizes 1, 2, 4, ... max_num_seqs (CUDA only)
     pack_projections: bool | None = None  # one q/k/v GEMM and one gate/up GEMM; None: when the Triton kernels run
+    # every op in its batch-invariant form (docs/batch-invariance.md): a row's logprobs do not depend on the batch
+    batch_invariant: bool = False
     enable_lora: bool = False  # serve LoRA adapters (brrr/lora/serving.py); the knobs below size their slots
     max_loras: int = 1  # adapters a step may mix: device slots
     max_lora_rank: int = 16  # the largest adapter rank accepted; slots are padded to it
@@ -404,6 +406,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise BrrrError(f"EngineConfig.{name} must be an integer >= 1 or None, got {value!r}")
+        if self.batch_invariant and (self.tensor_parallel_size > 1 or self.disaggregate is not None):
+            raise BrrrError("EngineConfig.batch_invariant runs on one device: tensor_parallel_size must be 1 and "
+                            "disaggregate None (a sharded all-reduce's order is not fixed)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

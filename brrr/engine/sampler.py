@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brrr.engine.guided import GuidedMatcher, apply_token_bitmask, fill_bitmask
+from brrr.kernels.log_softmax import log_softmax
 from brrr.kernels.sampling import greedy_argmax, gumbel_argmax, row_keys
 from brrr.sampling_params import SamplingParams
 
@@ -230,7 +231,8 @@ def draw(logits: torch.Tensor, rows: list[SampleRow],
     wants them. bitmask: the guided rows' masks when the caller has filled them (`constrain`)."""
     device = logits.device
     logits = constrain(logits, rows, bitmask)
-    raw_logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in rows) else None
+    # row-invariant on every device: a trainer recomputing these logprobs with the same op gets the same bits
+    raw_logprobs = log_softmax(logits) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):

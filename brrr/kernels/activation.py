@@ -9,12 +9,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.dispatch import batch_invariant_on, next_power_of_2, use_triton
 from brrr.kernels.pdl import pdl_on
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def silu_and_mul_invariant(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in ops whose every element is the same bits wherever it sits in the tensor. torch's CPU
+    silu (and sigmoid) computes the elements of a vectorized block and those of the scalar tail (the end of the
+    tensor, or of a thread's share of it) differently, so an fp32 row's values moved with the batch's size; exp and
+    a division do not."""
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
 
 
 try:
@@ -53,6 +62,8 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if batch_invariant_on():
+        return silu_and_mul_invariant(gate, up)
     if (gate.shape == up.shape and gate.dtype == up.dtype and gate.numel() > 0 and gate.stride(-1) == up.stride(-1) == 1
             and use_triton(gate, up)):
         return silu_and_mul_triton(gate, up)

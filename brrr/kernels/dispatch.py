@@ -3,18 +3,35 @@
 Triton runs when every tensor is on CUDA, triton imports, no tensor needs a gradient (the kernels have no
 backward; training takes the reference, which autograd differentiates) and torch.compile is not tracing (inductor
 fuses the reference itself). `BRRR_KERNELS=ref` in the environment at start-up forces the reference everywhere
-(debugging); `use_reference()` does the same for a block of code.
+(debugging); `use_reference()` does the same for a block of code. Inside the batch-invariant mode
+(brrr/kernels/batch_invariant/) every op takes its reference too, the same code under autograd and in inference, and
+the ops whose result depends on the batch take their invariant forms instead.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 
 # depth of `use_reference()` blocks, plus one for BRRR_KERNELS=ref (read once: not on every op's dispatch)
 _forced_reference = int(os.environ.get("BRRR_KERNELS", "").lower() == "ref")
+# depth of batch-invariant blocks in this thread (`brrr.kernels.batch_invariant.batch_invariant`): thread-local, as
+# the torch-function mode that routes its matmuls is, so another thread's model is not switched with it
+_invariant = threading.local()
+
+
+def batch_invariant_on() -> bool:
+    """Whether this thread is inside the batch-invariant mode."""
+    return getattr(_invariant, "depth", 0) > 0
+
+
+def enter_batch_invariant(step: int) -> int:
+    """Add step (+1 entering, -1 leaving) to this thread's depth of batch-invariant blocks; returns the new depth."""
+    _invariant.depth = getattr(_invariant, "depth", 0) + step
+    return _invariant.depth
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,7 +45,7 @@ def triton_available() -> bool:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    if _forced_reference:
+    if _forced_reference or batch_invariant_on():
         return False
     if not all(t.is_cuda for t in tensors):
         return False
@@ -37,6 +54,13 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return triton_available()
+
+
+def triton_on(*tensors: torch.Tensor) -> bool:
+    """Whether the batch-invariant ops run their Triton forms: every tensor on CUDA, triton importable, no forced
+    reference, no torch.compile trace. Gradients are no bar: those ops carry their own backward."""
+    return (not _forced_reference and all(t.is_cuda for t in tensors) and not torch.compiler.is_compiling()
+            and triton_available())
 
 
 def fast_path(device: torch.device | str) -> bool:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.dispatch import batch_invariant_on, next_power_of_2, triton_on, use_triton
 from brrr.kernels.pdl import pdl_on
 
 MAX_TRITON_HIDDEN = 65536  # one row is held in registers; wider rows take the reference
@@ -165,7 +165,47 @@ def _triton_ok(x, weight, *more) -> bool:
             and use_triton(x, weight, *more))
 
 
+def rms_norm_invariant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_ref with each row's sum of squares in one order whatever the batch: torch's CPU reductions split the
+    reduction of a lone output across threads once it has 32k+ elements (a two-pass sum) and never split one of two
+    or more outputs, so a single row is reduced beside a zero row."""
+    if x.numel() != x.shape[-1]:
+        return rms_norm_ref(x, weight, eps)
+    pair = torch.cat([x.reshape(1, -1), torch.zeros_like(x.reshape(1, -1))])
+    return rms_norm_ref(pair, weight, eps)[:1].view(*x.shape[:-1], x.shape[-1])
+
+
+class _TritonRMSNorm(torch.autograd.Function):
+    """The Triton kernel (a row a program, its sum in registers in one order, its launch set by the hidden size
+    alone: batch-invariant as it is) as the forward, the reference's autograd as the backward: a trainer's forward
+    under the mode runs the kernel the engine runs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_triton(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = rms_norm_ref(x, weight, ctx.eps)
+        gx, gw = torch.autograd.grad(out, (x, weight), grad)
+        return gx, gw, None
+
+
+def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in the batch-invariant mode: the Triton kernel (with a backward) on CUDA, else the reference form."""
+    if (x.shape[-1] <= MAX_TRITON_HIDDEN and x.stride(-1) == 1 and weight.is_contiguous() and x.numel() > 0
+            and triton_on(x, weight)):
+        return _TritonRMSNorm.apply(x, weight, eps)
+    return rms_norm_invariant_ref(x, weight, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if batch_invariant_on():
+        return rms_norm_invariant(x, weight, eps)
     if _triton_ok(x, weight):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -183,6 +223,9 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """-> (rms_norm(x + residual), x + residual); new tensors, the inputs are left as they were."""
+    if batch_invariant_on():
+        new_residual = x + residual
+        return rms_norm_invariant(new_residual, weight, eps), new_residual
     if _triton_ok(x, weight, residual):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

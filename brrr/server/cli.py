@@ -58,6 +58,9 @@ def register(sub) -> None:
                    help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant kernels: a request's logprobs do not depend on what shares its batch "
+                        "(docs/batch-invariance.md)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(docs/speculative.md)")
@@ -117,7 +120,8 @@ def cmd_serve(args) -> int:
                           max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                           speculative_config=parse_speculative_config(args.speculative_config),
-                          tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
+                          tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate,
+                          batch_invariant=args.batch_invariant)
     if config.disaggregate is not None:  # the GPUs named exist: before the engine process starts loading
         from brrr.config.disaggregation import check_devices
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.attention.decode import decode_attention_triton
+from brrr.kernels.attention.invariant import attention_invariant
 from brrr.kernels.attention.kv_write import write_kv_triton
 from brrr.kernels.attention.meta import AttnMeta
 from brrr.kernels.attention.plan import MAX_HEAD_DIM
 from brrr.kernels.attention.prefill import prefill_attention_triton
 from brrr.kernels.attention.reference import attention_ref, paged_decode_ref, paged_verify_ref, write_kv_ref
-from brrr.kernels.dispatch import use_triton
+from brrr.kernels.dispatch import batch_invariant_on, use_triton
 from brrr.kernels.rotary import apply_rotary, apply_rotary_triton, rotary_triton_ok
 
 
@@ -67,7 +68,11 @@ def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window:
     first (`apply_rotary`: q and k may be rotated in place). With a cache, the new K/V are written into it first;
     on the Triton path the rotation and that write are one kernel (the decode kernel in a step of decodes, if
     decode_rope). Triton on CUDA (decodes through the split-KV kernel, prefill chunks through the varlen kernel),
-    else the reference."""
+    else the reference. In the batch-invariant mode, the invariant kernel (attention/invariant.py) for every row."""
+    if batch_invariant_on():
+        if rope is not None:
+            q, k = apply_rotary(q, k, *rope)
+        return attention_invariant(q, k, v, meta, layer, scale, sliding_window)
     fused = (rope is not None and meta.kv_caches is not None and _triton_ok(q, k, v, meta)
              and rotary_triton_ok(q, k, *rope))
     if rope is not None and not fused:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from brrr.kernels import AttnMeta
-from brrr.train.loss import IGNORE_INDEX, lm_head_loss
+from brrr.train.loss import IGNORE_INDEX, CausalLMLoss, lm_head_loss
+from brrr.train.parallel.layout import Mesh
 from brrr.train.parallel.ring_attention import Ring, ring_attention
 
 
@@ -54,3 +55,10 @@ class ContextParallelLoss(nn.Module):
         hidden = self.model(x.reshape(-1), positions.repeat(batch), meta)
         total = lm_head_loss(self.model, hidden, y, reduction="sum")
         return total if reduction == "sum" else total * self.cp / count
+
+
+def layout_loss(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """The next-token loss module of a layout: the ring's under --cp, else CausalLMLoss."""
+    if mesh.layout.cp > 1:
+        return ContextParallelLoss(model, mesh.get("cp").get_group())
+    return CausalLMLoss(model)

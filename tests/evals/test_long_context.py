@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-import torch
 
 import brrr
 from brrr.cli import main
@@ -41,8 +40,8 @@ def test_context_ppl_counts_every_windows_tokens_and_matches_the_sliding_evaluat
     assert rows[1]["nll"] < rows[0]["nll"]
 
 
-def test_rope_scaling_override_changes_scores_and_none_restores_them(tokens):
-    pre = brrr.load(None, dtype="float32", device="cpu")
+def test_rope_scaling_override_changes_scores_and_none_restores_them(default, tokens):
+    pre = default  # its plain RoPE is put back at the end (asserted)
     base = context_perplexity(pre.model, tokens, [256])[0]["nll"]
     cfg = with_rope_scaling(pre.model, '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256}')
     assert cfg.rope.type == "yarn" and pre.model.config.rope.params["factor"] == 4

@@ -37,6 +37,37 @@ def parse_contexts(spec: str) -> list[int]:
     return out
 
 
+def _rope_spec(spec: str):
+    """--rope-scaling's value as config.json's rope_scaling: a dict, or None for 'none'."""
+    if spec.strip().lower() == "none":
+        return None
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise BrrrError(f"--rope-scaling must be 'none' or a JSON object like "
+                        f"'{{\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 1024}}': "
+                        f"{e}") from None
+    if not isinstance(value, dict):
+        raise BrrrError(f"--rope-scaling must be a JSON object, got {spec!r}")
+    return value
+
+
+def model_dir_with_rope(path: Path, spec: str, out: Path) -> Path:
+    """A model directory at `out` that is `path` (its files linked) with config.json's RoPE scaling replaced by
+    --rope-scaling's `spec`, and max_position_embeddings raised to what YaRN / llama3 scaling is made for, so the
+    engine (brrr.LLM) takes such contexts. Checked by parsing, so a bad spec fails here by name."""
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_scaling"] = _rope_spec(spec)
+    raw["max_position_embeddings"] = scaled_context(ModelConfig.from_hf(raw, source="--rope-scaling"))
+    out.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out
+
+
 def with_rope_scaling(model, spec: str | None) -> ModelConfig:
     """The model with its RoPE scaling replaced by `spec` (a JSON object as config.json's rope_scaling, or
     'none': plain RoPE); None keeps the config's. Returns the config in effect."""
@@ -45,17 +76,7 @@ def with_rope_scaling(model, spec: str | None) -> ModelConfig:
         return cfg
     raw = cfg.to_hf()
     raw.pop("rope_parameters", None)
-    if spec.strip().lower() == "none":
-        raw["rope_scaling"] = None
-    else:
-        try:
-            raw["rope_scaling"] = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise BrrrError(f"--rope-scaling must be 'none' or a JSON object like "
-                            f"'{{\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 1024}}': "
-                            f"{e}") from None
-        if not isinstance(raw["rope_scaling"], dict):
-            raise BrrrError(f"--rope-scaling must be a JSON object, got {spec!r}")
+    raw["rope_scaling"] = _rope_spec(spec)
     new = ModelConfig.from_hf(raw, source="--rope-scaling")
     new = replace(cfg, rope=new.rope)
     model.config = new

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import brrr
 from brrr.errors import BrrrError
+from brrr.hub import resolve_model
 from brrr.quant.checkpoint import quantization_config, save_quantized
 from brrr.quant.linear import QuantLinear, projections
 
@@ -79,6 +81,9 @@ def register(sub) -> None:
     n.add_argument("--device", default=None)
     n.add_argument("--dtype", default="auto")
     n.add_argument("--json", default=None, help="also write the result to this JSON file")
+    n.add_argument("--rope-scaling", default=None,
+                   help="replace the config's RoPE scaling (JSON as config.json's rope_scaling, or 'none'); YaRN and "
+                        "llama3 raise the model's context to factor x original_max_position_embeddings")
     n.set_defaults(func=cmd_needle)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
 
@@ -150,13 +155,18 @@ def _context_ppl(args, pre) -> int:
 
 def cmd_needle(args) -> int:
     # for `brrr eval needle` only: the engine and the evals load here, brrr.cli imports this module
-    from brrr.evals.context_ppl import parse_contexts
+    from brrr.evals.context_ppl import model_dir_with_rope, parse_contexts
     from brrr.evals.needle import needle_eval, parse_depths
 
     contexts, depths = parse_contexts(args.context), parse_depths(args.depths)
-    llm = brrr.LLM(args.model, dtype=args.dtype, device=args.device)
-    result = {"model": str(llm.pretrained.path), "trials": args.trials, "seed": args.seed,
-              **needle_eval(llm, contexts, depths, args.trials, args.seed)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.rope_scaling is not None:  # the engine reads its RoPE from the model directory's config.json
+            model = model_dir_with_rope(resolve_model(args.model), args.rope_scaling, Path(tmp) / "model")
+        llm = brrr.LLM(model, dtype=args.dtype, device=args.device)
+        cfg = llm.pretrained.model.config
+        result = {"model": str(resolve_model(args.model)), "rope": {"rope_type": cfg.rope.type, **cfg.rope.params},
+                  "trials": args.trials, "seed": args.seed, **needle_eval(llm, contexts, depths, args.trials, args.seed)}
     text = json.dumps(result)
     print(text)
     if args.json:

@@ -100,6 +100,13 @@ def test_eval_needle_fills_its_grid_with_rates(tmp_path, capsys):
     assert 0 <= result["rate"] <= 1
     assert main(["eval", "needle", "--context", "2k", "--device", "cpu"]) == 2
     assert "--context 2048 exceeds the model's context of 1024 tokens" in capsys.readouterr().err
+    # YaRN x2 over the trained 1,024 tokens: the engine takes a 2k context
+    yarn = '{"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1024}'
+    assert main(["eval", "needle", "--context", "2k", "--depths", "50", "--trials", "1", "--device", "cpu",
+                 "--rope-scaling", yarn]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rope"] == {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1024}
+    assert [(c["context"], c["trials"]) for c in result["grid"]] == [(2048, 1)] and 0 <= result["rate"] <= 1
 
 
 def test_eval_ppl_context_cli_prints_one_row_per_length(capsys):

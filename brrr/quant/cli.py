@@ -165,8 +165,9 @@ def cmd_needle(args) -> int:
             model = model_dir_with_rope(resolve_model(args.model), args.rope_scaling, Path(tmp) / "model")
         llm = brrr.LLM(model, dtype=args.dtype, device=args.device)
         cfg = llm.pretrained.model.config
-        result = {"model": str(resolve_model(args.model)), "rope": {"rope_type": cfg.rope.type, **cfg.rope.params},
-                  "trials": args.trials, "seed": args.seed, **needle_eval(llm, contexts, depths, args.trials, args.seed)}
+        rope = {"rope_type": cfg.rope.type, **cfg.rope.params}
+        result = {"model": str(resolve_model(args.model)), "rope": rope, "trials": args.trials, "seed": args.seed,
+                  **needle_eval(llm, contexts, depths, args.trials, args.seed)}
     text = json.dumps(result)
     print(text)
     if args.json:

@@ -1,7 +1,7 @@
 """`brrr train --cp 2` and `--cp 2 --dp-shard 2` on gloo processes against one process with the same global
 batch: the loss curve over 10 steps within 5e-5 (fp32 reduction order), the final weights within 1e-4, the
-validation loss too (evaluation runs through the ring, its windows padded to the 2 x cp chunks); layouts CP does
-not take are refused by flag."""
+validation loss too (evaluation runs through the ring, its windows padded to the 2 x cp chunks); a CP run's
+sharded checkpoint resumes on one process on the same curve; layouts CP does not take are refused by flag."""
 import json
 
 import pytest
@@ -29,10 +29,12 @@ def _cfg(model, data_dir, out, dp: int, **kw) -> TrainConfig:
 @pytest.fixture(scope="module")
 def runs(tiny_config, data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_runs")
-    outs = {name: root / name for name in ("single", "cp2", "cp2_fsdp2")}
+    outs = {name: root / name for name in ("single", "cp2", "cp2_fsdp2", "trip")}
     Trainer(_cfg(tiny_config, data_dir, outs["single"], 1)).run()
     spawn(2, [_cfg(tiny_config, data_dir, outs["cp2"], 1, cp=2)])
-    spawn(4, [_cfg(tiny_config, data_dir, outs["cp2_fsdp2"], 2, cp=2, dp_shard=2)])
+    spawn(4, [_cfg(tiny_config, data_dir, outs["cp2_fsdp2"], 2, cp=2, dp_shard=2),
+              _cfg(tiny_config, data_dir, outs["trip"], 2, cp=2, dp_shard=2, stop_at=5)])
+    Trainer(_cfg(tiny_config, data_dir, outs["trip"], 1, resume=True)).run()
     return outs
 
 
@@ -50,6 +52,11 @@ def test_context_parallel_matches_one_process(runs, name):
     reference = json.loads((ref / "train_summary.json").read_text())
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=LOSS_ATOL)
     assert summary["tokens_seen"] == reference["tokens_seen"] == 10 * 2 * GLOBAL_MICRO_BATCH * 32
+
+
+def test_a_cp_checkpoint_resumes_on_one_process(runs):
+    """Steps 1-5 on --cp 2 --dp-shard 2 (its DCP checkpoint sharded over dp_shard x cp), 6-10 on one process."""
+    assert train_losses(runs["trip"]) == pytest.approx(train_losses(runs["single"]), abs=LOSS_ATOL)
 
 
 def test_layouts_context_parallel_cannot_take_are_refused_by_flag():

@@ -1,10 +1,11 @@
 """The parallel layout of a training run: flags -> one DeviceMesh with named dimensions, and what the layout
 costs in memory (brrr calc train's prediction for this device).
 
-World = pp x dp_replicate x dp_shard x cp x tp (torchtitan's order: tensor parallel innermost, so its ranks share a
-host and its per-layer collectives stay on NVLink; context parallel next, whose ring sends K/V every layer;
-pipeline outermost, whose point-to-point sends are the cheapest traffic). Every check here reads only the flags, WORLD_SIZE and the model config, so every rank reaches
-the same verdict before any collective: a bad layout raises on all ranks at once and none waits for the others.
+World = pp x dp_replicate x dp_shard x cp x tp (torchtitan's order: tensor parallel innermost, so its ranks share
+a host and its per-layer collectives stay on NVLink; context parallel next, whose ring sends K/V every layer;
+pipeline outermost, whose point-to-point sends are the cheapest traffic). Every check here reads only the flags,
+WORLD_SIZE and the model config, so every rank reaches the same verdict before any collective: a bad layout raises
+on all ranks at once and none waits for the others.
 """
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ class Layout:
         shard = self.dp_shard
         if shard == -1:
             if world % others:
-                raise BrrrError(f"--dp-replicate {self.dp_replicate} x --tp {self.tp} x --pp {self.pp}{cp} = {others} "
-                                f"does not divide the world size {world} (WORLD_SIZE, torchrun's --nproc_per_node "
-                                f"x --nnodes)")
+                raise BrrrError(f"--dp-replicate {self.dp_replicate} x --tp {self.tp} x --pp {self.pp}{cp} = "
+                                f"{others} does not divide the world size {world} (WORLD_SIZE, torchrun's "
+                                f"--nproc_per_node x --nnodes)")
             shard = world // others
         if others * shard != world:
             raise BrrrError(f"--dp-replicate {self.dp_replicate} x --dp-shard {shard} x --tp {self.tp} x --pp "
-                            f"{self.pp}{cp} = {others * shard}, but the world size is {world} (WORLD_SIZE, torchrun's "
-                            f"--nproc_per_node x --nnodes): the product must equal it")
+                            f"{self.pp}{cp} = {others * shard}, but the world size is {world} (WORLD_SIZE, "
+                            f"torchrun's --nproc_per_node x --nnodes): the product must equal it")
         return Layout(self.dp_replicate, shard, self.tp, self.pp, self.cp)
 
     @property

@@ -1,7 +1,8 @@
 """Ring attention (brrr/train/parallel/ring_attention.py) on 3 gloo processes against full causal attention
 on one process (brrr's reference, autograd): the forward and the gradients of q, k and v, head-tail sharded, on
-uneven shapes (GQA, an odd chunk length, a head dim that is no power of two, a sliding window). Also the one-block
-log-sum-exp op against SDPA, and the shard positions."""
+uneven shapes (GQA, an odd chunk length, a head dim that is no power of two, a sliding window); the cp loss
+module's sums, means and gradients against the one-process loss (a padded length, an ignored target). Also the
+one-block log-sum-exp op against SDPA, and the shard positions."""
 import os
 
 import pytest
@@ -49,8 +50,43 @@ def _ring_worker(rank, world, port, shapes):
             torch.testing.assert_close(out, ref[rows], rtol=1e-9, atol=1e-10)
             for got, want in zip(mine, leaves):
                 torch.testing.assert_close(got.grad, want.grad[rows], rtol=1e-9, atol=1e-10)
+        _loss_over_the_ring(world)
     finally:
         dist.destroy_process_group()
+
+
+def _loss_over_the_ring(world):
+    """The loss module of a cp rank: summed over the ranks it is the full sum (a length 2 x world does not divide,
+    padded); the "mean" shares average to the full mean and their gradients, averaged as FSDP does, to its
+    gradients."""
+    from brrr.config import ModelConfig
+    from brrr.train.loss import CausalLMLoss
+    from brrr.train.parallel.context_parallel import ContextParallelLoss
+    from brrr.train.pretrain import build_model
+    from tests.train.conftest import TINY_MODEL
+
+    model = build_model(ModelConfig.from_hf({**TINY_MODEL, "vocab_size": 50}), "cpu").double()
+    g = torch.Generator().manual_seed(7)
+    inputs, targets = torch.randint(0, 50, (2, 29), generator=g), torch.randint(0, 50, (2, 29), generator=g)
+    targets[1, 3] = -100  # an ignored target: the mean counts only the others
+    full, ring = CausalLMLoss(model), ContextParallelLoss(model, dist.group.WORLD)
+    with torch.no_grad():
+        total = ring(inputs, targets, reduction="sum")
+        dist.all_reduce(total)
+        # the chunked loss takes its log-sum-exp in fp32 whatever the model's dtype: fp32 tolerances from here
+        torch.testing.assert_close(total, full(inputs, targets, reduction="sum"), rtol=1e-6, atol=0)
+    share = ring(inputs, targets)
+    share.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    whole = full(inputs, targets)
+    whole.backward()
+    mean = share.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / world, whole.detach(), rtol=1e-6, atol=0)
+    for got, p in zip(grads, model.parameters()):
+        dist.all_reduce(got)
+        torch.testing.assert_close(got / world, p.grad, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("world", [3])  # 3: next and previous rank differ (2 ranks train in test_context_parallel.py)

@@ -36,7 +36,7 @@ LAYERS = [
      "brrr.engine.engine_process_client", "brrr.engine.engine_process_warmup", "brrr.engine.__init__"),
     # the frontends: they build engines (build_engine), TP and disaggregation included
     ("brrr.__init__",),            # `import brrr`: the public names
-    ("brrr.server", "brrr.train"),
+    ("brrr.server", "brrr.train", "brrr.evals"),  # brrr.evals: long-context perplexity and needle retrieval
     ("brrr.bench", "cli"),
 ]
 

@@ -41,6 +41,7 @@ from brrr.train.launch_cli import add_layout_flags
 from brrr.train.config import ParallelConfig
 from brrr.train.loss import CausalLMLoss
 from brrr.train.parallel import ParallelStep, Ranks, parallelize, plan_layout, predicted_memory, zero_stage
+from brrr.train.parallel.context_parallel import layout_loss
 from brrr.train.pretrain import TrainConfig, build_model
 from brrr.train.shapes import SHAPES
 from brrr.train.trainer import autocast_for, checkpoint_activations, device_gpu, make_optimizer, optimizer_step
@@ -62,7 +63,7 @@ def register(bench_sub) -> None:
                         f"(default {ALONE['micro_batch']} alone, {UNDER_TORCHRUN['micro_batch']} under torchrun)")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"(default {ALONE['seq_len']} alone, {UNDER_TORCHRUN['seq_len']} under torchrun)")
-    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x tp x pp = WORLD_SIZE; with "
+    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x cp x tp x pp = WORLD_SIZE; with "
                              "--pp the record adds the bubble)")
     add_layout_flags(g)
     g.add_argument("--zero2", action="store_true", help="FSDP keeps gathered weights until backward")
@@ -100,7 +101,7 @@ def cmd_train(args) -> int:
             emit(record, args.out)
         return 0
 
-    layout = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches")
+    layout = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "microbatches")
     changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(ParallelConfig(), k)]
     changed += ["--zero2"] * args.zero2
     if changed:
@@ -213,7 +214,7 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     model_cfg = model_config(name)
     cfg = TrainConfig(name, "", "", seq_len=args.seq_len, micro_batch=micro_batch, compile=args.compile,
                       activation_checkpointing=args.checkpointing, dp_replicate=args.dp_replicate,
-                      dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
+                      dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule,
                       microbatches=args.microbatches, reshard_after_forward=not args.zero2)
     try:
         mesh = plan_layout(cfg.parallel, model_cfg, micro_batch, args.seq_len, device)
@@ -225,7 +226,7 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
                                                activation_checkpointing=args.checkpointing)
         optimizer = make_optimizer(model, cfg.loop, device)
         params = [p for p in model.parameters() if p.requires_grad]
-        loss = CausalLMLoss(model)
+        loss = layout_loss(model, mesh)
         loss_fn = loss
         if args.compile and not mesh.distributed:
             loss.meta(micro_batch, args.seq_len, device)

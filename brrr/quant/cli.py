@@ -1,7 +1,8 @@
-"""`brrr quantize` and `brrr eval ppl|compare`."""
+"""`brrr quantize` and `brrr eval ppl|compare|needle` (ppl --context and needle: brrr.evals, long context)."""
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from gguf import GGML_QUANT_SIZES
 import brrr
 from brrr.errors import BrrrError
 from brrr.gguf import is_gguf, open_gguf
+from brrr.hub import resolve_model
 from brrr.prune.semi_structured import swap_semi_structured
 from brrr.quant.checkpoint import quantization_config, save_quantized
 from brrr.quant.linear import QuantLinear, projections
@@ -41,7 +43,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_quantize)
 
-    ev = sub.add_parser("eval", help="evaluate models: ppl (sliding-window perplexity), compare (table)")
+    ev = sub.add_parser("eval", help="evaluate models: ppl (sliding-window or per-context perplexity), compare "
+                                     "(table), needle (passkey retrieval by context length and depth)")
     ev_sub = ev.add_subparsers(dest="eval_command", metavar="EVAL")
     for name, func, helptext in (("ppl", cmd_ppl, "sliding-window perplexity of one model"),
                                  ("compare", cmd_compare, "perplexity, bits/weight, sparsity and size of several models")):
@@ -50,7 +53,9 @@ def register(sub) -> None:
             e.add_argument("--model", default=None)
         else:
             e.add_argument("--models", nargs="+", required=True, help="model dirs; the first is the baseline")
-        e.add_argument("--data", required=True, help="brrr data dir (its val split) or a text file")
+        e.add_argument("--data", required=True,
+                       help="brrr data dir (its val split), a text file, or 'stdlib' (the Python standard library's "
+                            "*.py files: the shipped default model's kind of text)")
         e.add_argument("--split", default="val")
         e.add_argument("--window", type=int, default=512)
         e.add_argument("--stride", type=int, default=256)
@@ -60,7 +65,32 @@ def register(sub) -> None:
                        help="compute dtype (bfloat16: what the GPU kernels serve; float32 isolates the quantization)")
         if name == "compare":
             e.add_argument("--json", default=None, help="also write the settings and rows to this JSON file")
+        else:
+            e.add_argument("--context", default=None,
+                           help="perplexity per context length instead of sliding windows: comma-separated lengths "
+                                "(4k,8k,16k,32k; k = 1024), each over non-overlapping windows of exactly that many "
+                                "tokens")
+            e.add_argument("--max-windows", type=int, default=None, help="with --context: at most N windows a length")
+            e.add_argument("--rope-scaling", default=None,
+                           help="with --context: replace the config's RoPE scaling, a JSON object as config.json's "
+                                "rope_scaling ('{\"rope_type\": \"yarn\", \"factor\": 4, "
+                                "\"original_max_position_embeddings\": 1024}'), or 'none'")
         e.set_defaults(func=func)
+    n = ev_sub.add_parser("needle", help="passkey retrieval: a random number hidden at each depth of a filler "
+                                         "context of each length, greedy generation, the rate per cell (JSON)")
+    n.add_argument("--model", default=None)
+    n.add_argument("--context", default="1k,2k,4k,8k",
+                   help="comma-separated context lengths (k = 1024), each at most the model's context")
+    n.add_argument("--depths", default="0,25,50,75,100", help="needle depths, percent of the filler before it")
+    n.add_argument("--trials", type=int, default=3, help="random passkeys per (length, depth)")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--device", default=None)
+    n.add_argument("--dtype", default="auto")
+    n.add_argument("--json", default=None, help="also write the result to this JSON file")
+    n.add_argument("--rope-scaling", default=None,
+                   help="replace the config's RoPE scaling (JSON as config.json's rope_scaling, or 'none'); YaRN and "
+                        "llama3 raise the model's context to factor x original_max_position_embeddings")
+    n.set_defaults(func=cmd_needle)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
 
 
@@ -86,9 +116,13 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def _eval_tokens(args, tokenizer):
+def _eval_tokens(args, tokenizer, wanted: int | None = None):
     from brrr.quant.calib import load_tokens  # for `brrr eval` only: brrr.cli imports this module
 
+    if args.data == "stdlib":
+        from brrr.evals.context_ppl import stdlib_tokens  # for `brrr eval` only: brrr.cli imports this module
+
+        return stdlib_tokens(tokenizer, args.max_tokens or wanted or 65536)
     tokens = load_tokens(args.data, tokenizer, args.split)
     return tokens[: args.max_tokens] if args.max_tokens else tokens
 
@@ -98,9 +132,54 @@ def cmd_ppl(args) -> int:
 
     pre = brrr.load(args.model, dtype=args.dtype, device=args.device)
     swap_semi_structured(pre.model)  # a 2:4-pruned model runs its sparse GEMM on CUDA (a no-op elsewhere)
+    if args.context is not None:
+        return _context_ppl(args, pre)
+    if args.rope_scaling is not None or args.max_windows is not None:
+        raise BrrrError("--rope-scaling and --max-windows go with --context")
     result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride,
                         progress_label=f"ppl {pre.path.name}")
     print(json.dumps({"model": str(pre.path), **result}))
+    return 0
+
+
+def _context_ppl(args, pre) -> int:
+    # for `brrr eval ppl --context` only: brrr.cli imports this module
+    from brrr.evals.context_ppl import context_perplexity, parse_contexts, scaled_context, with_rope_scaling
+    from brrr.progress import progress
+
+    contexts = parse_contexts(args.context)
+    cfg = with_rope_scaling(pre.model, args.rope_scaling)
+    wanted = max(contexts) * (args.max_windows or 4)
+    tokens = _eval_tokens(args, pre.tokenizer, wanted)
+    steps = sum(min(len(tokens) // c, args.max_windows or len(tokens)) for c in contexts)
+    with progress(f"ppl {pre.path.name}", steps, True) as advance:
+        rows = context_perplexity(pre.model, tokens, contexts, args.max_windows, advance)
+    rope = {"rope_type": cfg.rope.type, **cfg.rope.params}
+    print(json.dumps({"model": str(pre.path), "data": args.data, "rope": rope, "max_context": scaled_context(cfg),
+                      "contexts": rows}))
+    return 0
+
+
+def cmd_needle(args) -> int:
+    # for `brrr eval needle` only: the engine and the evals load here, brrr.cli imports this module
+    from brrr.evals.context_ppl import model_dir_with_rope, parse_contexts
+    from brrr.evals.needle import needle_eval, parse_depths
+
+    contexts, depths = parse_contexts(args.context), parse_depths(args.depths)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.rope_scaling is not None:  # the engine reads its RoPE from the model directory's config.json
+            model = model_dir_with_rope(resolve_model(args.model), args.rope_scaling, Path(tmp) / "model")
+        llm = brrr.LLM(model, dtype=args.dtype, device=args.device)
+        cfg = llm.pretrained.model.config
+        rope = {"rope_type": cfg.rope.type, **cfg.rope.params}
+        result = {"model": str(resolve_model(args.model)), "rope": rope, "trials": args.trials, "seed": args.seed,
+                  **needle_eval(llm, contexts, depths, args.trials, args.seed)}
+    text = json.dumps(result)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -23,9 +23,9 @@ from brrr.loader import save_model
 from brrr.models import model_class
 from brrr.train.config import LoopConfig, ParallelConfig, split_flags
 from brrr.token_data import TokenData
-from brrr.train.loss import CausalLMLoss
 from brrr.train.moe_loss import MoELoss
 from brrr.train.parallel import load_model_weights, predicted_memory
+from brrr.train.parallel.context_parallel import layout_loss
 from brrr.train.sampler import TrainWindows, eval_windows
 from brrr.train.shapes import resolve_config
 from brrr.train.tokenizer import tokenizer_config
@@ -111,7 +111,7 @@ class PretrainTask:
             activation_checkpointing=cfg.activation_checkpointing, checkpoint_every=cfg.activation_checkpointing_every)
         self.batches = TrainWindows(self.data.splits["train"], loop.seq_len, loop.micro_batch, loop.seed,
                                     run.mesh.dp_rank, run.mesh.dp_world)
-        self.loss = self.loss_fn = CausalLMLoss(self.model)
+        self.loss = self.loss_fn = layout_loss(self.model, run.mesh)
         self.moe_loss = None
         if self.model_cfg.num_experts:  # router losses added, expert loads counted
             aux = self.model_cfg.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef

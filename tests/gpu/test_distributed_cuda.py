@@ -1,4 +1,4 @@
-"""`brrr train` under torchrun on 2 GPUs (NCCL, FSDP2's bf16 policy): FSDP2, FSDP2 as ZeRO-2, TP and PP follow
+"""`brrr train` under torchrun on 2 GPUs (NCCL, FSDP2's bf16 policy): FSDP2, FSDP2 as ZeRO-2, TP, PP and CP (ring attention over NCCL P2P) follow
 one GPU's loss curve (bf16 autocast) within bf16 tolerance, and a TP run resumes an FSDP run's DCP checkpoint.
 Needs 2 GPUs (skipped on one)."""
 import json
@@ -36,8 +36,9 @@ def _train(root, world, out, *flags):
 
 
 @pytest.mark.parametrize("flags", [["--micro-batch", 4], ["--micro-batch", 4, "--no-reshard-after-forward"],
-                                   ["--micro-batch", 8, "--tp", 2], ["--micro-batch", 8, "--pp", 2]],
-                         ids=["fsdp", "zero2", "tp", "pp"])
+                                   ["--micro-batch", 8, "--tp", 2], ["--micro-batch", 8, "--pp", 2],
+                                   ["--micro-batch", 8, "--cp", 2]],
+                         ids=["fsdp", "zero2", "tp", "pp", "cp"])
 def test_two_gpus_follow_one(root, flags):
     one = root / "one" / "train_log.jsonl"
     reference = train_losses(root / "one") if one.exists() else _train(root, 1, "one", "--micro-batch", 8)

@@ -24,6 +24,9 @@ class AttnMeta:
     # >= every context length: the context bound that fixes the decode kernel and its launch (`plan.decode_plan`);
     # a captured graph's bound
     max_context_len: int | None = None
+    # attention computed elsewhere, after RoPE: attend(q, k, v, scale, sliding_window) -> [N, H * D] (context
+    # parallel training's ring over the ranks, brrr/train/parallel/ring_attention.py); None: this op's own paths
+    attend: object | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # per-step host facts
 
     @classmethod

@@ -77,6 +77,8 @@ def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window:
              and rotary_triton_ok(q, k, *rope))
     if rope is not None and not fused:
         q, k = apply_rotary(q, k, *rope)
+    if meta.attend is not None:
+        return meta.attend(q, k, v, scale, sliding_window)
     if _triton_ok(q, k, v, meta):
         return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None, decode_rope)
     if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured step)

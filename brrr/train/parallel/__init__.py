@@ -6,7 +6,8 @@ layout on this device), parallelize.py (pipeline stages, TP, activation checkpoi
 DDP applied to a plain model), step.py (the optimizer step and the evaluation on a layout: loss context, global
 gradient clipping, fp16 loss scaling, the pipeline's schedule), ranks.py (this rank's place and the step-boundary
 agreements between ranks), dcp.py (sharded checkpoints); the mechanisms under them: data_parallel.py,
-tensor_parallel.py, pipeline.py.
+tensor_parallel.py, pipeline.py, context_parallel.py (--cp: head-tail sequence shards, the loss over them) over
+ring_attention.py.
 """
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.layout import Layout, Mesh, plan_layout, predicted_memory, zero_stage

@@ -34,11 +34,10 @@ def mixed_precision(device: torch.device, fp16: bool = False):
 def apply_fsdp(model: nn.Module, layers, mesh: Mesh, device: torch.device, reshard_after_forward: bool,
                fp16: bool = False):
     """fully_shard every layer in `layers`, then the root. With dp_replicate > 1 the mesh is 2-D: HSDP (shard
-    inside a replica group, all-reduce gradients across groups)."""
+    inside a replica group, all-reduce gradients across groups). With cp the shard group is dp_shard x cp."""
     from torch.distributed.fsdp import fully_shard
 
-    dims = ("dp_replicate", "dp_shard") if mesh.layout.dp_replicate > 1 else ("dp_shard",)
-    dp_mesh = mesh.get(*dims)
+    dp_mesh = mesh.fsdp_mesh
     mp = mixed_precision(device, fp16)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -1,10 +1,11 @@
 """The parallel layout of a training run: flags -> one DeviceMesh with named dimensions, and what the layout
 costs in memory (brrr calc train's prediction for this device).
 
-World = pp x dp_replicate x dp_shard x tp (torchtitan's order: tensor parallel innermost, so its ranks share a
-host and its per-layer collectives stay on NVLink; pipeline outermost, whose point-to-point sends are the
-cheapest traffic). Every check here reads only the flags, WORLD_SIZE and the model config, so every rank reaches
-the same verdict before any collective: a bad layout raises on all ranks at once and none waits for the others.
+World = pp x dp_replicate x dp_shard x cp x tp (torchtitan's order: tensor parallel innermost, so its ranks share
+a host and its per-layer collectives stay on NVLink; context parallel next, whose ring sends K/V every layer;
+pipeline outermost, whose point-to-point sends are the cheapest traffic). Every check here reads only the flags,
+WORLD_SIZE and the model config, so every rank reaches the same verdict before any collective: a bad layout raises
+on all ranks at once and none waits for the others.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from brrr.errors import BrrrError
 from brrr.train.config import ParallelConfig
 from brrr.train.parallel.pipeline import INTERLEAVED_CHUNKS, check_pipeline
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,27 +31,29 @@ class Layout:
     dp_shard: int = -1  # -1: every rank the other dimensions leave
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
 
     def resolve(self, world: int) -> "Layout":
         """The layout with dp_shard filled in, checked against the world size."""
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise BrrrError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise BrrrError(f"--dp-shard must be >= 1 (or -1: the ranks left over), got {self.dp_shard}")
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.tp * self.pp * self.cp
+        cp = f" x --cp {self.cp}" if self.cp > 1 else ""
         shard = self.dp_shard
         if shard == -1:
             if world % others:
-                raise BrrrError(f"--dp-replicate {self.dp_replicate} x --tp {self.tp} x --pp {self.pp} = {others} "
-                                f"does not divide the world size {world} (WORLD_SIZE, torchrun's --nproc_per_node "
-                                f"x --nnodes)")
+                raise BrrrError(f"--dp-replicate {self.dp_replicate} x --tp {self.tp} x --pp {self.pp}{cp} = "
+                                f"{others} does not divide the world size {world} (WORLD_SIZE, torchrun's "
+                                f"--nproc_per_node x --nnodes)")
             shard = world // others
         if others * shard != world:
             raise BrrrError(f"--dp-replicate {self.dp_replicate} x --dp-shard {shard} x --tp {self.tp} x --pp "
-                            f"{self.pp} = {others * shard}, but the world size is {world} (WORLD_SIZE, torchrun's "
-                            f"--nproc_per_node x --nnodes): the product must equal it")
-        return Layout(self.dp_replicate, shard, self.tp, self.pp)
+                            f"{self.pp}{cp} = {others * shard}, but the world size is {world} (WORLD_SIZE, "
+                            f"torchrun's --nproc_per_node x --nnodes): the product must equal it")
+        return Layout(self.dp_replicate, shard, self.tp, self.pp, self.cp)
 
     @property
     def dp(self) -> int:
@@ -58,7 +61,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         return " x ".join(f"{d} {getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "one process"
@@ -66,7 +69,9 @@ class Layout:
 
 def check_model(layout: Layout, cfg: ModelConfig, micro_batch: int, seq_len: int, microbatches: int | None = None):
     """What the model's shape must allow for this layout: TP splits heads, KV heads, the MLP width and the
-    vocabulary; PP splits layers; sequence parallelism splits each micro-batch's tokens."""
+    vocabulary; PP splits layers; sequence parallelism splits each micro-batch's tokens; CP splits each sequence
+    into 2 x cp chunks."""
+    check_context_parallel(layout, cfg, seq_len)
     tp = layout.tp
     if tp > 1:
         for field, size in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
@@ -88,6 +93,22 @@ def check_model(layout: Layout, cfg: ModelConfig, micro_batch: int, seq_len: int
                             "splits each rank's micro-batch into them)")
 
 
+def check_context_parallel(layout: Layout, cfg: ModelConfig, seq_len: int):
+    cp = layout.cp
+    if cp == 1:
+        return
+    if layout.tp > 1 or layout.pp > 1:
+        raise BrrrError(f"--cp {cp} composes with --dp-shard and --dp-replicate; with --tp or --pp it is not "
+                        f"supported (got --tp {layout.tp} --pp {layout.pp})")
+    if seq_len % (2 * cp):
+        raise BrrrError(f"--cp {cp} splits each sequence into 2 x {cp} chunks (head-tail balancing): --seq-len "
+                        f"{seq_len} must be a multiple of {2 * cp}")
+    if cfg.rope.type == "dynamic" and seq_len > cfg.max_position_embeddings:
+        raise BrrrError(f"--cp {cp}: dynamic NTK rope re-derives its base from the longest position a rank sees, "
+                        f"which differs between the shards beyond max_position_embeddings "
+                        f"({cfg.max_position_embeddings}); --seq-len {seq_len} is past it")
+
+
 @dataclass
 class Mesh:
     """This rank's place: the resolved layout, the DeviceMesh (None for one process) and the data-parallel
@@ -97,6 +118,7 @@ class Mesh:
     rank: int
     dp_rank: int
     dp_mesh: object | None = None  # dp_replicate x dp_shard flattened
+    fsdp_mesh: object | None = None  # FSDP's mesh: dp_shard, or with cp the dp_shard x cp ranks (HSDP: 2-D)
 
     @property
     def world(self) -> int:
@@ -117,7 +139,7 @@ class Mesh:
         no DTensor parameters; FSDP's policy gives every such layout the same bf16 compute and fp32 master
         weights); DDP for replicas alone."""
         layout = self.layout
-        return self.distributed and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1)
+        return self.distributed and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1 or layout.cp > 1)
 
     def get(self, *names: str):
         """The sub-mesh over `names` ("dp" is dp_replicate x dp_shard flattened)."""
@@ -144,7 +166,14 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     shape = tuple(getattr(layout, d) for d in DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh)
+    # the cp ranks of a replica hold the same weights and each the gradients of its own tokens: FSDP shards over
+    # them too (torchtitan's dp_shard_cp), so its reduce-scatter sums their gradients
+    shard = "dp_shard"
+    if layout.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+    fsdp_mesh = mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
+    return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh, fsdp_mesh)
 
 
 def microbatches(cfg: ParallelConfig, layout: Layout) -> int:
@@ -157,7 +186,7 @@ def plan_layout(cfg: ParallelConfig, model_cfg: ModelConfig, micro_batch: int, s
     """The layout the flags ask for, checked against WORLD_SIZE and the model on every rank before any collective
     (a bad layout is refused everywhere at once), then joined: the mesh."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp).resolve(world)
+    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp).resolve(world)
     m = microbatches(cfg, layout)
     check_model(layout, model_cfg, micro_batch, seq_len, m if layout.pp > 1 else None)
     if layout.pp > 1:
@@ -184,7 +213,8 @@ def predicted_memory(cfg: ParallelConfig, mesh: Mesh, model_cfg: ModelConfig, mi
                  chunks=INTERLEAVED_CHUNKS if cfg.pp_schedule == "interleaved" else 1) if layout.pp > 1 else {}
     rows = micro_batch // (m if layout.pp > 1 else 1)
     gpus = layout.world // layout.dp_replicate if mesh.fsdp else layout.world
+    # calc has no cp dimension: a cp rank's activations are those of its seq_len / cp tokens
     plan = train_plan(model_cfg, gpu, gpus=gpus, zero=zero, tp=layout.tp, pp=layout.pp, micro_batch=rows,
-                      seq_len=seq_len, checkpointing=checkpointing, **pp_kw)
+                      seq_len=seq_len // layout.cp, checkpointing=checkpointing, **pp_kw)
     return {"zero": zero, "bytes": plan["memory"]["total"], "gpu": gpu.name, "gpu_memory": gpu.memory,
             "fits": plan["memory"]["fits"]}

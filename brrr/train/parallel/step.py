@@ -86,10 +86,14 @@ class ParallelStep:
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss averaged over data-parallel ranks (each saw its own share of the batch); with a pipeline the
-        last stage's value, summed over stages (the others hold zero)."""
+        last stage's value, summed over stages (the others hold zero); with cp averaged over the cp ranks (each
+        holds its tokens' share of the full mean, x cp: brrr.train.parallel.context_parallel)."""
         if not self.mesh.distributed:
             return loss
         loss = loss.detach().clone()
+        if self.mesh.layout.cp > 1:
+            dist.all_reduce(loss, group=self.mesh.get("cp").get_group())
+            loss /= self.mesh.layout.cp
         if self.pipeline is not None:
             dist.all_reduce(loss, group=self.mesh.get("pp").get_group())
         if self.mesh.dp_world > 1:
@@ -99,10 +103,14 @@ class ParallelStep:
 
     @torch.no_grad()
     def eval_loss_sum(self, loss_module, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
-        """Summed next-token loss of a [rows, len] evaluation batch; every rank evaluates the same rows."""
+        """Summed next-token loss of a [rows, len] evaluation batch; every rank evaluates the same rows (with cp,
+        each its tokens of them, summed over the cp ranks)."""
         if self.pipeline is None:
             with self.loss_context(), autocast, self._kernels():
-                return _local(loss_module(inputs, targets, reduction="sum"))
+                total = _local(loss_module(inputs, targets, reduction="sum"))
+            if self.mesh.layout.cp > 1:
+                dist.all_reduce(total, group=self.mesh.get("cp").get_group())
+            return total
         return self._pipeline_eval(inputs, targets)
 
     def _pipeline_eval(self, inputs, targets):

@@ -28,7 +28,8 @@ class Paged:
         self.device = device
 
     def meta(self, pieces):
-        slots = torch.cat([self.tables[seq, torch.arange(s, s + n) // BS].long() * BS + torch.arange(s, s + n) % BS
+        tables = self.tables.cpu()  # the slots are laid out on the host, then moved with the rest
+        slots = torch.cat([tables[seq, torch.arange(s, s + n) // BS].long() * BS + torch.arange(s, s + n) % BS
                            for seq, s, n in pieces])
         lens = [n for _, _, n in pieces]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)

@@ -25,6 +25,7 @@ from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
+from brrr.kernels.attention.kv_quant import FP8, QuantKV, as_bytes, cache_dtype
 from brrr.kernels.graph_inputs import stage_decode_inputs
 from brrr.lora.serving import LoraManager
 
@@ -73,9 +74,12 @@ def _cuda_capture(step, pool, device):
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
-                 verify: VerifyGraphSpec | None = None):
+                 verify: VerifyGraphSpec | None = None, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False):
         """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
         verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
+        kv_cache_dtype: EngineConfig's ("auto": the model's dtype; fp8 ones hold each layer's pair as a `QuantKV`
+        with scales 1.0, or with calculate_kv_scales set from the first prefill's amax, after the graph captures).
         A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
         runner on every worker first, then captures on every rank."""
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
@@ -88,8 +92,10 @@ class ModelRunner:
         cfg = model.config
         # One block more than the block manager hands out: padded rows of a captured graph write there.
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.kv_dtype = kv_dtype = cache_dtype(kv_cache_dtype, self.dtype)
+        pair = QuantKV if kv_dtype in FP8 else lambda k, v: (k, v)
+        self.kv_caches = [pair(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                               torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
@@ -99,13 +105,17 @@ class ModelRunner:
         if self.tp is not None:
             slots = None if lora is None else lora.slots
             self.tp.start(dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                               max_graph_batch=max_graph_batch, verify=verify,
+                               max_graph_batch=max_graph_batch, verify=verify, kv_cache_dtype=kv_cache_dtype,
+                               calculate_kv_scales=calculate_kv_scales,
                                lora=None if slots is None else (slots.num_slots, slots.rank, slots.row_slots.shape[0])))
             if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
                 self.choose_all_reduce(max_graph_batch)
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
+        if calculate_kv_scales and kv_dtype in FP8:  # after the captures: their warm-up steps' data sets nothing
+            for layer in self.kv_caches:
+                layer.pending = True
 
     # ---- every rank ---------------------------------------------------------------------------------------------
     def _every_rank(self, method: str, *args):
@@ -199,8 +209,8 @@ class ModelRunner:
     def copy_here(self, copies: np.ndarray) -> None:
         src, dst = h2d(copies, self.device)
         for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+            for cache in (as_bytes(k), as_bytes(v)):  # (fp8 as bytes: CPU indexing has no fp8 kernels)
+                cache[dst] = cache[src]
 
     @torch.inference_mode()
     def run_step(self, record: StepRecord, source=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -429,7 +439,7 @@ class ModelRunner:
     @staticmethod
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-                           extra_bytes_per_block: int = 0) -> int:
+                           extra_bytes_per_block: int = 0, kv_cache_dtype: str = "auto") -> int:
         """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows.
         extra_bytes_per_block: what else each block of tokens costs (a draft model's own KV cache)."""
         device = next(model.parameters()).device
@@ -444,5 +454,6 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = torch.cuda.memory_reserved(device)
-        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype) + extra_bytes_per_block
+        per_block = kv_bytes_per_block(model.config, block_size, cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+                                       ) + extra_bytes_per_block
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)

@@ -34,6 +34,7 @@ from brrr.engine.spec.feature import Speculation
 from brrr.engine.spec.verify import Speculator
 from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
+from brrr.kernels.attention.kv_quant import cache_dtype
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
 from brrr.lora.serving_slots import LoraSlots
@@ -102,7 +103,7 @@ class EngineCore:
                 spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                      ec.max_num_seqs, self.lora, verify)
+                                      ec.max_num_seqs, self.lora, verify, ec.kv_cache_dtype, ec.calculate_kv_scales)
         self.features: list[Feature] = self._features(speculator)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
@@ -187,7 +188,8 @@ class EngineCore:
         if ec.num_blocks:
             return ec.num_blocks
         p = next(model.parameters())
-        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype) + extra_bytes_per_block
+        per_block = kv_bytes_per_block(model.config, ec.block_size, cache_dtype(ec.kv_cache_dtype, p.dtype)
+                                       ) + extra_bytes_per_block
         # Every sequence at full length: more blocks would only keep finished prompts cached, and a small model on
         # a big GPU would take the whole card for them (and starve other processes on it).
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
@@ -195,7 +197,8 @@ class EngineCore:
             blocks = ec.kv_cache_memory // per_block
         elif p.device.type == "cuda":
             blocks = min(useful, ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
-                                                                ec.gpu_memory_utilization, extra_bytes_per_block))
+                                                                ec.gpu_memory_utilization, extra_bytes_per_block,
+                                                                ec.kv_cache_dtype))
         else:  # CPU: a fixed budget
             blocks = min(CPU_KV_DEFAULT // per_block, useful)
         if blocks < 1:

@@ -11,6 +11,7 @@ from brrr.analysis.hardware import measure
 from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
 from brrr.config import EngineConfig
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
 from brrr.errors import BrrrError
 from brrr.loader import resolve_dtype
@@ -31,6 +32,7 @@ def register(bench_sub) -> None:
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs, one rank each")
+    add_kv_cache_args(p)
     p.add_argument("--profile", action="store_true",
                    help="run the workload once more under torch.profiler: device time by kernel category (GEMM, "
                         "attention, norms and activations, sampling, ...) and device idle, beside the cost model")
@@ -143,7 +145,7 @@ def cmd_throughput(args) -> int:
     tp = args.tensor_parallel_size
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
-                          cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp)
+                          cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp, **kv_cache_config(args))
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
@@ -182,7 +184,7 @@ def cmd_throughput(args) -> int:
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
           "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "num_requests": args.num_requests,
-          "lengths": [args.min_len, args.max_len],
+          "lengths": [args.min_len, args.max_len], "kv_cache_dtype": args.kv_cache_dtype,
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
           "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],
           "seconds": round(seconds, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / seconds, 1),

@@ -16,6 +16,7 @@ import socket
 import sys
 
 from brrr.cli import DEFAULT_MODEL_NOTE, HelpFormatter, add_model_args
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.errors import BrrrError
 
 
@@ -58,6 +59,7 @@ def register(sub) -> None:
                    help="KV-cache size (default: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    add_kv_cache_args(g)
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(docs/speculative.md)")
@@ -117,7 +119,8 @@ def cmd_serve(args) -> int:
                           max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                           speculative_config=parse_speculative_config(args.speculative_config),
-                          tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate)
+                          tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate,
+                          **kv_cache_config(args))
     if config.disaggregate is not None:  # the GPUs named exist: before the engine process starts loading
         from brrr.config.disaggregation import check_devices
 

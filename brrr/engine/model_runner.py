@@ -324,12 +324,14 @@ class ModelRunner:
                     chunk += seq.spec_tokens[:n - len(chunk)]
                 ids += chunk
             seqlens.append(n)
-            context_lens.append(start + n)
+            context_lens.append(start + n - seq.num_evicted_blocks * bs)  # the kept tokens (eviction.py)
             tables[i, : len(seq.block_table)] = seq.block_table
         starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
         rows = np.repeat(np.arange(len(seqlens)), seqlens)
         positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        # an evicting sequence's new tokens lie in its window: logical block j is table entry j - evicted
+        evicted = np.repeat(np.array([seq.num_evicted_blocks for seq, _ in batch.items]), seqlens)
+        slots = tables[rows, positions // bs - evicted].astype(np.int64) * bs + positions % bs
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
     def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows) -> tuple[StepRecord, object]:

@@ -21,6 +21,7 @@ from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
 from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
 from brrr.engine.core.requests import check_request
+from brrr.engine.eviction import StreamingEviction
 from brrr.engine.forks import Forks
 from brrr.engine.guided.feature import Guided
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -93,8 +94,11 @@ class EngineCore:
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        eviction = None if ec.kv_eviction is None else StreamingEviction(self.block_manager, ec.kv_budget,
+                                                                         ec.kv_sink_tokens)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
-                                   ec.max_loras if ec.enable_lora else None, on_release=self._released)
+                                   ec.max_loras if ec.enable_lora else None, on_release=self._released,
+                                   eviction=eviction)
         speculator = None if proposer is None else Speculator(ec.speculative_config, proposer,
                                                               device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
@@ -211,8 +215,10 @@ class EngineCore:
                      lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize, without touching engine state (safe from another thread)."""
         bm = self.block_manager
+        ev = self.scheduler.eviction  # an evicting sequence never holds more than its budget
         return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
-                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request)
+                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request,
+                             None if ev is None else ev.budget)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> Request:

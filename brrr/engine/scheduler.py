@@ -172,8 +172,10 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
-            if self.eviction is not None:
-                n = self.eviction.prefill_chunk(seq, n)  # (its admitted blocks hold the first chunk)
+            if self.eviction is not None:  # (prefix hits can take it past its admitted blocks)
+                n = self._evicting_chunk(seq, n)
+                if n == 0:
+                    continue
             batch.items.append((seq, n))
             budget -= n
         return batch

@@ -76,6 +76,9 @@ class EngineCore:
             raise BrrrError("disaggregate needs its prefill instances: LLM(model, disaggregate=...) or brrr serve "
                             "--disaggregate")
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
+        if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
+            raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
+                            f"({cfg.sliding_window}) yet")
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)

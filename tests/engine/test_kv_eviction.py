@@ -16,6 +16,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.attention.kv_quant import QuantKV, as_bytes
 from brrr.sampling_params import SamplingParams
 from tests import hf_models
 from tests.engine.test_engine import run_all
@@ -36,15 +37,16 @@ def evicting(model, budget, num_blocks=64, sink=4, **kw):
 
 
 @torch.no_grad()
-def streaming_reference(model, prompt, new_tokens, budget, sink_tokens):
+def streaming_reference(model, prompt, new_tokens, budget, sink_tokens, kv_dtype=None):
     """Greedy tokens and their logprobs from the model stepping over one contiguous cache per layer that holds the
     kept tokens in order: the prompt prefilled at once (it fits the budget), then, before each new position p, the
     positions whose block is neither a sink block nor among the last `window` blocks up to p's own are cut out and
-    the rest moved down. Positions are the original ones."""
+    the rest moved down. Positions are the original ones. kv_dtype: an fp8 cache (scales 1.0), as the engine's."""
     cfg = model.config
     sink, window = -(-sink_tokens // BS), budget // BS - -(-sink_tokens // BS)
-    caches = [(torch.zeros(1, budget, cfg.num_kv_heads, cfg.head_dim), torch.zeros(1, budget, cfg.num_kv_heads,
-                                                                                    cfg.head_dim))
+    shape = (1, budget, cfg.num_kv_heads, cfg.head_dim)
+    pair = (lambda k, v: (k, v)) if kv_dtype is None else QuantKV
+    caches = [pair(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
               for _ in range(cfg.num_layers)]
     kept = list(range(len(prompt)))  # original position of each cache slot
     n = len(prompt)
@@ -64,8 +66,8 @@ def streaming_reference(model, prompt, new_tokens, budget, sink_tokens):
         if len(keep) < len(kept):
             index = torch.tensor(keep)
             for k, v in caches:
-                k[0, :len(keep)] = k[0, index].clone()
-                v[0, :len(keep)] = v[0, index].clone()
+                for c in (as_bytes(k), as_bytes(v)):  # (fp8 as bytes: CPU indexing has no fp8 kernels)
+                    c[0, :len(keep)] = c[0, index].clone()
             kept = [kept[i] for i in keep]
         slot = len(kept)
         kept.append(p)
@@ -95,6 +97,14 @@ def test_4096_tokens_on_a_512_token_budget_stay_in_budget_and_equal_the_referenc
     want, want_lp = streaming_reference(model, prompt, 4096, 512, 4)
     assert got.token_ids == want
     assert max(abs(e[t] - w) for e, t, w in zip(got.logprobs, got.token_ids, want_lp)) < 1e-4
+
+
+def test_eviction_over_an_fp8_cache_equals_the_reference_over_one(model):
+    prompt = [7, 7, 2, 9, 4]
+    got = run_all(evicting(model, 64, kv_cache_dtype="fp8"),
+                  [("a", prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))])["a"]
+    want, _ = streaming_reference(model, prompt, 400, 64, 4, torch.float8_e4m3fn)
+    assert got.outputs[0].token_ids == want
 
 
 def test_preemption_aborts_and_forks_leak_nothing_and_keep_the_tokens(model):

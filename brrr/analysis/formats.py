@@ -55,7 +55,7 @@ _SIMPLE = {
     "int8": WeightFormat("int8", 8, scale_bytes_per_row=2),
 }
 WEIGHT_FORMATS = (*_SIMPLE, "int4", "int4-g<N>")
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 
 
 def weight_format(name: str | WeightFormat) -> WeightFormat:

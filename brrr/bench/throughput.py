@@ -11,6 +11,7 @@ from brrr.analysis.hardware import measure
 from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
 from brrr.config import EngineConfig
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
 from brrr.errors import BrrrError
 from brrr.loader import resolve_dtype
@@ -33,6 +34,7 @@ def register(bench_sub) -> None:
                    help="shard the model over this many GPUs, one rank each")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine in the batch-invariant mode (docs/batch-invariance.md): what it costs")
+    add_kv_cache_args(p)
     p.add_argument("--profile", action="store_true",
                    help="run the workload once more under torch.profiler: device time by kernel category (GEMM, "
                         "attention, norms and activations, sampling, ...) and device idle, beside the cost model")
@@ -146,7 +148,7 @@ def cmd_throughput(args) -> int:
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp,
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant, **kv_cache_config(args))
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
@@ -184,8 +186,8 @@ def cmd_throughput(args) -> int:
     model_s, steps = sum(step_cost(cfg, items, gpu, short) for items in schedule) / tp, len(schedule)
     stats = engine.stats()
     emit({"bench": "throughput", "model": args.model, "dtype": short, "machine": gpu.name, "runner": "brrr",
-          "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "batch_invariant": args.batch_invariant, "num_requests": args.num_requests,
-          "lengths": [args.min_len, args.max_len],
+          "cuda_graphs": args.cuda_graphs, "tensor_parallel_size": tp, "batch_invariant": args.batch_invariant,
+          "num_requests": args.num_requests, "lengths": [args.min_len, args.max_len], "kv_cache_dtype": args.kv_cache_dtype,
           "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
           "num_blocks": stats["num_blocks"], "steps": steps, "preemptions": stats["num_preemptions"],
           "seconds": round(seconds, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / seconds, 1),

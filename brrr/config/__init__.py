@@ -360,6 +360,34 @@ def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfi
     return RopeConfig(type=rope_type, theta=float(theta), params=params)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_EVICTIONS = ("streaming",)
+
+
+def check_eviction(ec) -> None:
+    """EngineConfig's kv_eviction fields: a known policy, a budget that holds the sinks and two more blocks."""
+    if ec.kv_eviction is None:
+        if ec.kv_budget is not None:
+            raise BrrrError("EngineConfig.kv_budget is set but kv_eviction is None (use kv_eviction='streaming')")
+        return
+    if ec.kv_eviction not in KV_EVICTIONS:
+        raise BrrrError(f"EngineConfig.kv_eviction must be one of {', '.join(KV_EVICTIONS)} or None, got "
+                        f"{ec.kv_eviction!r}")
+    if not isinstance(ec.kv_sink_tokens, int) or isinstance(ec.kv_sink_tokens, bool) or ec.kv_sink_tokens < 0:
+        raise BrrrError(f"EngineConfig.kv_sink_tokens must be an integer >= 0, got {ec.kv_sink_tokens!r}")
+    sink_blocks = -(-ec.kv_sink_tokens // ec.block_size) if isinstance(ec.block_size, int) else 0
+    least = (sink_blocks + 2) * ec.block_size if isinstance(ec.block_size, int) else 0
+    if not isinstance(ec.kv_budget, int) or isinstance(ec.kv_budget, bool) or ec.kv_budget < least:
+        raise BrrrError(f"EngineConfig.kv_budget must be an integer >= {least} tokens with kv_eviction="
+                        f"{ec.kv_eviction!r} (the sink blocks plus two blocks of window), got {ec.kv_budget!r}")
+    if ec.kv_budget % ec.block_size:
+        raise BrrrError(f"EngineConfig.kv_budget ({ec.kv_budget}) must be a multiple of block_size ({ec.block_size}): "
+                        "eviction frees whole blocks")
+    if ec.speculative_config is not None or ec.disaggregate is not None or ec.tensor_parallel_size > 1:
+        raise BrrrError("EngineConfig.kv_eviction does not combine with speculative_config, disaggregate or "
+                        "tensor_parallel_size > 1 yet")
+
+
 @dataclass
 class EngineConfig:
     """How the serving engine sizes and schedules itself (see docs/engine.md)."""
@@ -386,6 +414,15 @@ class EngineConfig:
     # prefill and decode on separate instances (brrr/distributed/disagg_*.py): "prefill=0,decode=1" or a
     # Disaggregation; None: co-located
     disaggregate: object = None
+    # KV-cache element type, vLLM's spelling: auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn), fp8_e5m2;
+    # fp8 stores x / scale per layer's K and V (scale 1.0, as vLLM without calibration; docs/long-context.md)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8: each layer's K and V scale from the first prefill's amax instead of 1.0
+    # KV eviction (docs/long-context.md): None keeps every token; "streaming" (StreamingLLM) keeps each sequence's
+    # first kv_sink_tokens (rounded up to whole blocks) and its most recent tokens, kv_budget tokens in all
+    kv_eviction: str | None = None
+    kv_budget: int | None = None
+    kv_sink_tokens: int = 4
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -409,6 +446,18 @@ class EngineConfig:
         if self.batch_invariant and (self.tensor_parallel_size > 1 or self.disaggregate is not None):
             raise BrrrError("EngineConfig.batch_invariant runs on one device: tensor_parallel_size must be 1 and "
                             "disaggregate None (a sharded all-reduce's order is not fixed)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BrrrError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                            f"{self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise BrrrError("EngineConfig.calculate_kv_scales needs an fp8 kv_cache_dtype (it is 'auto')")
+        if self.kv_cache_dtype != "auto" and self.disaggregate is not None:
+            raise BrrrError("EngineConfig.kv_cache_dtype fp8 with disaggregate is not supported: the KV transfer "
+                            "carries the model's dtype")
+        check_eviction(self)
+        if self.batch_invariant and self.kv_cache_dtype != "auto":
+            raise BrrrError("EngineConfig.batch_invariant reads the cache in the model's dtype: kv_cache_dtype must "
+                            f"be 'auto', got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise BrrrError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -80,7 +80,8 @@ def load_tensor_parallel(source: Path | ModelConfig, n: int, dtype, device: torc
             draft_target = DraftTarget(cfg, *gather_vocabulary(model))
         model = prepare_for_serving(model, config)
         if device.type == "cuda" and config.num_blocks is None and config.kv_cache_memory is None:
-            args = (config.block_size, config.max_num_batched_tokens, config.gpu_memory_utilization)
+            args = (config.block_size, config.max_num_batched_tokens, config.gpu_memory_utilization, 0,
+                    config.kv_cache_dtype)
             workers.send_all(("profile", args))
             blocks = [ModelRunner.profile_num_blocks(model, *args)]
             blocks += [workers.receive(rank, "blocks", 600) for rank in range(1, n)]

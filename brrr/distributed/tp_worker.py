@@ -77,7 +77,9 @@ def build_runner(model, spec: dict, pack_projections: bool | None):
         model = prepare_for_serving(model, EngineConfig(pack_projections=pack_projections), slots)
         lora = LoraManager(slots, {}, rank, num_slots, set)  # rank 0 picks the slots; this one copies them in
     return ModelRunner(model, spec["block_size"], spec["num_blocks"], spec["max_model_len"], cuda_graphs=False,
-                       max_graph_batch=spec["max_graph_batch"], lora=lora, verify=spec["verify"])
+                       max_graph_batch=spec["max_graph_batch"], lora=lora, verify=spec["verify"],
+                       kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                       calculate_kv_scales=spec.get("calculate_kv_scales", False))
 
 
 def serve_child(conn, serve, *args) -> None:

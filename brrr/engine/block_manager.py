@@ -80,16 +80,20 @@ class BlockManager:
         self.free_uncached.extend(self.free_cached)
         self.free_cached.clear()
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_for(len(seq.token_ids)) <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        return self.blocks_for(len(seq.token_ids) if num_tokens is None else num_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, extra_key=None) -> int:
-        """Blocks for all of seq's tokens, reusing cached full blocks of its prefix. Returns the cached tokens.
-        At least the last token is always left to compute, so the step has a row to sample from."""
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, extra_key=None, num_tokens: int | None = None
+                 ) -> int:
+        """Blocks for all of seq's tokens (the first num_tokens: an evicting sequence's budget), reusing cached full
+        blocks of its prefix. Returns the cached tokens. At least the last token is always left to compute, so the
+        step has a row to sample from."""
         assert not seq.block_table, "sequence already has blocks"
         tokens, bs = seq.token_ids, self.block_size
+        num_tokens = len(tokens) if num_tokens is None else num_tokens
         parent, table, hashes = None, [], []
-        searchable = (len(tokens) - 1) // bs if self.enable_prefix_caching and use_prefix_cache else 0
+        searchable = min((len(tokens) - 1) // bs, num_tokens // bs) \
+            if self.enable_prefix_caching and use_prefix_cache else 0
         for i in range(searchable):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(parent, chunk, extra_key)
@@ -104,7 +108,7 @@ class BlockManager:
             hashes.append(h)
             parent = h
         cached = len(table) * bs
-        table += [self._take() for _ in range(self.blocks_for(len(tokens)) - len(table))]
+        table += [self._take() for _ in range(self.blocks_for(num_tokens) - len(table))]
         seq.block_table, seq.block_hashes, seq.num_computed_tokens = table, hashes, cached
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_queries += len(tokens)
@@ -112,8 +116,9 @@ class BlockManager:
         return cached
 
     def commit_computed(self, seq: Sequence, extra_key=None) -> None:
-        """Register hashes of blocks that became full and computed, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
+        """Register hashes of blocks that became full and computed, so later requests can reuse them. None once the
+        sequence has evicted a block: what it computes after that saw a truncated context."""
+        if not self.enable_prefix_caching or seq.num_evicted_blocks:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
@@ -130,13 +135,17 @@ class BlockManager:
         return self._take()
 
     def _needs_block(self, seq: Sequence) -> bool:
-        return len(seq.block_table) < self.blocks_for(len(seq.token_ids))
+        return len(seq.block_table) + seq.num_evicted_blocks < self.blocks_for(len(seq.token_ids))
+
+    def _last_index(self, seq: Sequence) -> int:
+        """The table index of the block holding position len - 1 (past any evicted blocks)."""
+        return (len(seq.token_ids) - 1) // self.block_size - seq.num_evicted_blocks
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next token (position len-1) can get a slot: a new block, or a private copy of a shared one."""
         if self._needs_block(seq):
             return self.num_free_blocks >= 1
-        last = self.blocks[seq.block_table[(len(seq.token_ids) - 1) // self.block_size]]
+        last = self.blocks[seq.block_table[self._last_index(seq)]]
         return last.ref_count == 1 or self.num_free_blocks >= 1
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
@@ -144,7 +153,7 @@ class BlockManager:
         if self._needs_block(seq):
             seq.block_table.append(self._take())
             return None
-        index = (len(seq.token_ids) - 1) // self.block_size
+        index = self._last_index(seq)
         src = seq.block_table[index]
         if self.blocks[src].ref_count == 1:
             return None
@@ -165,6 +174,7 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
+        child.num_evicted_blocks = parent.num_evicted_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def release_blocks(self, block_ids: list[int]) -> None:
@@ -175,7 +185,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # tail first: the tail is evicted before the shared head
             self._release(block_id)
-        seq.block_table, seq.block_hashes = [], []
+        seq.block_table, seq.block_hashes, seq.num_evicted_blocks = [], [], 0
 
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Refcounts equal table references; free pools hold exactly the unreferenced blocks, once each."""

@@ -78,13 +78,15 @@ class EngineInfo:
     # adapt, so the server checks an adapter before any request names it
     max_lora_rank: int | None = None
     lora_shapes: dict[str, tuple[int, int]] | None = None
+    kv_budget_blocks: int | None = None  # KV eviction: the most blocks a sequence holds (None: no eviction)
 
     @classmethod
     def of(cls, engine: EngineCore, warm_up_seconds: float = 0.0) -> "EngineInfo":
         bm, lora = engine.block_manager, engine.lora
         return cls(engine.max_model_len, engine.model.config.vocab_size, bm.num_blocks, bm.block_size,
                    engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds,
-                   lora.max_lora_rank if lora else None, lora.shapes if lora else None)
+                   lora.max_lora_rank if lora else None, lora.shapes if lora else None,
+                   None if engine.scheduler.eviction is None else engine.scheduler.eviction.budget)
 
 
 def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:

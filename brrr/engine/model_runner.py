@@ -25,6 +25,7 @@ from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
+from brrr.kernels.attention.kv_quant import FP8, QuantKV, as_bytes, cache_dtype
 from brrr.kernels.graph_inputs import stage_decode_inputs
 from brrr.lora.serving import LoraManager
 
@@ -73,9 +74,12 @@ def _cuda_capture(step, pool, device):
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
-                 verify: VerifyGraphSpec | None = None):
+                 verify: VerifyGraphSpec | None = None, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False):
         """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
         verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
+        kv_cache_dtype: EngineConfig's ("auto": the model's dtype; fp8 ones hold each layer's pair as a `QuantKV`
+        with scales 1.0, or with calculate_kv_scales set from the first prefill's amax, after the graph captures).
         A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
         runner on every worker first, then captures on every rank."""
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
@@ -86,11 +90,11 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
-        # One block more than the block manager hands out: padded rows of a captured graph write there.
-        heads, k_dim, v_dim = cfg.kv_cache_dims  # MLA: one latent row per token, no separate values
-        self.kv_caches = [(torch.zeros(num_blocks + 1, block_size, heads, k_dim, dtype=self.dtype, device=self.device),
-                           torch.zeros(num_blocks + 1, block_size, heads, v_dim, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        self.kv_dtype = cache_dtype(kv_cache_dtype, self.dtype)
+        if self.kv_dtype in FP8 and cfg.kv_lora_rank:
+            raise BrrrError(f"kv_cache_dtype {kv_cache_dtype!r}: the latent cache of {cfg.architecture} (MLA) is "
+                            "kept in the model's dtype; use 'auto'")
+        self.kv_caches = self._new_kv_caches()
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
@@ -100,13 +104,17 @@ class ModelRunner:
         if self.tp is not None:
             slots = None if lora is None else lora.slots
             self.tp.start(dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                               max_graph_batch=max_graph_batch, verify=verify,
+                               max_graph_batch=max_graph_batch, verify=verify, kv_cache_dtype=kv_cache_dtype,
+                               calculate_kv_scales=calculate_kv_scales,
                                lora=None if slots is None else (slots.num_slots, slots.rank, slots.row_slots.shape[0])))
             if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
                 self.choose_all_reduce(max_graph_batch)
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.type != "dynamic":
             self.capture_cuda_graphs(max_graph_batch, -(-(max_model_len or cfg.max_context) // block_size))
+        if calculate_kv_scales and self.kv_dtype in FP8:  # after the captures: their warm-up steps' data sets nothing
+            for layer in self.kv_caches:
+                layer.pending = True
 
     # ---- every rank ---------------------------------------------------------------------------------------------
     def _every_rank(self, method: str, *args):
@@ -197,24 +205,33 @@ class ModelRunner:
         if copies:
             self._every_rank("copy_here", block_copies(copies))
 
+    def _new_kv_caches(self) -> list:
+        """Every layer's (K, V) cache, zeroed; fp8 ones carry their scales (QuantKV). One block more than the block
+        manager hands out: padded rows of a captured graph write there."""
+        cfg = self.model.config
+        heads, k_dim, v_dim = cfg.kv_cache_dims  # MLA: one latent row per token, no separate values
+        shape = (self.num_blocks + 1, self.block_size, heads)
+        pair = QuantKV if self.kv_dtype in FP8 else lambda k, v: (k, v)
+        return [pair(torch.zeros(*shape, k_dim, dtype=self.kv_dtype, device=self.device),
+                     torch.zeros(*shape, v_dim, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
     def sleep(self) -> int:
         """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py); the bytes freed. One
         process only; captured graphs hold the old cache, so a sleeping engine runs without them."""
         freed = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
-        self.kv_shape, self.kv_caches = self.kv_caches[0][0].shape, []
+        self.kv_caches = []
         return freed
 
     def wake(self) -> None:
-        """The KV cache back, as allocated at start (its contents are gone: the caller drops its prefix cache)."""
-        self.kv_caches = [(torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.model.config.num_layers)]
+        """The KV cache back, as allocated at start (its contents and fp8 scales are gone: the caller drops its
+        prefix cache)."""
+        self.kv_caches = self._new_kv_caches()
 
     def copy_here(self, copies: np.ndarray) -> None:
         src, dst = h2d(copies, self.device)
         for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+            for cache in (as_bytes(k), as_bytes(v)):  # (fp8 as bytes: CPU indexing has no fp8 kernels)
+                cache[dst] = cache[src]
 
     @torch.inference_mode()
     def run_step(self, record: StepRecord, source=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -328,12 +345,14 @@ class ModelRunner:
                     chunk += seq.spec_tokens[:n - len(chunk)]
                 ids += chunk
             seqlens.append(n)
-            context_lens.append(start + n)
+            context_lens.append(start + n - seq.num_evicted_blocks * bs)  # the kept tokens (eviction.py)
             tables[i, : len(seq.block_table)] = seq.block_table
         starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
         rows = np.repeat(np.arange(len(seqlens)), seqlens)
         positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        # an evicting sequence's new tokens lie in its window: logical block j is table entry j - evicted
+        evicted = np.repeat(np.array([seq.num_evicted_blocks for seq, _ in batch.items]), seqlens)
+        slots = tables[rows, positions // bs - evicted].astype(np.int64) * bs + positions % bs
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
     def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows) -> tuple[StepRecord, object]:
@@ -443,7 +462,7 @@ class ModelRunner:
     @staticmethod
     @torch.inference_mode()
     def profile_num_blocks(model, block_size: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-                           extra_bytes_per_block: int = 0) -> int:
+                           extra_bytes_per_block: int = 0, kv_cache_dtype: str = "auto") -> int:
         """CUDA: run one forward at the full token budget, then give the KV cache what `kv_cache_bytes` allows.
         extra_bytes_per_block: what else each block of tokens costs (a draft model's own KV cache)."""
         device = next(model.parameters()).device
@@ -458,5 +477,6 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         in_use = torch.cuda.memory_reserved(device)
-        per_block = kv_bytes_per_block(model.config, block_size, next(model.parameters()).dtype) + extra_bytes_per_block
+        per_block = kv_bytes_per_block(model.config, block_size, cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+                                       ) + extra_bytes_per_block
         return max(0, kv_cache_bytes(free, total, in_use, activations, gpu_memory_utilization) // per_block)

@@ -33,8 +33,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int | None = None, max_loras: int | None = None, on_release=None):
+                 max_model_len: int | None = None, max_loras: int | None = None, on_release=None, eviction=None):
         self.block_manager = block_manager
+        self.eviction = eviction  # a StreamingEviction (engine/eviction.py) or None: every token kept
         # called with a sequence that lost its blocks (preempted or finished): a proposer drops its state for it
         self.on_release = on_release
         self.max_loras = max_loras  # distinct adapters the running sequences may use (the device slots)
@@ -96,7 +97,7 @@ class Scheduler:
         finish joins a step later). Sequences that step t ends for sure (length) are left out; ones a stop token
         ends are computed and their token dropped. Reserves the blocks step t+1 writes to; None when it can't."""
         bm = self.block_manager
-        if len(self.running) != len(batch.items):
+        if len(self.running) != len(batch.items) or self.eviction is not None:  # (eviction plans on the host)
             return None
         if self.waiting and len(self.running) < self.max_num_seqs and bm.can_allocate(self.waiting[0]):
             return None
@@ -121,6 +122,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if self.eviction is not None:  # the blocks its query no longer sees go back first
+                self.eviction.make_room(seq, len(seq.token_ids) - 1)
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -137,6 +140,10 @@ class Scheduler:
         for seq in self.running:  # prefills already under way
             if seq.num_uncomputed > 1 and budget > 0:
                 n = min(seq.num_uncomputed, budget)
+                if self.eviction is not None:
+                    n = self._evicting_chunk(seq, n)
+                    if n == 0:
+                        continue
                 batch.items.append((seq, n))
                 budget -= n
         adapters = self.running_adapters() if self.max_loras is not None else None
@@ -151,22 +158,39 @@ class Scheduler:
                 slot_blocked = True
                 i += 1
                 continue
-            if not self.block_manager.can_allocate(seq):
+            admit = None if self.eviction is None else self.eviction.admit_tokens(seq)
+            if not self.block_manager.can_allocate(seq, admit):
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[i]
             if lora is not None and adapters is not None:
                 adapters.add(lora.lora_int_id)
             cached = self.block_manager.allocate(seq, use_prefix_cache=seq.request.params.prompt_logprobs is None,
-                                                 extra_key=seq.request.cache_key)
+                                                 extra_key=seq.request.cache_key, num_tokens=admit)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = time.monotonic()
                 seq.request.num_cached_tokens = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
+            if self.eviction is not None:  # (prefix hits can take it past its admitted blocks)
+                n = self._evicting_chunk(seq, n)
+                if n == 0:
+                    continue
             batch.items.append((seq, n))
             budget -= n
         return batch
+
+    def _evicting_chunk(self, seq: Sequence, n: int) -> int:
+        """The next prefill chunk of a sequence under eviction (a prompt or a recompute past the budget: one
+        logical block a step), its blocks made: evicting first, then a free block if it still needs one. 0 when
+        none is free (it waits a step; decodes free blocks as they finish)."""
+        ev = self.eviction
+        n = ev.prefill_chunk(seq, n)
+        end = seq.num_computed_tokens + n
+        if ev.needs_block(seq, end) and self.block_manager.num_free_blocks == 0:
+            return 0
+        ev.grow(seq, end)
+        return n
 
     def _schedule_drafts(self, batch: ScheduledBatch, budget: int) -> int:
         """Speculating decodes verify their draft tokens in the same step: (seq, 1 + drafts) instead of (seq, 1).

@@ -26,6 +26,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full, computed blocks
+    # KV eviction (engine/eviction.py): logical blocks dropped between the sink blocks and the window; logical block
+    # j >= sink + num_evicted_blocks is block_table[j - num_evicted_blocks]
+    num_evicted_blocks: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | grammar | length | abort (EngineOutput says what each means)
     # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so

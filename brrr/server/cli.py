@@ -16,6 +16,7 @@ import socket
 import sys
 
 from brrr.cli import DEFAULT_MODEL_NOTE, HelpFormatter, add_model_args
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.errors import BrrrError
 
 
@@ -61,6 +62,7 @@ def register(sub) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels: a request's logprobs do not depend on what shares its batch "
                         "(docs/batch-invariance.md)")
+    add_kv_cache_args(g)
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(docs/speculative.md)")
@@ -121,7 +123,7 @@ def cmd_serve(args) -> int:
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                           speculative_config=parse_speculative_config(args.speculative_config),
                           tensor_parallel_size=args.tensor_parallel_size, disaggregate=args.disaggregate,
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant, **kv_cache_config(args))
     if config.disaggregate is not None:  # the GPUs named exist: before the engine process starts loading
         from brrr.config.disaggregation import check_devices
 

@@ -21,6 +21,7 @@ from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
 from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
 from brrr.engine.core.requests import check_request
+from brrr.engine.eviction import StreamingEviction
 from brrr.engine.forks import Forks
 from brrr.engine.guided.feature import Guided
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -34,6 +35,7 @@ from brrr.engine.spec.feature import Speculation
 from brrr.engine.spec.verify import Speculator
 from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
+from brrr.kernels.attention.kv_quant import cache_dtype
 from brrr.kernels.quant import quant_tuning
 from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
 from brrr.lora.serving_slots import LoraSlots
@@ -74,6 +76,9 @@ class EngineCore:
             raise BrrrError("disaggregate needs its prefill instances: LLM(model, disaggregate=...) or brrr serve "
                             "--disaggregate")
         self.max_model_len = min(ec.max_model_len or cfg.max_context, cfg.max_context)
+        if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
+            raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
+                            f"({cfg.sliding_window}) yet")
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
@@ -92,8 +97,11 @@ class EngineCore:
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        eviction = None if ec.kv_eviction is None else StreamingEviction(self.block_manager, ec.kv_budget,
+                                                                         ec.kv_sink_tokens)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
-                                   ec.max_loras if ec.enable_lora else None, on_release=self._released)
+                                   ec.max_loras if ec.enable_lora else None, on_release=self._released,
+                                   eviction=eviction)
         speculator = None if proposer is None else Speculator(ec.speculative_config, proposer,
                                                               device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
@@ -102,7 +110,7 @@ class EngineCore:
                 spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                      ec.max_num_seqs, self.lora, verify)
+                                      ec.max_num_seqs, self.lora, verify, ec.kv_cache_dtype, ec.calculate_kv_scales)
         self.features: list[Feature] = self._features(speculator)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
@@ -187,7 +195,8 @@ class EngineCore:
         if ec.num_blocks:
             return ec.num_blocks
         p = next(model.parameters())
-        per_block = kv_bytes_per_block(model.config, ec.block_size, p.dtype) + extra_bytes_per_block
+        per_block = kv_bytes_per_block(model.config, ec.block_size, cache_dtype(ec.kv_cache_dtype, p.dtype)
+                                       ) + extra_bytes_per_block
         # Every sequence at full length: more blocks would only keep finished prompts cached, and a small model on
         # a big GPU would take the whole card for them (and starve other processes on it).
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
@@ -195,7 +204,8 @@ class EngineCore:
             blocks = ec.kv_cache_memory // per_block
         elif p.device.type == "cuda":
             blocks = min(useful, ModelRunner.profile_num_blocks(model, ec.block_size, ec.max_num_batched_tokens,
-                                                                ec.gpu_memory_utilization, extra_bytes_per_block))
+                                                                ec.gpu_memory_utilization, extra_bytes_per_block,
+                                                                ec.kv_cache_dtype))
         else:  # CPU: a fixed budget
             blocks = min(CPU_KV_DEFAULT // per_block, useful)
         if blocks < 1:
@@ -208,8 +218,10 @@ class EngineCore:
                      lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize, without touching engine state (safe from another thread)."""
         bm = self.block_manager
+        ev = self.scheduler.eviction  # an evicting sequence never holds more than its budget
         return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
-                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request)
+                             self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request,
+                             None if ev is None else ev.budget)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> Request:

@@ -23,14 +23,14 @@ if triton is not None:
     from brrr.kernels.pdl import wait_previous
 
     @triton.jit
-    def _decode_kernel(Q, KC, VC, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
+    def _decode_kernel(Q, KC, VC, KS, VS, O, OP, MLP, COUNTS, CU_Q, CTX, BT, K, V, COS, SIN, SLOTS,
                        stride_qn, stride_qh, stride_on, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                        stride_kn, stride_kh, stride_vn, stride_vh, stride_cos,
                        qk_scale, window, n_heads, num_splits, wave, min_part, long_part, BLOCK_SIZE: tl.constexpr,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                        SLIDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                       ROPE: tl.constexpr, WHOLE: tl.constexpr):
+                       ROPE: tl.constexpr, WHOLE: tl.constexpr, KV_FP8: tl.constexpr = False):
         """One program: one sequence with a single new token, one kv head (its GROUP query heads as the rows of
         the dot products), one part of the context. The grid has num_splits parts a sequence (a bound fixed on the
         host, so graphs keep it); each sequence cuts its own context into `_decode_parts` of them, read from its
@@ -38,7 +38,9 @@ if triton is not None:
         several, each part stores (acc, m, l) and the last to arrive combines them. One launch, no host sync.
         ROPE: q and the new k/v come unrotated from this step's projection (K, V, COS, SIN, SLOTS): each program
         rotates its q heads, and the last part rotates the new key, writes it and v to the cache at the token's slot
-        and folds it in from registers (its loop stops one key short), the rotary kernel's work in this one."""
+        and folds it in from registers (its loop stops one key short), the rotary kernel's work in this one.
+        KV_FP8 (never with ROPE: the new K/V are quantized by the cache write before): the cache is float8, each
+        tile converted to fp32 and multiplied by its scale (KS, VS) in registers."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -99,13 +101,22 @@ if triton is not None:
                 m_i, l_i, acc = _online_softmax_step(s0, m_i, l_i, acc, v0, PREC)
                 lo += BLOCK_N
                 n += BLOCK_N
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_FP8:
+            k_scale = tl.load(KS)
+            v_scale = tl.load(VS)
         for start in range(lo, hi, BLOCK_N):
             nm = n < hi
             rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
             kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+            if KV_FP8:
+                kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
             n += BLOCK_N
         if ROPE:
@@ -187,13 +198,14 @@ if triton is not None:
 def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                             sliding_window=None, max_context_len=None, out=None, num_splits=None,
                             block_n=None, num_warps=None, num_stages=None, min_part=DECODE_MIN_PART, rope=None,
-                            plan: DecodePlan | None = None):
+                            plan: DecodePlan | None = None, kv_scales=None):
     """Sequences with one new token: q [N, H, D] (row cu_seqlens_q[b] is sequence b's query when it has one new
     token; other sequences are skipped), paged k/v cache, context_lens [B] int32 on the device -> out [N, H, D].
     No host synchronisation and a grid fixed by (B, heads, max_context_len): CUDA-graph capturable.
     rope: (k, v, cos, sin, slot_mapping) of this step when q and k are not rotated yet and k/v not in the cache
     (every sequence one new token): the kernel does both. The launch is `plan.decode_plan`'s, or `plan`; num_splits,
-    block_n, num_warps, num_stages and min_part override the split kernel's (`plan.split_plan`)."""
+    block_n, num_warps, num_stages and min_part override the split kernel's (`plan.split_plan`). kv_scales:
+    (k_scale, v_scale) fp32 [1] of an fp8 cache: the split kernel, without rope (the cache write quantizes first)."""
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -209,6 +221,7 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
             plan = split_plan(batch, n_kv, dim, max_context_len, q.device, rope is not None, num_splits, block_n,
                               num_warps, num_stages, min_part)
     assert plan.rope == (rope is not None), "a plan with RoPE in the kernel takes rope, and only it"
+    assert kv_scales is None or (rope is None and plan.kernel == "split"), "an fp8 cache takes the split kernel"
     if plan.kernel == "lean":
         return lean_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                            out, rope, plan)
@@ -216,11 +229,11 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         return lean_mma_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
                                out, rope, plan)
     return _split_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window, out,
-                         rope, plan)
+                         rope, plan, kv_scales)
 
 
 def _split_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window, out, rope,
-                  plan: DecodePlan):
+                  plan: DecodePlan, kv_scales=None):
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv = k_cache.shape[2]
@@ -234,10 +247,11 @@ def _split_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
     else:
         partial = max_sum = counts = out  # unused
     k, v, cos, sin, slots = rope if rope is not None else (q, q, q, q, cu_seqlens_q)
+    ks, vs = kv_scales if kv_scales is not None else (q, q)
     pdl = pdl_on(q)
     # with rope, no FMA contraction: the rotation rounds where torch and the rotary kernel round
     _decode_kernel[(batch, n_kv, splits)](
-        q, k_cache, v_cache, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, ks, vs, out, partial, max_sum, counts, cu_seqlens_q, context_lens, block_tables,
         k, v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
@@ -245,5 +259,6 @@ def _split_decode(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=plan.block_n, UNROLL=4, SPLIT=splits > 1, SLIDING=sliding_window is not None,
         PREC=precision(q), num_warps=plan.num_warps, num_stages=plan.num_stages, PDL=pdl, EARLY=plan.early_loads,
-        ROPE=rope is not None, WHOLE=plan.whole, enable_fp_fusion=rope is None, launch_pdl=pdl > 0)
+        ROPE=rope is not None, WHOLE=plan.whole, KV_FP8=kv_scales is not None, enable_fp_fusion=rope is None,
+        launch_pdl=pdl > 0)
     return out

@@ -6,6 +6,7 @@ import torch
 
 from brrr.kernels.attention.decode import decode_attention_triton
 from brrr.kernels.attention.invariant import attention_invariant
+from brrr.kernels.attention.kv_quant import FP8, calibrate, dequantize, kv_scales, quantize
 from brrr.kernels.attention.kv_write import write_kv_triton
 from brrr.kernels.attention.meta import AttnMeta
 from brrr.kernels.attention.plan import MAX_HEAD_DIM
@@ -27,7 +28,10 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
                                  sliding_window=sliding_window, out=out)
         return out.view(n_tokens, n_heads * dim)
     k_cache, v_cache = meta.kv_caches[layer]
+    scales = kv_scales(meta.kv_caches[layer])
     context_lens = meta.device_context_lens(q.device)
+    if scales is not None:  # fp8: the cache write quantizes, the kernels dequantize what they read
+        return _attention_fp8(q, k, v, meta, k_cache, v_cache, scales, context_lens, scale, sliding_window, out)
     if (rope is not None and meta.max_seqlen_q == 1 and decode_rope
             and rope[0].stride(0) == rope[1].stride(0)):  # all decodes: rotation and cache write in one kernel
         decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
@@ -47,6 +51,23 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
     return out.view(n_tokens, n_heads * dim)
 
 
+def _attention_fp8(q, k, v, meta: AttnMeta, k_cache, v_cache, scales, context_lens, scale, sliding_window, out):
+    """attention_triton over an fp8 cache: q and k come rotated; the write quantizes, decodes take the split kernel
+    (it dequantizes each tile), and prefill chunks see their own new k/v as the cache holds them (quantized and
+    back), so a token's keys are the same values whichever step reads them."""
+    n_tokens, n_heads, dim = q.shape
+    write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
+    if meta.has_single_token_rows:
+        decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
+                                sliding_window, meta.context_bound(k_cache.shape[1]), out=out, kv_scales=scales)
+    if meta.max_seqlen_q > 1:
+        k, v = (dequantize(quantize(x, s, k_cache.dtype), s, q.dtype) for x, s in zip((k, v), scales))
+        prefill_attention_triton(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale, k_cache, v_cache,
+                                 context_lens, meta.block_tables, sliding_window, skip_single=True, out=out,
+                                 kv_scales=scales)
+    return out.view(n_tokens, n_heads * dim)
+
+
 def _triton_ok(q, k, v, meta: AttnMeta) -> bool:
     dim = q.shape[-1]
     if not (q.dim() == 3 and q.shape[0] > 0 and dim <= MAX_HEAD_DIM and k.shape[-1] == dim and v.shape[-1] == dim
@@ -55,7 +76,7 @@ def _triton_ok(q, k, v, meta: AttnMeta) -> bool:
         return False
     if meta.kv_caches is not None:
         k_cache, v_cache = meta.kv_caches[0]
-        if (k_cache.dtype != q.dtype or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
+        if (k_cache.dtype not in (q.dtype, *FP8) or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
                 or meta.block_tables is None or meta.slot_mapping is None
                 or (meta.context_lens is None and meta.context_lens_t is None)):
             return False
@@ -73,19 +94,23 @@ def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window:
         if rope is not None:
             q, k = apply_rotary(q, k, *rope)
         return attention_invariant(q, k, v, meta, layer, scale, sliding_window)
-    fused = (rope is not None and meta.kv_caches is not None and _triton_ok(q, k, v, meta)
+    pair = meta.kv_caches[layer] if meta.kv_caches is not None else None
+    scales = kv_scales(pair)
+    fused = (rope is not None and pair is not None and scales is None and _triton_ok(q, k, v, meta)
              and rotary_triton_ok(q, k, *rope))
     if rope is not None and not fused:
         q, k = apply_rotary(q, k, *rope)
     if meta.attend is not None:
         return meta.attend(q, k, v, scale, sliding_window)
+    calibrate(pair, k, v)  # an fp8 cache whose scales come from its first write
     if _triton_ok(q, k, v, meta):
         return attention_triton(q, k, v, meta, layer, scale, sliding_window, rope if fused else None, decode_rope)
     if meta.kv_caches is not None and meta.context_lens is None:  # device-only meta (a captured step)
-        k_cache, v_cache = meta.kv_caches[layer]
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_cache, v_cache = pair
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if meta.max_seqlen_q > 1:  # a verify graph: every row has the same number of new tokens
             return paged_verify_ref(q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale,
-                                    sliding_window)
-        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, sliding_window)
+                                    sliding_window, scales)
+        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, sliding_window,
+                                scales)
     return attention_ref(q, k, v, meta, layer, scale, sliding_window)

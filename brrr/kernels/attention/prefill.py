@@ -18,15 +18,17 @@ if triton is not None:
     from brrr.kernels.attention.helpers import _online_softmax_step, _paged_rows
 
     @triton.jit
-    def _prefill_kernel(Q, K, V, KC, VC, O, CU_Q, CTX, BT,
+    def _prefill_kernel(Q, K, V, KC, VC, KS, VS, O, CU_Q, CTX, BT,
                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
                         stride_cb, stride_ct, stride_ch, stride_bt, block_size, qk_scale, window, max_q_bucket,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CACHE: tl.constexpr,
-                        SKIP_SINGLE: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr):
+                        SKIP_SINGLE: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
+                        KV_FP8: tl.constexpr = False):
         """One program: BLOCK_M new tokens of one sequence, one query head. Keys come in two parts: the cached
         prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
-        (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked)."""
+        (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked). KV_FP8: the cache
+        is float8 with scales KS, VS: each cached tile is converted to fp32 and scaled in registers."""
         m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -51,6 +53,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         first_q = m_blk * BLOCK_M  # index (within the new tokens) of this block's first query
         if HAS_CACHE:
+            k_scale = 1.0
+            v_scale = 1.0
+            if KV_FP8:
+                k_scale = tl.load(KS)
+                v_scale = tl.load(VS)
             lo = 0
             if SLIDING:
                 lo = tl.maximum(0, (prefix + first_q - window + 1) // BLOCK_N * BLOCK_N)
@@ -59,12 +66,16 @@ if triton is not None:
                 nm = n < prefix
                 rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
                 kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+                if KV_FP8:
+                    kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
                 s = tl.dot(q, kt, input_precision=PREC) * qk_scale
                 visible = nm[None, :]
                 if SLIDING:
                     visible = visible & (n[None, :] > (prefix + offs_m)[:, None] - window)
                 s = tl.where(visible, s, float("-inf"))
                 v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+                if KV_FP8:
+                    v = (v.to(tl.float32) * v_scale).to(q.dtype)
                 m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
         lo = 0
         if SLIDING:
@@ -105,17 +116,18 @@ if triton is not None:
     _prefill_kernel_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
                  for tiles in PREFILL_TILES.values() for bm, bn, w, st in dict.fromkeys(tiles)],
-        key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "max_q_bucket"],
+        key=["BLOCK_D", "GROUP", "HAS_CACHE", "SLIDING", "KV_FP8", "max_q_bucket"],
         prune_configs_by={"early_config_prune": _prune_prefill})(_prefill_kernel)
 
 
 def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache=None, v_cache=None,
                              context_lens=None, block_tables=None, sliding_window=None, skip_single=False,
-                             out=None, config=None):
+                             out=None, config=None, kv_scales=None):
     """Varlen causal attention for the new tokens q/k/v [N, H|KVH, D] of B sequences (cu_seqlens_q [B+1]).
     With a cache (k_cache, context_lens [B] on the device, block_tables), sequence b's first
     context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
-    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of `plan.prefill_plan`'s tile (tests)."""
+    config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of `plan.prefill_plan`'s tile (tests).
+    kv_scales: (k_scale, v_scale) fp32 [1] of an fp8 cache, dequantized as it is read."""
     batch = cu_seqlens_q.shape[0] - 1
     n_heads, dim = q.shape[1], q.shape[2]
     if out is None:
@@ -128,12 +140,14 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     else:
         cache_strides, bt_stride, block_size = k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1]
     block_d = next_power_of_2(dim)
-    args = (q, k, v, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+    ks, vs = kv_scales if kv_scales is not None else (q, q)
+    args = (q, k, v, k_cache, v_cache, ks, vs, out, cu_seqlens_q, context_lens, block_tables,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), *cache_strides, bt_stride, block_size, scale * LOG2E, sliding_window or 0,
             min(next_power_of_2(max_seqlen_q), 8192))
     meta = dict(GROUP=n_heads // k.shape[1], HEAD_DIM=dim, BLOCK_D=block_d, HAS_CACHE=has_cache,
-                SKIP_SINGLE=skip_single, SLIDING=sliding_window is not None, PREC=precision(q))
+                SKIP_SINGLE=skip_single, SLIDING=sliding_window is not None, PREC=precision(q),
+                KV_FP8=kv_scales is not None)
     if config is None:
         config = prefill_plan(dim, q.dtype, max_seqlen_q)
     if config is None:

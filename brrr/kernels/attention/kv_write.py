@@ -25,7 +25,8 @@ if triton is not None:
         mantissa bits, smallest normal exponent EMIN; subnormals a fixed step) in fp32 arithmetic, so the cast that
         follows is exact. The hardware's cast rounds the same way; Triton's interpreter does not carry a rounding
         into the exponent (7.9 -> 4.0 in e4m3), so the rounding is done here for both."""
-        x = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        # correctly rounded: Triton's fp32 `/` is an approximate division on CUDA, off by an ulp now and then
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -fp8_max), fp8_max)
         a = tl.abs(x)
         top = a.to(tl.int32, bitcast=True) & 0x7F800000  # 2^floor(log2 a): the exponent bits alone
         ulp = tl.maximum(top - (MANT << 23), (EMIN - MANT + 127) << 23).to(tl.float32, bitcast=True)

@@ -26,6 +26,7 @@ from brrr.train.dpo_loss import LOSS_TYPES, dpo_loss
 from brrr.train.logprobs import sequence_sums, token_logprobs
 from brrr.train.policy import Policy, PolicyConfig
 from brrr.train.preference_data import PreferenceBatches, load_preferences, pair_batch
+from brrr.train.task import NoHeldOut
 
 # TRL's DPOConfig defaults where the loop has the knob (learning_rate 1e-6, max_length 1024, batch 8, no decay)
 DPO_LOOP = dict(seq_len=1024, micro_batch=8, grad_accum=1, max_steps=500, lr=1e-6, min_lr_ratio=0.0,
@@ -114,7 +115,7 @@ def _sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-class DPOTask:
+class DPOTask(NoHeldOut):
     """brrr dpo (brrr/train/task.py's interface)."""
     command, run_name, parallel, eval_at_start = "dpo", "DPO", False, False
     flops_per_token = 0.0  # set in build
@@ -190,17 +191,8 @@ class DPOTask:
                 f"{d['pairs']} pairs ({d['dropped_long_prompts']} left out: prompt >= --max-length; "
                 f"{d['truncated_pairs']} cut), reference log-probs {ref}; steps {st['step']} -> {st['max_steps']}")
 
-    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
-        return {}
-
     def eval_line(self, val: dict) -> str:
         return "no held-out pairs"
-
-    def eval_tokens(self, max_windows: int | None) -> int:
-        return 0
-
-    def predicted_memory(self, run) -> dict | None:
-        return None
 
     def log_fields(self) -> dict:
         out = {k: torch.cat(v).mean().item() for k, v in self.loss.metrics.items()}

@@ -42,6 +42,7 @@ from brrr.train.policy import Policy, PolicyConfig
 from brrr.train.rewards import Rewards
 from brrr.train.rollout import ColocatedRollout
 from brrr.train.sft import read_jsonl
+from brrr.train.task import NoHeldOut
 
 # TRL's GRPOConfig defaults where the loop has the knob (learning_rate 1e-6, batch 8 completions, no decay)
 GRPO_LOOP = dict(seq_len=None, micro_batch=8, grad_accum=1, max_steps=500, lr=1e-6, min_lr_ratio=0.0,
@@ -187,7 +188,7 @@ def _sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-class GRPOTask:
+class GRPOTask(NoHeldOut):
     """brrr grpo (brrr/train/task.py's interface)."""
     command, run_name, parallel, eval_at_start = "grpo", "GRPO", False, False
     flops_per_token = 0.0
@@ -332,17 +333,8 @@ class GRPOTask:
                 f"{len(self.prompt_ids)} prompts; rewards {' + '.join(self.rewards.names)}; "
                 f"steps {st['step']} -> {st['max_steps']}")
 
-    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
-        return {}
-
     def eval_line(self, val: dict) -> str:
         return "no held-out evaluation (the reward is logged each step)"
-
-    def eval_tokens(self, max_windows: int | None) -> int:
-        return 0
-
-    def predicted_memory(self, run) -> dict | None:
-        return None
 
     def log_fields(self) -> dict:
         out = {k: float(np.mean(v)) for k, v in self.stats.items()}

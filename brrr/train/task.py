@@ -93,3 +93,17 @@ class TrainTask(Protocol):
 def trainable(model: nn.Module) -> list[torch.nn.Parameter]:
     """The parameters a task trains: those that require gradients, in the model's order."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+class NoHeldOut:
+    """The TrainTask methods of a task with no held-out evaluation and no memory model (the RL and preference
+    tasks: their figures are the per-step logs)."""
+
+    def evaluate(self, run, max_windows: int | None) -> dict[str, float]:
+        return {}
+
+    def eval_tokens(self, max_windows: int | None) -> int:
+        return 0
+
+    def predicted_memory(self, run) -> dict | None:
+        return None

@@ -27,7 +27,7 @@ from brrr.errors import BrrrError
 from brrr.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from brrr.kernels.attention import decode_attention_triton, write_kv_ref, write_kv_triton
 from brrr.kernels.attention.plan import decode_splits
-from brrr.kernels.attention.prefill import _prefill_kernel_tuned, prefill_attention_triton
+from brrr.kernels.attention.prefill import prefill_attention_triton, tuned_prefill_config
 from brrr.kernels.dispatch import triton_available
 from brrr.kernels.fused_moe import fused_moe_triton
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
@@ -342,7 +342,7 @@ class KernelBench:
             cu = torch.arange(0, n + 1, tokens, dtype=torch.int32, device="cuda")
             out = torch.empty_like(q)
             seconds = self.time(lambda: prefill_attention_triton(q, k, v, cu, tokens, HEAD_DIM**-0.5, out=out))
-            config = getattr(_prefill_kernel_tuned, "best_config", None)
+            config = tuned_prefill_config()
             qs, ks, vs = (t.view(batch, tokens, t.shape[1], HEAD_DIM).transpose(1, 2).contiguous() for t in (q, k, v))
             peers = self._sdpa_peers(qs, ks, vs, causal=True)
             self.emit(prefill_attention_op(batch, tokens, HEADS, KV_HEADS, HEAD_DIM),

@@ -120,6 +120,11 @@ if triton is not None:
         prune_configs_by={"early_config_prune": _prune_prefill})(_prefill_kernel)
 
 
+def tuned_prefill_config():
+    """The config the prefill autotuner chose (None before a tuned launch, and without Triton)."""
+    return None if triton is None else getattr(_prefill_kernel_tuned, "best_config", None)
+
+
 def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache=None, v_cache=None,
                              context_lens=None, block_tables=None, sliding_window=None, skip_single=False,
                              out=None, config=None, kv_scales=None):

@@ -35,7 +35,7 @@ def test_fp8_write_quantizes_saturates_and_matches_reference(device, dtype):
     v = (torch.randn(n, kv_heads, dim, generator=g) * 10 ** (torch.rand(n, kv_heads, dim, generator=g) * 9 - 6)
          ).to(device)
     k[0, 0, 0], v[1, 1, 3] = 1e9, -1e9  # past either format's range: saturated to the largest finite value
-    k[2, 1, 5] = -0.0  # a negative zero keeps its sign bit, as torch's cast does
+    k[2, 1, 5], k[2, 1, 6] = -0.0, -1e-9  # a negative zero, and a negative rounded to zero, keep the sign bit
     scales = (torch.tensor([0.5], device=device), torch.tensor([2.0], device=device))
     slots = torch.tensor([0, 5, 6, 13, 15], device=device)
     caches = [tuple(torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=device) for _ in range(2))

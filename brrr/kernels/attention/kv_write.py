@@ -31,7 +31,10 @@ if triton is not None:
         top = a.to(tl.int32, bitcast=True) & 0x7F800000  # 2^floor(log2 a): the exponent bits alone
         ulp = tl.maximum(top - (MANT << 23), (EMIN - MANT + 127) << 23).to(tl.float32, bitcast=True)
         r = ((a / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds the small integer part to even
-        return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit, so -0.0 stays -0.0 as in torch
+        # x's sign bit onto r by bits: Triton negates a float as 0 - r, which turns -0.0 into +0.0 where torch's
+        # cast keeps it (an exact -0.0, or a tiny negative rounded to zero)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _write_kv_kernel(K, V, KC, VC, KS, VS, SLOTS, stride_kn, stride_kh, stride_vn, stride_vh,

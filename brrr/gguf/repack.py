@@ -4,12 +4,13 @@ one byte each. `dequantize_groupwise` of the result equals `gguf.quants.dequanti
 from __future__ import annotations
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from brrr.errors import BrrrError
 from brrr.gguf.dequant import _nibbles, _u8, k_scale_min
 
 REPACKABLE = {T.Q8_0: "q8_0", T.Q6_K: "q6_k", T.Q5_K: "q5_k", T.Q4_K: "q4_k"}
-BLOCK_BYTES = {T.Q8_0: 34, T.Q6_K: 210, T.Q5_K: 176, T.Q4_K: 144}
 
 
 def _f16(b: torch.Tensor, rows: int) -> torch.Tensor:
@@ -18,7 +19,10 @@ def _f16(b: torch.Tensor, rows: int) -> torch.Tensor:
 
 def repack_groupwise(blocks: torch.Tensor, qtype: T, rows: int, cols: int) -> tuple[str, dict]:
     """Raw bytes of a [rows, cols] tensor of type qtype -> (fmt, its group-wise tensors)."""
-    b = blocks.reshape(-1).view(torch.uint8).reshape(-1, BLOCK_BYTES[qtype])
+    if qtype not in REPACKABLE:
+        raise BrrrError(f"GGUF type {qtype.name} has no group-wise layout (those with one: "
+                        f"{', '.join(t.name for t in REPACKABLE)})")
+    b = blocks.reshape(-1).view(torch.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     n = b.shape[0]
     if qtype == T.Q8_0:
         return "q8_0", {"qweight": b[:, 2:].contiguous().view(torch.int8).reshape(rows, cols),

@@ -10,12 +10,19 @@ frozen copy of a full-parameter policy); the engine sleeps (its KV cache freed) 
 through the GRPO loss; at the next step the engine wakes and sees the new weights, which it shares with the
 trainer. The first micro-batch forward is the "old policy" of TRL's num_iterations = 1: the ratio is 1 in value,
 and the same forward measures the engine-vs-trainer mismatch |logp_engine - logp_trainer| (max and mean) and gives
-the truncated importance weights. Every log line carries the phase times (rollout_s, reference_logps_s, train_s,
-weight_sync_s, wake_s), the mismatch, and TRL's metrics (reward, reward_std, rewards/NAME/mean, frac_reward_zero_std,
-completions/mean_length, clip_ratio/*, kl).
+the truncated importance weights. Every log line carries the phase times of its step (weight_sync_s and wake_s
+before its rollout, rollout_s, reference_logps_s, train_s: its micro-batches and optimizer step), the mismatch, and
+TRL's metrics (reward, reward_std, rewards/NAME/mean, frac_reward_zero_std, completions/mean_length, clip_ratio/*,
+kl).
+
+--batch-invariant: the engine samples in the batch-invariant mode (docs/batch-invariance.md) and the trainer's
+log-prob forwards (the policy's and the reference's) run in it too, outside autocast as the engine does, so at
+temperature 1 with no top-p / top-k the first micro-batch's log-probs are the engine's bit for bit (mismatch 0).
+A full-parameter policy on CUDA then rolls out from its fp32 weights themselves, not a bf16 copy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
@@ -31,6 +38,7 @@ from brrr.analysis.model import param_counts
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.hub import resolve_model
+from brrr.kernels.batch_invariant import batch_invariant
 from brrr.pretrained import stop_token_ids
 from brrr.sampling_params import SamplingParams
 from brrr.tokenizer import Tokenizer
@@ -69,6 +77,7 @@ class GRPOTaskConfig(PolicyConfig):
     importance_sampling_correction: bool = True
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_clip_max: float = 3.0
+    batch_invariant: bool = False  # engine and trainer in the batch-invariant mode (vLLM's --batch-invariant)
 
     def check(self, loop: LoopConfig):
         for name, value, allowed in (("loss_type", self.loss_type, LOSS_TYPES),
@@ -87,6 +96,12 @@ class GRPOTaskConfig(PolicyConfig):
             raise BrrrError("--max-completion-length must be >= 1, --beta >= 0 and --epsilon > 0")
         if self.temperature <= 0:
             raise BrrrError(f"--temperature must be > 0 (GRPO samples), got {self.temperature}")
+        if self.batch_invariant and self.qlora:
+            raise BrrrError("--batch-invariant does not combine with --qlora: NF4 projections have no "
+                            "batch-invariant form")
+        if self.batch_invariant and self.peft and self.lora_dropout != 0:
+            raise BrrrError(f"--batch-invariant needs --lora-dropout 0 (got {self.lora_dropout}): the trainer's "
+                            f"forward drops adapter inputs the engine's does not, so their log-probs cannot agree")
 
 
 @dataclass(init=False)
@@ -163,7 +178,8 @@ class GRPOLoss(nn.Module):
     def forward(self, prompts, completions, advantages, ref_logps, engine_logps, num_items):
         t, cfg = self.task, self.task.cfg
         device = advantages.device
-        logps = completion_logprobs(t.model, prompts, completions, device, cfg.temperature)
+        with t.scoring(device):
+            logps = completion_logprobs(t.model, prompts, completions, device, cfg.temperature)
         mask = completion_mask([len(c) for c in completions], device)
         with torch.no_grad():  # the trainer's scoring of the engine's tokens, before this step's update
             delta = torch.nan_to_num((logps.detach() - engine_logps).abs() * mask)  # NaN: no engine logprob
@@ -228,6 +244,7 @@ class GRPOTask(NoHeldOut):
         self.policy = Policy(self.cfg, self.model_path, self.base_name, run.device)
         self.model = self.policy.model
         self.model_cfg = self.model.config
+        self.model_device = next(self.model.parameters()).device
         self.frozen_ref = None
         if self.cfg.beta != 0 and not self.policy.reference_is_live:  # full-parameter: a frozen copy, as TRL
             self.frozen_ref = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -237,19 +254,31 @@ class GRPOTask(NoHeldOut):
         self.flops_per_token = (6 if not self.policy.lora else 4) * param_counts(self.model_cfg)["total"]
         eos = stop_token_ids(self.model_path, self.model_cfg, self.tokenizer)
         # fp32 master weights on CUDA roll out from a bf16 serving copy (packed projections), synced by copying;
-        # adapters over a bf16 base, and anything on the CPU, share the trainer's tensors
-        copy_dtype = torch.bfloat16 if run.device.type == "cuda" and not self.policy.lora else None
+        # adapters over a bf16 base, anything on the CPU, and any policy in the batch-invariant mode (whose engine
+        # runs the trainer's weights in their own dtype) share the trainer's tensors
+        copy_dtype = torch.bfloat16 if run.device.type == "cuda" and not self.policy.lora \
+            and not self.cfg.batch_invariant else None
         self.engine = ColocatedRollout(self.model, self.tokenizer, eos, self.max_model_len,
-                                       max(8, self.batches.prompts_per_step * self.cfg.num_generations), copy_dtype)
+                                       max(8, self.batches.prompts_per_step * self.cfg.num_generations), copy_dtype,
+                                       batch_invariant=self.cfg.batch_invariant)
         self.kv_bytes = self.engine.kv_cache_bytes()
         self._train_start = None
         return self.model
 
+    def scoring(self, device):
+        """The context of the trainer's log-prob forwards: with --batch-invariant the mode, outside autocast (the
+        engine runs the weights in their own dtype), so they run the engine's ops; else nothing."""
+        if not self.cfg.batch_invariant:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(torch.device(device).type, enabled=False))
+        stack.enter_context(batch_invariant())
+        return stack
+
     # -- one step's data -------------------------------------------------------------------------------------
     def rollout(self, step: int, indices: list[int], device) -> dict:
         cfg, ph = self.cfg, self.phase
-        if self._train_start is not None:  # the previous step's micro-batches, optimizer step and log line
-            ph["train_s"] = time.perf_counter() - self._train_start
+        ph.clear()  # this step's phases only
         if self.engine.asleep:
             ph["weight_sync_s"] = self.engine.sync_weights()
             start = time.perf_counter()
@@ -297,7 +326,7 @@ class GRPOTask(NoHeldOut):
         self.model.eval()
         out = []
         mb = self.batches.micro_batch
-        with self.policy.reference() if self.frozen_ref is None else torch.no_grad():
+        with self.policy.reference() if self.frozen_ref is None else torch.no_grad(), self.scoring(device):
             for s in range(0, len(prompts), mb):
                 out.append(completion_logprobs(model, prompts[s:s + mb], completions[s:s + mb], device,
                                                self.cfg.temperature))
@@ -327,7 +356,8 @@ class GRPOTask(NoHeldOut):
         c, st = self.cfg, run.state
         return (f"GRPO ({c.loss_type}, beta {c.beta}, {c.num_generations} generations x "
                 f"{self.batches.prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
-                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process over "
+                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process"
+                f"{' in the batch-invariant mode' if c.batch_invariant else ''} over "
                 f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache "
                 f"{self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
                 f"{len(self.prompt_ids)} prompts; rewards {' + '.join(self.rewards.names)}; "
@@ -337,6 +367,12 @@ class GRPOTask(NoHeldOut):
         return "no held-out evaluation (the reward is logged each step)"
 
     def log_fields(self) -> dict:
+        """The step's metrics; called after its optimizer step, which ends its train phase."""
+        if self._train_start is not None:
+            if self.model_device.type == "cuda":
+                torch.cuda.synchronize(self.model_device)  # the optimizer step is queued, not done
+            self.phase["train_s"] = time.perf_counter() - self._train_start
+            self._train_start = None
         out = {k: float(np.mean(v)) for k, v in self.stats.items()}
         for k, v in self.loss.metrics.items():
             values = torch.stack([x.float() for x in v])

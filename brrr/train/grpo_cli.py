@@ -51,6 +51,10 @@ def register(sub):
                    help="per token or per sequence; truncate at the cap, or mask out beyond it")
     p.add_argument("--importance-sampling-clip-max", type=float, default=t.importance_sampling_clip_max,
                    help="the cap of the importance weights")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="engine and trainer in the batch-invariant mode: at temperature 1 (no top-p/top-k) the "
+                        "rollout's log-probs equal the trainer's bit for bit (needs --lora-dropout 0 with "
+                        "--use-peft; the trainer's forwards run outside autocast; docs/batch-invariance.md)")
     add_policy_flags(p, t)
     add_loop_flags(p, d)
     p.set_defaults(func=cmd_grpo)

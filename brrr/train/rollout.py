@@ -14,7 +14,7 @@ fork its KV blocks); the engine returns each sampled token's log-probability (ra
 
 Between rollouts the engine sleeps: the KV cache's tensors are freed for the train step (ModelRunner.sleep) and
 reallocated after it (wake), with the prefix cache reset. CUDA graphs are off for the colocated engine: a graph
-would replay into the freed cache. Engine options (batch invariance, once the engine has it) pass through
+would replay into the freed cache. Engine options (batch_invariant: brrr grpo --batch-invariant) pass through
 `engine_config`.
 """
 from __future__ import annotations

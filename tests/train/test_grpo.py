@@ -108,6 +108,41 @@ def test_cli_logs_phases_and_mismatch(tiny, tmp_path):
     assert (out / "adapter_config.json").is_file()
 
 
+@pytest.mark.parametrize("invariant, peft", [(True, False), (True, True), (False, False)])
+def test_batch_invariant_rollout_logprobs_are_the_trainers(tiny, tmp_path, invariant, peft):
+    """--batch-invariant: at step 0 the engine's per-token log-probs of the rollout are the trainer's old-policy
+    log-probs of the same completions bit for bit (its first micro-batch forward, gradients on, train mode), so the
+    logged mismatch is 0; with the mode off they agree up to rounding."""
+    kw = dict(num_generations=4, micro_batch=8, max_steps=1, max_completion_length=8, batch_invariant=invariant,
+              **(dict(use_peft=True, lora_r=4, lora_dropout=0.0) if peft else {}))
+    task = GRPOTask(_cfg(tiny, "", **kw).task, Rewards([target_share]))
+    trainer = Trainer(_cfg(tiny, tmp_path / "run", **kw), task)
+    prompts, completions, _, _, engine, _ = task.batches.batch_at(0, trainer.device)
+    assert task.engine.core.config.batch_invariant is invariant
+    assert max(map(len, completions)) > 1 and not engine.isnan().any()
+    task.model.train()
+    with task.scoring(trainer.device):
+        mine = completion_logprobs(task.model, prompts, completions, trainer.device)
+    assert mine.requires_grad
+    if invariant:
+        assert torch.equal(mine.detach(), engine), (mine.detach() - engine).abs().max()
+    else:
+        torch.testing.assert_close(mine.detach(), engine, rtol=1e-4, atol=1e-4)
+    task.loss.metrics.clear()
+    trainer.run()  # step 0 again from its cached rollout, through GRPOLoss
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines() if '"reward"' in x]
+    if invariant:
+        assert log[0]["logprob_mismatch/max"] == 0.0
+    assert log[0]["train_s"] > 0 and log[0]["rollout_s"] > 0
+
+
+def test_batch_invariant_refuses_what_breaks_bit_identity(tiny, tmp_path):
+    with pytest.raises(BrrrError, match="--batch-invariant needs --lora-dropout 0"):
+        Trainer(_cfg(tiny, tmp_path / "a", batch_invariant=True, use_peft=True))
+    with pytest.raises(BrrrError, match="--batch-invariant does not combine with --qlora"):
+        Trainer(_cfg(tiny, tmp_path / "b", batch_invariant=True, qlora=True, lora_dropout=0.0))
+
+
 def test_bad_flags(tiny, tmp_path):
     with pytest.raises(BrrrError, match="multiple of --num-generations"):
         Trainer(_cfg(tiny, tmp_path / "a", micro_batch=6))

@@ -14,7 +14,7 @@ import importlib
 
 BENCH_MODULES = ["brrr.bench.serve", "brrr.bench.latency", "brrr.bench.throughput", "brrr.bench.kernels",
                  "brrr.bench.guided", "brrr.bench.engine_stats", "brrr.bench.finetune", "brrr.bench.lora",
-                 "brrr.bench.train", "brrr.bench.serve_overhead"]
+                 "brrr.bench.train", "brrr.bench.serve_overhead", "brrr.bench.rl"]
 
 
 def register_bench_module(module: str) -> None:

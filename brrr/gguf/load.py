@@ -22,9 +22,9 @@ from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.gguf.config import hf_config
 from brrr.gguf.dequant import SUPPORTED, dequantize
-from brrr.gguf.repack import REPACKABLE, repack_groupwise
 from brrr.gguf.names import hf_name, permuted_heads, row_order
 from brrr.gguf.reader import GGUFFile, open_gguf
+from brrr.gguf.repack import REPACKABLE, repack_groupwise
 from brrr.models import model_class
 from brrr.quant.formats import pack_int4
 from brrr.quant.linear import PROJECTIONS, QuantLinear

@@ -7,7 +7,8 @@ dequant.py    torch dequantizers per block type, bit-identical to `gguf.quants.d
 kquants.py    brrr's own Q4_K / Q6_K quantizers (the gguf package has none), and Q8_0 / Q4_0 through gguf.quants
 tokenizer.py  `tokenizer.ggml.*` -> a `tokenizers` tokenizer (byte-level BPE or SentencePiece-style BPE) and back
 writer.py     HF tensors, config and tokenizer -> a GGUF file with `gguf.GGUFWriter`
-load.py       a GGUF file -> a brrr model (Q4_0 repacked into int4 QuantLinear, the rest dequantized)
+repack.py     Q8_0 / Q4_K / Q5_K / Q6_K blocks -> the group-wise layouts of brrr/kernels/quant/groupwise.py, exactly
+load.py       a GGUF file -> a brrr model (Q4_0 as int4, Q8_0 / Q4_K-Q6_K group-wise QuantLinear; the rest dequantized)
 export.py     `brrr export gguf`: an HF directory -> a GGUF file
 docs/gguf.md teaches the format."""
 from brrr.gguf.reader import GGUFFile, is_gguf, open_gguf

@@ -3,10 +3,13 @@ memory map once.
 
 Where brrr has a weight-only module that holds a block type exactly, the projection keeps its codes: Q4_0 (32
 weights, one fp16 scale d, w = d (q - 8)) is brrr's symmetric int4 with group size 32, so it is repacked into an
-int4 QuantLinear (codes re-laid for the W4A16 kernels, scales d widened to fp32, no float copy of the weight).
-Every other type, and every non-projection tensor (embeddings, lm_head, norms), is dequantized (dequant.py) into
-the model's dtype. Q8_0 is not repacked: brrr's W8A16 keeps one scale per output row, Q8_0 one per 32 weights.
-The load logs (logger "brrr.gguf") which projections took the dequantized path and why."""
+int4 QuantLinear (codes re-laid for the W4A16 kernels, scales d widened to fp32, no float copy of the weight);
+Q8_0, Q4_K, Q5_K and Q6_K are repacked (repack.py) into the group-wise QuantLinear formats q8_0 / q4_k / q5_k /
+q6_k, which keep the file's fp16 d / dmin and integer sub-block scales and run brrr/kernels/quant/groupwise.py.
+Rows are whole blocks (the reader refuses a tensor whose row is not), so every such tensor fits its layout.
+The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K), and every non-projection tensor (embeddings, lm_head, norms), are
+dequantized (dequant.py) into the model's dtype. The load logs (logger "brrr.gguf") which projections took the
+dequantized path and why."""
 from __future__ import annotations
 
 import logging
@@ -21,12 +24,13 @@ from brrr.gguf.config import hf_config
 from brrr.gguf.dequant import SUPPORTED, dequantize
 from brrr.gguf.names import hf_name, permuted_heads, row_order
 from brrr.gguf.reader import GGUFFile, open_gguf
+from brrr.gguf.repack import REPACKABLE, repack_groupwise
 from brrr.models import model_class
 from brrr.quant.formats import pack_int4
 from brrr.quant.linear import PROJECTIONS, QuantLinear
 
 log = logging.getLogger("brrr.gguf")
-REPACKED = {T.Q4_0: "int4"}  # block type -> the QuantLinear format that holds it exactly
+REPACKED = {T.Q4_0: "int4", **REPACKABLE}  # block type -> the QuantLinear format that holds it exactly
 
 
 def gguf_config(f: GGUFFile) -> ModelConfig:
@@ -44,7 +48,8 @@ def q4_0_int4(blocks: torch.Tensor, rows: int, cols: int) -> dict:
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, repack: bool = True):
-    """The model a GGUF file holds, in `dtype` on `device`. repack: keep Q4_0 projections as int4 QuantLinear."""
+    """The model a GGUF file holds, in `dtype` on `device`. repack: keep the projections of the REPACKED types as
+    QuantLinear (off: every quantized projection dequantized, the reference the repacked model is tested against)."""
     f = open_gguf(path)
     cfg = gguf_config(f)
     if not cfg.runnable:
@@ -78,9 +83,10 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
             data = data.reshape(t.shape[0], -1)[row_order(t.shape[0], heads).to(device)]
         is_projection = leaf == "weight" and module_name.rsplit(".", 1)[-1] in PROJECTIONS and len(t.shape) == 2
         if is_projection and repack and t.type in REPACKED:
-            linear = model.get_submodule(module_name)
-            q = QuantLinear("int4", q4_0_int4(data.reshape(t.shape[0], -1), *t.shape), linear.in_features,
-                            linear.out_features, linear.bias, dtype=dtype)
+            linear, blocks = model.get_submodule(module_name), data.reshape(t.shape[0], -1)
+            fmt, tensors = (("int4", q4_0_int4(blocks, *t.shape)) if t.type == T.Q4_0
+                            else repack_groupwise(blocks, t.type, *t.shape))
+            q = QuantLinear(fmt, tensors, linear.in_features, linear.out_features, linear.bias, dtype=dtype)
             parent, _, attr = module_name.rpartition(".")
             setattr(model.get_submodule(parent), attr, q)
             filled.add(hf)
@@ -90,8 +96,9 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
         target.data.copy_(dequantize(data, t.type, t.shape))
         filled.add(hf)
     if fallback:
-        log.info("%s: %d quantized projections dequantized to %s (no exact brrr module for their type): %s",
-                 path, len(fallback), str(dtype).removeprefix("torch."), ", ".join(fallback))
+        why = "no exact brrr module for their type" if repack else "repack=False"
+        log.info("%s: %d quantized projections dequantized to %s (%s): %s", path, len(fallback),
+                 str(dtype).removeprefix("torch."), why, ", ".join(fallback))
     missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

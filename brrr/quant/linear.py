@@ -8,6 +8,9 @@ It takes a format's tensors as a checkpoint stores them and keeps them in the la
        activations through `torch._int_mm` (brrr/quant/w8a8.py)
   fp8: weight-only stored `chunk_major` with a scale per row for the W8A16 kernels (which convert E4M3 bytes where
        they convert int8 ones), or as stored with activations="fp8" (FP8 W8A8): `torch._scaled_mm`
+  q8_0, q4_k, q5_k, q6_k: GGUF blocks repacked exactly (brrr/gguf/repack.py) into the group-wise layouts of
+       brrr/kernels/quant/groupwise.py, every tensor [N, ...] by rows; forward = `groupwise_matmul` (Triton on CUDA,
+       torch reference elsewhere)
   nf4, act-order GPTQ: as stored; forward dequantizes the weight in torch (correct, not fast).
 `state_dict()` gives the checkpoint format back, so `save_quantized` writes what the loader reads.
 
@@ -20,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from brrr.kernels.activation import silu_and_mul
-from brrr.kernels.quant import (chunk_major, dequantize_w4, pack_int4_kernel, unpack_int4_kernel, w4a16_gated_matmul,
-                                w4a16_matmul, w8a16_gated_matmul, w8a16_matmul, with_norm_and_residual)
+from brrr.kernels.quant import (GROUPWISE_GROUPS, chunk_major, dequantize_groupwise, dequantize_w4, groupwise_matmul,
+                                pack_int4_kernel, unpack_int4_kernel, w4a16_gated_matmul, w4a16_matmul,
+                                w8a16_gated_matmul, w8a16_matmul, with_norm_and_residual)
 from brrr.kernels.rms_norm import PendingNorm
 from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4
@@ -62,11 +66,13 @@ class QuantLinear(nn.Module):
     @classmethod
     def concat(cls, mods: list["QuantLinear"]) -> "QuantLinear | None":
         """One QuantLinear computing the given ones side by side (their outputs concatenated), for packed q/k/v
-        and gate/up GEMMs; None when they cannot be joined (different formats, nf4, act-order GPTQ)."""
+        and gate/up GEMMs; None when they cannot be joined (different formats, nf4, act-order GPTQ). GGUF types
+        differ in group, code width and scale tensors, so a Q4_K_M file's Q4_K q/k beside its Q6_K v have no joint
+        layout: None, and prepare_for_serving keeps those three unpacked (each its own exact GEMV)."""
         first = mods[0]
         same = all(m.fmt == first.fmt and m.activations == first.activations and m.group_size == first.group_size
                    and m.in_features == first.in_features and (m.bias is None) == (first.bias is None) for m in mods)
-        if not same or first.fmt not in ("int4", "int8", "fp8"):
+        if not same or first.fmt not in ("int4", "int8", "fp8", *GROUPWISE_GROUPS):
             return None
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -80,6 +86,8 @@ class QuantLinear(nn.Module):
                                    for m in mods], dim=1)
             tensors = {"qweight": chunk_major(torch.cat([m.qweight for m in mods])),
                        "scales": torch.cat([m.scales for m in mods], dim=1), "zeros": zeros}
+        elif first.fmt in GROUPWISE_GROUPS:  # every tensor [N, ...] by rows, groups along K: joined by rows
+            tensors = {name: torch.cat([getattr(m, name) for m in mods]) for name in first.tensor_names}
         else:  # qweight [N, K] (chunk-major for weight-only int8), scales [N] (an fp8 per-tensor [1] repeats per row)
             qweight = torch.cat([m.qweight for m in mods])
             tensors = {"qweight": chunk_major(qweight) if qweight.dim() == 3 else qweight,
@@ -110,6 +118,8 @@ class QuantLinear(nn.Module):
         """The float32 weight [out, in]."""
         if self.fmt == "int4":
             return dequantize_w4(self.qweight, self.scales, self.zeros, self.group_size)
+        if self.fmt in GROUPWISE_GROUPS:
+            return dequantize_groupwise(self.fmt, **self.tensors())
         tensors = self.checkpoint_tensors()
         if "shape" in tensors:  # known on the host: reading the stored one from the GPU would sync (and break capture)
             tensors["shape"] = torch.tensor([self.out_features, self.in_features])
@@ -143,6 +153,8 @@ class QuantLinear(nn.Module):
 
             run = int8_w8a8_linear if self.activations == "int8" else fp8_w8a8_linear
             return run(x, self.qweight, self.scales, bias)
+        if self.fmt in GROUPWISE_GROUPS:
+            return groupwise_matmul(x, self.fmt, **self.tensors(), bias=bias)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def gated(self, x):

@@ -92,7 +92,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
     if fallback:
         log.info("%s: %d quantized projections dequantized to %s (no exact brrr module for their type): %s",
                  path, len(fallback), str(dtype).removeprefix("torch."), ", ".join(fallback))
-    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
+    missing = sorted(n for n, _ in model.checkpoint_tensors() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BrrrError(f"{path} is missing tensors: {shown}")

@@ -19,6 +19,9 @@ from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.moe_experts import moe_experts, moe_experts_ref
 from brrr.kernels.moe_routing import route
 
+BALANCING_BIAS = "e_score_correction_bias"  # DeepSeek-V3's router buffer, under its checkpoint name
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate x) * up x) of a given width; Mixtral's experts name the three w1 (gate), w3 (up), w2 (down)."""
 
@@ -44,11 +47,10 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.deepseek = cfg.architecture.startswith("Deepseek")
-        if cfg.router_scoring == "sigmoid_grouped":
-            # a parameter (the loader fills parameters) that no gradient reaches: it only picks experts
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
-        else:
-            self.e_score_correction_bias = None
+        # a buffer (as in transformers): no gradient reaches it, it only picks experts; training moves it after
+        # each optimizer step (brrr/train/moe_loss.py's bias balancing); checkpoints hold it
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.num_experts) if cfg.router_scoring == "sigmoid_grouped" else None)
 
     def forward(self, x):
         """-> router logits [T, E]; DeepSeek's routers compute them in fp32, the others in x's dtype."""

@@ -73,7 +73,7 @@ def load_model(path: str | Path, dtype=None, device: str | torch.device = "cpu")
     skip = swap_quantized(model, qc, files, device) if qc else set()  # projections -> QuantLinear, filled here
     for file in files:
         _load_file(model, file, filled, skip)
-    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
+    missing = sorted(n for n, _ in model.checkpoint_tensors() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BrrrError(f"checkpoint in {path} is missing tensors: {shown}")

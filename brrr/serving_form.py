@@ -32,8 +32,9 @@ from brrr.kernels.dispatch import fast_path
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.lora.serving_slots import LoraLinear, LoraSlots
 from brrr.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from brrr.models.moe import SparseMoeBlock
+from brrr.models.moe import QuantStackedMoeBlock, SparseMoeBlock
 from brrr.prune.semi_structured import swap_semi_structured
+from brrr.quant.experts import expert_stacks
 from brrr.quant.linear import QuantLinear
 
 
@@ -298,6 +299,8 @@ def prepare_for_serving(model: LlamaForCausalLM, engine_config: EngineConfig,
             layer.mlp = _serving_mlp(layer.mlp, lora)
         elif type(layer.mlp) is SparseMoeBlock and layer.mlp.stackable():  # stacked for the grouped GEMMs
             layer.mlp = layer.mlp.stacked()
+        elif type(layer.mlp) is SparseMoeBlock and (stacks := expert_stacks(layer.mlp.experts)) is not None:
+            layer.mlp = QuantStackedMoeBlock(layer.mlp, *stacks)  # int8 / int4 experts: the fused quantized kernel
     if lora is None:  # LoRA slots wrap the dense projections
         swap_semi_structured(model)  # 2:4-pruned projections (and their packed forms) onto the sparse GEMM
     else:

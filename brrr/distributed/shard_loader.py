@@ -44,7 +44,7 @@ def load_shard(path: Path | None, files: list[Path], part: Partition, comm: Coll
                                 f"{part.rank} of {part.world} expects {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled.add(name)
-    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
+    missing = sorted(n for n, _ in model.checkpoint_tensors() if n not in filled)
     if missing:
         raise BrrrError(f"checkpoint in {path} is missing tensors: {', '.join(missing[:5])}")
     return model.requires_grad_(False).eval()

@@ -99,7 +99,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
         why = "no exact brrr module for their type" if repack else "repack=False"
         log.info("%s: %d quantized projections dequantized to %s (%s): %s", path, len(fallback),
                  str(dtype).removeprefix("torch."), why, ", ".join(fallback))
-    missing = sorted(n for n, _ in model.named_parameters() if n not in filled)
+    missing = sorted(n for n, _ in model.checkpoint_tensors() if n not in filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BrrrError(f"{path} is missing tensors: {shown}")

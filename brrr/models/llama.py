@@ -18,7 +18,7 @@ from brrr.kernels import (AttnMeta, add_rms_norm, attention, rms_norm, rope_inv_
                           silu_and_mul)
 from brrr.kernels.rms_norm import embed_rms_norm
 from brrr.models.mla import MLAttention
-from brrr.models.moe import SparseMoeBlock, is_sparse
+from brrr.models.moe import BALANCING_BIAS, SparseMoeBlock, is_sparse
 from brrr.state_dict import checkpoint_name
 
 
@@ -164,11 +164,20 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits of the final hidden states [rows, hidden]."""
         return self.lm_head(hidden).float()
 
-    def checkpoint_target(self, name: str) -> torch.nn.Parameter | None:
-        """The parameter checkpoint tensor `name` goes into, or None for tensors to skip. Unknown: AttributeError."""
+    def checkpoint_target(self, name: str) -> torch.Tensor | None:
+        """The parameter (or balancing-bias buffer) checkpoint tensor `name` goes into, or None for tensors to skip.
+        Unknown: AttributeError."""
         if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved this derived buffer
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # same storage as embed_tokens
-        return self.get_parameter(checkpoint_name(self.config, name))
+        name = checkpoint_name(self.config, name)
+        if name.endswith(BALANCING_BIAS):
+            return self.get_buffer(name)
+        return self.get_parameter(name)
+
+    def checkpoint_tensors(self):
+        """(name, tensor) of everything a checkpoint fills: the parameters and DeepSeek-V3's balancing biases."""
+        yield from self.named_parameters()
+        yield from ((n, b) for n, b in self.named_buffers() if n.endswith(BALANCING_BIAS))
 

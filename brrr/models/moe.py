@@ -16,8 +16,12 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.kernels.activation import silu_and_mul
+from brrr.kernels.fused_moe_quant import QuantExperts, fused_moe_quant
 from brrr.kernels.moe_experts import moe_experts, moe_experts_ref
 from brrr.kernels.moe_routing import route
+
+BALANCING_BIAS = "e_score_correction_bias"  # DeepSeek-V3's router buffer, under its checkpoint name
+
 
 class GatedMLP(nn.Module):
     """down(silu(gate x) * up x) of a given width; Mixtral's experts name the three w1 (gate), w3 (up), w2 (down)."""
@@ -44,11 +48,10 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.deepseek = cfg.architecture.startswith("Deepseek")
-        if cfg.router_scoring == "sigmoid_grouped":
-            # a parameter (the loader fills parameters) that no gradient reaches: it only picks experts
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
-        else:
-            self.e_score_correction_bias = None
+        # a buffer (as in transformers): no gradient reaches it, it only picks experts; training moves it after
+        # each optimizer step (brrr/train/moe_loss.py's bias balancing); checkpoints hold it
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.num_experts) if cfg.router_scoring == "sigmoid_grouped" else None)
 
     def forward(self, x):
         """-> router logits [T, E]; DeepSeek's routers compute them in fp32, the others in x's dtype."""
@@ -98,7 +101,7 @@ class SparseMoeBlock(nn.Module):
         return self.add_shared(x, moe_experts_ref(x, weights, ids, [e.projections() for e in self.experts]))
 
     def stackable(self) -> bool:
-        """Whether the experts are plain Linears (quantized expert modules stay in the per-expert loop)."""
+        """Whether the experts are plain Linears (quantized ones stack into `QuantStackedMoeBlock` instead)."""
         return all(type(p) is nn.Linear for e in self.experts for p in e.projections())
 
     def stacked(self) -> "StackedMoeBlock":
@@ -123,6 +126,30 @@ class StackedMoeBlock(SparseMoeBlock):
     def forward(self, x):
         weights, ids = self.route(x)
         return self.add_shared(x, moe_experts(x, weights, ids, self.w_gate_up, self.w_down))
+
+class QuantStackedMoeBlock(SparseMoeBlock):
+    """The serving form of a block whose experts are weight-only int8 or int4 (`brrr quantize`): the stacks the
+    fused quantized-MoE kernel reads, gate_up [E, 2I, H] and down [E, H, I] as `QuantExperts` (brrr/quant/experts.py
+    builds them from the per-expert QuantLinears); router and shared experts are the reference block's modules."""
+
+    def __init__(self, block: SparseMoeBlock, gate_up: QuantExperts, down: QuantExperts):
+        nn.Module.__init__(self)
+        self.cfg, self.top_k, self.last_routing = block.cfg, block.top_k, None
+        self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
+        self.shared_experts = block.shared_experts
+        self.group_sizes = (gate_up.group_size, down.group_size)
+        for prefix, stack in (("gate_up", gate_up), ("down", down)):  # buffers: they move with the model
+            for name in ("qweight", "scales", "zeros"):
+                self.register_buffer(f"{prefix}_{name}", getattr(stack, name))
+
+    def stacks(self) -> tuple[QuantExperts, QuantExperts]:
+        return tuple(QuantExperts(getattr(self, f"{p}_qweight"), getattr(self, f"{p}_scales"),
+                                  getattr(self, f"{p}_zeros"), g) for p, g in zip(("gate_up", "down"), self.group_sizes))
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        return self.add_shared(x, fused_moe_quant(x, weights, ids, *self.stacks()))
+
 
 def is_sparse(cfg: ModelConfig, layer: int) -> bool:
     return cfg.num_experts > 0 and layer not in cfg.dense_mlp_layers

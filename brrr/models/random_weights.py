@@ -38,7 +38,7 @@ def randomize(model, seed: int = 0):
     """Fill a model's parameters as transformers initializes a Llama (norms 1, biases 0); also a tensor-parallel
     shard's, which each rank fills on its own device."""
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in model.checkpoint_tensors():  # DeepSeek-V3's balancing biases too: zero, as transformers starts them
         if "norm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from brrr.errors import BrrrError
-from brrr.state_dict import hf_state_dict
+from brrr.state_dict import checkpoint_name, hf_state_dict
 from brrr.quant.formats import DEQUANTIZE
 from brrr.quant.linear import ACTIVATIONS, QuantLinear, projections
 from brrr.quant.published import published_format
@@ -46,7 +46,7 @@ def save_quantized(model, config: dict, out_dir: str | Path, source_dir: str | P
 
 
 def _is_quant_tensor(model, key: str) -> bool:
-    parent, _, leaf = key.rpartition(".")
+    parent, _, leaf = checkpoint_name(model.config, key).rpartition(".")
     try:
         return isinstance(model.get_submodule(parent), QuantLinear) and leaf != "bias"
     except AttributeError:
@@ -97,7 +97,7 @@ def swap_quantized(model, qc: dict, files: list[Path], device) -> set[str]:
     found: dict[str, dict] = {}
     consumed = set()
     for parent, leaf, f, key in quantized_entries(files, names, lambda module: module.rsplit(".", 1)[-1] in kinds):
-        found.setdefault(parent, {})[leaf] = f.get_tensor(key)
+        found.setdefault(checkpoint_name(model.config, parent), {})[leaf] = f.get_tensor(key)  # Mixtral's names
         consumed.add(key)
     for name, linear in projections(model, lm_head):
         tensors = found.get(name, {})

@@ -31,6 +31,7 @@ from brrr.quant.formats import DEQUANTIZE, pack_int4, unpack_int4
 from brrr.quant.published import published_int4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # Mixtral's experts' gate, up, down (the others' use the names above)
 ACTIVATIONS = {"int8": "int8", "fp8": "fp8"}  # activation mode -> the weight format it needs
 
 
@@ -189,9 +190,16 @@ def _int4_codes(fmt: str, tensors: dict):
     return None
 
 
+def is_projection(name: str) -> bool:
+    """A decoder-layer projection by its qualified name: attention's, a dense MLP's, a routed or shared expert's.
+    MoE routers (`mlp.gate`, Qwen2-MoE's `shared_expert_gate`) are not: they stay in floating point."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in PROJECTIONS or (leaf in EXPERT_PROJECTIONS and ".experts." in name)
+
+
 def projections(model, lm_head: bool = False) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every decoder-layer projection, in forward order; lm_head last if asked."""
-    mods = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+    mods = [(n, m) for n, m in model.named_modules() if is_projection(n)]
     return mods + [("lm_head", model.lm_head)] if lm_head else mods
 
 

@@ -6,6 +6,8 @@ Each method ends in `swap_linears`, so the model file never changes; the returne
 token at run time)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from brrr.errors import BrrrError
@@ -21,10 +23,14 @@ METHOD_FORMAT = {"rtn-int8": "int8", "rtn-int4": "int4", "gptq": "int4", "awq": 
                  "smoothquant": "int8", "fp8-w8a8": "fp8"}
 METHOD_ACTIVATIONS = {"smoothquant": "int8", "fp8-w8a8": "fp8"}
 NEEDS_CALIBRATION = ("gptq", "awq", "smoothquant")
+FOLDING = ("awq", "smoothquant")  # methods that fold per-channel scales into the layers (Llama's fold groups only)
 # GPTQ's order within a layer; the projections of a group read one input
 SEQUENTIAL = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+GATE_UP = ("gate_proj", "up_proj", "w1", "w3")  # an expert's projections that read the block's input
 AWQ_TOKENS = 512  # calibration tokens kept per input for AWQ's searches (the reference's clip search uses 512)
+
+log = logging.getLogger(__name__)
 
 
 def quant_linear(fmt: str, linear, tensors: dict, activations: str | None = None) -> QuantLinear:
@@ -60,6 +66,10 @@ def quantize_model(model, method: str, group_size: int = 128, symmetric: bool = 
     if fmt == "int4":
         for name, linear in projections(model, lm_head):
             formats.check_group(linear.in_features, group_size)
+    if method in FOLDING and model.config.num_experts:
+        raise BrrrError(f"--method {method} folds scales into the producer of each projection's input (a norm), which "
+                        f"in an MoE layer also feeds the router and every expert; {model.config.architecture} is "
+                        f"an MoE model: use rtn-int8, rtn-int4 or gptq")
     if method in NEEDS_CALIBRATION and (calib is None or calib.numel() == 0):
         raise BrrrError(f"--method {method} needs calibration data: pass --calib DIR|FILE")
     if method == "gptq":
@@ -95,19 +105,42 @@ def _gptq(model, calib, group_size, symmetric, act_order, show_progress=False):
     before it, already quantized, pass it on, so GPTQ also corrects the error they add. Within a layer, true
     sequential (AutoGPTQ's default): q/k/v, then o, gate/up, down, each group's inputs recorded with the groups
     before it already quantized; projections that read one input share one Hessian."""
+    unseen = []
     with progress("gptq", len(projections(model)), show_progress) as advance:
-        for _, layer, replay in layer_by_layer(model, calib):
-            names = [n for n, _ in projections(layer)]
-            groups = [[n for n in g if n in names] for g in SEQUENTIAL]
-            groups += [[n] for n in names if not any(n in g for g in groups)]
+        for i, layer, replay in layer_by_layer(model, calib):
             device = layer.input_layernorm.weight.device  # on a GPU the Hessians and the sweep stay there
-            for group in filter(None, groups):
+            for group in gptq_groups([n for n, _ in projections(layer)]):
                 hessian = Hessian(layer.get_submodule(group[0]).in_features, device)
                 with recording(layer, lambda name, x: hessian.add(x), only={group[0]}, stop=True):
                     replay()
-                swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_quantize(
-                    linear.weight.detach(), hessian.H, group_size, symmetric, act_order)), only=set(group))
+                if hessian.n == 0:
+                    unseen += [f"model.layers.{i}.{n}" for n in group]
+                swap_linears(layer, lambda name, linear: quant_linear("int4", linear, gptq_or_rtn(
+                    linear.weight.detach(), hessian, group_size, symmetric, act_order)), only=set(group))
                 advance(len(group))
+    if unseen:
+        log.info("gptq: %d expert projections saw no calibration tokens and were rounded to nearest: %s",
+                 len(unseen), ", ".join(unseen))
+
+
+def gptq_or_rtn(w, hessian: Hessian, group_size: int, symmetric: bool, act_order: bool) -> dict:
+    """GPTQ of w over the Hessian, or round-to-nearest when no calibration token reached it (an MoE expert the
+    router never picked): an empty Hessian makes every input dead, and GPTQ would zero the whole weight."""
+    if hessian.n == 0:
+        return formats.quantize_int4(w, group_size, symmetric)
+    return gptq_quantize(w, hessian.H, group_size, symmetric, act_order)
+
+
+def gptq_groups(names: list[str]) -> list[list[str]]:
+    """A decoder layer's projections (names relative to it, in forward order) in GPTQ's order, those that read one
+    input together: SEQUENTIAL, then each MoE expert's (and shared expert's) gate/up, then its down."""
+    groups = [[n for n in g if n in names] for g in SEQUENTIAL]
+    rest: dict[str, list[str]] = {}
+    for n in names:
+        if not any(n in g for g in groups):
+            parent, _, leaf = n.rpartition(".")
+            rest.setdefault(f"{parent}.gate_up" if leaf in GATE_UP else n, []).append(n)
+    return [g for g in groups + list(rest.values()) if g]
 
 
 def awq_inputs(model, calib) -> dict[str, torch.Tensor]:

@@ -60,6 +60,9 @@ def register(sub):
     p.add_argument("--router-aux-loss-coef", type=float, default=None,
                    help="MoE models: weight of the load-balancing loss (default: the config's router_aux_loss_coef)")
     p.add_argument("--router-z-loss-coef", type=float, default=0.0, help="MoE models: weight of the router z-loss")
+    p.add_argument("--moe-bias-update-speed", type=float, default=0.0,
+                   help="DeepSeek-V3 models: auxiliary-loss-free balancing, each step e_score_correction_bias += "
+                        "GAMMA * sign(mean load - expert load) (0: off; DeepSeek-V3 used 0.001)")
     p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     add_parallel_flags(p)
     p.set_defaults(func=cmd_train)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from brrr.analysis.model import param_counts, training_flops_per_token
@@ -43,12 +44,15 @@ class PretrainConfig:
     # router_aux_loss_coef, transformers' field) and the router z-loss's (ST-MoE)
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: gamma of the e_score_correction_bias update after each step
+    # (0: off; DeepSeek-V3 used 0.001)
+    moe_bias_update_speed: float = 0.0
     export_dtype: str = "auto"  # auto: bfloat16 when trained under bf16 autocast, else float32
 
     def check(self):
         if self.activation_checkpointing_every < 1:
             raise BrrrError(f"--activation-checkpointing-every must be >= 1, got {self.activation_checkpointing_every}")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "moe_bias_update_speed"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise BrrrError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -102,7 +106,18 @@ class PretrainTask:
         self.data, self.seq_len = TokenData(self.cfg.data), run.cfg.seq_len
         self.model_cfg = resolve_config(self.cfg.model, self.data.vocab_size, self.data.special_tokens,
                                         run.cfg.seq_len)
+        if self.cfg.moe_bias_update_speed:
+            self._check_bias_balancing(run.parallel_cfg)
         return self.model_cfg
+
+    def _check_bias_balancing(self, parallel):
+        scoring = self.model_cfg.router_scoring if self.model_cfg.num_experts else "none (a dense model)"
+        if scoring != "sigmoid_grouped":
+            raise BrrrError(f"--moe-bias-update-speed moves the routers' e_score_correction_bias, which only "
+                            f"DeepSeek-V3's sigmoid_grouped routing has; {self.cfg.model} routes by {scoring}")
+        if parallel.tp > 1 or parallel.pp > 1:  # the loads are counted by the loss's router hooks, per whole model
+            raise BrrrError(f"--moe-bias-update-speed composes with --dp-shard, --dp-replicate and --cp; not with "
+                            f"--tp or --pp (got --tp {parallel.tp} --pp {parallel.pp})")
 
     def build(self, run) -> nn.Module:
         cfg, loop = self.cfg, run.cfg
@@ -116,7 +131,7 @@ class PretrainTask:
         if self.model_cfg.num_experts:  # router losses added, expert loads counted
             aux = self.model_cfg.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
             self.loss = self.loss_fn = self.moe_loss = MoELoss(self.loss, self.model, self.model_cfg, aux,
-                                                               cfg.router_z_loss_coef)
+                                                               cfg.router_z_loss_coef, cfg.moe_bias_update_speed)
         # one process compiles the whole loss (distributed runs compile per layer); fill the eager caches first
         # (AttnMeta, RoPE frequencies), so the graph sees no mutation
         if cfg.compile and not run.mesh.distributed:
@@ -179,6 +194,12 @@ class PretrainTask:
     def predicted_memory(self, run) -> dict | None:
         return predicted_memory(run.parallel_cfg, run.mesh, self.model_cfg, run.cfg.micro_batch, run.cfg.seq_len,
                                 self.cfg.activation_checkpointing, run.gpu)
+
+    def after_step(self, run) -> None:
+        """MoE: the balancing biases move by the step's expert loads, summed over every rank (with --tp and --pp
+        refused, the ranks are the data-parallel and context-parallel ones, which split the step's tokens)."""
+        if self.moe_loss is not None:
+            self.moe_loss.balance_step(dist.group.WORLD if run.mesh.distributed else None)
 
     def log_fields(self) -> dict:
         """MoE: tokens each expert of each MoE layer received since the last log line, on this rank."""

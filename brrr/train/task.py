@@ -12,7 +12,7 @@ LoopConfig(out, ...)), task)`: `tests/train/test_task.py` trains a linear fit wr
 The order the loop calls them in: configure -> (the layout is planned and checked) -> build -> (the optimizer over
 the model's trainable parameters) -> resume_key (--resume checks it and restores `checkpointed`) -> describe ->
 eval_at_start's evaluation -> per step:
-`batches.batch_at` and `loss_fn`, `log_fields` at each log line -> evaluate / eval_line on the eval cadence ->
+`batches.batch_at` and `loss_fn`, `after_step` (optional) after the optimizer step, `log_fields` at each log line -> evaluate / eval_line on the eval cadence ->
 at the end summary, and export on the main rank.
 """
 from __future__ import annotations
@@ -81,6 +81,8 @@ class TrainTask(Protocol):
 
     def log_fields(self) -> dict:
         """Extra fields for the step log since the last call (a DPO task's reward margins, ...)."""
+
+    # optional: after_step(self, run) -> None, called after each optimizer step (pretraining's MoE bias balancing)
 
     def summary(self, run, final: dict) -> dict:
         """The task's fields of train_summary.json, beside the loop's counters and the final evaluation."""

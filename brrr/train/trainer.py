@@ -251,6 +251,8 @@ class Trainer:
             batches = [self.task.batches.batch_at(st["position"] + i, self.device) for i in range(cfg.grad_accum)]
             loss, norm = self.train_step(optimizer_step, self.loss_fn, self.optimizer, self.params, batches,
                                             cfg.grad_clip, self.autocast)
+            if hasattr(self.task, "after_step"):  # an optional member (task.py)
+                self.task.after_step(self)
             st["step"], st["position"] = step + 1, st["position"] + cfg.grad_accum
             st["tokens_seen"] += self.tokens_per_step
             loss_sum += loss

@@ -1,9 +1,10 @@
 """LoRA rows: many adapters over one base model in one batch. A plug-in feature of the engine step (core/feature.py):
 it owns the engine's adapters (`LoraManager`, brrr/lora/serving.py: the host cache and the device slots, least
-recently used out first) and in each step's plan gives every scheduled item its adapter's slot (`plan.row_values`,
--1: the base model), loading the adapter into a slot first when it has none. The runner stages those as the model's
-per-row input (`SlotInput`, a staging.RowInput), which every LoRA module reads; a sharded runner's loads travel with
-the step to every rank. Built only with enable_lora; in a step only while a live request names an adapter."""
+recently used out first) and in each step's plan gives every scheduled item its adapter's slot
+(`plan.batch.row_values`, -1: the base model), loading the adapter into a slot first when it has none. The runner
+stages those as the model's per-row input (`SlotInput`, a staging.RowInput), which every LoRA module reads; a
+sharded runner's loads travel with the step to every rank. Built only with enable_lora; in a step only while a live
+request names an adapter."""
 from __future__ import annotations
 
 import functools
@@ -80,4 +81,4 @@ class AdapterRows(Feature):
         return request.lora_request is not None
 
     def model_inputs(self, plan: StepPlan) -> None:
-        plan.row_values = self.manager.item_slots(seq.request.lora_request for seq in plan.sequences)
+        plan.batch.row_values = self.manager.item_slots(seq.request.lora_request for seq in plan.sequences)

@@ -1,13 +1,14 @@
 """ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass.
 
 A step runs in three parts. Host staging (rank 0: it holds the scheduler's state) flattens the ScheduledBatch into a
-`StepRecord`: numpy arrays and ints, a feature's per-row input included (`RowInput`). Device execution (`run_step`, every rank)
-stages the record in one copy and runs the forward, or replays a decode or verify graph. Sampling (rank 0) reads
-the logits. With tensor parallelism the same ModelRunner runs on every rank over its shard and its KV cache (the
-block ids are rank 0's for all), as nano-vllm does: rank 0 sends each record to the workers before running it
-itself, one host message per worker per step (`model.tp_group`, brrr/distributed/tp_group.py), and the collectives
-inside the forward pair up. Ids that exist only on rank 0's device (a step launched before the host read the
-previous step's tokens, drafts left on the device) are broadcast from there on the device.
+`StepRecord`: numpy arrays and ints, a feature's per-row input included (`RowInput`, which the runner stages without
+knowing what it is). Device execution (`run_step`, every rank) stages the record in one copy and runs the forward,
+or replays a decode or verify graph. Sampling (rank 0) reads the logits. With tensor parallelism the same
+ModelRunner runs on every rank over its shard and its KV cache (the block ids are rank 0's for all), as nano-vllm
+does: rank 0 sends each record to the workers before running it itself, one host message per worker per step
+(`model.tp_group`, brrr/distributed/tp_group.py), and the collectives inside the forward pair up. Ids that exist
+only on rank 0's device (a step launched before the host read the previous step's tokens, drafts left on the device)
+are broadcast from there on the device.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class ModelRunner:
                  cuda_graphs: bool = False, max_graph_batch: int = 256, row_input: RowInput | None = None,
                  verify: VerifyGraphSpec | None = None, kv_cache_dtype: str = "auto",
                  calculate_kv_scales: bool = False):
-        """row_input: a feature's per-row input the model reads (staging.RowInput); each step gives each item's value.
+        """row_input: a feature's per-row input the model reads (staging.RowInput); each batch its items' values.
         verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
         kv_cache_dtype: EngineConfig's ("auto": the model's dtype; fp8 ones hold each layer's pair as a `QuantKV`
         with scales 1.0, or with calculate_kv_scales set from the first prefill's amax, after the graph captures).
@@ -287,16 +288,14 @@ class ModelRunner:
         context bound its longest context fits."""
         return self.graphs[size][graph_plan_for(tuple(self.graphs[size]), longest)]
 
-    def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None,
-                row_values=None) -> torch.Tensor:
+    def _replay(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode-only step, through the captured graph for the next size up. ids_from:
         (device tokens, device row index): the input ids are those tokens, gathered on the device (a step launched
-        before the host has read the previous step's tokens). row_values: each item's value of the row input (the
-        plan's). Nothing here waits for the GPU."""
+        before the host has read the previous step's tokens). Nothing here waits for the GPU."""
         ahead = ids_from is not None
         g, b, width, host, longest = self.decode_inputs(batch, ahead=ahead)
         record = StepRecord("decode", (host,), size=g, rows=b, width=width, longest=longest, device_ids=ahead,
-                            **self.row_fields(row_values, [1] * b, g))
+                            **self.row_fields(batch, [1] * b, g))
         return self._run(record, ids_from)[0]
 
     def decode_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[int, int, int, np.ndarray, int]:
@@ -314,19 +313,19 @@ class ModelRunner:
         host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1
         return g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens)
 
-    def row_fields(self, values, counts: list[int], num_rows: int) -> dict:
-        """A record's row input fields: each item's value (values: one per item, or None: the feature is not in
-        the step) on each of its `counts` rows, -1 on the rest of the num_rows, and the input's updates since the
-        last step (a sharded runner's travel with the record to every rank)."""
+    def row_fields(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> dict:
+        """A record's row input fields: each item's value (batch.row_values, the plan's; None: no feature set
+        them) on each of its `counts` rows, -1 on the rest of the num_rows, and the input's updates since the last
+        step (a sharded runner's travel with the record to every rank)."""
         if self.row_input is None:
             return {}
         size = self.row_input.buffer.shape[0]
         if num_rows > size:
             raise BrrrError(f"a step of {num_rows} rows exceeds the row input buffer ({size}: max_num_batched_tokens)")
         rows = np.full(num_rows, -1, dtype=np.int32)
-        if values is not None:
+        if batch.row_values is not None:
             counts = np.asarray(counts, dtype=np.int64)
-            rows[:int(counts.sum())] = np.repeat(values, counts)
+            rows[:int(counts.sum())] = np.repeat(batch.row_values, counts)
         return {"row_values": rows, "row_updates": self.row_input.take_updates()}
 
     def _flatten(self, batch: ScheduledBatch, ahead: bool = False):
@@ -354,8 +353,7 @@ class ModelRunner:
         slots = tables[rows, positions // bs - evicted].astype(np.int64) * bs + positions % bs
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
-    def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows,
-                      row_values=None) -> tuple[StepRecord, object]:
+    def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows) -> tuple[StepRecord, object]:
         """(the record of a step run eagerly, the device drafts its ids are completed with or None)."""
         ids, positions, slots, seqlens, context_lens, tables = self._flatten(batch)
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
@@ -366,7 +364,7 @@ class ModelRunner:
                   *(gather[1:] if gather else ()))
         record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
                             rows=len(rows), device_ids=gather is not None,
-                            **self.row_fields(row_values, seqlens, len(ids)))
+                            **self.row_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 
     # ---- what the engine calls (rank 0) ------------------------------------------------------------------------
@@ -377,9 +375,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, rows: list[SampleRow],
-               ids_from: tuple[torch.Tensor, torch.Tensor] | None = None, row_values=None) -> PendingTokens:
+               ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingTokens:
         """Queue a decode step and its sampling (rows without logprobs) on the GPU and return without waiting."""
-        return self.launch_sampling(self._replay(batch, ids_from, row_values), rows)
+        return self.launch_sampling(self._replay(batch, ids_from), rows)
 
     @torch.inference_mode()
     def launch_graphed(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]]) -> torch.Tensor | None:
@@ -394,11 +392,11 @@ class ModelRunner:
         return draw(verify.replay(batch, where, False)[0], rows)[0]
 
     @torch.inference_mode()
-    def launch_forward(self, batch: ScheduledBatch, ids_from: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       row_values=None) -> torch.Tensor:
+    def launch_forward(self, batch: ScheduledBatch,
+                       ids_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Queue a decode step's forward alone: its logits [B, vocab], to sample with `launch_sampling` once the host
         knows how (a grammar's mask needs the previous token)."""
-        return self._replay(batch, ids_from, row_values)
+        return self._replay(batch, ids_from)
 
     @staticmethod
     @torch.inference_mode()
@@ -407,11 +405,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_rows: list[tuple[int, SampleRow]], logit_rows: list[int] = (),
-                want_hidden: bool = False,
-                row_values=None) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
+                want_hidden: bool = False) -> tuple[SampleResult, torch.Tensor | None, torch.Tensor | None]:
         """Run one step. sample_rows: (row of the flattened batch, how to sample it); logit_rows: extra rows whose
-        log-probabilities the caller wants (prompt_logprobs); row_values: each item's value of the row input (the
-        plan's, None without it). Returns the samples, those log-probs, and with
+        log-probabilities the caller wants (prompt_logprobs). Returns the samples, those log-probs, and with
         want_hidden the model's output [tokens, hidden] for every row (an EAGLE proposer reads it; decode graphs
         keep only logits, verify graphs keep it when captured for it; under tensor parallelism rank 0's, which the
         all-reduces made every rank's). A step of decodes replays a decode graph; one whose rows have up to q tokens
@@ -419,7 +415,7 @@ class ModelRunner:
         run eagerly."""
         rows, sampling = [r for r, _ in sample_rows], [row for _, row in sample_rows]
         if not logit_rows and not want_hidden and self.can_launch(batch):
-            logits = self._replay(batch, row_values=row_values)
+            logits = self._replay(batch)
             if rows != list(range(len(batch.items))):  # a decode step samples every row, in order: no copy then
                 logits = logits.index_select(0, h2d(rows, self.device, torch.long))
             return sample(logits, sampling), None, None
@@ -427,9 +423,9 @@ class ModelRunner:
         # (a step of decodes that missed the decode graphs, block copies say, stays eager: q times its tokens)
         if (verify is not None and not logit_rows and (verify.hidden or not want_hidden) and verify.takes(batch)
                 and (want_hidden or any(n > 1 for _, n in batch.items))):
-            logits, hidden = verify.replay(batch, rows, want_hidden, row_values)
+            logits, hidden = verify.replay(batch, rows, want_hidden)
             return sample(logits, sampling), None, hidden
-        record, drafts = self._eager_record(batch, rows, logit_rows, row_values)
+        record, drafts = self._eager_record(batch, rows, logit_rows)
         logits, hidden = self._run(record, drafts)
         result = sample(logits[: len(rows)], sampling)
         extra = logits[len(rows):].log_softmax(-1) if logit_rows else None

@@ -260,7 +260,7 @@ def test_lora_rows_are_a_feature_only_of_engines_serving_adapters(base, adapters
     engine.add_request("a", [4, 5, 6, 7], params, lora_request=adapters[0][0])
     assert rows in engine._on
     plan = engine.core._make_plan(engine.scheduler.schedule())
-    assert plan.row_values.tolist() == [-1, engine.lora.slot_of[adapters[0][0].lora_int_id]]
+    assert plan.batch.row_values.tolist() == [-1, engine.lora.slot_of[adapters[0][0].lora_int_id]]
     engine.step(plan.batch)
     while engine.has_unfinished_requests():
         engine.step()

@@ -349,11 +349,10 @@ class EngineCore:
             return None
         with failing(lambda: {seq.request for seq in plan.sequences}):
             if overlap and self._launchable(plan):
-                return InFlight(plan, pending=self.runner.launch(plan.batch, plan.release_rows(),
-                                                                 row_values=plan.row_values))
+                return InFlight(plan, pending=self.runner.launch(plan.batch, plan.release_rows()))
             sampled, logits_logprobs, hidden = self.runner.execute(
                 plan.batch, [(slot.row, row) for slot, row in zip(plan.slots, plan.rows)], plan.logit_rows,
-                plan.want_hidden, plan.row_values)
+                plan.want_hidden)
             return InFlight(plan, done=StepResult(sampled.tokens, sampled.logprobs, logits_logprobs, hidden))
 
     def _take_queued(self) -> InFlight | None:
@@ -389,9 +388,8 @@ class EngineCore:
                 feature.launched_ahead(plan)
             if any(feature.defers_sampling(plan) for feature in self._hooks["defers_sampling"]):
                 # only the sampling waits: the forward runs while the host reads step t and a feature fills the mask
-                return InFlight(plan, logits=self.runner.launch_forward(nxt, plan.ids_from, plan.row_values))
-            return InFlight(plan, pending=self.runner.launch(nxt, plan.release_rows(), plan.ids_from,
-                                                             plan.row_values))
+                return InFlight(plan, logits=self.runner.launch_forward(nxt, plan.ids_from))
+            return InFlight(plan, pending=self.runner.launch(nxt, plan.release_rows(), plan.ids_from))
 
     def _result(self, inflight: InFlight) -> tuple[StepResult, list[tuple[Sequence, list[int], list]]]:
         """The step's tokens on the host, grouped by sequence, as the features leave them."""

@@ -21,9 +21,9 @@ from brrr.engine.sampler import SampleRow
 from brrr.engine.sequence import Request, Sequence
 
 
-HOOKS = ("propose", "contribute", "sample_row", "model_inputs", "allows_launch", "allows_ahead", "defers_sampling", "launched_ahead",
-         "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step", "after_step",
-         "adopt", "release")
+HOOKS = ("propose", "contribute", "sample_row", "model_inputs", "allows_launch", "allows_ahead", "defers_sampling",
+         "launched_ahead", "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step",
+         "after_step", "adopt", "release")
 
 
 def hooked(features: list["Feature"]) -> dict[str, list["Feature"]]:
@@ -54,8 +54,8 @@ class Feature:
         return row
 
     def model_inputs(self, plan: StepPlan) -> None:
-        """The plan is made (its slots and rows chosen, a step planned ahead included): set plan.row_values, the
-        per-item value the runner's row input gives each of the item's rows (staging.RowInput)."""
+        """The plan is made (its slots and rows chosen, a step planned ahead included): set plan.batch.row_values,
+        the per-item value the runner's row input gives each of the item's rows (staging.RowInput)."""
 
     def allows_launch(self, plan: StepPlan) -> bool:
         """Whether the step may run with its tokens left on the device (read back after the next is queued)."""

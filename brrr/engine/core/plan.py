@@ -6,7 +6,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from brrr.engine.sampler import PendingTokens, SampleRow
@@ -37,9 +36,6 @@ class StepPlan:
     # the device from these (device tokens, their rows)
     ids_from: tuple[torch.Tensor, torch.Tensor] | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # feature name -> what it added to this step
-    # per scheduled item, an int the model reads on each of its rows (the runner's RowInput: LoRA rows' adapter
-    # slots); None: no feature set one, every row -1
-    row_values: np.ndarray | None = None
 
     def release_rows(self) -> list[SampleRow]:
         """The rows, handed to a sampling launched now: the plan keeps no reference (a step in flight is alive

@@ -109,14 +109,14 @@ class VerifyGraphs:
         return (len(batch.items) <= self.sizes[-1]
                 and all(n <= self.q and len(seq.block_table) <= self.tables.shape[1] for seq, n in batch.items))
 
-    def replay(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool, row_values=None):
+    def replay(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool):
         """(logits of the flattened step's `rows`, and with want_hidden its hidden states [tokens, hidden] in the
         flattened order, as `ModelRunner.execute` returns them), through the graph of the next size up (on every
-        rank of a sharded model: the record is the runner's). row_values: as `ModelRunner.execute`'s."""
-        record, drafts = self.record(batch, rows, want_hidden, row_values)
+        rank of a sharded model: the record is the runner's)."""
+        record, drafts = self.record(batch, rows, want_hidden)
         return self.runner._run(record, drafts)
 
-    def record(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool, row_values=None):
+    def record(self, batch: ScheduledBatch, rows: list[int], want_hidden: bool):
         """Host staging: (the step's StepRecord, the device drafts its ids are completed with or None)."""
         runner, q, b = self.runner, self.q, len(batch.items)
         g = next(size for size in self.sizes if size >= b)
@@ -138,7 +138,7 @@ class VerifyGraphs:
         arrays = (host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
         record = StepRecord("verify", arrays, block_copies(batch.copies), size=g, rows=len(rows),
                             want_hidden=want_hidden, device_ids=gather is not None,
-                            **runner.row_fields(row_values, [q] * b, g * q))
+                            **runner.row_fields(batch, [q] * b, g * q))
         return record, None if gather is None else gather[0]
 
     def run(self, record, drafts):

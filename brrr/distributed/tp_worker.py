@@ -1,7 +1,7 @@
 """Tensor-parallel worker processes: ranks 1..N-1 of a serving engine whose rank 0 is the engine itself.
 
 brrr starts them (torch.multiprocessing, spawn). Each joins the group's collectives (gloo on CPU, NCCL on CUDA),
-loads its own shard, builds the same `ModelRunner` as rank 0 (its KV cache, its LoRA slots, its verify graphs), and
+loads its own shard, builds the same `ModelRunner` as rank 0 (its KV cache, its row input, its verify graphs), and
 then runs the runner calls rank 0 sends over a pipe (tp_group.py): each step's `StepRecord` (a few arrays of ints)
 as one host message per worker, the graph captures, the all-reduce set-up; every rank runs them in lockstep, and
 only rank 0 samples. A worker that dies is seen by rank 0 before the
@@ -29,8 +29,6 @@ from brrr.distributed.sharding import Collectives, Partition
 from brrr.distributed.tp_group import COLLECTIVE_TIMEOUT_S, resolve
 from brrr.engine.model_runner import ModelRunner
 from brrr.errors import BrrrError
-from brrr.lora.serving import LoraManager
-from brrr.lora.serving_slots import LoraSlots
 from brrr.serving_form import prepare_for_serving
 
 START_TIMEOUT_S = 600.0  # spawning, importing torch and loading a shard
@@ -69,15 +67,11 @@ def worker_main(rank: int, world: int, store_path: str, cfg, path: str | None, f
 def build_runner(model, spec: dict, pack_projections: bool | None):
     """A worker's ModelRunner, as rank 0 built its own (spec: `ModelRunner`'s arguments from rank 0). Graphs are
     captured when rank 0 says so, after the all-reduce choice: every rank's collectives in the same order."""
-    lora = None
-    if spec["lora"] is not None:  # the slots rank 0 allocated, each holding this rank's slices (`LoraSlots.shard`)
-        num_slots, rank, max_rows = spec["lora"]
-        p = next(model.parameters())
-        slots = LoraSlots(num_slots, rank, max_rows, p.device, p.dtype)
-        model = prepare_for_serving(model, EngineConfig(pack_projections=pack_projections), slots)
-        lora = LoraManager(slots, {}, rank, num_slots, set)  # rank 0 picks the slots; this one copies them in
+    row_input = None
+    if spec["row_input"] is not None:  # rank 0's feature input (LoRA slots): this rank's model and its own input
+        model, row_input = spec["row_input"](model, pack_projections)
     return ModelRunner(model, spec["block_size"], spec["num_blocks"], spec["max_model_len"], cuda_graphs=False,
-                       max_graph_batch=spec["max_graph_batch"], lora=lora, verify=spec["verify"],
+                       max_graph_batch=spec["max_graph_batch"], row_input=row_input, verify=spec["verify"],
                        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                        calculate_kv_scales=spec.get("calculate_kv_scales", False))
 

@@ -1,13 +1,14 @@
 """ModelRunner: owns the paged KV cache and turns a scheduled step into one flattened varlen forward pass.
 
 A step runs in three parts. Host staging (rank 0: it holds the scheduler's state) flattens the ScheduledBatch into a
-`StepRecord`: numpy arrays and ints, the LoRA rows' slots included. Device execution (`run_step`, every rank)
-stages the record in one copy and runs the forward, or replays a decode or verify graph. Sampling (rank 0) reads
-the logits. With tensor parallelism the same ModelRunner runs on every rank over its shard and its KV cache (the
-block ids are rank 0's for all), as nano-vllm does: rank 0 sends each record to the workers before running it
-itself, one host message per worker per step (`model.tp_group`, brrr/distributed/tp_group.py), and the collectives
-inside the forward pair up. Ids that exist only on rank 0's device (a step launched before the host read the
-previous step's tokens, drafts left on the device) are broadcast from there on the device.
+`StepRecord`: numpy arrays and ints, a feature's per-row input included (`RowInput`, which the runner stages without
+knowing what it is). Device execution (`run_step`, every rank) stages the record in one copy and runs the forward,
+or replays a decode or verify graph. Sampling (rank 0) reads the logits. With tensor parallelism the same
+ModelRunner runs on every rank over its shard and its KV cache (the block ids are rank 0's for all), as nano-vllm
+does: rank 0 sends each record to the workers before running it itself, one host message per worker per step
+(`model.tp_group`, brrr/distributed/tp_group.py), and the collectives inside the forward pair up. Ids that exist
+only on rank 0's device (a step launched before the host read the previous step's tokens, drafts left on the device)
+are broadcast from there on the device.
 """
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
-from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
+from brrr.engine.staging import RowInput, StepRecord, block_copies, pad_tables, stage
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
 from brrr.kernels.attention.kv_quant import FP8, QuantKV, as_bytes, cache_dtype
 from brrr.kernels.graph_inputs import stage_decode_inputs
-from brrr.lora.serving import LoraManager
 
 
 def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -73,16 +73,16 @@ def _cuda_capture(step, pool, device):
 
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, row_input: RowInput | None = None,
                  verify: VerifyGraphSpec | None = None, kv_cache_dtype: str = "auto",
                  calculate_kv_scales: bool = False):
-        """lora: the engine's adapters, whose slots the model's LoRA modules read; each step says each row's slot.
+        """row_input: a feature's per-row input the model reads (staging.RowInput); each batch its items' values.
         verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
         kv_cache_dtype: EngineConfig's ("auto": the model's dtype; fp8 ones hold each layer's pair as a `QuantKV`
         with scales 1.0, or with calculate_kv_scales set from the first prefill's amax, after the graph captures).
         A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
         runner on every worker first, then captures on every rank."""
-        self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
+        self.model, self.block_size, self.num_blocks, self.row_input = model, block_size, num_blocks, row_input
         self.verify_spec, self.verify_graphs = verify, None
         self.decode_replays = 0  # steps that ran through a decode graph
         self.tp = getattr(model, "tp_group", None)  # rank 0 of a sharded model: its workers (None elsewhere)
@@ -98,15 +98,11 @@ class ModelRunner:
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
-        partition = getattr(model, "tp_partition", None)
-        if lora is not None and partition is not None:  # each rank holds its slices of every adapter
-            lora.shard(partition, journal=self.tp is not None)
         if self.tp is not None:
-            slots = None if lora is None else lora.slots
             self.tp.start(dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                                max_graph_batch=max_graph_batch, verify=verify, kv_cache_dtype=kv_cache_dtype,
                                calculate_kv_scales=calculate_kv_scales,
-                               lora=None if slots is None else (slots.num_slots, slots.rank, slots.row_slots.shape[0])))
+                               row_input=None if row_input is None else row_input.for_workers()))
             if self.device.type == "cuda":  # before any capture: the graphs hold the chosen all-reduce
                 self.choose_all_reduce(max_graph_batch)
         # Dynamic NTK RoPE reads the longest position on the host each step, which a graph cannot replay.
@@ -185,16 +181,16 @@ class ModelRunner:
                                 context_lens_t=self.g_ctx[:g], max_context_len=plan.max_context)
 
                 def step(g=g, meta=meta):
-                    if self.lora is not None:  # the graph groups its rows by slot: row_slots[:g] is its input
-                        self.lora.slots.begin(g)
+                    if self.row_input is not None:  # inside the graph: its input is buffer[:g]
+                        self.row_input.begin(g)
                     return self.model.logits(self.g_ids[:g], self.g_pos[:g], meta)
 
                 step()  # warm-up: lazy buffers (RoPE tables) are made outside the capture
                 graph, logits = capture(step, pool) if capture else _cuda_capture(step, pool, dev)
                 pool = graph.pool()
                 self.graphs.setdefault(g, {})[plan] = (graph, logits, meta)
-        if self.lora is not None:
-            self.lora.slots.end()
+        if self.row_input is not None:
+            self.row_input.end()
         if self.verify_spec is not None:
             verify = graph_sizes(min(max_batch, self.verify_spec.max_batch))
             self.verify_graphs = VerifyGraphs(self, self.verify_spec, verify, max_blocks)
@@ -240,9 +236,8 @@ class ModelRunner:
         step's ids are completed with. Nothing here waits for the device."""
         if record.copies is not None:
             self.copy_here(record.copies)
-        if self.lora is not None:
-            for slot, adapter in record.lora_writes:
-                self.lora.slots.copy_in(slot, adapter)
+        for update in record.row_updates:
+            self.row_input.apply(update)
         if record.kind == "decode":
             return self._run_decode(record, source), None
         if record.kind == "verify":
@@ -254,11 +249,11 @@ class ModelRunner:
         if record.device_ids and self.comm is not None:
             self.comm.broadcast(ids, src=0)
 
-    def stage_lora(self, record: StepRecord) -> None:
-        """The step's rows' slots into the slots' row buffer (a graph input)."""
-        if self.lora is not None:
-            n = len(record.lora_rows)
-            self.lora.slots.row_slots[:n].copy_(h2d(record.lora_rows, self.device))
+    def stage_rows(self, record: StepRecord) -> None:
+        """The step's per-row values into the row input's buffer (a graph input)."""
+        if self.row_input is not None:
+            n = len(record.row_values)
+            self.row_input.buffer[:n].copy_(h2d(record.row_values, self.device))
 
     def _run_decode(self, record: StepRecord, ids_from) -> torch.Tensor:
         (host,) = record.arrays
@@ -266,7 +261,7 @@ class ModelRunner:
         stage_decode_inputs(h2d(host, self.device), g, record.rows, record.width, self.g_ids, self.g_pos, self.g_slots,
                             self.g_ctx, self.g_tables, ids_from)
         self._share_ids(record, self.g_ids[:g])
-        self.stage_lora(record)
+        self.stage_rows(record)
         graph, logits, _ = self.graph_for(g, record.longest)
         graph.replay()
         self.decode_replays += 1
@@ -279,12 +274,12 @@ class ModelRunner:
         self._share_ids(record, ids)
         meta = AttnMeta(cu_seqlens_q=cu, seqlens_q=record.seqlens, context_lens=record.context_lens,
                         slot_mapping=slots, block_tables=tables, kv_caches=self.kv_caches, context_lens_t=context)
-        if self.lora is not None:
-            self.stage_lora(record)
-            self.lora.slots.begin(len(ids))
+        if self.row_input is not None:
+            self.stage_rows(record)
+            self.row_input.begin(len(ids))
         hidden = self.model(ids, positions, meta)
-        if self.lora is not None:
-            self.lora.slots.end()
+        if self.row_input is not None:
+            self.row_input.end()
         return self.model.compute_logits(hidden.index_select(0, rows)), hidden
 
     # ---- host staging (rank 0) -------------------------------------------------------------------------------
@@ -300,7 +295,7 @@ class ModelRunner:
         ahead = ids_from is not None
         g, b, width, host, longest = self.decode_inputs(batch, ahead=ahead)
         record = StepRecord("decode", (host,), size=g, rows=b, width=width, longest=longest, device_ids=ahead,
-                            **self.lora_fields(batch, [1] * b, g))
+                            **self.row_fields(batch, [1] * b, g))
         return self._run(record, ids_from)[0]
 
     def decode_inputs(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[int, int, int, np.ndarray, int]:
@@ -318,17 +313,20 @@ class ModelRunner:
         host[2, b:], host[3, b:] = self.num_blocks * self.block_size, 1
         return g, b, tables.shape[1], np.concatenate([host.ravel(), tables.ravel()]), max(context_lens)
 
-    def lora_fields(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> dict:
-        """A record's LoRA fields: slots for the step's adapters (loading any that has none; a sharded runner's
-        loads travel with the record), and each of its num_rows rows' slot."""
-        if self.lora is None:
+    def row_fields(self, batch: ScheduledBatch, counts: list[int], num_rows: int) -> dict:
+        """A record's row input fields: each item's value (batch.row_values, the plan's; None: no feature set
+        them) on each of its `counts` rows, -1 on the rest of the num_rows, and the input's updates since the last
+        step (a sharded runner's travel with the record to every rank)."""
+        if self.row_input is None:
             return {}
-        slots = self.lora.slots
-        if num_rows > slots.row_slots.shape[0]:
-            raise BrrrError(f"a step of {num_rows} rows exceeds the LoRA row buffer ({slots.row_slots.shape[0]}: "
-                            "max_num_batched_tokens)")
-        rows = self.lora.row_slots([seq.request.lora_request for seq, _ in batch.items], counts, num_rows)
-        return {"lora_rows": rows, "lora_writes": slots.take_journal()}
+        size = self.row_input.buffer.shape[0]
+        if num_rows > size:
+            raise BrrrError(f"a step of {num_rows} rows exceeds the row input buffer ({size}: max_num_batched_tokens)")
+        rows = np.full(num_rows, -1, dtype=np.int32)
+        if batch.row_values is not None:
+            counts = np.asarray(counts, dtype=np.int64)
+            rows[:int(counts.sum())] = np.repeat(batch.row_values, counts)
+        return {"row_values": rows, "row_updates": self.row_input.take_updates()}
 
     def _flatten(self, batch: ScheduledBatch, ahead: bool = False):
         """The step as flat arrays: token ids, positions and cache slots of every new token (numpy, not a Python
@@ -366,7 +364,7 @@ class ModelRunner:
                   *(gather[1:] if gather else ()))
         record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
                             rows=len(rows), device_ids=gather is not None,
-                            **self.lora_fields(batch, seqlens, len(ids)))
+                            **self.row_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 
     # ---- what the engine calls (rank 0) ------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.sequence import Request, Sequence, Status
 
@@ -25,6 +27,9 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst) to do first
     # a step planned ahead: for each item, its row in the previous step, whose sampled token is its input
     previous_rows: list[int] | None = None
+    # per item, the int the model reads on each of its rows (the runner's RowInput), set in the plan by a feature's
+    # `model_inputs` (LoRA rows: the adapter slot); None: every row -1
+    row_values: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

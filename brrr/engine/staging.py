@@ -3,10 +3,11 @@ query starts, context lengths, block tables, rows to read) packed into one buffe
 non-blocking copy (`sampler.h2d`: torch's caching host allocator, the upload stream, never a host wait); the step's
 tensors are views of that copy. A pageable copy would wait for the whole stream, and one copy per array would queue
 one transfer each. `StepRecord`: a step as the runner's host staging leaves it for the device (on every rank of a
-sharded model)."""
+sharded model). `RowInput`: a feature's per-row model input, which the runner stages without knowing what it is."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -33,8 +34,29 @@ class StepRecord:
     longest: int = 0  # decode: longest context (which of the size's graphs)
     want_hidden: bool = False  # verify: the hidden states are read too
     device_ids: bool = False  # some input ids are on rank 0's device only: broadcast from there before the forward
-    lora_rows: np.ndarray | None = None  # each row's adapter slot (int32, -1: none)
-    lora_writes: list = field(default_factory=list)  # (slot, adapter) copied into the slots first (sharded runs)
+    row_values: np.ndarray | None = None  # the runner's RowInput: each row's value (int32, -1: none)
+    row_updates: list = field(default_factory=list)  # its updates, applied on every rank before the step
+
+
+class RowInput(Protocol):
+    """A per-row int input the model reads, from a plug-in feature (LoRA rows: each row's adapter slot). The plan
+    gives one value per scheduled item; the runner repeats it over the item's rows (-1 on padding rows and in steps
+    the feature is not in), writes them to `buffer` (a graph input: captured graphs keep its address) and brackets
+    every forward, captured ones included, with `begin` / `end`. `take_updates` (rank 0, host staging): what the
+    feature changed in the model's state since the last step (an adapter loaded into a slot); every rank `apply`s
+    each before running the step. `for_workers`: picklable, a tensor-parallel worker's call (model,
+    pack_projections) -> (its model, its RowInput)."""
+    buffer: torch.Tensor  # [max rows] int32 on the device
+
+    def begin(self, num_rows: int) -> None: ...
+
+    def end(self) -> None: ...
+
+    def take_updates(self) -> list: ...
+
+    def apply(self, update) -> None: ...
+
+    def for_workers(self): ...
 
 
 def block_copies(copies) -> np.ndarray | None:

@@ -93,8 +93,8 @@ def load_servable(request: LoRARequest, shapes: dict[str, tuple[int, int]], max_
 class LoraManager:
     """The engine's adapters. `add` loads and checks one into the host cache (max_cpu_loras, least recently used
     out first, never one a running sequence uses; an evicted one a queued request needs is read again from its
-    path); `row_slots` gives each of a step's adapters a device slot (least recently used out first, never one a
-    running sequence uses) and says each row's slot. The scheduler keeps the adapters of running sequences within
+    path); `item_slots` gives each of a step's adapters a device slot (least recently used out first, never one a
+    running sequence uses) and says each item's slot. The scheduler keeps the adapters of running sequences within
     the slot count, so a step always finds its slots."""
 
     def __init__(self, slots: LoraSlots, shapes: dict[str, tuple[int, int]], max_lora_rank: int, max_cpu_loras: int,
@@ -166,13 +166,9 @@ class LoraManager:
         self.loads += 1
         return free
 
-    def row_slots(self, loras: Iterable[LoRARequest | None], counts: Iterable[int], num_rows: int) -> np.ndarray:
-        """Slots for the step's adapters (one per item, with its row count); returns each row's slot (int32 [num_rows],
-        rows past the items' -1)."""
+    def item_slots(self, loras: Iterable[LoRARequest | None]) -> np.ndarray:
+        """Slots for a step's adapters, one per item (loading any adapter that has none); returns each item's slot
+        (int32, -1: the base model)."""
         loras = list(loras)
         step = {lr.lora_int_id for lr in loras if lr is not None}
-        slot_ids = np.array([-1 if lr is None else self._slot_for(lr, step) for lr in loras], dtype=np.int32)
-        rows = np.full(num_rows, -1, dtype=np.int32)
-        counts = np.fromiter(counts, dtype=np.int64, count=len(loras))
-        rows[:int(counts.sum())] = np.repeat(slot_ids, counts)
-        return rows
+        return np.array([-1 if lr is None else self._slot_for(lr, step) for lr in loras], dtype=np.int32)

@@ -241,3 +241,29 @@ def test_a_request_waiting_for_a_slot_is_not_overtaken_by_adapter_requests(base,
         order += [r.request_id for r in reqs if r.first_scheduled_time is not None and r.request_id not in order]
     assert order.index("a1") < order.index("b1") < order.index("a2")
     assert order.index("base") < order.index("b1")
+
+
+def test_lora_rows_are_a_feature_only_of_engines_serving_adapters(base, adapters):
+    """Without enable_lora the LoRA rows feature is not built and the runner has no row input; with it, the feature
+    is in a step only while a live request names an adapter, and then gives each item its slot (-1: base)."""
+    plain = LLMEngine(copy.deepcopy(base), None, EngineConfig(num_blocks=16))
+    assert [f.name for f in plain.features] == ["forks", "prompt_logprobs", "guided"]
+    assert plain.lora is None and plain.runner.row_input is None
+    engine = LLMEngine(copy.deepcopy(base), None, EngineConfig(num_blocks=16, enable_lora=True, max_loras=2,
+                                                               max_lora_rank=16))
+    rows = engine.feature("lora")
+    assert [f.name for f in engine.features] == ["forks", "prompt_logprobs", "guided", "lora"]
+    assert engine.runner.row_input is rows.row_input and engine.lora is rows.manager
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("base", [1, 2, 3], params)
+    assert rows not in engine._on  # base-model requests only: the step runs none of its code
+    engine.add_request("a", [4, 5, 6, 7], params, lora_request=adapters[0][0])
+    assert rows in engine._on
+    plan = engine.core._make_plan(engine.scheduler.schedule())
+    assert plan.batch.row_values.tolist() == [-1, engine.lora.slot_of[adapters[0][0].lora_int_id]]
+    engine.step(plan.batch)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("base again", [1, 2], params)
+    engine.step()
+    assert rows not in engine._on

@@ -2,7 +2,8 @@
 engine process runs; `LLMEngine` adds the output processor). Single-threaded.
 
 A step is plan -> execute -> commit over a `StepPlan` (core/plan.py). The features (speculation, structured-output
-masks, prompt logprobs, n > 1 forks) take part through the hooks of core/feature.py; the step names none of them.
+masks, prompt logprobs, n > 1 forks, LoRA rows) take part through the hooks of core/feature.py; the step names none
+of them.
 
 Steady decoding overlaps the host with the device: step t+1 is planned and queued, its input ids gathered on the
 device from step t's sampled tokens, before the host waits for t's tokens, so the host's bookkeeping for t (and its
@@ -24,6 +25,7 @@ from brrr.engine.core.requests import check_request
 from brrr.engine.eviction import StreamingEviction
 from brrr.engine.forks import Forks
 from brrr.engine.guided.feature import Guided
+from brrr.engine.lora_rows import AdapterRows
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.prompt_logprobs import PromptLogprobs
@@ -37,8 +39,7 @@ from brrr.engine.spec.verify_graphs import verify_graph_spec
 from brrr.errors import BrrrError
 from brrr.kernels.attention.kv_quant import cache_dtype
 from brrr.kernels.quant import quant_tuning
-from brrr.lora.serving import LoraManager, LoRARequest, projection_shapes
-from brrr.lora.serving_slots import LoraSlots
+from brrr.lora.serving import LoRARequest
 from brrr.serving_form import prepare_for_serving
 
 log = logging.getLogger("brrr.engine")
@@ -79,9 +80,11 @@ class EngineCore:
         if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
             raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
                             f"({cfg.sliding_window}) yet")
-        self.lora = self._lora_manager(model) if ec.enable_lora else None
+        adapters = (AdapterRows.build(model, ec, lambda: self.scheduler.running_adapters()) if ec.enable_lora
+                    else None)
+        self.lora = None if adapters is None else adapters.manager  # the adapters served (None: none)
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
-        self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
+        self.model = model = prepare_for_serving(model, ec, None if adapters is None else adapters.slots)
         # a draft model or EAGLE head loads before the KV cache is sized: its weights are memory in use, its cache a
         # cost per block
         proposer = None
@@ -110,23 +113,25 @@ class EngineCore:
                 spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
-                                      ec.max_num_seqs, self.lora, verify, ec.kv_cache_dtype, ec.calculate_kv_scales)
-        self.features: list[Feature] = self._features(speculator)
+                                      ec.max_num_seqs, None if adapters is None else adapters.row_input, verify,
+                                      ec.kv_cache_dtype, ec.calculate_kv_scales)
+        self.features: list[Feature] = self._features(speculator, adapters)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = self.num_steps = 0
         self._queued: InFlight | None = None  # a step planned ahead of the last one, in flight, tokens unread
         self.schedule_log: list | None = None  # a list: each executed step's (computed, new) per sequence (benches)
 
-    def _features(self, speculator: Speculator | None) -> list[Feature]:
+    def _features(self, speculator: Speculator | None, adapters: AdapterRows | None) -> list[Feature]:
         """Every feature this engine can run; per-request ones join a step only while a request uses them. The
         order is the order their hooks run in: speculation claims a verified run's slots before a fork could."""
         features: list[Feature] = []
         if speculator is not None:
             features.append(Speculation(speculator, self.scheduler, self.block_manager, self.max_model_len,
                                         self.runner))
-        return features + [Forks(self.scheduler), PromptLogprobs(),
-                           Guided(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)]
+        features += [Forks(self.scheduler), PromptLogprobs(),
+                     Guided(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)]
+        return features if adapters is None else features + [adapters]
 
     def feature(self, name: str) -> Feature | None:
         return next((f for f in self.features if f.name == name), None)
@@ -165,13 +170,6 @@ class EngineCore:
     def _released(self, seq: Sequence) -> None:
         for f in self._hooks["release"]:
             f.release(seq)
-
-    def _lora_manager(self, model) -> LoraManager:
-        ec, p = self.config, next(model.parameters())
-        max_rows = max(ec.max_num_batched_tokens, ec.max_num_seqs)
-        slots = LoraSlots(ec.max_loras, ec.max_lora_rank, max_rows, p.device, p.dtype)
-        return LoraManager(slots, projection_shapes(model.config), ec.max_lora_rank,
-                           ec.max_cpu_loras or ec.max_loras, lambda: self.scheduler.running_adapters())
 
     # ---- adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) --------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -298,7 +296,7 @@ class EngineCore:
         if ahead and not contributors:  # steady decoding: one slot a sequence, nothing else to ask
             plan.slots = None
             plan.rows = [self._sample_row(seq, 1) for seq, _ in batch.items]
-            return plan
+            return self._model_inputs(plan)
         for seq, n in batch.items:
             mine = [SampleSlot(row + n - 1, seq, ahead)] if ahead or seq.num_computed_tokens + n == len(
                 seq.token_ids) else []
@@ -308,6 +306,13 @@ class EngineCore:
             slots += mine
             row += n
         plan.rows = [self._sample_row(seq, offset) for _, seq, offset in slots]
+        return self._model_inputs(plan)
+
+    def _model_inputs(self, plan: StepPlan) -> StepPlan:
+        if self._hooks["model_inputs"]:  # (a feature may load state for it: an adapter that fails fails its step)
+            with failing(lambda: {seq.request for seq in plan.sequences}):
+                for feature in self._hooks["model_inputs"]:
+                    feature.model_inputs(plan)
         return plan
 
     def _sample_row(self, seq: Sequence, offset: int) -> SampleRow:

@@ -1,10 +1,10 @@
-"""The plug-in interface of the engine step. A feature (speculation, structured-output masks, prompt logprobs,
-n > 1 forks) hooks into the three phases and keeps its own state, keyed by sequence id:
+"""The plug-in interface of the engine step. A feature (speculation, structured-output masks, prompt logprobs, LoRA
+rows, n > 1 forks) hooks into the three phases and keeps its own state, keyed by sequence id:
 
   plan     `propose` before the scheduler runs; `contribute` per scheduled item (its sample slots, logit rows,
            hidden states); `sample_row` (how a slot samples); `allows_launch` / `allows_ahead` / `defers_sampling`
            (whether the step may keep its tokens on the device, have the next step queued behind it, or sample
-           after a mask it fills while the device runs)
+           after a mask it fills while the device runs); `model_inputs` (the plan's per-item model input)
   execute  `launched_ahead` when a step is queued behind another
   commit   `consume` (the step's result, before anything is committed: accept drafts, read log-probs), `owns_commit`
            (a sequence whose computed tokens it commits itself), `after_computed`, `finish_reason` (per appended
@@ -21,9 +21,9 @@ from brrr.engine.sampler import SampleRow
 from brrr.engine.sequence import Request, Sequence
 
 
-HOOKS = ("propose", "contribute", "sample_row", "allows_launch", "allows_ahead", "defers_sampling", "launched_ahead",
-         "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step", "after_step",
-         "adopt", "release")
+HOOKS = ("propose", "contribute", "sample_row", "model_inputs", "allows_launch", "allows_ahead", "defers_sampling",
+         "launched_ahead", "consume", "owns_commit", "after_computed", "finish_reason", "after_append", "finish_step",
+         "after_step", "adopt", "release")
 
 
 def hooked(features: list["Feature"]) -> dict[str, list["Feature"]]:
@@ -52,6 +52,10 @@ class Feature:
     def sample_row(self, seq: Sequence, offset: int, row: SampleRow) -> SampleRow:
         """How seq samples `offset` tokens past its last committed one (the engine's row, to change or replace)."""
         return row
+
+    def model_inputs(self, plan: StepPlan) -> None:
+        """The plan is made (its slots and rows chosen, a step planned ahead included): set plan.batch.row_values,
+        the per-item value the runner's row input gives each of the item's rows (staging.RowInput)."""
 
     def allows_launch(self, plan: StepPlan) -> bool:
         """Whether the step may run with its tokens left on the device (read back after the next is queued)."""

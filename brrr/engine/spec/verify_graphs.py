@@ -59,7 +59,7 @@ def graph_replays(runner, proposer) -> dict:
 
 class VerifyGraphs:
     def __init__(self, runner, spec: VerifyGraphSpec, sizes: list[int], max_blocks: int):
-        """runner: the ModelRunner whose model, KV cache, spare block and LoRA slots the graphs use; sizes: the
+        """runner: the ModelRunner whose model, KV cache, spare block and row input the graphs use; sizes: the
         batch sizes to capture (ascending)."""
         self.runner, self.q, self.hidden = runner, spec.tokens, spec.hidden
         self.sizes = sizes
@@ -88,8 +88,8 @@ class VerifyGraphs:
                             block_tables=self.tables[:g], kv_caches=runner.kv_caches, context_lens_t=self.ctx[:g])
 
             def step(g=g, meta=meta):
-                if runner.lora is not None:  # the graph groups its rows by slot: row_slots[:g * q] is its input
-                    runner.lora.slots.begin(g * q)
+                if runner.row_input is not None:  # inside the graph: its input is buffer[:g * q]
+                    runner.row_input.begin(g * q)
                 hidden = runner.model(self.rows[0, : g * q], self.rows[1, : g * q], meta)
                 if self.hidden_out is not None:
                     self.hidden_out[: g * q].copy_(hidden)
@@ -99,8 +99,8 @@ class VerifyGraphs:
             graph, logits = capture(step, pool)
             pool = graph.pool()
             self.graphs[g] = (graph, logits)
-        if runner.lora is not None:
-            runner.lora.slots.end()
+        if runner.row_input is not None:
+            runner.row_input.end()
         return pool
 
     def takes(self, batch: ScheduledBatch) -> bool:
@@ -138,7 +138,7 @@ class VerifyGraphs:
         arrays = (host, ctx, tables, take, *((gather[1], where[gather[2]]) if gather else ()))
         record = StepRecord("verify", arrays, block_copies(batch.copies), size=g, rows=len(rows),
                             want_hidden=want_hidden, device_ids=gather is not None,
-                            **runner.lora_fields(batch, [q] * b, g * q))
+                            **runner.row_fields(batch, [q] * b, g * q))
         return record, None if gather is None else gather[0]
 
     def run(self, record, drafts):
@@ -151,7 +151,7 @@ class VerifyGraphs:
         runner._share_ids(record, self.rows[0, : g * self.q])
         self.ctx[:g].copy_(ctx_t)
         self.tables[: tables_t.shape[0], : tables_t.shape[1]].copy_(tables_t)
-        runner.stage_lora(record)
+        runner.stage_rows(record)
         graph, logits = self.graphs[g]
         graph.replay()
         self.replays += 1

@@ -362,6 +362,26 @@ def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfi
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_EVICTIONS = ("streaming",)
+PREEMPTION_MODES = ("recompute", "swap")  # vLLM's old --preemption-mode values
+
+
+def check_swap(ec) -> None:
+    """EngineConfig's swap fields: a size in GiB >= 0, a known mode, swap only with host blocks, and none of the
+    features that keep per-block state of their own (a draft model's cache, eviction windows, other ranks' caches,
+    another instance's transfer)."""
+    space = ec.swap_space
+    if not isinstance(space, (int, float)) or isinstance(space, bool) or not space >= 0:
+        raise BrrrError(f"EngineConfig.swap_space (--swap-space) must be a number of GiB >= 0, got {space!r}")
+    if ec.preemption_mode is not None and ec.preemption_mode not in PREEMPTION_MODES:
+        raise BrrrError(f"EngineConfig.preemption_mode (--preemption-mode) must be one of "
+                        f"{', '.join(PREEMPTION_MODES)} or None, got {ec.preemption_mode!r}")
+    if ec.preemption_mode == "swap" and space == 0:
+        raise BrrrError("EngineConfig.preemption_mode='swap' needs swap_space > 0 (--swap-space GiB of host memory)")
+    if space and ec.preemption_mode != "recompute" and (
+            ec.speculative_config is not None or ec.kv_eviction is not None or ec.disaggregate is not None
+            or ec.tensor_parallel_size > 1):
+        raise BrrrError("EngineConfig.swap_space does not combine with speculative_config, kv_eviction, "
+                        "disaggregate or tensor_parallel_size > 1 yet (use preemption_mode='recompute')")
 
 
 def check_eviction(ec) -> None:
@@ -423,6 +443,11 @@ class EngineConfig:
     kv_eviction: str | None = None
     kv_budget: int | None = None
     kv_sink_tokens: int = 4
+    # swap preemption (docs/engine.md), vLLM's names: GiB of pinned host memory for preempted sequences' KV blocks
+    # (0: off, every preemption recomputes); preemption_mode None lets the cost rule (brrr/analysis/offload.py)
+    # choose per preemption, "recompute" or "swap" forces one
+    swap_space: float = 0.0
+    preemption_mode: str | None = None
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -455,6 +480,7 @@ class EngineConfig:
             raise BrrrError("EngineConfig.kv_cache_dtype fp8 with disaggregate is not supported: the KV transfer "
                             "carries the model's dtype")
         check_eviction(self)
+        check_swap(self)
         if self.batch_invariant and self.kv_cache_dtype != "auto":
             raise BrrrError("EngineConfig.batch_invariant reads the cache in the model's dtype: kv_cache_dtype must "
                             f"be 'auto', got {self.kv_cache_dtype!r}")

@@ -1,8 +1,22 @@
 """The KV-cache flags every engine front end takes (`brrr serve`, `brrr bench throughput`), declared once: vLLM's
-`--kv-cache-dtype` and `--calculate-kv-scales`, and the eviction policy with its per-sequence token budget."""
+`--kv-cache-dtype` and `--calculate-kv-scales`, the eviction policy with its per-sequence token budget, and where a
+preempted sequence's KV goes (vLLM's `--swap-space` and `--preemption-mode`)."""
 from __future__ import annotations
 
-from brrr.config import KV_CACHE_DTYPES, KV_EVICTIONS
+import argparse
+
+from brrr.config import KV_CACHE_DTYPES, KV_EVICTIONS, PREEMPTION_MODES
+
+
+def gib(text: str) -> float:
+    """A size in GiB, >= 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
+    return value
 
 
 def add_kv_cache_args(parser) -> None:
@@ -19,9 +33,15 @@ def add_kv_cache_args(parser) -> None:
                         help="with --kv-eviction: cached tokens a sequence keeps at most (a multiple of the block size)")
     parser.add_argument("--kv-sink-tokens", type=int, default=4,
                         help="with --kv-eviction streaming: leading tokens always kept, rounded up to whole blocks")
+    parser.add_argument("--swap-space", type=gib, default=0.0, metavar="GIB",
+                        help="pinned host memory for preempted sequences' KV blocks, swapped out and back instead of "
+                             "recomputed when that is cheaper (default 0: off; docs/engine.md)")
+    parser.add_argument("--preemption-mode", default=None, choices=PREEMPTION_MODES,
+                        help="force recompute or swap (swap needs --swap-space) instead of the cost rule's choice")
 
 
 def kv_cache_config(args) -> dict:
     """EngineConfig's keyword arguments from the parsed flags."""
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-                kv_eviction=args.kv_eviction, kv_budget=args.kv_budget, kv_sink_tokens=args.kv_sink_tokens)
+                kv_eviction=args.kv_eviction, kv_budget=args.kv_budget, kv_sink_tokens=args.kv_sink_tokens,
+                swap_space=args.swap_space, preemption_mode=args.preemption_mode)

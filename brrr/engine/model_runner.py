@@ -12,6 +12,7 @@ are broadcast from there on the device.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -23,6 +24,7 @@ from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import RowInput, StepRecord, block_copies, pad_tables, stage
+from brrr.engine.swap import block_runs
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
@@ -75,13 +77,15 @@ class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, row_input: RowInput | None = None,
                  verify: VerifyGraphSpec | None = None, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False):
+                 calculate_kv_scales: bool = False, num_host_blocks: int = 0):
         """row_input: a feature's per-row input the model reads (staging.RowInput); each batch its items' values.
         verify: the graphs of steps of several tokens a row to capture beside the decode graphs (spec/verify_graphs.py).
         kv_cache_dtype: EngineConfig's ("auto": the model's dtype; fp8 ones hold each layer's pair as a `QuantKV`
         with scales 1.0, or with calculate_kv_scales set from the first prefill's amax, after the graph captures).
         A tensor-parallel shard (rank 0's model carries `tp_group`, the handle on the workers) starts the same
-        runner on every worker first, then captures on every rank."""
+        runner on every worker first, then captures on every rank.
+        num_host_blocks: the host blocks swap preemption copies preempted sequences' K/V to (pinned beside a CUDA
+        cache, copied on a stream of their own; `swap_blocks`); 0: none."""
         self.model, self.block_size, self.num_blocks, self.row_input = model, block_size, num_blocks, row_input
         self.verify_spec, self.verify_graphs = verify, None
         self.decode_replays = 0  # steps that ran through a decode graph
@@ -95,6 +99,8 @@ class ModelRunner:
             raise BrrrError(f"kv_cache_dtype {kv_cache_dtype!r}: the latent cache of {cfg.architecture} (MLA) is "
                             "kept in the model's dtype; use 'auto'")
         self.kv_caches = self._new_kv_caches()
+        self.host_caches = self._new_host_caches(num_host_blocks)
+        self.swap_stream = torch.cuda.Stream(self.device) if num_host_blocks and self.device.type == "cuda" else None
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
@@ -210,6 +216,41 @@ class ModelRunner:
         pair = QuantKV if self.kv_dtype in FP8 else lambda k, v: (k, v)
         return [pair(torch.zeros(*shape, k_dim, dtype=self.kv_dtype, device=self.device),
                      torch.zeros(*shape, v_dim, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _new_host_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's host (K, V) blocks, shaped and typed as the device cache's, uninitialised (only what a
+        swap-out wrote is ever read back)."""
+        if not num_blocks:
+            return []
+        pin = self.device.type == "cuda"  # (asynchronous copies need page-locked memory; pinning needs CUDA)
+        return [tuple(torch.empty(num_blocks, *t.shape[1:], dtype=t.dtype, pin_memory=pin) for t in pair)
+                for pair in self.kv_caches]
+
+    @torch.inference_mode()
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy (device, host) block pairs out, then (host, device) pairs in, every layer's K and V as bytes (an
+        fp8 cache's scales are per layer and stay). On CUDA on the swap stream: it first waits for the compute
+        stream's queued work (a step still in flight may write a block about to be copied), and the compute
+        stream waits for its event before its next kernel (a freed block is reused, a swapped-in one read); the
+        host waits for neither. On CPU plain copies."""
+        outs, ins = block_runs(swap_out), block_runs(swap_in)
+        stream = self.swap_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for device_pair, host_pair in zip(self.kv_caches, self.host_caches):
+                for dev, host in zip(device_pair, host_pair):
+                    if not dev.numel():  # (MLA's empty value cache)
+                        continue
+                    dev, host = as_bytes(dev), as_bytes(host)
+                    for src, dst, n in outs:
+                        host[dst:dst + n].copy_(dev[src:src + n], non_blocking=stream is not None)
+                    for src, dst, n in ins:
+                        dev[dst:dst + n].copy_(host[src:src + n], non_blocking=stream is not None)
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
 
     def sleep(self) -> int:
         """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py); the bytes freed. One

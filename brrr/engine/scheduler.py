@@ -2,8 +2,9 @@
 
 Each step, under a token budget and a sequence cap: running decodes first (one token each), then the next chunk
 of every running prefill, then new sequences in arrival order. Decodes and prefill chunks share one batch. When
-a decode cannot get a KV slot, the most recently admitted sequence is preempted by recompute: its blocks are
-freed and it goes back to the front of the queue.
+a decode cannot get a KV slot, the most recently admitted sequence is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed, or, under a swap policy (engine/swap.py), with its computed blocks
+copied to host blocks first, to be copied back into new device blocks when it is admitted again.
 
 The scheduler owns every sequence's place: it creates sequences (a request's first one, and its n - 1 forks when the
 prompt is done), admits them under max_num_seqs, and reserves blocks, also for a decode step planned before the
@@ -19,12 +20,16 @@ import numpy as np
 
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.sequence import Request, Sequence, Status
+from brrr.engine.swap import SwapPolicy
 
 
 @dataclass
 class ScheduledBatch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens it contributes this step)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst) to do first
+    # swap preemption's copies, done before anything else in the step: (device, host) out, then (host, device) in
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     # a step planned ahead: for each item, its row in the previous step, whose sampled token is its input
     previous_rows: list[int] | None = None
     # per item, the int the model reads on each of its rows (the runner's RowInput), set in the plan by a feature's
@@ -38,8 +43,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int | None = None, max_loras: int | None = None, on_release=None, eviction=None):
+                 max_model_len: int | None = None, max_loras: int | None = None, on_release=None, eviction=None,
+                 swap: SwapPolicy | None = None):
         self.block_manager = block_manager
+        self.swap = swap  # None: every preemption recomputes
         self.eviction = eviction  # a StreamingEviction (engine/eviction.py) or None: every token kept
         # called with a sequence that lost its blocks (preempted or finished): a proposer drops its state for it
         self.on_release = on_release
@@ -48,7 +55,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.num_preemptions = self.num_swapped_out = 0
         self._next_seq_id = 0
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -131,7 +138,7 @@ class Scheduler:
                 self.eviction.make_room(seq, len(seq.token_ids) - 1)
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]
-                self.preempt(victim)
+                self.preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -164,11 +171,20 @@ class Scheduler:
                 i += 1
                 continue
             admit = None if self.eviction is None else self.eviction.admit_tokens(seq)
-            if not self.block_manager.can_allocate(seq, admit):
+            # a swapped-out sequence comes back in a step without copy-on-write copies: they run after the swap
+            # copies, and a shared block one of them reads may have been freed (its other holder preempted) and
+            # taken for the copy-in
+            if not self.block_manager.can_allocate(seq, admit) or (seq.host_table and batch.copies):
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[i]
             if lora is not None and adapters is not None:
                 adapters.add(lora.lora_int_id)
+            if seq.host_table:
+                self._swap_in(seq, batch)
+                n = min(seq.num_uncomputed, budget)
+                batch.items.append((seq, n))
+                budget -= n
+                continue
             cached = self.block_manager.allocate(seq, use_prefix_cache=seq.request.params.prompt_logprobs is None,
                                                  extra_key=seq.request.cache_key, num_tokens=admit)
             if seq.request.first_scheduled_time is None:
@@ -220,21 +236,45 @@ class Scheduler:
         """The adapter ids the running sequences use: they hold device slots."""
         return {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request is not None}
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, batch: ScheduledBatch | None = None) -> None:
+        """Back to the head of the queue without its device blocks: swapped out into `batch`'s copies when the swap
+        policy says so, else to be recomputed."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        if self.on_release is not None:
-            self.on_release(seq)
-        seq.num_computed_tokens = 0
+        computed = self.block_manager.blocks_for(seq.num_computed_tokens)  # the blocks whose K/V are written
+        if batch is not None and self.swap is not None and self.swap.swaps(seq.num_computed_tokens, computed):
+            seq.host_table = self.swap.pool.allocate(computed)
+            batch.swap_out += zip(seq.block_table[:computed], seq.host_table)
+            self.block_manager.free(seq)  # (the copies run before any step can write these blocks again)
+            self.num_swapped_out += 1
+        else:
+            self.block_manager.free(seq)
+            if self.on_release is not None:
+                self.on_release(seq)
+            seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _swap_in(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """New device blocks for every token (can_allocate checked), the swapped-out ones copied back into the
+        first; it runs on from its computed tokens. Its host blocks are free again: any later copy into them is
+        queued behind this one."""
+        bm = self.block_manager
+        seq.block_table = [bm.allocate_block() for _ in range(bm.blocks_for(len(seq.token_ids)))]
+        batch.swap_in += zip(seq.host_table, seq.block_table)
+        self.swap.pool.free(seq.host_table)
+        seq.host_table = []
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.host_table:  # finished (aborted) while swapped out
+            self.swap.pool.free(seq.host_table)
+            seq.host_table = []
         self.block_manager.free(seq)
         if self.on_release is not None:
             self.on_release(seq)

@@ -29,6 +29,8 @@ class Sequence:
     # KV eviction (engine/eviction.py): logical blocks dropped between the sink blocks and the window; logical block
     # j >= sink + num_evicted_blocks is block_table[j - num_evicted_blocks]
     num_evicted_blocks: int = 0
+    # swap preemption (engine/swap.py): the host blocks holding its computed K/V while it waits, in table order
+    host_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | grammar | length | abort (EngineOutput says what each means)
     # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so

@@ -74,7 +74,8 @@ class _EngineCollector:
                   ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s["kv_cache_usage"]))
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"]),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"]),
-                    ("num_preemptions", "Sequences preempted (KV freed, recomputed later).", s["num_preemptions"]),
+                    ("num_preemptions", "Sequences preempted (KV freed and recomputed later, or swapped to host).",
+                     s["num_preemptions"]),
                     ("prompt_tokens", "Prompt tokens prefilled (prefix-cache hits excluded).", s["prompt_tokens"]),
                     ("generation_tokens", "Tokens generated.", s["generation_tokens"]))
         for name, doc, value in gauges:

@@ -36,6 +36,7 @@ from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.feature import Speculation
 from brrr.engine.spec.verify import Speculator
 from brrr.engine.spec.verify_graphs import verify_graph_spec
+from brrr.engine.swap import swap_policy
 from brrr.errors import BrrrError
 from brrr.kernels.attention.kv_quant import cache_dtype
 from brrr.kernels.quant import quant_tuning
@@ -102,9 +103,12 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         eviction = None if ec.kv_eviction is None else StreamingEviction(self.block_manager, ec.kv_budget,
                                                                          ec.kv_sink_tokens)
+        p = next(model.parameters())
+        swap = swap_policy(ec, cfg, p.device, p.dtype, kv_bytes_per_block(cfg, ec.block_size, cache_dtype(
+            ec.kv_cache_dtype, p.dtype)), self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released,
-                                   eviction=eviction)
+                                   eviction=eviction, swap=swap)
         speculator = None if proposer is None else Speculator(ec.speculative_config, proposer,
                                                               device_drafts=ec.tensor_parallel_size == 1)
         with quant_tuning():  # the eager step before each graph capture tunes the quantized matmuls' decode shapes
@@ -114,7 +118,8 @@ class EngineCore:
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
                                       ec.max_num_seqs, None if adapters is None else adapters.row_input, verify,
-                                      ec.kv_cache_dtype, ec.calculate_kv_scales)
+                                      ec.kv_cache_dtype, ec.calculate_kv_scales,
+                                      num_host_blocks=0 if swap is None else swap.pool.num_blocks)
         self.features: list[Feature] = self._features(speculator, adapters)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
@@ -282,6 +287,9 @@ class EngineCore:
                 for feature in self._hooks["propose"]:
                     feature.propose(running)
             batch = self.scheduler.schedule()
+        if batch.swap_out or batch.swap_in:  # queued now, before the step's own copies; also when it runs nothing
+            with failing(lambda: {seq.request for seq, _ in batch.items}, "swap copies failed"):
+                self.runner.swap_blocks(batch.swap_out, batch.swap_in)
         if not batch.items:
             return None
         if self.schedule_log is not None:

@@ -1,7 +1,7 @@
 """Expert parallelism under gloo: 2 ranks, each holding half the experts and half of every batch, train 10 steps
 with the one-process run's losses (within 5e-5) and parameters; so do `brrr train --ep 2` (2 ranks) and
 `--ep 2 --dp-shard 2` (4 ranks: FSDP2 over the experts' holders beside EP), their final weights and validation loss
-too; an idle expert still gets a (zero) gradient; layouts EP does not take are refused by flag."""
+too, and a checkpoint resumes across the layouts; an idle expert still gets a (zero) gradient; layouts EP does not take are refused by flag."""
 import json
 import os
 
@@ -105,10 +105,13 @@ def runs(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep_runs")
     model = root / "config.json"
     model.write_text(json.dumps(TINY_MOE))
-    outs = {name: root / name for name in ("single", "ep2", "ep2_fsdp2")}
+    outs = {name: root / name for name in ("single", "ep2", "ep2_fsdp2", "trip")}
     Trainer(_cfg(model, data_dir, outs["single"], 1)).run()
-    spawn(2, [_cfg(model, data_dir, outs["ep2"], 2, ep=2)])
-    spawn(4, [_cfg(model, data_dir, outs["ep2_fsdp2"], 4, ep=2, dp_shard=2)])
+    spawn(4, [_cfg(model, data_dir, outs["ep2_fsdp2"], 4, ep=2, dp_shard=2),
+              _cfg(model, data_dir, outs["trip"], 4, ep=2, dp_shard=2, stop_at=5)])
+    spawn(2, [_cfg(model, data_dir, outs["ep2"], 2, ep=2),
+              _cfg(model, data_dir, outs["trip"], 2, ep=2, resume=True, stop_at=8)])
+    Trainer(_cfg(model, data_dir, outs["trip"], 1, resume=True)).run()
     return outs
 
 
@@ -132,6 +135,12 @@ def test_brrr_train_expert_parallel_matches_one_process(runs, name):
     reference = json.loads((ref / "train_summary.json").read_text())
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=LOSS_ATOL)
     assert summary["tokens_seen"] == reference["tokens_seen"] == 10 * 2 * GLOBAL_MICRO_BATCH * 32
+
+
+def test_an_ep_checkpoint_resumes_on_other_layouts(runs):
+    """Steps 1-5 on --ep 2 --dp-shard 2, 6-8 on --ep 2, 9-10 on one process: each rank's DCP entries are its own
+    experts' (the optimizer's flattened per parameter), and the curve is the one-process one."""
+    assert train_losses(runs["trip"]) == pytest.approx(train_losses(runs["single"]), abs=LOSS_ATOL)
 
 
 def test_an_idle_local_expert_gets_a_zero_gradient():

@@ -215,7 +215,8 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     cfg = TrainConfig(name, "", "", seq_len=args.seq_len, micro_batch=micro_batch, compile=args.compile,
                       activation_checkpointing=args.checkpointing, dp_replicate=args.dp_replicate,
                       dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                      pp_schedule=args.pp_schedule, microbatches=args.microbatches, reshard_after_forward=not args.zero2)
+                      pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+                      reshard_after_forward=not args.zero2)
     try:
         mesh = plan_layout(cfg.parallel, model_cfg, micro_batch, args.seq_len, device)
         ranks = Ranks.from_env()

@@ -52,8 +52,8 @@ class LoopConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x ep x cp x tp x pp = WORLD_SIZE, and how
-    the layout computes and checkpoints. The defaults are one process."""
+    """The layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x ep x cp x tp x pp = WORLD_SIZE, and
+    how the layout computes and checkpoints. The defaults are one process."""
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: the ranks the other dimensions leave
     tp: int = 1

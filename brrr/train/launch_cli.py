@@ -7,7 +7,8 @@ import json
 
 
 def add_parallel_flags(p):
-    g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x ep x cp x tp x pp = WORLD_SIZE)")
+    g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x ep x cp x tp x pp = "
+                             "WORLD_SIZE)")
     add_layout_flags(g)
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP: free gathered weights after forward (ZeRO-3); --no-...: keep them (ZeRO-2)")

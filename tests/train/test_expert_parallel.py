@@ -1,7 +1,8 @@
 """Expert parallelism under gloo: 2 ranks, each holding half the experts and half of every batch, train 10 steps
 with the one-process run's losses (within 5e-5) and parameters; so do `brrr train --ep 2` (2 ranks) and
 `--ep 2 --dp-shard 2` (4 ranks: FSDP2 over the experts' holders beside EP), their final weights and validation loss
-too, and a checkpoint resumes across the layouts; an idle expert still gets a (zero) gradient; layouts EP does not take are refused by flag."""
+too, and a checkpoint resumes across the layouts; an idle expert still gets a (zero) gradient; layouts EP does not
+take are refused by flag."""
 import json
 import os
 

@@ -1,6 +1,6 @@
 """Parallelism applied to a plain model over the mesh, in torchtitan's order: pipeline stages, tensor parallel,
-expert parallel, activation checkpointing, torch.compile per block, then data parallel (FSDP2 or DDP) on the result. The parameters
-keep the plain model's names whatever the layout, so the optimizer and the checkpoints see one model.
+expert parallel, activation checkpointing, torch.compile per block, then data parallel (FSDP2 or DDP) on the result.
+The parameters keep the plain model's names whatever the layout, so the optimizer and the checkpoints see one model.
 """
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ def register(bench_sub) -> None:
                         f"(default {ALONE['micro_batch']} alone, {UNDER_TORCHRUN['micro_batch']} under torchrun)")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"(default {ALONE['seq_len']} alone, {UNDER_TORCHRUN['seq_len']} under torchrun)")
-    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x cp x tp x pp = WORLD_SIZE; with "
-                             "--pp the record adds the bubble)")
+    g = p.add_argument_group("parallel layout, under torchrun (dp-replicate x dp-shard x ep x cp x tp x pp = "
+                             "WORLD_SIZE; with --pp the record adds the bubble)")
     add_layout_flags(g)
     g.add_argument("--zero2", action="store_true", help="FSDP keeps gathered weights until backward")
     p.add_argument("--steps", type=int, default=10)
@@ -101,7 +101,7 @@ def cmd_train(args) -> int:
             emit(record, args.out)
         return 0
 
-    layout = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "microbatches")
+    layout = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_schedule", "microbatches")
     changed = [f"--{k.replace('_', '-')}" for k in layout if getattr(args, k) != getattr(ParallelConfig(), k)]
     changed += ["--zero2"] * args.zero2
     if changed:
@@ -214,8 +214,9 @@ def run_layout(name: str, micro_batch: int, args) -> dict | None:
     model_cfg = model_config(name)
     cfg = TrainConfig(name, "", "", seq_len=args.seq_len, micro_batch=micro_batch, compile=args.compile,
                       activation_checkpointing=args.checkpointing, dp_replicate=args.dp_replicate,
-                      dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule,
-                      microbatches=args.microbatches, reshard_after_forward=not args.zero2)
+                      dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                      pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+                      reshard_after_forward=not args.zero2)
     try:
         mesh = plan_layout(cfg.parallel, model_cfg, micro_batch, args.seq_len, device)
         ranks = Ranks.from_env()

@@ -52,13 +52,14 @@ class LoopConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x cp x tp x pp = WORLD_SIZE, and how
-    the layout computes and checkpoints. The defaults are one process."""
+    """The layout under torchrun (brrr.train.parallel): dp_replicate x dp_shard x ep x cp x tp x pp = WORLD_SIZE, and
+    how the layout computes and checkpoints. The defaults are one process."""
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: the ranks the other dimensions leave
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence over cp ranks, ring attention
+    ep: int = 1  # expert parallel: each MoE layer's experts over ep ranks, all-to-all dispatch
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # pipeline microbatches per micro-batch (default: pp)
     reshard_after_forward: bool = True  # FSDP: True frees gathered weights after forward (ZeRO-3), False ZeRO-2

@@ -7,7 +7,8 @@ import json
 
 
 def add_parallel_flags(p):
-    g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x cp x tp x pp = WORLD_SIZE)")
+    g = p.add_argument_group("parallel layout (under torchrun: dp-replicate x dp-shard x ep x cp x tp x pp = "
+                             "WORLD_SIZE)")
     add_layout_flags(g)
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP: free gathered weights after forward (ZeRO-3); --no-...: keep them (ZeRO-2)")
@@ -25,6 +26,9 @@ def add_layout_flags(g):
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--cp", type=int, default=1,
                    help="context-parallel ranks: each sequence split over them (head-tail chunks, ring attention)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: each MoE layer's experts split over them (all-to-all dispatch); "
+                        "they are data-parallel ranks too")
     from brrr.analysis.train import SCHEDULES
 
     g.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES,

@@ -52,6 +52,11 @@ def make_optimizer(model: nn.Module, cfg: LoopConfig, device) -> torch.optim.Ada
     params = trainable(model)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    meshes = list(dict.fromkeys(getattr(p, "device_mesh", None) for p in params))
+    if len(meshes) > 1:  # --ep's experts sit on a mesh of their own, and the fused step's DTensor ops take one
+        groups = [{**g, "params": [p for p in g["params"] if getattr(p, "device_mesh", None) == m]}
+                  for g in groups for m in meshes]
+        groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              fused=torch.device(device).type == "cuda")
 

@@ -208,7 +208,7 @@ def test_the_cli_keeps_every_flag_and_default():
                 device=None, data=None, out=None, model=None)
     assert defaults["train"] == dict(
         loop, activation_checkpointing=False, activation_checkpointing_every=1, async_checkpoint=False, beta2=0.95,
-        checkpoint_every=500, compile=False, cp=1, dp_replicate=1, dp_shard=-1, eval_every=250, eval_windows=64,
+        checkpoint_every=500, compile=False, cp=1, dp_replicate=1, dp_shard=-1, ep=1, eval_every=250, eval_windows=64,
         export_dtype="auto", final_eval_windows=None, fp16=False, grad_accum=1, lr=6e-4, max_steps=1000,
         micro_batch=16, microbatches=None, pp=1, pp_schedule="1f1b", reshard_after_forward=True,
         moe_bias_update_speed=0.0, router_aux_loss_coef=None, router_z_loss_coef=0.0, seq_len=1024,

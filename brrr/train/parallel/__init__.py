@@ -7,7 +7,7 @@ DDP applied to a plain model), step.py (the optimizer step and the evaluation on
 gradient clipping, fp16 loss scaling, the pipeline's schedule), ranks.py (this rank's place and the step-boundary
 agreements between ranks), dcp.py (sharded checkpoints); the mechanisms under them: data_parallel.py,
 tensor_parallel.py, pipeline.py, context_parallel.py (--cp: head-tail sequence shards, the loss over them) over
-ring_attention.py.
+ring_attention.py, expert_parallel.py (--ep: each rank's share of the experts, all-to-all dispatch, their FSDP group).
 """
 from brrr.train.parallel.dcp import Checkpointer, load_model_weights
 from brrr.train.parallel.layout import Layout, Mesh, plan_layout, predicted_memory, zero_stage

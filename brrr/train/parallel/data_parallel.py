@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from brrr.train.parallel.expert_parallel import shard_experts
 from brrr.train.parallel.layout import Mesh
 
 
@@ -34,11 +35,14 @@ def mixed_precision(device: torch.device, fp16: bool = False):
 def apply_fsdp(model: nn.Module, layers, mesh: Mesh, device: torch.device, reshard_after_forward: bool,
                fp16: bool = False):
     """fully_shard every layer in `layers`, then the root. With dp_replicate > 1 the mesh is 2-D: HSDP (shard
-    inside a replica group, all-reduce gradients across groups). With cp the shard group is dp_shard x cp."""
+    inside a replica group, all-reduce gradients across groups). With cp the shard group is dp_shard x cp; with ep
+    dp_shard x ep, and each MoE layer's experts are a group of their own first (expert_parallel.shard_experts)."""
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh
     mp = mixed_precision(device, fp16)
+    if mesh.layout.ep > 1:
+        shard_experts(layers, mesh, mp, reshard_after_forward)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)  # the root keeps its weights gathered until backward

@@ -31,11 +31,28 @@ def has_checkpoint(out: Path) -> bool:
     return any(checkpoint_path(out, d).exists() for d in (False, True))
 
 
-def _state(model, optimizer) -> dict:
+def _options(flat: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # the optimizer's hyperparameters one entry per parameter ("param_groups.<name>.lr", torchtitan's choice), not
+    # groups listing their parameters' names: each rank saves and loads those of the parameters it holds, which
+    # under --ep differ between ranks (its own experts)
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _state(model, optimizer, flat: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(flat))
     return {"model": msd, "optimizer": osd}
+
+
+def _flat(path: Path) -> bool:
+    """Whether a DCP checkpoint's optimizer is stored flat (checkpoints written before were not: their entries
+    are per group, "optimizer.param_groups.0.lr")."""
+    import torch.distributed.checkpoint as dcp
+
+    return "optimizer.param_groups.0.lr" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def _barrier():
@@ -105,9 +122,11 @@ class Checkpointer:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
-            state = _state(model, optimizer)
+            flat = _flat(dcp_dir)
+            state = _state(model, optimizer, flat)
             dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=not dist.is_initialized())
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=_options(flat))
             return json.loads((dcp_dir / "trainer.json").read_text())
         if file.is_file() and self.distributed:
             raise BrrrError(f"--resume: {file} was written by one process; a torchrun launch resumes from a DCP "

@@ -9,14 +9,16 @@ Per MoE layer and micro-batch, on every rank:
    destination (an all-to-all with those splits; autograd carries the gradients back the same way);
 3. run the received pairs through the local experts (dropless: every pair an expert got is computed);
 4. send the weighted outputs home and sum each token's k outputs in expert order, as the one-process block does.
-The local experts keep their global indices (`experts` is a ModuleDict keyed "0".."E-1" with this rank's keys), so
-parameter names match the full model's.
+The local experts keep their global indices (`experts` is a LocalExperts, a ModuleDict keyed "0".."E-1" with this
+rank's keys), so parameter names match the full model's. Their computation is LocalExperts' forward, so FSDP's hooks
+on that module gather its weights before it and reduce its gradients after; it runs every local expert, those that
+got no pair on zero rows, so every expert has a gradient (zero when idle) and the reduce-scatter over the ranks
+holding it carries the same tensors on each.
 
 Gradients: every rank's loss is the mean over its own tokens and the objective is the mean over ranks, so the
 replicated parameters' gradients are averaged over the group and the experts' (which already hold every rank's
-tokens' contributions, through the all-to-all's backward) divided by N: `sync_expert_parallel_grads`. This module
-is the layer transform and its gradient rule; `brrr train --ep` wiring (a DeviceMesh dimension beside FSDP) is
-separate.
+tokens' contributions, through the all-to-all's backward) divided by N: `sync_expert_parallel_grads` on a plain
+process group. Under `brrr train --ep` (the mesh's ep dimension) FSDP does both: `shard_experts`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,23 @@ from brrr.errors import BrrrError
 from brrr.kernels.activation import silu_and_mul
 from brrr.kernels.fused_moe import sum_in_expert_order
 from brrr.models.moe import SparseMoeBlock
+from brrr.train.parallel.layout import Mesh
+
+
+class LocalExperts(nn.ModuleDict):
+    """This rank's experts under their global indices, and the computation of the pairs they received."""
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [P, H] the received pairs' inputs, expert [P] their experts, weight [P] their routing weights -> the
+        weighted outputs [P, H]."""
+        out = x.new_zeros(x.shape)
+        for key, mlp in self.items():  # every local expert, an idle one on zero rows (see the module)
+            rows = torch.where(expert == int(key))[0]
+            gate, up, down = mlp.projections()
+            h = x[rows]
+            y = down(silu_and_mul(gate(h), up(h)))
+            out = out.index_add(0, rows, (y * weight[rows, None]).to(x.dtype))
+        return out
 
 
 class ExpertParallelMoE(nn.Module):
@@ -45,7 +64,7 @@ class ExpertParallelMoE(nn.Module):
         object.__setattr__(self, "block", block)
         self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
         self.shared_experts = block.shared_experts
-        self.experts = nn.ModuleDict({str(e): block.experts[e] for e in range(self.first, self.first + self.local)})
+        self.experts = LocalExperts({str(e): block.experts[e] for e in range(self.first, self.first + self.local)})
         block.experts = None  # the other ranks' experts are not held here
 
     def forward(self, x):
@@ -63,13 +82,7 @@ class ExpertParallelMoE(nn.Module):
         got_w = all_to_all_single_autograd(pair_w, recv_sizes, send_sizes, self.group)
         got_e = torch.empty(sum(recv_sizes), dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(got_e, flat[order].contiguous(), recv_sizes, send_sizes, group=self.group)
-        out = got_x.new_zeros(got_x.shape)
-        for e in got_e.unique().tolist():  # the local experts that got pairs
-            rows = torch.where(got_e == e)[0]
-            gate, up, down = self.experts[str(e)].projections()
-            h = got_x[rows]
-            y = down(silu_and_mul(gate(h), up(h)))
-            out = out.index_add(0, rows, (y * got_w[rows, None]).to(x.dtype))
+        out = self.experts(got_x, got_e, got_w)
         back = all_to_all_single_autograd(out, send_sizes, recv_sizes, self.group)
         per_pair = back.new_zeros(back.shape).index_add(0, order, back)  # (token, choice) order again
         return block.add_shared(x, sum_in_expert_order(per_pair, ids, x))
@@ -102,3 +115,23 @@ def sync_expert_parallel_grads(model: nn.Module, group: dist.ProcessGroup) -> No
         else:
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(world)
+
+
+def shard_experts(layers, mesh: Mesh, mp_policy, reshard_after_forward: bool):
+    """fully_shard each MoE layer's local experts over the ranks holding the same ones (mesh.expert_mesh: one
+    ep coordinate's dp_replicate x dp_shard), before the layer itself is sharded over all data-parallel ranks.
+    Their gradients are divided by every data-parallel rank (dp_replicate x dp_shard x ep), not only by those they
+    are reduced over: each already sums the tokens of all ep ranks (the all-to-all's backward)."""
+    from torch.distributed.fsdp import fully_shard  # a distributed run's import: one process never loads FSDP
+
+    for layer in layers:
+        if not isinstance(layer.mlp, ExpertParallelMoE):
+            continue
+        experts = fully_shard(layer.mlp.experts, mesh=mesh.expert_mesh, mp_policy=mp_policy,
+                              reshard_after_forward=reshard_after_forward)
+        experts.set_gradient_divide_factor(float(mesh.dp_world))
+        if mesh.layout.dp_shard > 1:
+            # sum over the shard group, then divide: a divide factor other than the group's size is NCCL's
+            # PREMUL_SUM otherwise, which gloo has not (with one shard rank FSDP divides without a collective,
+            # and forcing the sum there would divide twice)
+            experts.set_force_sum_reduction_for_comms(True)

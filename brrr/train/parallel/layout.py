@@ -1,9 +1,11 @@
 """The parallel layout of a training run: flags -> one DeviceMesh with named dimensions, and what the layout
 costs in memory (brrr calc train's prediction for this device).
 
-World = pp x dp_replicate x dp_shard x cp x tp (torchtitan's order: tensor parallel innermost, so its ranks share
-a host and its per-layer collectives stay on NVLink; context parallel next, whose ring sends K/V every layer;
-pipeline outermost, whose point-to-point sends are the cheapest traffic). Every check here reads only the flags,
+World = pp x dp_replicate x dp_shard x ep x cp x tp (torchtitan's order: tensor parallel innermost, so its ranks share
+a host and its per-layer collectives stay on NVLink; context parallel next, whose ring sends K/V every layer; expert
+parallel next, whose all-to-all runs twice per MoE layer; pipeline outermost, whose point-to-point sends are the
+cheapest traffic). The ep ranks are data-parallel ranks too (each reads its own rows): dp = dp_replicate x dp_shard
+x ep. Every check here reads only the flags,
 WORLD_SIZE and the model config, so every rank reaches the same verdict before any collective: a bad layout raises
 on all ranks at once and none waits for the others.
 """
@@ -22,7 +24,7 @@ from brrr.errors import BrrrError
 from brrr.train.config import ParallelConfig
 from brrr.train.parallel.pipeline import INTERLEAVED_CHUNKS, check_pipeline
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,17 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks (all-to-all dispatch)
 
     def resolve(self, world: int) -> "Layout":
         """The layout with dp_shard filled in, checked against the world size."""
-        for name in ("dp_replicate", "tp", "pp", "cp"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise BrrrError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise BrrrError(f"--dp-shard must be >= 1 (or -1: the ranks left over), got {self.dp_shard}")
-        others = self.dp_replicate * self.tp * self.pp * self.cp
-        cp = f" x --cp {self.cp}" if self.cp > 1 else ""
+        others = self.dp_replicate * self.tp * self.pp * self.cp * self.ep
+        cp = (f" x --cp {self.cp}" if self.cp > 1 else "") + (f" x --ep {self.ep}" if self.ep > 1 else "")
         shard = self.dp_shard
         if shard == -1:
             if world % others:
@@ -53,11 +56,12 @@ class Layout:
             raise BrrrError(f"--dp-replicate {self.dp_replicate} x --dp-shard {shard} x --tp {self.tp} x --pp "
                             f"{self.pp}{cp} = {others * shard}, but the world size is {world} (WORLD_SIZE, "
                             f"torchrun's --nproc_per_node x --nnodes): the product must equal it")
-        return Layout(self.dp_replicate, shard, self.tp, self.pp, self.cp)
+        return Layout(self.dp_replicate, shard, self.tp, self.pp, self.cp, self.ep)
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel ranks: every rank that reads rows of its own (the ep ranks included)."""
+        return self.dp_replicate * self.dp_shard * self.ep
 
     @property
     def world(self) -> int:
@@ -72,6 +76,7 @@ def check_model(layout: Layout, cfg: ModelConfig, micro_batch: int, seq_len: int
     vocabulary; PP splits layers; sequence parallelism splits each micro-batch's tokens; CP splits each sequence
     into 2 x cp chunks."""
     check_context_parallel(layout, cfg, seq_len)
+    check_expert_parallel(layout, cfg)
     tp = layout.tp
     if tp > 1:
         for field, size in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
@@ -109,6 +114,21 @@ def check_context_parallel(layout: Layout, cfg: ModelConfig, seq_len: int):
                         f"({cfg.max_position_embeddings}); --seq-len {seq_len} is past it")
 
 
+def check_expert_parallel(layout: Layout, cfg: ModelConfig):
+    ep = layout.ep
+    if ep == 1:
+        return
+    if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
+        raise BrrrError(f"--ep {ep} composes with --dp-shard and --dp-replicate; with --tp, --pp or --cp it is not "
+                        f"supported (got --tp {layout.tp} --pp {layout.pp} --cp {layout.cp})")
+    if not cfg.num_experts:
+        raise BrrrError(f"--ep {ep} splits the experts of MoE layers; {cfg.architecture} here is a dense model "
+                        f"(num_experts 0)")
+    if cfg.num_experts % ep:
+        raise BrrrError(f"--ep {ep} must divide the model's num_experts ({cfg.num_experts}): each ep rank holds "
+                        f"an equal share")
+
+
 @dataclass
 class Mesh:
     """This rank's place: the resolved layout, the DeviceMesh (None for one process) and the data-parallel
@@ -118,7 +138,8 @@ class Mesh:
     rank: int
     dp_rank: int
     dp_mesh: object | None = None  # dp_replicate x dp_shard flattened
-    fsdp_mesh: object | None = None  # FSDP's mesh: dp_shard, or with cp the dp_shard x cp ranks (HSDP: 2-D)
+    fsdp_mesh: object | None = None  # FSDP's mesh: dp_shard, or with cp / ep the dp_shard x cp / ep ranks (HSDP: 2-D)
+    expert_mesh: object | None = None  # with ep: FSDP's mesh for the experts, the ranks holding the same ones
 
     @property
     def world(self) -> int:
@@ -139,10 +160,11 @@ class Mesh:
         no DTensor parameters; FSDP's policy gives every such layout the same bf16 compute and fp32 master
         weights); DDP for replicas alone."""
         layout = self.layout
-        return self.distributed and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1 or layout.cp > 1)
+        return self.distributed and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1 or layout.cp > 1
+                                     or layout.ep > 1)
 
     def get(self, *names: str):
-        """The sub-mesh over `names` ("dp" is dp_replicate x dp_shard flattened)."""
+        """The sub-mesh over `names` ("dp" is dp_replicate x dp_shard x ep flattened)."""
         if names == ("dp",):
             return self.dp_mesh
         return self.device_mesh[names if len(names) > 1 else names[0]]
@@ -165,15 +187,22 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
 
     shape = tuple(getattr(layout, d) for d in DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_mesh = mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
     # the cp ranks of a replica hold the same weights and each the gradients of its own tokens: FSDP shards over
-    # them too (torchtitan's dp_shard_cp), so its reduce-scatter sums their gradients
+    # them too (torchtitan's dp_shard_cp), so its reduce-scatter sums their gradients; the ep ranks likewise for
+    # every parameter but the experts
     shard = "dp_shard"
     if layout.cp > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         shard = "dp_shard_cp"
+    expert_mesh = None
+    if layout.ep > 1:
+        mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        shard = "dp_shard_ep"
+        # an expert lives on the ranks of one ep coordinate: FSDP shards it over their dp_replicate x dp_shard
+        expert_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
     fsdp_mesh = mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
-    return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh, fsdp_mesh)
+    return Mesh(layout, mesh, dist.get_rank(), dp_mesh.get_local_rank(), dp_mesh, fsdp_mesh, expert_mesh)
 
 
 def microbatches(cfg: ParallelConfig, layout: Layout) -> int:
@@ -186,7 +215,7 @@ def plan_layout(cfg: ParallelConfig, model_cfg: ModelConfig, micro_batch: int, s
     """The layout the flags ask for, checked against WORLD_SIZE and the model on every rank before any collective
     (a bad layout is refused everywhere at once), then joined: the mesh."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp).resolve(world)
+    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep).resolve(world)
     m = microbatches(cfg, layout)
     check_model(layout, model_cfg, micro_batch, seq_len, m if layout.pp > 1 else None)
     if layout.pp > 1:

@@ -1,6 +1,6 @@
 """Parallelism applied to a plain model over the mesh, in torchtitan's order: pipeline stages, tensor parallel,
-activation checkpointing, torch.compile per block, then data parallel (FSDP2 or DDP) on the result. The parameters
-keep the plain model's names whatever the layout, so the optimizer and the checkpoints see one model.
+expert parallel, activation checkpointing, torch.compile per block, then data parallel (FSDP2 or DDP) on the result.
+The parameters keep the plain model's names whatever the layout, so the optimizer and the checkpoints see one model.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from brrr.train.config import ParallelConfig
 from brrr.train.parallel.data_parallel import apply_ddp, apply_fsdp
+from brrr.train.parallel.expert_parallel import apply_expert_parallel
 from brrr.train.parallel.layout import Mesh, microbatches
 from brrr.train.parallel.pipeline import Pipeline
 from brrr.train.parallel.tensor_parallel import apply_tp
@@ -21,10 +22,10 @@ from brrr.train.parallel.tensor_parallel import apply_tp
 def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device, *, grad_accum: int,
                 seq_len: int, compile: bool = False, activation_checkpointing: bool = False,
                 checkpoint_every: int = 1) -> tuple[nn.Module, Pipeline | None]:
-    """The model this rank trains, and its pipeline (None without one): pipeline stages, TP, activation
-    checkpointing (every checkpoint_every-th layer), per-layer compile (distributed runs: FSDP's and TP's hooks sit
-    between layers; one process compiles its whole loss instead), FSDP / DDP. Returns a module whose parameters
-    carry the plain model's names."""
+    """The model this rank trains, and its pipeline (None without one): pipeline stages, TP, EP (each MoE layer
+    keeps this rank's experts), activation checkpointing (every checkpoint_every-th layer), per-layer compile
+    (distributed runs: FSDP's and TP's hooks sit between layers; one process compiles its whole loss instead),
+    FSDP / DDP. Returns a module whose parameters carry the plain model's names."""
     layout, pipeline = mesh.layout, None
     parts = [model]
     if layout.pp > 1:
@@ -41,6 +42,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch
             apply_tp(part, mesh)
             if pipeline is not None:  # stages exchange TP's token shards
                 part.tp_mesh = mesh.get("tp")
+    if layout.ep > 1:
+        for part in parts:
+            apply_expert_parallel(part, mesh.get("ep").get_group())
     for part in parts:
         layers = decoder_layers(part)
         if activation_checkpointing:  # all layers, or every N-th (memory traded for less recompute)

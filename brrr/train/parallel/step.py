@@ -24,9 +24,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, pp_group=None, ep=None) -> torch.Tensor:
     """torch's clip_grad_norm_ over DTensor gradients (FSDP shards, TP slices) on any mesh: the norm of every
-    shard's gradients, reduced to the global norm (across pipeline stages too), then one scale for all."""
+    shard's gradients, reduced to the global norm (across pipeline stages too), then one scale for all. ep: (the
+    experts' mesh, the ep group) under expert parallelism (`_expert_parallel_clip`)."""
+    if ep is not None:
+        return _expert_parallel_clip(params, max_norm, *ep)
     grads = [p.grad for p in params if p.grad is not None]
     total = _local(torch.nn.utils.get_total_norm(grads, 2.0))
     if pp_group is not None:
@@ -34,6 +37,26 @@ def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _expert_parallel_clip(params, max_norm: float, expert_mesh, ep_group) -> torch.Tensor:
+    """The experts' gradients are DTensors on a mesh of their own (DTensor ops take one mesh: each mesh's
+    gradients are taken apart) and hold this rank's experts alone: their squared norm is summed over the ep ranks,
+    then added to the other parameters' (which every ep rank holds the same of)."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    total = None
+    for mesh, group in by_mesh.items():
+        sq = _local(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) ** 2
+        if mesh == expert_mesh:
+            dist.all_reduce(sq, group=ep_group)
+        total = sq if total is None else total + sq
+    total = total.sqrt()
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -65,7 +88,8 @@ class ParallelStep:
         this layout (a pipeline runs its schedule instead): (mean loss over the data-parallel ranks, global
         pre-clip gradient norm), both on the device."""
         pp_group = self.mesh.get("pp").get_group() if self.pipeline is not None else None
-        clip = functools.partial(clip_grad_norm, pp_group=pp_group)
+        ep = (self.mesh.expert_mesh, self.mesh.get("ep").get_group()) if self.mesh.layout.ep > 1 else None
+        clip = functools.partial(clip_grad_norm, pp_group=pp_group, ep=ep)
         scale = 1.0
         if self.loss_scale is not None:  # fp16
             scale = self.loss_scale.scale

@@ -64,6 +64,10 @@ class StreamingEviction:
         evictable = max(0, (end - 1) // bm.block_size - self.window + 1 - self.sink - seq.num_evicted_blocks)
         return bm.blocks_for(end) - logical > min(evictable, len(seq.block_table) - self.sink)
 
+    def compaction(self, seq: Sequence, n: int) -> None:
+        """Nothing is compacted in place (SnapKV's is, snapkv.py): blocks go whole as the window moves."""
+        return None
+
     def admit_tokens(self, seq: Sequence) -> int:
         """Tokens whose blocks a sequence is admitted with: the whole prompt up to the budget."""
         return min(len(seq.token_ids), self.budget_tokens)

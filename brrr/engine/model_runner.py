@@ -19,6 +19,7 @@ import torch
 from brrr.analysis.model import kv_elements_per_token
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
+from brrr.engine.snapkv import SnapObserver
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import StepRecord, block_copies, pad_tables, stage
@@ -69,6 +70,14 @@ def _cuda_capture(step, pool, device):
         if was_enabled:
             gc.enable()
     return graph, logits
+
+
+def compactions(batch: ScheduledBatch, cu: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+    """A step's SnapKV compactions as a record carries them: (row, first window query's row, window, prompt
+    length, kept); the window is the last queries of the row's chunk."""
+    row_of = {seq: i for i, (seq, _) in enumerate(batch.items)} if batch.compactions else {}
+    return [(row_of[seq], int(cu[row_of[seq] + 1]) - window, window, seq.num_prompt_tokens, kept)
+            for seq, window, kept in batch.compactions]
 
 
 class ModelRunner:
@@ -279,6 +288,8 @@ class ModelRunner:
         self._share_ids(record, ids)
         meta = AttnMeta(cu_seqlens_q=cu, seqlens_q=record.seqlens, context_lens=record.context_lens,
                         slot_mapping=slots, block_tables=tables, kv_caches=self.kv_caches, context_lens_t=context)
+        if record.compactions:
+            meta.observe = SnapObserver(record.compactions, tables, self.kv_caches)
         if self.lora is not None:
             self.stage_lora(record)
             self.lora.slots.begin(len(ids))
@@ -345,14 +356,18 @@ class ModelRunner:
                     chunk += seq.spec_tokens[:n - len(chunk)]
                 ids += chunk
             seqlens.append(n)
-            context_lens.append(start + n - seq.num_evicted_blocks * bs)  # the kept tokens (eviction.py)
+            # the kept tokens (eviction.py, snapkv.py)
+            context_lens.append(start + n - seq.num_evicted_blocks * bs - seq.num_dropped_tokens)
             tables[i, : len(seq.block_table)] = seq.block_table
         starts = np.repeat(np.array([seq.num_computed_tokens + ahead for seq, _ in batch.items]), seqlens)
         rows = np.repeat(np.arange(len(seqlens)), seqlens)
         positions = starts + np.arange(sum(seqlens)) - np.repeat(np.cumsum(seqlens) - seqlens, seqlens)
-        # an evicting sequence's new tokens lie in its window: logical block j is table entry j - evicted
-        evicted = np.repeat(np.array([seq.num_evicted_blocks for seq, _ in batch.items]), seqlens)
-        slots = tables[rows, positions // bs - evicted].astype(np.int64) * bs + positions % bs
+        # an evicting sequence's new tokens lie past what it dropped: position p is cache row p - dropped (whole
+        # blocks for streaming: logical block j is table entry j - evicted)
+        dropped = np.repeat(np.array([seq.num_evicted_blocks * bs + seq.num_dropped_tokens for seq, _ in batch.items]),
+                            seqlens)
+        rows_at = positions - dropped
+        slots = tables[rows, rows_at // bs].astype(np.int64) * bs + rows_at % bs
         return ids, positions.astype(np.int64), slots, seqlens, context_lens, tables
 
     def _eager_record(self, batch: ScheduledBatch, rows: list[int], logit_rows) -> tuple[StepRecord, object]:
@@ -365,7 +380,7 @@ class ModelRunner:
                   pad_tables(tables), np.array(rows + list(logit_rows), dtype=np.int64),
                   *(gather[1:] if gather else ()))
         record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
-                            rows=len(rows), device_ids=gather is not None,
+                            rows=len(rows), device_ids=gather is not None, compactions=compactions(batch, cu),
                             **self.lora_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 

@@ -29,6 +29,9 @@ class Sequence:
     # KV eviction (engine/eviction.py): logical blocks dropped between the sink blocks and the window; logical block
     # j >= sink + num_evicted_blocks is block_table[j - num_evicted_blocks]
     num_evicted_blocks: int = 0
+    # SnapKV (engine/snapkv.py): prompt tokens a compaction dropped (per KV head; every head keeps as many), so
+    # position p past the prompt is cache row p - num_dropped_tokens
+    num_dropped_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | grammar | length | abort (EngineOutput says what each means)
     # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so

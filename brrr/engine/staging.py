@@ -35,6 +35,8 @@ class StepRecord:
     device_ids: bool = False  # some input ids are on rank 0's device only: broadcast from there before the forward
     lora_rows: np.ndarray | None = None  # each row's adapter slot (int32, -1: none)
     lora_writes: list = field(default_factory=list)  # (slot, adapter) copied into the slots first (sharded runs)
+    # eager: SnapKV compactions, (row, first window query's row, window, prompt length, kept) each (snapkv.py)
+    compactions: list = field(default_factory=list)
 
 
 def block_copies(copies) -> np.ndarray | None:

@@ -16,6 +16,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from brrr.analysis.model import is_mla
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
@@ -28,6 +29,7 @@ from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.prompt_logprobs import PromptLogprobs
 from brrr.engine.sampler import SampleRow, h2d
+from brrr.engine.snapkv import SnapKVEviction
 from brrr.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
@@ -79,6 +81,8 @@ class EngineCore:
         if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
             raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
                             f"({cfg.sliding_window}) yet")
+        if ec.kv_eviction == "snapkv" and is_mla(cfg):  # its latent cache has no per-head keys to score
+            raise BrrrError("kv_eviction='snapkv' does not combine with an MLA model's latent cache yet")
         self.lora = self._lora_manager(model) if ec.enable_lora else None
         # before sizing the KV cache: packs layer by layer (and the LoRA slots are allocated already)
         self.model = model = prepare_for_serving(model, ec, self.lora.slots if self.lora else None)
@@ -97,8 +101,11 @@ class EngineCore:
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
-        eviction = None if ec.kv_eviction is None else StreamingEviction(self.block_manager, ec.kv_budget,
-                                                                         ec.kv_sink_tokens)
+        eviction = None
+        if ec.kv_eviction == "streaming":
+            eviction = StreamingEviction(self.block_manager, ec.kv_budget, ec.kv_sink_tokens)
+        elif ec.kv_eviction == "snapkv":
+            eviction = SnapKVEviction(self.block_manager, ec.kv_budget)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released,
                                    eviction=eviction)
@@ -230,6 +237,9 @@ class EngineCore:
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
+        if request.params.n > 1 and self.config.kv_eviction == "snapkv":
+            raise BrrrError(f"SamplingParams.n must be 1 with kv_eviction='snapkv', got {request.params.n}: the "
+                            "compaction rewrites the prompt blocks the samples would share")
         if request.lora_request is not None:  # loaded (from its path) and checked before it can be scheduled
             self.add_lora(request.lora_request)
         self.requests[request.request_id] = request
@@ -423,6 +433,9 @@ class EngineCore:
                 self.prompt_tokens_total += min(n, prompt - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             commit_computed(seq, seq.request.cache_key)
+        for seq, _, kept in plan.batch.compactions:  # SnapKV moved the kept rows down: the rest go back
+            if not seq.finished:
+                self.scheduler.eviction.compacted(seq, kept)
         for feature in hooks["after_computed"]:
             feature.after_computed(plan)
         now, records, appended = time.monotonic(), [], hooks["after_append"]

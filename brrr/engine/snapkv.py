@@ -66,7 +66,7 @@ class SnapObserver:
     def __call__(self, layer: int, q: torch.Tensor, scale: float) -> None:
         pair = self.kv_caches[layer]
         k_cache, v_cache = pair
-        bs, n_kv, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        bs, n_kv = k_cache.shape[1], k_cache.shape[2]
         k_scale = (kv_scales(pair) or (None,))[0]
         for row, first, window, prompt, kept in self.compactions:
             blocks = self.tables[row, : -(-prompt // bs)].long()
@@ -76,9 +76,9 @@ class SnapObserver:
             if k_scale is not None:  # fp8: the scores read the keys as attention does, dequantized
                 keys = dequantize(keys.view(k_cache.dtype), k_scale, torch.float32)
             keep = snapkv_keep(snapkv_scores(q[first:first + window], keys, scale), window, kept)  # [KVH, kept]
-            gather = keep.t()[:, :, None].expand(kept, n_kv, dim)
             for cache in (k_cache, v_cache):  # (fp8 as bytes: CPU indexing has no fp8 kernels)
                 flat = as_bytes(cache).flatten(0, 1)
+                gather = keep.t()[:, :, None].expand(kept, n_kv, cache.shape[3])
                 flat[rows[:kept]] = flat.index_select(0, rows).gather(0, gather)
 
 

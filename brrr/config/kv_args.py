@@ -15,8 +15,9 @@ def add_kv_cache_args(parser) -> None:
     parser.add_argument("--kv-eviction", default=None, choices=KV_EVICTIONS,
                         help="evict KV as sequences grow: streaming keeps the first --kv-sink-tokens and the most "
                              "recent tokens, --kv-budget in all (StreamingLLM); snapkv compacts each prompt to "
-                             "--kv-budget tokens per KV head by its last 32 queries' attention (SnapKV; needs "
-                             "--no-prefix-caching)")
+                             "--kv-budget tokens per KV head by its last 32 queries' attention (SnapKV); h2o keeps "
+                             "the rows of most accumulated attention and the most recent (H2O); both need "
+                             "--no-prefix-caching")
     parser.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
                         help="with --kv-eviction: cached tokens a sequence keeps at most (a multiple of the block size)")
     parser.add_argument("--kv-sink-tokens", type=int, default=4,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
+from brrr.engine.h2o import H2OObserver, H2OState
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.snapkv import SnapObserver
@@ -80,6 +81,13 @@ def compactions(batch: ScheduledBatch, cu: np.ndarray) -> list[tuple[int, int, i
             for seq, window, kept in batch.compactions]
 
 
+def heavy_items(batch: ScheduledBatch, cu: np.ndarray) -> list[tuple[int, int, int, int, int, int, int]]:
+    """A step's rows as H2OObserver takes them: (row, first query's row, tokens, first position, rows cached
+    before, seq_id, prompt length)."""
+    return [(i, int(cu[i]), n, seq.num_computed_tokens, seq.num_computed_tokens - seq.num_dropped_tokens, seq.seq_id,
+             seq.num_prompt_tokens) for i, (seq, n) in enumerate(batch.items)]
+
+
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, lora: LoraManager | None = None,
@@ -94,6 +102,7 @@ class ModelRunner:
         self.model, self.block_size, self.num_blocks, self.lora = model, block_size, num_blocks, lora
         self.verify_spec, self.verify_graphs = verify, None
         self.decode_replays = 0  # steps that ran through a decode graph
+        self.h2o: H2OState | None = None  # kv_eviction="h2o": each sequence's accumulated attention (engine/h2o.py)
         self.tp = getattr(model, "tp_group", None)  # rank 0 of a sharded model: its workers (None elsewhere)
         self.comm = getattr(model, "tp_comm", None)  # any rank of a sharded model: the group's collectives
         p = next(model.parameters())
@@ -290,6 +299,8 @@ class ModelRunner:
                         slot_mapping=slots, block_tables=tables, kv_caches=self.kv_caches, context_lens_t=context)
         if record.compactions:
             meta.observe = SnapObserver(record.compactions, tables, self.kv_caches)
+        elif record.heavy:
+            meta.observe = H2OObserver(record.heavy, tables, self.kv_caches, self.h2o)
         if self.lora is not None:
             self.stage_lora(record)
             self.lora.slots.begin(len(ids))
@@ -381,6 +392,7 @@ class ModelRunner:
                   *(gather[1:] if gather else ()))
         record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
                             rows=len(rows), device_ids=gather is not None, compactions=compactions(batch, cu),
+                            heavy=[] if self.h2o is None else heavy_items(batch, cu),
                             **self.lora_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 

@@ -55,6 +55,29 @@ def snapkv_keep(scores: torch.Tensor, window: int, kept: int) -> torch.Tensor:
     return torch.cat((top, tail), dim=1)
 
 
+def sequence_rows(tables: torch.Tensor, row: int, n: int, block_size: int) -> torch.Tensor:
+    """The cache rows (block * block_size + offset, flat) of a step's table row's first n rows, in order."""
+    blocks = tables[row, : -(-n // block_size)].long()
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()[:n]
+
+
+def read_keys(pair, rows: torch.Tensor) -> torch.Tensor:
+    """A layer's cached keys at flat rows, in float32 (an fp8 cache's dequantized, as attention reads them)."""
+    k_cache = pair[0]
+    keys = as_bytes(k_cache).flatten(0, 1).index_select(0, rows)
+    scales = kv_scales(pair)
+    return keys.float() if scales is None else dequantize(keys.view(k_cache.dtype), scales[0], torch.float32)
+
+
+def move_rows(pair, rows: torch.Tensor, keep: torch.Tensor) -> None:
+    """Head h's K/V at rows[keep[h, j]] into rows[j], for j < keep.shape[1], every head at once."""
+    kept, n_kv = keep.shape[1], keep.shape[0]
+    for cache in pair:  # (fp8 as bytes: CPU indexing has no fp8 kernels)
+        flat = as_bytes(cache).flatten(0, 1)
+        gather = keep.t()[:, :, None].expand(kept, n_kv, cache.shape[3])
+        flat[rows[:kept]] = flat.index_select(0, rows).gather(0, gather)
+
+
 class SnapObserver:
     """AttnMeta.observe for a step that ends prompts which compact: after each layer's attention, each such
     sequence's kept K/V rows move to its first `kept` cache rows. compactions: (batch row, first window query's
@@ -65,21 +88,10 @@ class SnapObserver:
 
     def __call__(self, layer: int, q: torch.Tensor, scale: float) -> None:
         pair = self.kv_caches[layer]
-        k_cache, v_cache = pair
-        bs, n_kv = k_cache.shape[1], k_cache.shape[2]
-        k_scale = (kv_scales(pair) or (None,))[0]
         for row, first, window, prompt, kept in self.compactions:
-            blocks = self.tables[row, : -(-prompt // bs)].long()
-            # every cache row of the prompt's blocks: block * bs + offset, in position order
-            rows = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).flatten()[:prompt]
-            keys = as_bytes(k_cache).flatten(0, 1).index_select(0, rows)
-            if k_scale is not None:  # fp8: the scores read the keys as attention does, dequantized
-                keys = dequantize(keys.view(k_cache.dtype), k_scale, torch.float32)
-            keep = snapkv_keep(snapkv_scores(q[first:first + window], keys, scale), window, kept)  # [KVH, kept]
-            for cache in (k_cache, v_cache):  # (fp8 as bytes: CPU indexing has no fp8 kernels)
-                flat = as_bytes(cache).flatten(0, 1)
-                gather = keep.t()[:, :, None].expand(kept, n_kv, cache.shape[3])
-                flat[rows[:kept]] = flat.index_select(0, rows).gather(0, gather)
+            rows = sequence_rows(self.tables, row, prompt, pair[0].shape[1])
+            scores = snapkv_scores(q[first:first + window], read_keys(pair, rows), scale)
+            move_rows(pair, rows, snapkv_keep(scores, window, kept))
 
 
 class SnapKVEviction:
@@ -89,6 +101,7 @@ class SnapKVEviction:
     def __init__(self, block_manager: BlockManager, budget_tokens: int):
         self.block_manager, self.budget_tokens = block_manager, budget_tokens
         self.budget = None  # no cap on a sequence's blocks below its length's: its generated tokens are all kept
+        self.whole_prompt = True  # its prefill holds the whole prompt's blocks
 
     def window(self, seq: Sequence) -> int:
         return min(SNAPKV_WINDOW, seq.num_prompt_tokens, self.budget_tokens)
@@ -100,13 +113,16 @@ class SnapKVEviction:
             return None
         return self.window(seq), self.budget_tokens
 
-    def compacted(self, seq: Sequence, kept: int) -> None:
-        """After the step that compacted seq's prompt: its blocks past the kept rows go back to the pool."""
+    def after_step(self, batch) -> None:
+        """After the step that compacted prompts: each one's blocks past its kept rows go back to the pool."""
         bm = self.block_manager
-        tail = seq.block_table[bm.blocks_for(kept):]
-        del seq.block_table[bm.blocks_for(kept):]
-        bm.release_blocks(tail)
-        seq.num_dropped_tokens = seq.num_prompt_tokens - kept
+        for seq, _, kept in batch.compactions:
+            if seq.finished:
+                continue
+            tail = seq.block_table[bm.blocks_for(kept):]
+            del seq.block_table[bm.blocks_for(kept):]
+            bm.release_blocks(tail)
+            seq.num_dropped_tokens = seq.num_prompt_tokens - kept
 
     def make_room(self, seq: Sequence, position: int) -> None:
         """Nothing goes during decode."""

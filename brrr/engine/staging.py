@@ -37,6 +37,8 @@ class StepRecord:
     lora_writes: list = field(default_factory=list)  # (slot, adapter) copied into the slots first (sharded runs)
     # eager: SnapKV compactions, (row, first window query's row, window, prompt length, kept) each (snapkv.py)
     compactions: list = field(default_factory=list)
+    # eager under h2o: (row, first query's row, tokens, first position, rows cached before, seq_id, prompt length)
+    heavy: list = field(default_factory=list)
 
 
 def block_copies(copies) -> np.ndarray | None:

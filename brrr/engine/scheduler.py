@@ -37,7 +37,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int | None = None, max_loras: int | None = None, on_release=None, eviction=None):
         self.block_manager = block_manager
-        # a StreamingEviction (engine/eviction.py), a SnapKVEviction (engine/snapkv.py) or None: every token kept
+        # a StreamingEviction (engine/eviction.py), SnapKVEviction (snapkv.py), H2OEviction (h2o.py) or None: every
+        # token kept
         self.eviction = eviction
         # called with a sequence that lost its blocks (preempted or finished): a proposer drops its state for it
         self.on_release = on_release

@@ -14,6 +14,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.attention.kv_quant import QuantKV, as_bytes
 from brrr.sampling_params import SamplingParams
 from tests import hf_models
 from tests.engine.test_engine import run_all
@@ -46,14 +47,16 @@ def add_mass(acc, kept, q, keys, scale, q_pos):
 
 
 @torch.no_grad()
-def h2o_reference(model, prompt, new_tokens, budget):
+def h2o_reference(model, prompt, new_tokens, budget, kv_dtype=None):
     """Greedy tokens and, after the prompt's step and each decode step, each layer's kept positions per head: the
     model over one contiguous cache per layer whose rows hold each head's kept positions in order; queries caught
-    through AttnMeta.observe."""
+    through AttnMeta.observe. kv_dtype: an fp8 cache (scales 1.0), scored on its values, moved as bytes."""
     cfg, n = model.config, len(prompt)
     capacity, recent = budget - 1, budget // 2
     shape = (1, max(n, budget) + 1, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    pair = (lambda k, v: (k, v)) if kv_dtype is None else QuantKV
+    caches = [pair(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+              for _ in range(cfg.num_layers)]
     heads = range(cfg.num_kv_heads)
     kept = [[list(range(n)) for _ in heads] for _ in caches]
     acc = [[dict.fromkeys(range(n), 0.0) for _ in heads] for _ in caches]
@@ -65,13 +68,13 @@ def h2o_reference(model, prompt, new_tokens, budget):
     for layer, (k, v) in enumerate(caches):
         q, scale = queries[layer]
         for i in range(n):
-            add_mass(acc[layer], kept[layer], q[i], k[0, :n], scale, i)
+            add_mass(acc[layer], kept[layer], q[i], k[0, :n].float(), scale, i)
         if n > capacity:
             for h in heads:
                 a = acc[layer][h]
                 top = sorted(range(n - recent), key=lambda t: (-a[t], t))[: capacity - recent]
                 keep = sorted(top) + list(range(n - recent, n))
-                for c in (k, v):
+                for c in (as_bytes(k), as_bytes(v)):
                     c[0, :capacity, h] = c[0, keep, h].clone()
                 kept[layer][h], acc[layer][h] = keep, {t: a[t] for t in keep}
     length = min(n, capacity)
@@ -91,13 +94,13 @@ def h2o_reference(model, prompt, new_tokens, budget):
             for h in heads:
                 kept[layer][h].append(p)
                 acc[layer][h][p] = 0.0
-            add_mass(acc[layer], kept[layer], q[0], k[0, :length + 1], scale, p)
+            add_mass(acc[layer], kept[layer], q[0], k[0, :length + 1].float(), scale, p)
             if length + 1 > capacity:
                 for h in heads:
                     a = acc[layer][h]
                     victim = min((t for t in kept[layer][h] if t <= p - recent), key=lambda t: (a[t], t))
                     r = kept[layer][h].index(victim)
-                    for c in (k, v):  # the rows after it move down one: position order kept
+                    for c in (as_bytes(k), as_bytes(v)):  # the rows after it move down one: position order kept
                         c[0, r:length, h] = c[0, r + 1:length + 1, h].clone()
                     kept[layer][h].remove(victim)
                     del a[victim]
@@ -113,13 +116,16 @@ def engine_kept(engine, seq):
     return [[sorted(pos[layer, h, :rows].tolist()) for h in range(pos.shape[1])] for layer in range(pos.shape[0])]
 
 
-@pytest.mark.parametrize("prompt_len, new", [(100, 60), (20, 90)])  # compacted at the prompt's end / not
-def test_kept_positions_and_greedy_tokens_equal_the_reference_and_stay_in_budget(model, prompt_len, new):
+@pytest.mark.parametrize("prompt_len, new, kv_cache_dtype", [
+    (100, 60, "auto"), (20, 90, "auto"), (100, 60, "fp8")])  # compacted at the prompt's end / not; an fp8 cache
+def test_kept_positions_and_greedy_tokens_equal_the_reference_and_stay_in_budget(model, prompt_len, new,
+                                                                                  kv_cache_dtype):
     rng = random.Random(prompt_len)
     prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
     budget = 64
-    want, history = h2o_reference(model, prompt, new, budget)
-    engine = h2o_engine(model, budget)
+    want, history = h2o_reference(model, prompt, new, budget,
+                                  None if kv_cache_dtype == "auto" else torch.float8_e4m3fn)
+    engine = h2o_engine(model, budget, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("a", prompt, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     out, step = None, 0
     while engine.has_unfinished_requests():

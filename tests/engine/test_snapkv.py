@@ -12,6 +12,7 @@ from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.attention.kv_quant import QuantKV, as_bytes
 from brrr.sampling_params import SamplingParams
 from tests import hf_models
 from tests.engine.test_engine import run_all
@@ -50,15 +51,18 @@ def keep_ref(q, keys, scale, window, budget):
 
 
 @torch.no_grad()
-def snapkv_reference(model, prompt, new_tokens, budget):
+def snapkv_reference(model, prompt, new_tokens, budget, kv_dtype=None):
     """Greedy tokens from the model over one contiguous cache per layer: the prompt prefilled at once, its window's
     queries caught through AttnMeta.observe; then, if the prompt is longer than the budget, each head's kept rows
-    (`keep_ref`) moved to the cache's first `budget` rows, and decode goes on from position len(prompt).
+    (`keep_ref`) moved to the cache's first `budget` rows, and decode goes on from position len(prompt). kv_dtype:
+    an fp8 cache (scales 1.0, as the engine's): scored on its values, moved as bytes.
     Returns (tokens, each layer's compacted (k, v) rows, each layer's kept positions per head)."""
     cfg, n = model.config, len(prompt)
     window = min(WINDOW, n, budget)
     shape = (1, n + new_tokens, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    pair = (lambda k, v: (k, v)) if kv_dtype is None else QuantKV
+    caches = [pair(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+              for _ in range(cfg.num_layers)]
     queries = {}
     meta = AttnMeta(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), seqlens_q=[n], context_lens=[n],
                     slot_mapping=torch.arange(n), block_tables=torch.zeros(1, 1, dtype=torch.int32),
@@ -68,13 +72,13 @@ def snapkv_reference(model, prompt, new_tokens, budget):
     if n > budget:
         for layer, (k, v) in enumerate(caches):
             q, scale = queries[layer]
-            keep = keep_ref(q, k[0, :n], scale, window, budget)
+            keep = keep_ref(q, k[0, :n].float(), scale, window, budget)
             for h, rows in enumerate(keep):
-                for c in (k, v):
+                for c in (as_bytes(k), as_bytes(v)):
                     c[0, :budget, h] = c[0, rows, h].clone()
             kept.append(keep)
         length = budget
-    compacted = [(k[0, :length].clone(), v[0, :length].clone()) for k, v in caches]
+    compacted = [(as_bytes(k)[0, :length].clone(), as_bytes(v)[0, :length].clone()) for k, v in caches]
     tokens = []
     for i in range(new_tokens):
         token = int(logits[0].argmax())
@@ -88,19 +92,21 @@ def snapkv_reference(model, prompt, new_tokens, budget):
 
 
 def cache_rows(engine, seq, n):
-    """The engine's first n cache rows of seq, per layer: (k, v) [n, KVH, D]."""
+    """The engine's first n cache rows of seq, per layer: (k, v) [n, KVH, D] (an fp8 cache's bytes)."""
     rows = [b * BS + o for b in seq.block_table for o in range(BS)][:n]
-    return [(k.flatten(0, 1)[rows], v.flatten(0, 1)[rows]) for k, v in engine.runner.kv_caches]
+    return [(as_bytes(k).flatten(0, 1)[rows], as_bytes(v).flatten(0, 1)[rows]) for k, v in engine.runner.kv_caches]
 
 
-def test_kept_rows_and_greedy_tokens_equal_the_reference_and_blocks_stay_in_budget(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_kept_rows_and_greedy_tokens_equal_the_reference_and_blocks_stay_in_budget(model, kv_cache_dtype):
     rng = random.Random(1)
     prompt = [rng.randrange(VOCAB) for _ in range(150)]
     budget, new = 64, 80
-    want, compacted, kept = snapkv_reference(model, prompt, new, budget)
+    want, compacted, kept = snapkv_reference(model, prompt, new, budget,
+                                             None if kv_cache_dtype == "auto" else torch.float8_e4m3fn)
     assert all(len(rows) == budget and rows[-WINDOW:] == list(range(150 - WINDOW, 150)) and rows != list(range(
         150 - budget, 150)) for keep in kept for rows in keep)  # the window, and not merely the last tokens
-    engine = snapkv_engine(model, budget)
+    engine = snapkv_engine(model, budget, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("a", prompt, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     engine.step()  # the whole prompt in one step: scored, compacted, its first token sampled
     (seq,) = engine.scheduler.running

@@ -148,7 +148,9 @@ def cmd_throughput(args) -> int:
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           max_model_len=2 * args.max_len + 8, gpu_memory_utilization=args.gpu_memory_utilization,
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp,
-                          batch_invariant=args.batch_invariant, **kv_cache_config(args))
+                          batch_invariant=args.batch_invariant, **kv_cache_config(args),
+                          # (no --no-prefix-caching here: the policies that rewrite blocks in place turn it off)
+                          enable_prefix_caching=args.kv_eviction not in ("snapkv", "h2o"))
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 

@@ -361,7 +361,8 @@ def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfi
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-KV_EVICTIONS = ("streaming",)
+KV_EVICTIONS = ("streaming", "snapkv", "h2o")
+SNAPKV_WINDOW = 32  # SnapKV's observation window: the last prompt queries whose attention scores the prompt
 PREEMPTION_MODES = ("recompute", "swap")  # vLLM's old --preemption-mode values
 
 
@@ -385,7 +386,8 @@ def check_swap(ec) -> None:
 
 
 def check_eviction(ec) -> None:
-    """EngineConfig's kv_eviction fields: a known policy, a budget that holds the sinks and two more blocks."""
+    """EngineConfig's kv_eviction fields: a known policy, a budget that holds the sinks and two more blocks
+    (streaming) or two blocks (snapkv), and what the policy does not combine with."""
     if ec.kv_eviction is None:
         if ec.kv_budget is not None:
             raise BrrrError("EngineConfig.kv_budget is set but kv_eviction is None (use kv_eviction='streaming')")
@@ -395,11 +397,19 @@ def check_eviction(ec) -> None:
                         f"{ec.kv_eviction!r}")
     if not isinstance(ec.kv_sink_tokens, int) or isinstance(ec.kv_sink_tokens, bool) or ec.kv_sink_tokens < 0:
         raise BrrrError(f"EngineConfig.kv_sink_tokens must be an integer >= 0, got {ec.kv_sink_tokens!r}")
-    sink_blocks = -(-ec.kv_sink_tokens // ec.block_size) if isinstance(ec.block_size, int) else 0
-    least = (sink_blocks + 2) * ec.block_size if isinstance(ec.block_size, int) else 0
+    sink_blocks = -(-ec.kv_sink_tokens // ec.block_size) if ec.kv_eviction == "streaming" else 0
+    least = (sink_blocks + 2) * ec.block_size
     if not isinstance(ec.kv_budget, int) or isinstance(ec.kv_budget, bool) or ec.kv_budget < least:
+        what = "the sink blocks plus two blocks of window" if ec.kv_eviction == "streaming" else "two blocks"
         raise BrrrError(f"EngineConfig.kv_budget must be an integer >= {least} tokens with kv_eviction="
-                        f"{ec.kv_eviction!r} (the sink blocks plus two blocks of window), got {ec.kv_budget!r}")
+                        f"{ec.kv_eviction!r} ({what}), got {ec.kv_budget!r}")
+    if ec.kv_eviction in ("snapkv", "h2o") and ec.enable_prefix_caching:
+        raise BrrrError(f"EngineConfig.enable_prefix_caching must be False with kv_eviction={ec.kv_eviction!r} "
+                        "(--no-prefix-caching): eviction rewrites a prompt's blocks in place")
+    if ec.kv_eviction == "snapkv" and ec.max_num_batched_tokens < SNAPKV_WINDOW:
+        raise BrrrError(f"EngineConfig.max_num_batched_tokens ({ec.max_num_batched_tokens}) must be >= "
+                        f"{SNAPKV_WINDOW} with kv_eviction='snapkv': the observation window's queries run in one "
+                        "step")
     if ec.kv_budget % ec.block_size:
         raise BrrrError(f"EngineConfig.kv_budget ({ec.kv_budget}) must be a multiple of block_size ({ec.block_size}): "
                         "eviction frees whole blocks")
@@ -439,7 +449,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False  # fp8: each layer's K and V scale from the first prefill's amax instead of 1.0
     # KV eviction (docs/long-context.md): None keeps every token; "streaming" (StreamingLLM) keeps each sequence's
-    # first kv_sink_tokens (rounded up to whole blocks) and its most recent tokens, kv_budget tokens in all
+    # first kv_sink_tokens (rounded up to whole blocks) and its most recent tokens, kv_budget tokens in all;
+    # "snapkv" compacts each prompt longer than kv_budget to kv_budget tokens per KV head at the end of its prefill;
+    # "h2o" keeps each KV head's kv_budget - 1 rows of most accumulated attention and most recent positions
     kv_eviction: str | None = None
     kv_budget: int | None = None
     kv_sink_tokens: int = 4

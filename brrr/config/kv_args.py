@@ -27,8 +27,11 @@ def add_kv_cache_args(parser) -> None:
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="fp8 KV: each layer's K and V scale from the first prefill's amax (default: 1.0)")
     parser.add_argument("--kv-eviction", default=None, choices=KV_EVICTIONS,
-                        help="evict KV blocks as sequences grow: streaming keeps the first --kv-sink-tokens and "
-                             "the most recent tokens, --kv-budget in all (StreamingLLM)")
+                        help="evict KV as sequences grow: streaming keeps the first --kv-sink-tokens and the most "
+                             "recent tokens, --kv-budget in all (StreamingLLM); snapkv compacts each prompt to "
+                             "--kv-budget tokens per KV head by its last 32 queries' attention (SnapKV); h2o keeps "
+                             "the rows of most accumulated attention and the most recent (H2O); both need "
+                             "--no-prefix-caching")
     parser.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
                         help="with --kv-eviction: cached tokens a sequence keeps at most (a multiple of the block size)")
     parser.add_argument("--kv-sink-tokens", type=int, default=4,

@@ -39,7 +39,8 @@ class EngineLimits:
             raise BrrrError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no adapters (start it with "
                             "--enable-lora)")
         return check_request(request_id, prompt, params, self.tokenizer, i.vocab_size, i.max_model_len, i.block_size,
-                             i.num_blocks, lora_request=lora_request, kv_budget_blocks=i.kv_budget_blocks)
+                             i.num_blocks, lora_request=lora_request, kv_budget_blocks=i.kv_budget_blocks,
+                             kv_whole_prompt=i.kv_whole_prompt)
 
 
 class _LatestOutput:

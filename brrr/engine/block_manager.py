@@ -118,7 +118,7 @@ class BlockManager:
     def commit_computed(self, seq: Sequence, extra_key=None) -> None:
         """Register hashes of blocks that became full and computed, so later requests can reuse them. None once the
         sequence has evicted a block: what it computes after that saw a truncated context."""
-        if not self.enable_prefix_caching or seq.num_evicted_blocks:
+        if not self.enable_prefix_caching or seq.num_evicted_blocks or seq.num_dropped_tokens:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
@@ -135,11 +135,12 @@ class BlockManager:
         return self._take()
 
     def _needs_block(self, seq: Sequence) -> bool:
-        return len(seq.block_table) + seq.num_evicted_blocks < self.blocks_for(len(seq.token_ids))
+        cached = len(seq.token_ids) - seq.num_dropped_tokens  # cache rows it needs (snapkv.py drops some)
+        return len(seq.block_table) + seq.num_evicted_blocks < self.blocks_for(cached)
 
     def _last_index(self, seq: Sequence) -> int:
-        """The table index of the block holding position len - 1 (past any evicted blocks)."""
-        return (len(seq.token_ids) - 1) // self.block_size - seq.num_evicted_blocks
+        """The table index of the block holding position len - 1 (past any evicted blocks or dropped tokens)."""
+        return (len(seq.token_ids) - 1 - seq.num_dropped_tokens) // self.block_size - seq.num_evicted_blocks
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next token (position len-1) can get a slot: a new block, or a private copy of a shared one."""
@@ -174,7 +175,7 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
-        child.num_evicted_blocks = parent.num_evicted_blocks
+        child.num_evicted_blocks, child.num_dropped_tokens = parent.num_evicted_blocks, parent.num_dropped_tokens
         child.num_computed_tokens = parent.num_computed_tokens
 
     def release_blocks(self, block_ids: list[int]) -> None:
@@ -185,7 +186,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # tail first: the tail is evicted before the shared head
             self._release(block_id)
-        seq.block_table, seq.block_hashes, seq.num_evicted_blocks = [], [], 0
+        seq.block_table, seq.block_hashes, seq.num_evicted_blocks, seq.num_dropped_tokens = [], [], 0, 0
 
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Refcounts equal table references; free pools hold exactly the unreferenced blocks, once each."""

@@ -79,6 +79,7 @@ class EngineInfo:
     max_lora_rank: int | None = None
     lora_shapes: dict[str, tuple[int, int]] | None = None
     kv_budget_blocks: int | None = None  # KV eviction: the most blocks a sequence holds (None: no eviction)
+    kv_whole_prompt: bool = False  # KV eviction: a prefill holds its whole prompt's blocks first (snapkv, h2o)
 
     @classmethod
     def of(cls, engine: EngineCore, warm_up_seconds: float = 0.0) -> "EngineInfo":
@@ -86,7 +87,8 @@ class EngineInfo:
         return cls(engine.max_model_len, engine.model.config.vocab_size, bm.num_blocks, bm.block_size,
                    engine.eos_token_ids, str(engine.runner.device), os.getpid(), warm_up_seconds,
                    lora.max_lora_rank if lora else None, lora.shapes if lora else None,
-                   None if engine.scheduler.eviction is None else engine.scheduler.eviction.budget)
+                   None if engine.scheduler.eviction is None else engine.scheduler.eviction.budget,
+                   engine.scheduler.eviction is not None and engine.scheduler.eviction.whole_prompt)
 
 
 def engine_stats(engine: EngineCore, baseline: dict | None = None) -> dict:

@@ -30,6 +30,7 @@ class StreamingEviction:
         self.budget = budget_tokens // bs  # blocks a sequence holds at most
         self.sink = -(-sink_tokens // bs)
         self.window = self.budget - self.sink
+        self.whole_prompt = False  # a prompt past the budget is prefilled one block a step, evicting
         assert self.window >= 2, "EngineConfig checks: the sinks plus two blocks of window"
 
     @property
@@ -63,6 +64,13 @@ class StreamingEviction:
             return False
         evictable = max(0, (end - 1) // bm.block_size - self.window + 1 - self.sink - seq.num_evicted_blocks)
         return bm.blocks_for(end) - logical > min(evictable, len(seq.block_table) - self.sink)
+
+    def compaction(self, seq: Sequence, n: int) -> None:
+        """Nothing is compacted in place (SnapKV's is, snapkv.py): blocks go whole as the window moves."""
+        return None
+
+    def after_step(self, batch) -> None:
+        """Nothing: the blocks went before the step (`make_room`, `grow`)."""
 
     def admit_tokens(self, seq: Sequence) -> int:
         """Tokens whose blocks a sequence is admitted with: the whole prompt up to the budget."""

@@ -35,6 +35,8 @@ class ScheduledBatch:
     # per item, the int the model reads on each of its rows (the runner's RowInput), set in the plan by a feature's
     # `model_inputs` (LoRA rows: the adapter slot); None: every row -1
     row_values: np.ndarray | None = None
+    # SnapKV (engine/snapkv.py): (sequence, window, kept) for each item whose chunk ends a prompt that compacts
+    compactions: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +49,9 @@ class Scheduler:
                  swap: SwapPolicy | None = None):
         self.block_manager = block_manager
         self.swap = swap  # None: every preemption recomputes
-        self.eviction = eviction  # a StreamingEviction (engine/eviction.py) or None: every token kept
+        # a StreamingEviction (engine/eviction.py), SnapKVEviction (snapkv.py), H2OEviction (h2o.py) or None: every
+        # token kept
+        self.eviction = eviction
         # called with a sequence that lost its blocks (preempted or finished): a proposer drops its state for it
         self.on_release = on_release
         self.max_loras = max_loras  # distinct adapters the running sequences may use (the device slots)
@@ -153,7 +157,7 @@ class Scheduler:
             if seq.num_uncomputed > 1 and budget > 0:
                 n = min(seq.num_uncomputed, budget)
                 if self.eviction is not None:
-                    n = self._evicting_chunk(seq, n)
+                    n = self._evicting_chunk(seq, n, batch)
                     if n == 0:
                         continue
                 batch.items.append((seq, n))
@@ -194,23 +198,27 @@ class Scheduler:
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             if self.eviction is not None:  # (prefix hits can take it past its admitted blocks)
-                n = self._evicting_chunk(seq, n)
+                n = self._evicting_chunk(seq, n, batch)
                 if n == 0:
                     continue
             batch.items.append((seq, n))
             budget -= n
         return batch
 
-    def _evicting_chunk(self, seq: Sequence, n: int) -> int:
+    def _evicting_chunk(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
         """The next prefill chunk of a sequence under eviction (a prompt or a recompute past the budget: one
         logical block a step), its blocks made: evicting first, then a free block if it still needs one. 0 when
-        none is free (it waits a step; decodes free blocks as they finish)."""
+        none is free (it waits a step; decodes free blocks as they finish). A chunk that ends a prompt SnapKV
+        compacts is noted in the batch."""
         ev = self.eviction
         n = ev.prefill_chunk(seq, n)
         end = seq.num_computed_tokens + n
-        if ev.needs_block(seq, end) and self.block_manager.num_free_blocks == 0:
+        if n == 0 or ev.needs_block(seq, end) and self.block_manager.num_free_blocks == 0:
             return 0
         ev.grow(seq, end)
+        compaction = ev.compaction(seq, n)
+        if compaction is not None:
+            batch.compactions.append((seq, *compaction))
         return n
 
     def _schedule_drafts(self, batch: ScheduledBatch, budget: int) -> int:

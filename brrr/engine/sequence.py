@@ -31,6 +31,9 @@ class Sequence:
     num_evicted_blocks: int = 0
     # swap preemption (engine/swap.py): the host blocks holding its computed K/V while it waits, in table order
     host_table: list[int] = field(default_factory=list)
+    # SnapKV (engine/snapkv.py): prompt tokens a compaction dropped (per KV head; every head keeps as many), so
+    # position p past the prompt is cache row p - num_dropped_tokens
+    num_dropped_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | grammar | length | abort (EngineOutput says what each means)
     # where the output stands in the request's grammar (structured_outputs): advanced once per appended token, so

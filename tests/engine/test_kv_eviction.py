@@ -152,7 +152,7 @@ def test_an_evicting_sequence_shares_only_what_it_computed_before_evicting(model
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(kv_eviction="h2o", kv_budget=128), "kv_eviction must be one of streaming"),
+    (dict(kv_eviction="lru", kv_budget=128), "kv_eviction must be one of streaming, snapkv, h2o"),
     (dict(kv_eviction="streaming"), "kv_budget must be an integer >= 48"),
     (dict(kv_eviction="streaming", kv_budget=100), "must be a multiple of block_size"),
     (dict(kv_budget=128), "kv_budget is set but kv_eviction is None"),

@@ -17,6 +17,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from brrr.analysis.model import is_mla
 from brrr.config import EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
@@ -24,12 +25,14 @@ from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
 from brrr.engine.core.requests import check_request
 from brrr.engine.eviction import StreamingEviction
 from brrr.engine.forks import Forks
+from brrr.engine.h2o import H2OEviction, H2OState
 from brrr.engine.guided.feature import Guided
 from brrr.engine.lora_rows import AdapterRows
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.prompt_logprobs import PromptLogprobs
 from brrr.engine.sampler import SampleRow, h2d
+from brrr.engine.snapkv import SnapKVEviction
 from brrr.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
@@ -81,6 +84,8 @@ class EngineCore:
         if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
             raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
                             f"({cfg.sliding_window}) yet")
+        if ec.kv_eviction in ("snapkv", "h2o") and is_mla(cfg):  # its latent cache has no per-head keys to score
+            raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with an MLA model's latent cache yet")
         adapters = (AdapterRows.build(model, ec, lambda: self.scheduler.running_adapters()) if ec.enable_lora
                     else None)
         self.lora = None if adapters is None else adapters.manager  # the adapters served (None: none)
@@ -101,8 +106,13 @@ class EngineCore:
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
-        eviction = None if ec.kv_eviction is None else StreamingEviction(self.block_manager, ec.kv_budget,
-                                                                         ec.kv_sink_tokens)
+        eviction = None
+        if ec.kv_eviction == "streaming":
+            eviction = StreamingEviction(self.block_manager, ec.kv_budget, ec.kv_sink_tokens)
+        elif ec.kv_eviction == "snapkv":
+            eviction = SnapKVEviction(self.block_manager, ec.kv_budget)
+        elif ec.kv_eviction == "h2o":
+            eviction = H2OEviction(self.block_manager, ec.kv_budget)
         p = next(model.parameters())
         swap = swap_policy(ec, cfg, p.device, p.dtype, kv_bytes_per_block(cfg, ec.block_size, cache_dtype(
             ec.kv_cache_dtype, p.dtype)), self.max_model_len)
@@ -116,10 +126,14 @@ class EngineCore:
             verify = None if proposer is None else verify_graph_spec(
                 spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
-            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, ec.cuda_graphs,
+            # h2o scores every decode step beside attention, on the host's schedule: no decode graphs
+            graphs = ec.cuda_graphs and ec.kv_eviction != "h2o"
+            self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, graphs,
                                       ec.max_num_seqs, None if adapters is None else adapters.row_input, verify,
                                       ec.kv_cache_dtype, ec.calculate_kv_scales,
                                       num_host_blocks=0 if swap is None else swap.pool.num_blocks)
+        if ec.kv_eviction == "h2o":
+            self.runner.h2o = H2OState(ec.kv_budget, cfg.num_layers, self.runner.device)
         self.features: list[Feature] = self._features(speculator, adapters)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
@@ -173,6 +187,8 @@ class EngineCore:
             f.adopt(seq, tokens)
 
     def _released(self, seq: Sequence) -> None:
+        if self.runner.h2o is not None:  # its accumulated attention goes with its blocks
+            self.runner.h2o.release(seq.seq_id)
         for f in self._hooks["release"]:
             f.release(seq)
 
@@ -224,7 +240,7 @@ class EngineCore:
         ev = self.scheduler.eviction  # an evicting sequence never holds more than its budget
         return check_request(request_id, prompt, params, self.tokenizer, self.model.config.vocab_size,
                              self.max_model_len, bm.block_size, bm.num_blocks, self.eos_token_ids, lora_request,
-                             None if ev is None else ev.budget)
+                             None if ev is None else ev.budget, ev is not None and ev.whole_prompt)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> Request:
@@ -233,6 +249,9 @@ class EngineCore:
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
+        if request.params.n > 1 and self.config.kv_eviction in ("snapkv", "h2o"):
+            raise BrrrError(f"SamplingParams.n must be 1 with kv_eviction={self.config.kv_eviction!r}, got "
+                            f"{request.params.n}: eviction rewrites the prompt blocks the samples would share")
         if request.lora_request is not None:  # loaded (from its path) and checked before it can be scheduled
             self.add_lora(request.lora_request)
         self.requests[request.request_id] = request
@@ -436,6 +455,8 @@ class EngineCore:
                 self.prompt_tokens_total += min(n, prompt - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             commit_computed(seq, seq.request.cache_key)
+        if self.scheduler.eviction is not None:  # what the step's observer evicted (snapkv, h2o), on the host
+            self.scheduler.eviction.after_step(plan.batch)
         for feature in hooks["after_computed"]:
             feature.after_computed(plan)
         now, records, appended = time.monotonic(), [], hooks["after_append"]

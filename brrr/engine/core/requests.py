@@ -12,13 +12,14 @@ from brrr.lora.serving import LoRARequest
 def check_request(request_id: str, prompt: str | list[int], params: SamplingParams | None, tokenizer,
                   vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
                   eos_token_ids: tuple[int, ...] | None = None, lora_request: LoRARequest | None = None,
-                  kv_budget_blocks: int | None = None) -> Request:
+                  kv_budget_blocks: int | None = None, kv_whole_prompt: bool = False) -> Request:
     """A validated, tokenized Request for an engine of these limits, or a BrrrError naming what is wrong. Shared by
     `EngineCore.make_request` and the server process, which checks requests before they reach the engine process.
     A structured_outputs constraint is compiled here (cached per tokenizer), so a bad one fails the request now;
     eos_token_ids: the engine's (the tokenizer's EOS when not given), which the grammar lets through. lora_request:
     the adapter the request runs with (the engine loads and checks it when the request is queued). kv_budget_blocks:
-    the most blocks a sequence holds under KV eviction (None: all of its tokens')."""
+    the most blocks a sequence holds under KV eviction (None: all of its tokens'); kv_whole_prompt: its prefill
+    holds the whole prompt's blocks first (snapkv, h2o)."""
     params = params or SamplingParams()
     if lora_request is not None and not isinstance(lora_request, LoRARequest):
         raise BrrrError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
@@ -43,6 +44,8 @@ def check_request(request_id: str, prompt: str | list[int], params: SamplingPara
     need = -(-(len(ids) + params.max_tokens) // block_size)
     if kv_budget_blocks is not None:
         need = min(need, kv_budget_blocks)
+    if kv_whole_prompt:
+        need = max(need, -(-len(ids) // block_size))
     if need > num_blocks:
         raise BrrrError(f"prompt + max_tokens needs {need} KV blocks; the cache has {num_blocks}")
     if params.logit_bias:

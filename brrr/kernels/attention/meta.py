@@ -27,6 +27,9 @@ class AttnMeta:
     # attention computed elsewhere, after RoPE: attend(q, k, v, scale, sliding_window) -> [N, H * D] (context
     # parallel training's ring over the ranks, brrr/train/parallel/ring_attention.py); None: this op's own paths
     attend: object | None = None
+    # called observe(layer, q, scale) after a layer's attention, with its rotated queries [N, H, D] and the new K/V
+    # in the cache (SnapKV's scores and compaction, brrr/engine/snapkv.py); None: nothing to call
+    observe: object | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # per-step host facts
 
     @classmethod

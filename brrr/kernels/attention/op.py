@@ -89,7 +89,19 @@ def attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window:
     first (`apply_rotary`: q and k may be rotated in place). With a cache, the new K/V are written into it first;
     on the Triton path the rotation and that write are one kernel (the decode kernel in a step of decodes, if
     decode_rope). Triton on CUDA (decodes through the split-KV kernel, prefill chunks through the varlen kernel),
-    else the reference. In the batch-invariant mode, the invariant kernel (attention/invariant.py) for every row."""
+    else the reference. In the batch-invariant mode, the invariant kernel (attention/invariant.py) for every row.
+    meta.observe, when set, is called after with the rotated queries (the rotation then runs apart: not fused)."""
+    if meta.observe is None:
+        return _attention(q, k, v, meta, layer, scale, sliding_window, rope, decode_rope)
+    if rope is not None:
+        q, k = apply_rotary(q, k, *rope)
+    out = _attention(q, k, v, meta, layer, scale, sliding_window, None, decode_rope)
+    meta.observe(layer, q, scale)
+    return out
+
+
+def _attention(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_window: int | None, rope,
+               decode_rope: bool):
     if batch_invariant_on():
         if rope is not None:
             q, k = apply_rotary(q, k, *rope)

@@ -158,7 +158,7 @@ def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(
         engine.add_request(str(i), p, params)
     done, step, sched, evicted_then_preempted = {}, 0, engine.scheduler, []
     preempt = sched.preempt
-    sched.preempt = lambda seq: (evicted_then_preempted.append(seq.num_dropped_tokens > 0), preempt(seq))
+    sched.preempt = lambda seq, *rest: (evicted_then_preempted.append(seq.num_dropped_tokens > 0), preempt(seq, *rest))
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:

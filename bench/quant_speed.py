@@ -14,7 +14,10 @@ Three sections, one JSON record per result (stdout, and appended to --out):
            packs every model (brrr.serving_form.prepare_for_serving); -lmhead: lm_head quantized too),
            the median of --rounds rounds that take the variants in turn, plus the device time of one captured
            decode step (graph replay alone), which separates kernel speed from the engine's host work per step;
-           with --kernels, each kernel's device time in that step.
+           with --kernels, each kernel's device time in that step. The gguf-* variants hold the projections
+           as GGUF blocks repacked at load (brrr/gguf/repack.py: q8_0, q6_k, and q4_k_m: Q4_K with Q6_K for
+           attn_v and ffn_down in the layers llama.cpp's Q4_K_M gives more bits), random block bytes with finite
+           fp16 scales, lm_head bf16 (as the GGUF loader keeps it). TTFT at 2k: --prompt-len 2048 (ttft_s of the batch-1 record).
 
   PYTHONPATH=$PWD python bench/quant_speed.py --out bench/results/quant_speed_h200.jsonl
 """
@@ -135,6 +138,41 @@ def section_prefill(args, machine, reports):
         torch.cuda.empty_cache()
 
 
+def q4_k_m_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M rule (use_more_bits): attn_v and ffn_down of these layers are Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def gguf_blocks_model(model, variant: str) -> None:
+    """Swap every decoder projection for a QuantLinear holding random GGUF blocks of the variant's type(s),
+    repacked as brrr/gguf/load.py repacks a file's (the block bytes are random, d / dmin finite fp16)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    from brrr.gguf.repack import repack_groupwise
+
+    fp16_at = {T.Q8_0: [0], T.Q6_K: [208], T.Q5_K: [0, 2], T.Q4_K: [0, 2]}
+    layers = model.model.layers
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(2)
+    for i, layer in enumerate(layers):
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                linear = getattr(parent, name)
+                qtype = {"gguf-q8_0": T.Q8_0, "gguf-q6_k": T.Q6_K}.get(variant, T.Q4_K)
+                if variant == "gguf-q4_k_m" and name in ("v_proj", "down_proj") and q4_k_m_more_bits(i, len(layers)):
+                    qtype = T.Q6_K
+                rows, cols = linear.out_features, linear.in_features
+                block, size = GGML_QUANT_SIZES[qtype]
+                b = torch.randint(0, 256, (rows, cols // block, size), device=dev, dtype=torch.uint8,
+                                  generator=gen)
+                for off in fp16_at[qtype]:
+                    b[..., off:off + 2] = torch.full((rows, cols // block, 1), 0.01, device=dev,
+                                                     dtype=torch.float16).view(torch.uint8)
+                fmt, tensors = repack_groupwise(b.reshape(rows, -1), qtype, rows, cols)
+                setattr(parent, name, QuantLinear(fmt, tensors, cols, rows, linear.bias, dtype=BF16))
+
+
 def model_bytes(model) -> int:
     """Bytes a decode step reads for weights: every parameter and buffer except the embedding table."""
     total = 0
@@ -160,7 +198,9 @@ def section_decode(args, machine, bandwidth, reports):
     for variant in args.variants:
         t0 = time.perf_counter()
         model = random_model(cfg, BF16, torch.device("cuda"))
-        if variant != "bf16":
+        if variant.startswith("gguf-"):
+            gguf_blocks_model(model, variant)
+        elif variant != "bf16":
             method = next(m for prefix, m in (("fp8-w8a8", "fp8-w8a8"), ("fp8", "fp8"), ("w8a16", "rtn-int8"),
                                                ("w4a16", "rtn-int4")) if variant.startswith(prefix))
             quantize_model(model, method, group_size=128, lm_head=variant.endswith("-lmhead"))
@@ -232,6 +272,7 @@ def main(argv=None) -> int:
                    choices=["gemm", "prefill", "decode"])
     p.add_argument("--variants", nargs="+", default=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked"],
                    choices=["bf16", "w8a16", "w4a16-g128", "w4a16-g128-unpacked", "w8a16-lmhead",
+                            "gguf-q8_0", "gguf-q4_k_m", "gguf-q6_k",
                             "w4a16-g128-lmhead", "fp8", "fp8-lmhead", "fp8-w8a8"],
                    help="decode variants (-unpacked: q/k/v and gate/up left as separate GEMMs, batch 1 only; "
                         "-lmhead: lm_head quantized too, `brrr quantize --lm-head`; fp8: E4M3 weights with a "

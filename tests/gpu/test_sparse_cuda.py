@@ -43,7 +43,22 @@ def pruned_dir(tmp_path_factory):
     return out
 
 
-def test_the_engine_runs_a_2_4_model_on_the_sparse_gemm(pruned_dir):
+def test_a_shape_is_swapped_only_where_the_sparse_gemm_is_faster(pruned_dir):
+    from brrr.prune import semi_structured
+
+    model = brrr.load(pruned_dir, device="cuda", dtype="bfloat16").model
+    shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules()
+              if type(m) is torch.nn.Linear and ".layers." in f".{n}"}
+    swapped = swap_semi_structured(model)
+    want = [n for n, shape in shapes.items()
+            if semi_structured.sparse_is_faster(torch.device("cuda"), torch.bfloat16, *shape)]
+    assert sorted(swapped) == sorted(want)
+    assert all(isinstance(v, bool) for v in semi_structured._faster.values()) and semi_structured._faster
+
+
+def test_the_engine_runs_a_2_4_model_on_the_sparse_gemm(pruned_dir, monkeypatch):
+    # the sparse path itself, on every shape, whichever GEMM this GPU times faster
+    monkeypatch.setattr("brrr.prune.semi_structured.sparse_is_faster", lambda *a: True)
     dense = brrr.load(pruned_dir, device="cuda", dtype="bfloat16").model
     llm = brrr.LLM(str(pruned_dir), device="cuda", dtype="bfloat16")
     model = llm.engine.model

@@ -51,10 +51,12 @@ def test_cuda_logits_match_the_cpu_dequantized_reference(files, file_type):
 
 @pytest.mark.parametrize("file_type", ["q4_0", "q4_k_m"])
 def test_paged_engine_greedy_tokens_equal_reference_generation(files, file_type):
+    # float32: a tiny random model's logits are nearly flat, and in bf16 the packed GEMMs' other summation order
+    # flips near-ties (Q4_K_M on the H200: token 8 of 16 differed)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    ref = brrr.load(files[file_type], device="cuda", dtype="bfloat16")
+    ref = brrr.load(files[file_type], device="cuda", dtype="float32")
     ids = ref.tokenizer.encode("def add(a, b):")
     want = list(ref.generate_ids(ids, params))
-    llm = LLM(str(files[file_type]), device="cuda", dtype="bfloat16")
+    llm = LLM(str(files[file_type]), device="cuda", dtype="float32")
     got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want

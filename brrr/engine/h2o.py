@@ -25,7 +25,7 @@ import torch
 
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.sequence import Sequence
-from brrr.engine.snapkv import move_rows, read_keys, sequence_rows
+from brrr.engine.snapkv import CompactedBlocks, move_rows, read_keys, sequence_rows
 from brrr.kernels.attention.kv_quant import as_bytes
 
 QUERY_CHUNK = 512  # queries scored at once: a long prompt chunk's scores would be [chunk, context] per head
@@ -106,7 +106,7 @@ class H2OObserver:
                 acc[:, end - 1] = 0
 
 
-class H2OEviction:
+class H2OEviction(CompactedBlocks):
     """The scheduler's side: prompts are admitted whole; past the prompt, one token a step (each step evicts); the
     host's count of the rows each sequence dropped, and the blocks freed after a prompt's compaction."""
 
@@ -147,10 +147,3 @@ class H2OEviction:
         start, prompt = seq.num_computed_tokens, seq.num_prompt_tokens
         return min(n, prompt - start) if start < prompt else min(n, 1)
 
-    def needs_block(self, seq: Sequence, end: int) -> bool:
-        return self.block_manager.blocks_for(end - seq.num_dropped_tokens) > len(seq.block_table)
-
-    def grow(self, seq: Sequence, end: int) -> None:
-        bm = self.block_manager
-        while len(seq.block_table) < bm.blocks_for(end - seq.num_dropped_tokens):
-            seq.block_table.append(bm.allocate_block())

@@ -94,7 +94,22 @@ class SnapObserver:
             move_rows(pair, rows, snapkv_keep(scores, window, kept))
 
 
-class SnapKVEviction:
+class CompactedBlocks:
+    """Block bookkeeping of a policy that compacts a sequence's kept rows to the front of its cache (SnapKV, H2O):
+    position p lives at row p - num_dropped_tokens, so blocks are counted on rows, not positions."""
+    block_manager: BlockManager
+
+    def needs_block(self, seq: Sequence, end: int) -> bool:
+        return self.block_manager.blocks_for(end - seq.num_dropped_tokens) > len(seq.block_table)
+
+    def grow(self, seq: Sequence, end: int) -> None:
+        """Blocks for positions up to end - 1 (prefill_chunk kept them within the free ones)."""
+        bm = self.block_manager
+        while len(seq.block_table) < bm.blocks_for(end - seq.num_dropped_tokens):
+            seq.block_table.append(bm.allocate_block())
+
+
+class SnapKVEviction(CompactedBlocks):
     """The scheduler's side: which prompts compact (those longer than the budget), the prefill chunks that keep
     each window in one step, the blocks a chunk needs, and the blocks freed after the compaction."""
 
@@ -145,11 +160,3 @@ class SnapKVEviction:
             n = max(0, window_start - start)
         return n
 
-    def needs_block(self, seq: Sequence, end: int) -> bool:
-        return self.block_manager.blocks_for(end - seq.num_dropped_tokens) > len(seq.block_table)
-
-    def grow(self, seq: Sequence, end: int) -> None:
-        """Blocks for positions up to end - 1 (prefill_chunk kept them within the free ones)."""
-        bm = self.block_manager
-        while len(seq.block_table) < bm.blocks_for(end - seq.num_dropped_tokens):
-            seq.block_table.append(bm.allocate_block())

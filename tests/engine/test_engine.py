@@ -47,8 +47,9 @@ def expected(models, workload):
     return [hf_greedy(hf, p, n) for p, n in zip(*workload)]
 
 
-def run_all(engine, requests, abort_at=None):
-    """Add every request, step until done; abort_at: {request_id: step} aborts mid-flight. Returns finished outputs."""
+def run_all(engine, requests, abort_at=None, each_step=None):
+    """Add every request, step until done; abort_at: {request_id: step} aborts mid-flight; each_step(engine) runs
+    after every step (its checks). Returns finished outputs, after checking that every block came back."""
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     done, step = {}, 0
@@ -60,6 +61,8 @@ def run_all(engine, requests, abort_at=None):
         for rid, at in (abort_at or {}).items():
             if at == step:
                 engine.abort(rid)
+        if each_step is not None:
+            each_step(engine)
     bm = engine.block_manager
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)

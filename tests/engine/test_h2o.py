@@ -139,8 +139,6 @@ def test_kept_positions_and_greedy_tokens_equal_the_reference_and_stay_in_budget
     assert step == new and out.outputs[0].token_ids == want
     assert history[-1][0][0] != list(range(prompt_len + new - budget + 1, prompt_len + new))  # not just recency
     assert engine.runner.h2o.sequences == {}
-    engine.block_manager.check_invariants([])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(model):
@@ -154,27 +152,20 @@ def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(
     alone = {str(i): run_all(h2o_engine(model, 64, max_num_batched_tokens=40), [(str(i), p, params)])[str(i)]
              for i, p in enumerate(prompts) if i != 3}
     engine = h2o_engine(model, 64, num_blocks=10, max_num_batched_tokens=40)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done, step, sched, evicted_then_preempted = {}, 0, engine.scheduler, []
+    sched, evicted_then_preempted = engine.scheduler, []
     preempt = sched.preempt
     sched.preempt = lambda seq, *rest: (evicted_then_preempted.append(seq.num_dropped_tokens > 0), preempt(seq, *rest))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        step += 1
-        if step == 30:
-            engine.abort("3")
-        seqs = sched.running + list(sched.waiting)
-        engine.block_manager.check_invariants(seqs)
+
+    def check(engine):
+        engine.block_manager.check_invariants(sched.running + list(sched.waiting))
         for s in sched.running:
             if s.num_computed_tokens > s.num_prompt_tokens:
                 assert len(s.block_table) <= 64 // BS
+
+    done = run_all(engine, [(str(i), p, params) for i, p in enumerate(prompts)], abort_at={"3": 30},
+                   each_step=check)  # run_all checks every block came back
     assert any(evicted_then_preempted)  # a recompute past the prompt, evicting one token a step
     assert engine.runner.h2o.sequences == {}
-    engine.block_manager.check_invariants([])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     for rid, want in alone.items():
         assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids, f"request {rid}"
 

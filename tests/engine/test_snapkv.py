@@ -144,24 +144,17 @@ def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(
     alone = {str(i): run_all(snapkv_engine(model, 64, max_num_batched_tokens=40), [(str(i), p, params)])[str(i)]
              for i, p in enumerate(prompts) if i != 3}
     engine = snapkv_engine(model, 64, num_blocks=24, max_num_batched_tokens=40)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done, step, sched = {}, 0, engine.scheduler
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        step += 1
-        if step == 30:
-            engine.abort("3")
-        seqs = sched.running + list(sched.waiting)
-        engine.block_manager.check_invariants(seqs)
+
+    def check(engine):
+        sched = engine.scheduler
+        engine.block_manager.check_invariants(sched.running + list(sched.waiting))
         for s in sched.running:
             if s.num_computed_tokens > s.num_prompt_tokens:  # compacted (or short): the budget plus its tokens
                 assert len(s.block_table) <= -(-(min(64, s.num_prompt_tokens) + s.num_output_tokens) // BS)
-    assert sched.num_preemptions > 0
-    engine.block_manager.check_invariants([])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    done = run_all(engine, [(str(i), p, params) for i, p in enumerate(prompts)], abort_at={"3": 30},
+                   each_step=check)  # run_all checks every block came back
+    assert engine.scheduler.num_preemptions > 0
     for rid, want in alone.items():
         assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids, f"request {rid}"
     longest = max((i for i in range(5) if i != 3), key=lambda i: len(prompts[i]))

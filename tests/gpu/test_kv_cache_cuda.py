@@ -45,7 +45,9 @@ def _run(engine, prompts, new):
 
 
 @pytest.mark.parametrize("kw", [dict(kv_cache_dtype="fp8"), dict(kv_eviction="streaming", kv_budget=256),
-                                dict(kv_cache_dtype="fp8", kv_eviction="streaming", kv_budget=256)])
+                                dict(kv_cache_dtype="fp8", kv_eviction="streaming", kv_budget=256),
+                                dict(kv_eviction="snapkv", kv_budget=64, enable_prefix_caching=False),
+                                dict(kv_eviction="h2o", kv_budget=64, enable_prefix_caching=False)])
 def test_engine_with_graphs_equals_the_reference_ops(tmp_path, kw):
     """fp32 weights: the kernels' fp32 path is exact enough that greedy tokens agree with the reference ops'."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -59,3 +61,20 @@ def test_engine_with_graphs_equals_the_reference_ops(tmp_path, kw):
                    prompts, 600)
     # summation order differs between the paths, so a near-tie may flip late in 600 tokens; the first 64 agree
     assert [f[:64] for f in fast] == [r[:64] for r in ref]
+
+
+def test_swap_preemption_on_cuda_gives_the_tokens_of_no_preemption(tmp_path):
+    """Pinned host blocks and the copy stream: a cache small enough to preempt, every preemption swapped, against
+    an engine with room for everything (the same kernels, so the same tokens)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=512, num_key_value_heads=2), tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32, device="cuda")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(10, 140))] for _ in range(14)]
+    roomy = LLMEngine(model, config=EngineConfig(num_blocks=400, max_num_batched_tokens=4096))
+    want = _run(roomy, prompts, 30)
+    tight = LLMEngine(model, config=EngineConfig(num_blocks=16, block_size=16, max_num_batched_tokens=64,
+                                                 max_num_seqs=8, swap_space=0.01, preemption_mode="swap"))
+    got = _run(tight, prompts, 30)
+    assert tight.scheduler.num_swapped_out == tight.scheduler.num_preemptions > 0
+    assert got == want

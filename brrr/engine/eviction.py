@@ -20,10 +20,16 @@ hashed for the prefix cache (`BlockManager.commit_computed` stops at the first e
 from __future__ import annotations
 
 from brrr.engine.block_manager import BlockManager
+from brrr.engine.h2o import H2OEviction
 from brrr.engine.sequence import Sequence
+from brrr.engine.snapkv import SnapKVEviction
 
 
 class StreamingEviction:
+    # the runner's side of a policy (`observe_items` / `observer`): none, every block goes whole on the host
+    observes = False
+    allows_graphs = True
+
     def __init__(self, block_manager: BlockManager, budget_tokens: int, sink_tokens: int):
         bs = block_manager.block_size
         self.block_manager = block_manager
@@ -72,6 +78,9 @@ class StreamingEviction:
     def after_step(self, batch) -> None:
         """Nothing: the blocks went before the step (`make_room`, `grow`)."""
 
+    def release(self, seq: Sequence) -> None:
+        """Nothing kept per sequence beyond its blocks."""
+
     def admit_tokens(self, seq: Sequence) -> int:
         """Tokens whose blocks a sequence is admitted with: the whole prompt up to the budget."""
         return min(len(seq.token_ids), self.budget_tokens)
@@ -83,3 +92,16 @@ class StreamingEviction:
         if start < self.budget_tokens:
             return min(n, self.budget_tokens - start)
         return min(n, (start // bs + 1) * bs - start)
+
+
+def eviction_policy(ec, block_manager: BlockManager, num_layers: int, device):
+    """EngineConfig.kv_eviction's policy object (None: every token kept). The scheduler asks it for chunks and
+    blocks; where it `observes`, the runner hands each step's `observe_items` to its `observer`, which runs
+    after each layer's attention (AttnMeta.observe)."""
+    if ec.kv_eviction is None:
+        return None
+    if ec.kv_eviction == "streaming":
+        return StreamingEviction(block_manager, ec.kv_budget, ec.kv_sink_tokens)
+    if ec.kv_eviction == "snapkv":
+        return SnapKVEviction(block_manager, ec.kv_budget)
+    return H2OEviction(block_manager, ec.kv_budget, num_layers, device)

@@ -110,8 +110,12 @@ class H2OEviction(CompactedBlocks):
     """The scheduler's side: prompts are admitted whole; past the prompt, one token a step (each step evicts); the
     host's count of the rows each sequence dropped, and the blocks freed after a prompt's compaction."""
 
-    def __init__(self, block_manager: BlockManager, budget_tokens: int):
+    observes = True
+    allows_graphs = False  # it scores every decode step beside attention, on the host's schedule
+
+    def __init__(self, block_manager: BlockManager, budget_tokens: int, num_layers: int, device):
         self.block_manager, self.budget_tokens = block_manager, budget_tokens
+        self.state = H2OState(budget_tokens, num_layers, device)  # each sequence's accumulated attention
         self.capacity = budget_tokens - 1
         self.budget = budget_tokens // block_manager.block_size  # blocks a sequence holds once its prompt is done
         self.whole_prompt = True  # ... and during its prefill, its whole prompt's
@@ -119,6 +123,19 @@ class H2OEviction(CompactedBlocks):
     def compaction(self, seq: Sequence, n: int) -> None:
         """Nothing for the batch to carry: every step under h2o is observed (`H2OObserver`)."""
         return None
+
+    @staticmethod
+    def observe_items(batch, cu) -> list[tuple[int, int, int, int, int, int, int]]:
+        """Every row of the step as H2OObserver takes them: (batch row, first query's row, tokens, first position,
+        rows cached before, seq_id, prompt length)."""
+        return [(i, int(cu[i]), n, seq.num_computed_tokens, seq.num_computed_tokens - seq.num_dropped_tokens,
+                 seq.seq_id, seq.num_prompt_tokens) for i, (seq, n) in enumerate(batch.items)]
+
+    def observer(self, items, tables: torch.Tensor, kv_caches: list) -> H2OObserver:
+        return H2OObserver(items, tables, kv_caches, self.state)
+
+    def release(self, seq: Sequence) -> None:
+        self.state.release(seq.seq_id)  # its accumulated attention goes with its blocks
 
     def after_step(self, batch) -> None:
         """What the step's observer did, on the host: a prompt compacted to `capacity` rows (its blocks past them

@@ -19,10 +19,8 @@ import numpy as np
 import torch
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.engine.h2o import H2OObserver, H2OState
 from brrr.engine.sampler import PendingTokens, SampleResult, SampleRow, draw, h2d, sample
 from brrr.engine.scheduler import ScheduledBatch
-from brrr.engine.snapkv import SnapObserver
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import RowInput, StepRecord, block_copies, pad_tables, stage
@@ -75,21 +73,6 @@ def _cuda_capture(step, pool, device):
     return graph, logits
 
 
-def compactions(batch: ScheduledBatch, cu: np.ndarray) -> list[tuple[int, int, int, int, int]]:
-    """A step's SnapKV compactions as a record carries them: (row, first window query's row, window, prompt
-    length, kept); the window is the last queries of the row's chunk."""
-    row_of = {seq: i for i, (seq, _) in enumerate(batch.items)} if batch.compactions else {}
-    return [(row_of[seq], int(cu[row_of[seq] + 1]) - window, window, seq.num_prompt_tokens, kept)
-            for seq, window, kept in batch.compactions]
-
-
-def heavy_items(batch: ScheduledBatch, cu: np.ndarray) -> list[tuple[int, int, int, int, int, int, int]]:
-    """A step's rows as H2OObserver takes them: (row, first query's row, tokens, first position, rows cached
-    before, seq_id, prompt length)."""
-    return [(i, int(cu[i]), n, seq.num_computed_tokens, seq.num_computed_tokens - seq.num_dropped_tokens, seq.seq_id,
-             seq.num_prompt_tokens) for i, (seq, n) in enumerate(batch.items)]
-
-
 class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, row_input: RowInput | None = None,
@@ -106,7 +89,9 @@ class ModelRunner:
         self.model, self.block_size, self.num_blocks, self.row_input = model, block_size, num_blocks, row_input
         self.verify_spec, self.verify_graphs = verify, None
         self.decode_replays = 0  # steps that ran through a decode graph
-        self.h2o: H2OState | None = None  # kv_eviction="h2o": each sequence's accumulated attention (engine/h2o.py)
+        # an eviction policy that scores attention (snapkv, h2o): each eager step's `observe_items` go to its
+        # `observer`, which runs after every layer's attention (AttnMeta.observe); None: nothing observed
+        self.attention_observer = None
         self.tp = getattr(model, "tp_group", None)  # rank 0 of a sharded model: its workers (None elsewhere)
         self.comm = getattr(model, "tp_comm", None)  # any rank of a sharded model: the group's collectives
         p = next(model.parameters())
@@ -333,10 +318,8 @@ class ModelRunner:
         self._share_ids(record, ids)
         meta = AttnMeta(cu_seqlens_q=cu, seqlens_q=record.seqlens, context_lens=record.context_lens,
                         slot_mapping=slots, block_tables=tables, kv_caches=self.kv_caches, context_lens_t=context)
-        if record.compactions:
-            meta.observe = SnapObserver(record.compactions, tables, self.kv_caches)
-        elif record.heavy:
-            meta.observe = H2OObserver(record.heavy, tables, self.kv_caches, self.h2o)
+        if record.observe:
+            meta.observe = self.attention_observer.observer(record.observe, tables, self.kv_caches)
         if self.row_input is not None:
             self.stage_rows(record)
             self.row_input.begin(len(ids))
@@ -430,8 +413,9 @@ class ModelRunner:
                   pad_tables(tables), np.array(rows + list(logit_rows), dtype=np.int64),
                   *(gather[1:] if gather else ()))
         record = StepRecord("eager", arrays, block_copies(batch.copies), seqlens=seqlens, context_lens=context_lens,
-                            rows=len(rows), device_ids=gather is not None, compactions=compactions(batch, cu),
-                            heavy=[] if self.h2o is None else heavy_items(batch, cu),
+                            rows=len(rows), device_ids=gather is not None,
+                            observe=[] if self.attention_observer is None
+                            else self.attention_observer.observe_items(batch, cu),
                             **self.row_fields(batch, seqlens, len(ids)))
         return record, None if gather is None else gather[0]
 

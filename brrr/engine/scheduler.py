@@ -35,8 +35,9 @@ class ScheduledBatch:
     # per item, the int the model reads on each of its rows (the runner's RowInput), set in the plan by a feature's
     # `model_inputs` (LoRA rows: the adapter slot); None: every row -1
     row_values: np.ndarray | None = None
-    # SnapKV (engine/snapkv.py): (sequence, window, kept) for each item whose chunk ends a prompt that compacts
-    compactions: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # the eviction policy's notes on this step's items (`compaction`; SnapKV: (sequence, window, kept) for each
+    # chunk that ends a prompt it compacts)
+    eviction: list[tuple] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -218,7 +219,7 @@ class Scheduler:
         ev.grow(seq, end)
         compaction = ev.compaction(seq, n)
         if compaction is not None:
-            batch.compactions.append((seq, *compaction))
+            batch.eviction.append((seq, *compaction))
         return n
 
     def _schedule_drafts(self, batch: ScheduledBatch, budget: int) -> int:

@@ -111,7 +111,9 @@ class CompactedBlocks:
 
 class SnapKVEviction(CompactedBlocks):
     """The scheduler's side: which prompts compact (those longer than the budget), the prefill chunks that keep
-    each window in one step, the blocks a chunk needs, and the blocks freed after the compaction."""
+    each window in one step, the blocks a chunk needs, and the blocks freed after the compaction; the runner's:
+    the compactions a step carries (`observe_items`) and the observer that does them (`observer`)."""
+    observes = allows_graphs = True
 
     def __init__(self, block_manager: BlockManager, budget_tokens: int):
         self.block_manager, self.budget_tokens = block_manager, budget_tokens
@@ -128,10 +130,27 @@ class SnapKVEviction(CompactedBlocks):
             return None
         return self.window(seq), self.budget_tokens
 
+    @staticmethod
+    def observe_items(batch, cu) -> list[tuple[int, int, int, int, int]]:
+        """The step's compactions as a StepRecord carries them: (batch row, first window query's row, window,
+        prompt length, kept); the window is the last queries of the row's chunk."""
+        if not batch.eviction:
+            return []
+        row_of = {seq: i for i, (seq, _) in enumerate(batch.items)}
+        return [(row_of[seq], int(cu[row_of[seq] + 1]) - window, window, seq.num_prompt_tokens, kept)
+                for seq, window, kept in batch.eviction]
+
+    @staticmethod
+    def observer(items, tables: torch.Tensor, kv_caches: list) -> "SnapObserver":
+        return SnapObserver(items, tables, kv_caches)
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing kept per sequence beyond its blocks and num_dropped_tokens."""
+
     def after_step(self, batch) -> None:
         """After the step that compacted prompts: each one's blocks past its kept rows go back to the pool."""
         bm = self.block_manager
-        for seq, _, kept in batch.compactions:
+        for seq, _, kept in batch.eviction:
             if seq.finished:
                 continue
             tail = seq.block_table[bm.blocks_for(kept):]

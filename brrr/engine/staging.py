@@ -36,11 +36,8 @@ class StepRecord:
     device_ids: bool = False  # some input ids are on rank 0's device only: broadcast from there before the forward
     row_values: np.ndarray | None = None  # the runner's RowInput: each row's value (int32, -1: none)
     row_updates: list = field(default_factory=list)  # its updates, applied on every rank before the step
-
-    # eager: SnapKV compactions, (row, first window query's row, window, prompt length, kept) each (snapkv.py)
-    compactions: list = field(default_factory=list)
-    # eager under h2o: (row, first query's row, tokens, first position, rows cached before, seq_id, prompt length)
-    heavy: list = field(default_factory=list)
+    # eager: what the runner's attention observer (an eviction policy that scores attention) takes this step
+    observe: list = field(default_factory=list)
 
 class RowInput(Protocol):
     """A per-row int input the model reads, from a plug-in feature (LoRA rows: each row's adapter slot). The plan

@@ -111,7 +111,7 @@ def h2o_reference(model, prompt, new_tokens, budget, kv_dtype=None):
 
 def engine_kept(engine, seq):
     """Each layer's kept positions per head, ascending, from the engine's per-sequence state."""
-    _, pos = engine.runner.h2o.sequences[seq.seq_id]
+    _, pos = engine.scheduler.eviction.state.sequences[seq.seq_id]
     rows = seq.num_computed_tokens - seq.num_dropped_tokens
     return [[sorted(pos[layer, h, :rows].tolist()) for h in range(pos.shape[1])] for layer in range(pos.shape[0])]
 
@@ -138,7 +138,7 @@ def test_kept_positions_and_greedy_tokens_equal_the_reference_and_stay_in_budget
         step += 1
     assert step == new and out.outputs[0].token_ids == want
     assert history[-1][0][0] != list(range(prompt_len + new - budget + 1, prompt_len + new))  # not just recency
-    assert engine.runner.h2o.sequences == {}
+    assert engine.scheduler.eviction.state.sequences == {}
 
 
 def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(model):
@@ -165,7 +165,7 @@ def test_chunked_prefill_preemption_and_aborts_leak_nothing_and_keep_the_tokens(
     done = run_all(engine, [(str(i), p, params) for i, p in enumerate(prompts)], abort_at={"3": 30},
                    each_step=check)  # run_all checks every block came back
     assert any(evicted_then_preempted)  # a recompute past the prompt, evicting one token a step
-    assert engine.runner.h2o.sequences == {}
+    assert engine.scheduler.eviction.state.sequences == {}
     for rid, want in alone.items():
         assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids, f"request {rid}"
 

@@ -23,16 +23,14 @@ from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
 from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
 from brrr.engine.core.requests import check_request
-from brrr.engine.eviction import StreamingEviction
+from brrr.engine.eviction import eviction_policy
 from brrr.engine.forks import Forks
-from brrr.engine.h2o import H2OEviction, H2OState
 from brrr.engine.guided.feature import Guided
 from brrr.engine.lora_rows import AdapterRows
 from brrr.engine.model_runner import ModelRunner, kv_bytes_per_block
 from brrr.engine.outputs import EngineOutput
 from brrr.engine.prompt_logprobs import PromptLogprobs
 from brrr.engine.sampler import SampleRow, h2d
-from brrr.engine.snapkv import SnapKVEviction
 from brrr.sampling_params import SamplingParams
 from brrr.engine.scheduler import ScheduledBatch, Scheduler
 from brrr.engine.sequence import Request, Sequence
@@ -106,14 +104,8 @@ class EngineCore:
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
-        eviction = None
-        if ec.kv_eviction == "streaming":
-            eviction = StreamingEviction(self.block_manager, ec.kv_budget, ec.kv_sink_tokens)
-        elif ec.kv_eviction == "snapkv":
-            eviction = SnapKVEviction(self.block_manager, ec.kv_budget)
-        elif ec.kv_eviction == "h2o":
-            eviction = H2OEviction(self.block_manager, ec.kv_budget)
         p = next(model.parameters())
+        eviction = eviction_policy(ec, self.block_manager, cfg.num_layers, p.device)
         swap = swap_policy(ec, cfg, p.device, p.dtype, kv_bytes_per_block(cfg, ec.block_size, cache_dtype(
             ec.kv_cache_dtype, p.dtype)), self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
@@ -126,14 +118,13 @@ class EngineCore:
             verify = None if proposer is None else verify_graph_spec(
                 spec_cfg.num_speculative_tokens + 1, proposer.needs_hidden, ec.max_num_seqs,
                 ec.max_num_batched_tokens, spec_cfg.disable_by_batch_size)
-            # h2o scores every decode step beside attention, on the host's schedule: no decode graphs
-            graphs = ec.cuda_graphs and ec.kv_eviction != "h2o"
+            graphs = ec.cuda_graphs and (eviction is None or eviction.allows_graphs)
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, graphs,
                                       ec.max_num_seqs, None if adapters is None else adapters.row_input, verify,
                                       ec.kv_cache_dtype, ec.calculate_kv_scales,
                                       num_host_blocks=0 if swap is None else swap.pool.num_blocks)
-        if ec.kv_eviction == "h2o":
-            self.runner.h2o = H2OState(ec.kv_budget, cfg.num_layers, self.runner.device)
+        if eviction is not None and eviction.observes:
+            self.runner.attention_observer = eviction
         self.features: list[Feature] = self._features(speculator, adapters)
         self._set_on([f for f in self.features if not f.per_request])
         self.requests: dict[str, Request] = {}
@@ -187,8 +178,8 @@ class EngineCore:
             f.adopt(seq, tokens)
 
     def _released(self, seq: Sequence) -> None:
-        if self.runner.h2o is not None:  # its accumulated attention goes with its blocks
-            self.runner.h2o.release(seq.seq_id)
+        if self.scheduler.eviction is not None:  # what the policy keeps for it goes with its blocks
+            self.scheduler.eviction.release(seq)
         for f in self._hooks["release"]:
             f.release(seq)
 

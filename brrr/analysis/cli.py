@@ -202,11 +202,12 @@ def cmd_train(args) -> int:
     r = train_plan(cfg, gpu, gpus=args.gpus, zero=args.zero, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
                    seq_len=args.seq_len, microbatches=args.microbatches, checkpointing=args.checkpointing,
                    schedule=args.schedule, chunks=args.chunks, gpus_per_node=args.gpus_per_node,
-                   efficiency=args.efficiency)
+                   efficiency=args.efficiency, ep=args.ep)
     if args.json:
         return _emit_json({"model": args.model, **r})
     m, c, t, b = r["memory"], r["communication_bytes"], r["time"], r["bubble"]
-    layout = (f"{args.model} ({_num(r['params'])} params) on {r['gpus']} x {gpu.name}: dp {r['dp']} x tp {r['tp']} "
+    ep = f" (ep {r['ep']} of them)" if r["ep"] > 1 else ""
+    layout = (f"{args.model} ({_num(r['params'])} params) on {r['gpus']} x {gpu.name}: dp {r['dp']}{ep} x tp {r['tp']} "
               f"x pp {r['pp']}, ZeRO-{r['zero']}, micro-batch {r['micro_batch']} x {r['seq_len']} tokens, "
               f"{r['microbatches']} microbatches, {'checkpointing' if r['checkpointing'] else 'no recompute'}")
     _print([
@@ -221,7 +222,9 @@ def cmd_train(args) -> int:
                   ["fits in " + _num(m["gpu_memory"], "B"), "yes" if m["fits"] else "NO"]]
                + ([["pipeline rank", m["rank"]]] if "rank" in m else [])),
         _table("bytes sent per GPU per step", ["", "bytes"],
-               [[k.replace("_", " "), _num(v, "B")] for k, v in c.items()]),
+               [[k.replace("_", " "), _num(v, "B")] for k, v in c.items() if v or k != "expert_parallel"]
+               + ([["all-to-all per forward (dispatch + combine)", _num(r["all_to_all_bytes_per_forward"], "B")]]
+                  if r["ep"] > 1 else [])),
         _table("step", ["", ""],
                [[f"pipeline bubble ({r['schedule']})",
                  f"{b['fraction']:.1%} of the step ({b['overhead']:.1%} overhead)"],
@@ -231,6 +234,7 @@ def cmd_train(args) -> int:
                 ["assumed matmul efficiency (--efficiency)", f"{r['efficiency']:.0%} of the bf16 peak"],
                 ["compute", _ms(t["compute_s"])], ["with bubble and stage imbalance", _ms(t["pipeline_s"])],
                 ["tensor-parallel collectives", _ms(t["tensor_parallel_s"])],
+                *([["expert-parallel all-to-alls", _ms(t["expert_parallel_s"])]] if r["ep"] > 1 else []),
                 ["data-parallel traffic (exposed)",
                  f"{_ms(t['data_parallel_s'])} ({_ms(t['data_parallel_exposed_s'])})"],
                 ["step", _ms(t["step_s"])], ["tokens/s", f"{r['tokens_per_s']:,.0f}"], ["MFU", f"{r['mfu']:.1%}"]]),
@@ -390,6 +394,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel: an MoE model's experts split over this many of the data-parallel ranks")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 1, or 4 x pp with pp > 1)")

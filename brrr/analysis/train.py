@@ -8,13 +8,20 @@ bytes per parameter. The ZeRO paper's table (`training_state_bytes`) splits them
 fp32 master, m, v 12; `train_plan`'s memory is what PyTorch mixed precision (brrr train) holds: fp32 master weights
 4, fp32 gradients 4 and Adam's m and v 8, with the bf16 compute copies of the weights counted apart, only while a
 step uses them, and the peak taken over the two moments it can fall at (`trainer_memory`), on the pipeline rank
-where it is largest. MoE experts are not expert-parallel here.
+where it is largest.
+
+Expert parallelism (ep, an MoE model's routed experts split over ep of the dp ranks, brrr train's --ep): each rank
+holds E / ep experts of every MoE layer, so their state is divided by ep and (with ZeRO) sharded over the dp / ep
+ranks that hold the same experts, while the dense weights shard over all dp ranks. Every MoE layer sends each
+token's k routed copies of its hidden state to the experts' ranks and back (dispatch and combine, two all-to-alls
+a pass; forward, backward and checkpointing's recompute are passes), (ep - 1) / ep of them leaving the GPU; the
+all-to-alls wait for the router and the experts wait for them, so their time is counted on the critical path.
 """
 from __future__ import annotations
 
 from brrr.analysis.hardware import GPU
-from brrr.analysis.model import (is_mla, matmul_params, mlp_width_per_token, param_counts, prefill_flops_per_token,
-                                 qk_v_head_dims, training_flops_per_token)
+from brrr.analysis.model import (is_mla, matmul_params, mlp_width_per_token, moe_layers, param_counts,
+                                 prefill_flops_per_token, qk_v_head_dims, training_flops_per_token)
 from brrr.analysis.serve import allreduce_seconds
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
@@ -191,10 +198,34 @@ def trainer_memory(dp: int, zero: int, local: float, root: float, layer: float, 
 TYPICAL_EFFICIENCY = 0.4
 
 
+def all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int) -> float:
+    """Bytes one GPU sends in one pass (a forward, or a backward) of an MoE model's all-to-alls over ep ranks: per
+    MoE layer, dispatch and combine each move its tokens' k routed copies of the hidden state (bf16), of which
+    (ep - 1) / ep go to other ranks (routing spread evenly)."""
+    if ep == 1:
+        return 0.0
+    return 2 * moe_layers(cfg) * tokens * cfg.num_experts_per_tok * cfg.hidden_size * 2 * (ep - 1) / ep
+
+
+def _check_ep(cfg: ModelConfig, ep: int, dp: int, tp: int, pp: int) -> None:
+    if ep < 1:
+        raise BrrrError(f"--ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if not cfg.num_experts:
+        raise BrrrError(f"--ep {ep} needs an MoE model; {cfg.architecture} has no experts")
+    if cfg.num_experts % ep:
+        raise BrrrError(f"--ep {ep} must divide the number of experts ({cfg.num_experts})")
+    if dp % ep:
+        raise BrrrError(f"--ep {ep} must divide the data-parallel ranks (--gpus / (--tp x --pp) = {dp})")
+    if tp > 1 or pp > 1:  # as brrr train: expert parallelism composes with data parallelism (FSDP2) only
+        raise BrrrError(f"--ep {ep} does not combine with --tp or --pp (brrr train refuses them together)")
+
+
 def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int = 1, pp: int = 1,
                micro_batch: int = 1, seq_len: int = 4096, microbatches: int | None = None,
                checkpointing: bool = False, schedule: str = "1f1b", chunks: int = 1, gpus_per_node: int = 8,
-               network_bandwidth: float = 50e9, efficiency: float = TYPICAL_EFFICIENCY) -> dict:
+               network_bandwidth: float = 50e9, efficiency: float = TYPICAL_EFFICIENCY, ep: int = 1) -> dict:
     """Per-GPU memory, communication, bubble and roofline step time / MFU of one optimizer step.
     network_bandwidth (bytes/s per GPU, one direction) is used for data-parallel traffic across nodes; 50e9 is
     an assumed 400 Gb/s InfiniBand NIC per GPU. `efficiency` is the fraction of the bf16 peak the matmuls
@@ -211,6 +242,7 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     if zero not in (0, 1, 2, 3):
         raise BrrrError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     dp = gpus // (tp * pp)
+    _check_ep(cfg, ep, dp, tp, pp)
     m = microbatches if microbatches is not None else (4 * pp if pp > 1 else 1)
     bubble = pipeline_bubble(pp, m, schedule, chunks)
     if schedule == "interleaved" and m % pp:
@@ -240,7 +272,17 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     loss = loss_bytes(cfg, tokens_mb, tp)
     if pp > 1 and schedule == "gpipe":  # the last stage runs every microbatch's forward (and loss) before backward
         loss["gradients"] *= m
-    if pp == 1:
+    if pp == 1 and ep > 1:  # the dense weights over all dp ranks, each rank's experts over the dp / ep holding them
+        experts = counts["routed_experts"]
+        dense = trainer_memory(dp, zero, params - experts, counts["embedding"] + counts["head"],
+                               layer_params - experts / cfg.num_layers, held_activations(0), loss)
+        local = trainer_memory(dp // ep, zero, experts / ep, 0.0, experts / moe_layers(cfg) / ep, 0.0,
+                               {"transient": 0.0, "gradients": 0.0})
+        memory = {k: v + local[k] if k != "peak" else v for k, v in dense.items() if k != "total"}
+        memory["peak"] = "end of forward" if memory["end_of_forward"] >= memory["end_of_backward"] else \
+            "end of backward"
+        memory["total"] = max(memory["end_of_forward"], memory["end_of_backward"])
+    elif pp == 1:
         memory = trainer_memory(dp, zero, params / tp, (counts["embedding"] + counts["head"]) / tp, layer_params / tp,
                                 held_activations(0), loss)
     else:  # the larger of the first and the last rank (a tied head is a copy of the embedding there); 1F1B's peak
@@ -256,14 +298,22 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
                   "rank": "first stage" if first["total"] >= last["total"] else "last stage"}
 
     # communication per GPU per step (bytes sent; a ring moves (n-1)/n of the buffer per GPU per pass)
-    local = params / (tp * pp)
-    ring = (dp - 1) / dp
-    if zero <= 1:  # one bf16 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, same bytes)
-        dp_bytes = 2 * ring * 2 * local
-    elif zero == 2:  # gradients reduce-scattered every microbatch, updated weights all-gathered once
-        dp_bytes = (m + 1) * ring * 2 * local
-    else:  # weights all-gathered for forward and again for backward, gradients reduce-scattered: per microbatch
-        dp_bytes = 3 * m * ring * 2 * local
+    def data_parallel_bytes(local: float, ranks: int) -> float:
+        ring = (ranks - 1) / ranks
+        if zero <= 1:  # one bf16 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, same bytes)
+            return 2 * ring * 2 * local
+        if zero == 2:  # gradients reduce-scattered every microbatch, updated weights all-gathered once
+            return (m + 1) * ring * 2 * local
+        return 3 * m * ring * 2 * local  # weights gathered for forward and backward, gradients reduce-scattered
+
+    if ep > 1:  # the dense weights' traffic over every dp rank, the experts' over the dp / ep holding the same ones
+        dp_bytes = data_parallel_bytes(params - counts["routed_experts"], dp) + (
+            data_parallel_bytes(counts["routed_experts"] / ep, dp // ep) if dp > ep else 0.0)
+    else:
+        dp_bytes = data_parallel_bytes(params / (tp * pp), dp)
+    passes = 3 if checkpointing else 2  # forward, backward (and the recompute's forward)
+    a2a_forward = all_to_all_bytes(cfg, tokens_mb, ep)
+    ep_bytes = passes * m * a2a_forward
     tp_collectives = (6 if checkpointing else 4) * max(rank_layers) * m if tp > 1 else 0
     tp_buffer = tokens_mb * h * 2
     tp_bytes = tp_collectives * 2 * (tp - 1) / tp * tp_buffer
@@ -284,19 +334,24 @@ def train_plan(cfg: ModelConfig, gpu: GPU, gpus: int = 8, zero: int = 0, tp: int
     dp_link = gpu.link_bandwidth if gpus <= gpus_per_node else network_bandwidth
     dp_s = dp_bytes / dp_link if dp > 1 else 0.0
     overlap_s = compute_s if zero == 3 else compute_s * (hardware_flops - model_flops / 3) / hardware_flops
-    step_s = pipeline_s + tp_s + max(0.0, dp_s - overlap_s)
+    ep_s = ep_bytes / (gpu.link_bandwidth if ep <= gpus_per_node else network_bandwidth)
+    step_s = pipeline_s + tp_s + ep_s + max(0.0, dp_s - overlap_s)
     return {
-        "gpu": gpu.name, "gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": micro_batch,
+        "gpu": gpu.name, "gpus": gpus, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": zero,
+        "micro_batch": micro_batch,
         "seq_len": seq_len, "microbatches": m, "schedule": schedule, "chunks": chunks,
         "checkpointing": checkpointing, "efficiency": efficiency, "params": params, "tokens_per_step": tokens,
         "memory": {**memory, "gpu_memory": gpu.memory, "fits": memory["total"] <= gpu.memory},
-        "communication_bytes": {"data_parallel": dp_bytes, "tensor_parallel": tp_bytes, "pipeline": pp_bytes},
+        "communication_bytes": {"data_parallel": dp_bytes, "tensor_parallel": tp_bytes, "pipeline": pp_bytes,
+                                "expert_parallel": ep_bytes},
+        "all_to_all_bytes_per_forward": a2a_forward,
         "bubble": bubble, "stage_layers": [len(x) for x in split], "stage_imbalance": imbalance,
         "flops": {"model": model_flops, "hardware": hardware_flops,
                   "per_token": training_flops_per_token(cfg, seq_len),
                   "six_n_per_token": 6 * matmul_params(cfg),
                   "attention_per_token": 3 * (prefill_flops_per_token(cfg, seq_len) - 2 * matmul_params(cfg))},
         "time": {"compute_s": compute_s, "pipeline_s": pipeline_s, "tensor_parallel_s": tp_s,
-                 "data_parallel_s": dp_s, "data_parallel_exposed_s": max(0.0, dp_s - overlap_s), "step_s": step_s},
+                 "data_parallel_s": dp_s, "data_parallel_exposed_s": max(0.0, dp_s - overlap_s),
+                 "expert_parallel_s": ep_s, "step_s": step_s},
         "tokens_per_s": tokens / step_s, "mfu": model_flops / (step_s * gpus * gpu.datasheet_peak("bf16")),
     }

@@ -12,6 +12,7 @@ from brrr.analysis.roofline import matmul, place, transformer_ops
 from brrr.analysis.serve import decode_step, serve_plan, ttft
 from brrr.analysis.train import (activation_bytes_per_token_per_layer, head_layers, in_flight_microbatches,
                                  pipeline_bubble, train_plan, training_state_bytes)
+from brrr.errors import BrrrError
 from brrr.presets import preset_config
 
 GiB = 2**30
@@ -297,3 +298,42 @@ def test_pipeline_memory_is_the_first_ranks_with_its_gathered_weights():
     gpipe = train_plan(cfg, h100, **{**kw, "schedule": "gpipe"})["memory"]
     assert gpipe["working_weights"] == pytest.approx(2 * (525_336_576 + 2 * 218_112_128))
     assert gpipe["end_of_forward"] == pytest.approx(12 * local + gpipe["working_weights"] + gpipe["activations"])
+
+
+def test_expert_parallel_plan_by_hand():
+    """Mixtral-8x7B, 8 H100s, --ep 8, ZeRO-0: each rank holds 1 of 8 experts per layer (their 16 bytes of state
+    divided by 8, unsharded since no other rank holds them) and all of the dense weights; each forward's
+    all-to-alls send 2 x 32 layers x 4096 tokens x top-2 x 4096 x 2 bytes x 7/8."""
+    from brrr.analysis.train import all_to_all_bytes
+
+    cfg, gpu = preset_config("mixtral-8x7b"), get_gpu("h100")
+    counts = param_counts(cfg)
+    experts, dense = counts["routed_experts"], counts["total"] - counts["routed_experts"]
+    plan = train_plan(cfg, gpu, gpus=8, ep=8, seq_len=4096)
+    assert plan["memory"]["optimizer"] == pytest.approx(8 * (dense + experts / 8))
+    assert plan["memory"]["params"] == pytest.approx(4 * (dense + experts / 8))
+    a2a = 2 * 32 * 4096 * 2 * 4096 * 2 * 7 / 8
+    assert all_to_all_bytes(cfg, 4096, 8) == pytest.approx(a2a) == plan["all_to_all_bytes_per_forward"]
+    assert plan["communication_bytes"]["expert_parallel"] == pytest.approx(2 * a2a)  # forward and backward
+    assert train_plan(cfg, gpu, gpus=8, ep=8, checkpointing=True)["communication_bytes"]["expert_parallel"] == \
+        pytest.approx(3 * a2a)  # and the recompute's forward
+    assert plan["time"]["expert_parallel_s"] == pytest.approx(2 * a2a / gpu.link_bandwidth)
+    # ZeRO-3 over 16 GPUs with --ep 8: each expert is held by 2 ranks, which shard its state
+    z3 = train_plan(cfg, gpu, gpus=16, ep=8, zero=3, seq_len=4096)
+    assert z3["memory"]["optimizer"] == pytest.approx(8 * (dense / 16 + experts / 8 / 2))
+    assert train_plan(cfg, gpu, gpus=8)["communication_bytes"]["expert_parallel"] == 0
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(ep=3), "--ep 3 must divide the number of experts"),
+    (dict(ep=4, gpus=6), "--ep 4 must divide the data-parallel ranks"),
+    (dict(ep=2, tp=2), "does not combine with --tp or --pp"),
+    (dict(ep=0), "--ep must be >= 1")])
+def test_expert_parallel_plan_refuses_layouts_naming_the_flag(kw, message):
+    with pytest.raises(BrrrError, match=message):
+        train_plan(preset_config("mixtral-8x7b"), get_gpu("h100"), **{"gpus": 8, **kw})
+
+
+def test_expert_parallel_needs_an_moe_model():
+    with pytest.raises(BrrrError, match="--ep 2 needs an MoE model"):
+        train_plan(preset_config("llama-3.1-8b"), get_gpu("h100"), gpus=8, ep=2)

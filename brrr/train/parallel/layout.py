@@ -244,6 +244,6 @@ def predicted_memory(cfg: ParallelConfig, mesh: Mesh, model_cfg: ModelConfig, mi
     gpus = layout.world // layout.dp_replicate if mesh.fsdp else layout.world
     # calc has no cp dimension: a cp rank's activations are those of its seq_len / cp tokens
     plan = train_plan(model_cfg, gpu, gpus=gpus, zero=zero, tp=layout.tp, pp=layout.pp, micro_batch=rows,
-                      seq_len=seq_len // layout.cp, checkpointing=checkpointing, **pp_kw)
+                      seq_len=seq_len // layout.cp, checkpointing=checkpointing, ep=layout.ep, **pp_kw)
     return {"zero": zero, "bytes": plan["memory"]["total"], "gpu": gpu.name, "gpu_memory": gpu.memory,
             "fits": plan["memory"]["fits"]}

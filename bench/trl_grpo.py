@@ -2,7 +2,7 @@
 
 Maintained in the repo, never imported by brrr's runtime (like bench/torchtitan/). The same setup as
 `brrr bench rl` (brrr/bench/rl.py), through its own functions: the model directory (`model_dir`: a preset becomes
-random weights of its shape with the default model's tokenizer, written once to a temp dir; a directory or hub id is
+random weights of its shape with the default model's tokenizer, written to a temp dir; a directory or hub id is
 read as is; default brrr's shipped default model), the prompts (`write_prompts`: brrr's code HEADS, one group
 each), the reward (brrr's built-in python_syntax, passed to TRL as is: brrr's reward functions take TRL's
 reward_funcs signature, `f(prompts, completions, completion_ids, **fields)`), and brrr grpo's defaults for what TRL
@@ -29,27 +29,31 @@ What a record times (CUDA synchronized at each edge):
                   advantages
   train_s         step_s less _generate_and_score_completions: forward + backward of each micro-batch, clip, AdamW
 
-One device call, both sides (wheels from the command below in .whl, carried; brrr's record first, then TRL's;
-`bench/trl_grpo.sh` is this):
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-    python -m brrr bench rl --model qwen3-0.6b --num-prompts 16 --num-generations 8 --max-completion-length 256 \
+One device call, both sides (`bash bench/trl_grpo.sh run $OUT/rl_peer.jsonl` with .whl carried is this: the wheels
+below installed, then brrr's records, then TRL's, into one file):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl_site \
+        .whl/trl-*.whl .whl/datasets-*.whl .whl/multiprocess-*.whl .whl/dill-*.whl
+    export PYTHONPATH=/tmp/trl_site:$PWD
+    python3 -m brrr bench rl --model qwen3-0.6b --num-prompts 16 --num-generations 8 --max-completion-length 256 \
         --steps 2 --out $OUT/rl_peer.jsonl
-    python bench/trl_grpo.py --model qwen3-0.6b --num-prompts 16 --num-generations 8 --max-completion-length 256 \
+    python3 bench/trl_grpo.py --model qwen3-0.6b --num-prompts 16 --num-generations 8 --max-completion-length 256 \
         --steps 2 --out $OUT/rl_peer.jsonl
+A preset's random weights are drawn with seed 0 on the same device by both sides (brrr.bench.rl.model_dir), so both
+read the same values.
 
-Wheels TRL needs on a device image with torch / transformers / accelerate / peft / pandas / pyarrow / fsspec /
-huggingface-hub / xxhash / jinja2 / psutil / pyyaml / tqdm / numpy but no trl or datasets (the closure of trl
-1.16.0's and datasets 5.2.0's Requires-Dist, from their installed metadata, less the image's packages): trl
-1.16.0, datasets 5.2.0, multiprocess 0.70.19, dill 0.4.1 (about 1.5 MB; the torchtitan bundle carried the same
-datasets / multiprocess / dill). `--no-deps` does not check the image's versions against what they ask:
-pyarrow >= 24, huggingface-hub >= 1.31 and < 3, fsspec <= 2026.9.0 (datasets), transformers >= 4.56.2,
-accelerate >= 1.10.1 (trl); the record carries the versions it ran with. Fetched here, for python 3.12 manylinux
-x86_64:
+Wheels TRL needs on a device image that has torch, transformers, accelerate, peft and the rest of KINDS.md's list
+but no trl or datasets: the closure of trl 1.16.0's and datasets 5.2.0's Requires-Dist (their installed metadata,
+the same in the wheels), less the image's packages (accelerate, transformers, huggingface-hub, jinja2, numpy,
+packaging, pandas, psutil, pyarrow, pyyaml, filelock, tqdm, xxhash, fsspec): trl 1.16.0, datasets 5.2.0,
+multiprocess 0.70.19, dill 0.4.1 (1.8 MB; the torchtitan bundle carried the same datasets / multiprocess / dill).
+`--no-deps` does not check the image's versions against what these ask: pyarrow >= 24, huggingface-hub >= 1.31 and
+< 3, fsspec <= 2026.9.0 (datasets), transformers >= 4.56.2, accelerate >= 1.10.1 (trl); the record carries the
+versions it ran with. Fetched here (`bash bench/trl_grpo.sh fetch`), for python 3.12 manylinux x86_64:
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform any -d .whl trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1
 
+Here or there:
     PYTHONPATH=$PWD python bench/trl_grpo.py --model qwen3-0.6b --num-prompts 16 --num-generations 8 \
         --max-completion-length 256 --steps 2 --out X
     PYTHONPATH=$PWD python bench/trl_grpo.py --model DIR ...

@@ -2,7 +2,7 @@
 block of whole groups with its own colocated engine, seeded by the global prompt counter, so the two ranks together
 sample the one process's completions token for token; the rewards are gathered (the advantages, --scale-rewards
 batch's std, dapo's token count and the logged reward are the whole step's) and DDP averages the gradients, so
-losses and final weights agree within fp32 reduction order (1e-5), for the grpo, dr_grpo and dapo loss types. A
+losses and final weights agree within fp32 reduction order (1e-5), for the grpo, dr_grpo and dapo loss types and for LoRA adapters (their DCP checkpoint holds the adapters alone). A
 layout GRPO cannot serve (TP, PP, FSDP's shards) is refused by its flag."""
 import json
 import os
@@ -22,7 +22,8 @@ from tests.train.distributed_helpers import spawn, train_losses
 ATOL = 1e-5
 GROUPS_PER_STEP = 4  # global: 2 per rank on 2 ranks, one group per micro-batch either way
 CASES = {"grpo": dict(loss_type="grpo"), "dr_grpo_kl": dict(loss_type="dr_grpo", beta=0.1),
-         "dapo_batch_std": dict(loss_type="dapo", scale_rewards="batch")}
+         "dapo_batch_std": dict(loss_type="dapo", scale_rewards="batch"),
+         "grpo_lora": dict(loss_type="grpo", use_peft=True, lora_r=4, lora_dropout=0.0)}
 
 
 class RecordedReward:
@@ -102,10 +103,14 @@ def test_two_ranks_match_one_process(runs, name):
     for a, b in zip(log, ref_log):  # the logged rewards are the whole step's
         for key in ("grad_norm", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl"):
             assert a.get(key) == pytest.approx(b.get(key), abs=ATOL), key
-    w_ref, w_out = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
+    file = "adapter_model.safetensors" if CASES[name].get("use_peft") else "model.safetensors"
+    w_ref, w_out = load_file(ref / file), load_file(out / file)
     assert w_ref.keys() == w_out.keys()
-    base = load_file(Path(json.loads((ref / "train_config.json").read_text())["model"]) / "model.safetensors")
-    moved = max((w_ref[k] - base[k]).abs().max().item() for k in w_ref if k in base)
+    if CASES[name].get("use_peft"):  # the adapters' B starts at zero
+        moved = max(v.abs().max().item() for k, v in w_ref.items() if "lora_B" in k)
+    else:
+        base = load_file(Path(json.loads((ref / "train_config.json").read_text())["model"]) / file)
+        moved = max((w_ref[k] - base[k]).abs().max().item() for k in w_ref if k in base)
     assert moved > 1e-3  # the weights did train
     for key in w_ref:
         torch.testing.assert_close(w_out[key], w_ref[key], atol=ATOL, rtol=0, msg=key)

@@ -123,10 +123,13 @@ class SFTLoss(nn.Module):
 
 
 class TrainableState:
-    """The trainable tensors as a state dict (what a fine-tuning checkpoint holds: not the frozen base)."""
+    """The trainable tensors as a state dict (what a fine-tuning checkpoint holds: not the frozen base). module: the
+    model they are of, which a distributed checkpoint saves with its frozen parameters left out
+    (brrr.train.parallel.dcp)."""
 
     def __init__(self, model: nn.Module):
         self.params = trainable_parameters(model)
+        self.module = model
 
     def state_dict(self) -> dict:
         return {n: p.detach() for n, p in self.params.items()}

@@ -2,9 +2,9 @@
 rolling out through brrr's engine in the same process (brrr/train/rollout.py), which shares the trainer's weight
 tensors (or, for fp32 master weights on CUDA, holds a bf16 serving copy that each step's sync overwrites in place).
 
-One optimizer step: the step's prompts (micro_batch x grad_accum completions / num_generations of them) go to the
-engine as one request each with n = num_generations, seeded by (seed, step, prompt) so a run (and --resume) draws
-the same completions; the reward functions score them (brrr/train/rewards.py) and the group advantages follow
+One optimizer step: the step's prompts (micro_batch x grad_accum completions / num_generations of them per rank) go
+to the engine as one request each with n = num_generations, seeded by (seed, global prompt counter, generation) so a
+run (and --resume, and any number of ranks) draws the same completions; the reward functions score them (brrr/train/rewards.py) and the group advantages follow
 (brrr/train/grpo_loss.py); with beta != 0 the reference scores them too (the base with the adapters off, or a
 frozen copy of a full-parameter policy); the engine sleeps (its KV cache freed) and the loop runs the micro-batches
 through the GRPO loss; at the next step the engine wakes and sees the new weights, which it shares with the
@@ -14,6 +14,11 @@ the truncated importance weights. Every log line carries the phase times of its 
 before its rollout, rollout_s, reference_logps_s, train_s: its micro-batches and optimizer step), the mismatch, and
 TRL's metrics (reward, reward_std, rewards/NAME/mean, frac_reward_zero_std, completions/mean_length, clip_ratio/*,
 kl).
+
+Under torchrun (DDP, data parallelism only: check_layout) every rank holds the whole policy and its own colocated
+engine, and rolls out its block of whole groups of the step's prompts (RolloutBatches); the rewards are gathered so
+the advantages, dapo's token count and the logged statistics are the whole step's, and DDP averages the gradients:
+the step is the one-process step over all the ranks' prompts (tests/train/test_grpo_distributed.py).
 
 --batch-invariant: the engine samples in the batch-invariant mode (docs/batch-invariance.md) and the trainer's
 log-prob forwards (the policy's and the reference's) run in it too, outside autocast as the engine does, so at
@@ -106,18 +111,36 @@ class GRPOTaskConfig(PolicyConfig):
 
 @dataclass(init=False)
 class GRPOConfig:
-    """`brrr grpo`'s flags, composed: the loop's (GRPO_LOOP's defaults) and the task's; one process."""
+    """`brrr grpo`'s flags, composed: the loop's (GRPO_LOOP's defaults), the layout's (under torchrun: data
+    parallelism, DDP, the only one it takes: check_layout) and the task's."""
     loop: LoopConfig
     parallel: ParallelConfig
     task: GRPOTaskConfig
 
     def __init__(self, model: str | None, prompts: str, out: str, **flags):
-        self.task, self.loop = split_flags(flags, GRPOTaskConfig(model=model, prompts=prompts),
-                                           LoopConfig(out, **GRPO_LOOP))
-        self.parallel = ParallelConfig()
+        self.task, self.loop, self.parallel = split_flags(flags, GRPOTaskConfig(model=model, prompts=prompts),
+                                                          LoopConfig(out, **GRPO_LOOP), ParallelConfig())
 
     def make_task(self) -> "GRPOTask":
         return GRPOTask(self.task)
+
+
+def check_layout(layout: ParallelConfig, world: int) -> None:
+    """GRPO under torchrun replicates the policy on every rank (DDP): each rank's colocated engine serves the whole
+    weights, which FSDP's shards, TP's slices and PP's stages are not. The default layout (--dp-shard -1: every
+    rank left over) becomes --dp-replicate WORLD_SIZE; anything else but replicas is refused by its flag."""
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(layout, name) != 1:
+            raise BrrrError(f"brrr grpo runs data parallelism only (DDP: each rank's rollout engine serves the whole "
+                            f"weights); --{name} {getattr(layout, name)} is not supported, pass --{name} 1")
+    if layout.dp_shard not in (-1, 1):
+        raise BrrrError(f"brrr grpo replicates the weights over the ranks (DDP: each rank's rollout engine serves "
+                        f"them whole), so FSDP's --dp-shard {layout.dp_shard} is not supported: leave --dp-shard "
+                        f"at -1")
+    if layout.dp_replicate not in (1, world):
+        raise BrrrError(f"--dp-replicate {layout.dp_replicate} must be the world size {world} (WORLD_SIZE): brrr "
+                        f"grpo replicates the weights on every rank")
+    layout.dp_replicate, layout.dp_shard = world, 1
 
 
 def load_prompts(path, tokenizer) -> tuple[list[dict], list[list[int]], list[int]]:
@@ -140,28 +163,38 @@ def load_prompts(path, tokenizer) -> tuple[list[dict], list[list[int]], list[int
 
 class RolloutBatches:
     """The loop's batches: the first micro-batch of every step runs that step's rollout; each micro-batch is a
-    slice of its completions."""
+    slice of its completions. Under data parallelism a step's prompts are those of all dp ranks together (the
+    global prompt counter k runs over them), and each rank rolls out a contiguous block of whole groups: rank r
+    the step's prompts [r x P, (r + 1) x P), P = micro_batch x grad_accum / num_generations, so the ranks'
+    shares are disjoint and their union is what one process with dp_world times the batch rolls out."""
 
-    def __init__(self, task: "GRPOTask", micro_batch: int, grad_accum: int):
+    def __init__(self, task: "GRPOTask", micro_batch: int, grad_accum: int, dp_rank: int = 0, dp_world: int = 1):
         self.task, self.micro_batch, self.grad_accum = task, micro_batch, grad_accum
-        self.prompts_per_step = micro_batch * grad_accum // task.cfg.num_generations
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.prompts_per_step = micro_batch * grad_accum // task.cfg.num_generations  # this rank's
+        self.global_prompts_per_step = self.prompts_per_step * dp_world
         self._step, self._data = -1, None
 
     def epoch(self, position: int) -> float:
-        return position // self.grad_accum * self.prompts_per_step / len(self.task.prompt_ids)
+        return position // self.grad_accum * self.global_prompts_per_step / len(self.task.prompt_ids)
+
+    def prompt_counters(self, step: int) -> list[int]:
+        """The global prompt counters k of this rank's share of the step (the data order's positions)."""
+        first = step * self.global_prompts_per_step + self.dp_rank * self.prompts_per_step
+        return list(range(first, first + self.prompts_per_step))
+
+    def prompt_index(self, k: int) -> int:
+        """The prompt at global counter k: epochs of seeded permutations of the prompt file."""
+        n = len(self.task.prompt_ids)
+        return int(np.random.default_rng([self.task.seed, k // n]).permutation(n)[k % n])
 
     def prompt_indices(self, step: int) -> list[int]:
-        n, seed = len(self.task.prompt_ids), self.task.seed
-        out = []
-        for k in range(step * self.prompts_per_step, (step + 1) * self.prompts_per_step):
-            order = np.random.default_rng([seed, k // n]).permutation(n)
-            out.append(int(order[k % n]))
-        return out
+        return [self.prompt_index(k) for k in self.prompt_counters(step)]
 
     def batch_at(self, position: int, device):
         step, i = divmod(position, self.grad_accum)
         if step != self._step:
-            self._step, self._data = step, self.task.rollout(step, self.prompt_indices(step), device)
+            self._step, self._data = step, self.task.rollout(step, self.prompt_counters(step), device)
         d, mb = self._data, self.micro_batch
         part = slice(i * mb, (i + 1) * mb)
         ref = None if d["ref"] is None else d["ref"][part]
@@ -206,7 +239,7 @@ def _sha256(path) -> str:
 
 class GRPOTask(NoHeldOut):
     """brrr grpo (brrr/train/task.py's interface)."""
-    command, run_name, parallel, eval_at_start = "grpo", "GRPO", False, False
+    command, run_name, parallel, eval_at_start = "grpo", "GRPO", True, False
     flops_per_token = 0.0
 
     def __init__(self, cfg: GRPOTaskConfig, rewards: Rewards | None = None):
@@ -218,6 +251,8 @@ class GRPOTask(NoHeldOut):
     def configure(self, run) -> ModelConfig:
         cfg, loop = self.cfg, run.cfg
         cfg.check(loop)
+        check_layout(run.parallel_cfg, run.ranks.world)
+        self.ranks = run.ranks
         self.seed = loop.seed
         self.model_path = resolve_model(cfg.model)
         self.base_name = cfg.model if cfg.model and not Path(cfg.model).is_dir() else str(self.model_path.resolve())
@@ -249,7 +284,8 @@ class GRPOTask(NoHeldOut):
         if self.cfg.beta != 0 and not self.policy.reference_is_live:  # full-parameter: a frozen copy, as TRL
             self.frozen_ref = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.checkpointed = self.policy.checkpointed
-        self.batches = RolloutBatches(self, run.cfg.micro_batch, run.cfg.grad_accum)
+        self.batches = RolloutBatches(self, run.cfg.micro_batch, run.cfg.grad_accum, run.mesh.dp_rank,
+                                      run.mesh.dp_world)
         self.loss = self.loss_fn = GRPOLoss(self)
         self.flops_per_token = (6 if not self.policy.lora else 4) * param_counts(self.model_cfg)["total"]
         eos = stop_token_ids(self.model_path, self.model_cfg, self.tokenizer)
@@ -263,6 +299,14 @@ class GRPOTask(NoHeldOut):
                                        batch_invariant=self.cfg.batch_invariant)
         self.kv_bytes = self.engine.kv_cache_bytes()
         self._train_start = None
+        # under torchrun: DDP (the layout's data parallelism: gradients averaged over the ranks in backward), laid
+        # on after the deep copies above (DDP takes none); the engine keeps the same module and tensors
+        self.model = run.parallelize(self.model)
+        if run.mesh.dp_world > 1:
+            # DDP builds its gradient buckets at the model's first forward; the engine's runs in inference mode,
+            # which would make them inference tensors that backward cannot write into: one forward here first
+            with torch.no_grad():
+                completion_logprobs(self.model, [self.prompt_ids[0]], [[0]], run.device)
         return self.model
 
     def scoring(self, device):
@@ -276,8 +320,11 @@ class GRPOTask(NoHeldOut):
         return stack
 
     # -- one step's data -------------------------------------------------------------------------------------
-    def rollout(self, step: int, indices: list[int], device) -> dict:
+    def rollout(self, step: int, counters: list[int], device) -> dict:
+        """This rank's share of the step: counters are the global prompt counters of its prompts
+        (RolloutBatches.prompt_counters)."""
         cfg, ph = self.cfg, self.phase
+        indices = [self.batches.prompt_index(k) for k in counters]
         ph.clear()  # this step's phases only
         if self.engine.asleep:
             ph["weight_sync_s"] = self.engine.sync_weights()
@@ -285,10 +332,12 @@ class GRPOTask(NoHeldOut):
             self.engine.wake()
             ph["wake_s"] = time.perf_counter() - start
         start = time.perf_counter()
+        # the engine seeds sample i of a request by seed + i: keyed by (run seed, global prompt counter k,
+        # generation i), a completion is the same whichever rank, and however many ranks, roll it out
         params = [SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_completion_length,
                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, logprobs=0,
-                                 seed=(self.seed * 1_000_003 + step * 4099 + j) % 2**62)
-                  for j in range(len(indices))]
+                                 seed=(self.seed * 1_000_003 + k * cfg.num_generations) % 2**62)
+                  for k in counters]
         results = self.engine.generate([self.prompt_ids[i] for i in indices], params)
         ph["rollout_s"] = time.perf_counter() - start
         prompts, completions, texts, rows, lines, prompt_objs, engine_lp = [], [], [], [], [], [], []
@@ -305,8 +354,15 @@ class GRPOTask(NoHeldOut):
                 lp = [next(iter(e.values())) if e else math.nan for e in (sample.logprobs or [])]
                 engine_lp.append(torch.tensor((lp + [math.nan] * len(ids))[:len(ids)], dtype=torch.float32))
         per_fn, rewards = self.rewards(prompt_objs, texts, completions, rows, lines)
-        advantages, std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
-        self._reward_stats(per_fn, rewards, std, completions)
+        lengths = [len(c) for c in completions]
+        # every rank's rewards and lengths, in rank order (the step's global order), as TRL gathers them: the
+        # advantages (--scale-rewards batch: the std of the whole step's), the logged statistics and dapo's token
+        # count are one process's over the whole step; this rank keeps its slice
+        all_per_fn, all_rewards, all_lengths = self._gathered(per_fn, rewards, lengths)
+        advantages, std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
+        self._reward_stats(all_per_fn, all_rewards, std, all_lengths)
+        mine = slice(self.batches.dp_rank * len(rewards), (self.batches.dp_rank + 1) * len(rewards))
+        advantages = advantages[mine]
         ref = None
         start = time.perf_counter()
         if cfg.beta != 0:
@@ -314,10 +370,23 @@ class GRPOTask(NoHeldOut):
         ph["reference_logps_s"] = time.perf_counter() - start
         self.kv_freed = self.engine.sleep()
         self._train_start = time.perf_counter()
-        lengths = [len(c) for c in completions]
+        # dapo divides by the step's completion tokens over every rank: per micro-batch, as DDP then averages
+        # over the ranks, that total / (grad_accum x dp ranks)
         return {"prompts": prompts, "completions": completions, "advantages": advantages.to(device), "ref": ref,
                 "engine_logps": padded(torch.cat(engine_lp), lengths).to(device),
-                "num_items": float(sum(lengths)) / self.batches.grad_accum}
+                "num_items": float(sum(all_lengths)) / (self.batches.grad_accum * self.batches.dp_world)}
+
+    def _gathered(self, per_fn: torch.Tensor, rewards: torch.Tensor, lengths: list[int]):
+        """(per_fn, rewards, lengths) of every dp rank concatenated in rank order (this rank's alone in one
+        process); over the ranks' gloo group (CPU tensors), in float64, which holds float32 rewards exactly."""
+        if self.batches.dp_world == 1:
+            return per_fn, rewards, lengths
+        n, f = per_fn.shape
+        mine = tuple(torch.cat([per_fn.reshape(-1), rewards, torch.tensor(lengths, dtype=rewards.dtype)]).tolist())
+        rows = torch.tensor(self.ranks.gather(mine), dtype=torch.float64)
+        per_fn_all = rows[:, :n * f].reshape(-1, f).to(per_fn.dtype)
+        rewards_all = rows[:, n * f:n * f + n].reshape(-1).to(rewards.dtype)
+        return per_fn_all, rewards_all, [int(x) for x in rows[:, n * f + n:].reshape(-1).tolist()]
 
     @torch.no_grad()
     def reference_logps(self, prompts, completions, device) -> torch.Tensor:
@@ -334,13 +403,13 @@ class GRPOTask(NoHeldOut):
         width = max(t.shape[1] for t in out)
         return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in out])
 
-    def _reward_stats(self, per_fn, rewards, std, completions):
+    def _reward_stats(self, per_fn, rewards, std, lengths):
         s = self.stats
         s.setdefault("reward", []).append(torch.nanmean(rewards).item())
         s.setdefault("reward_std", []).append(nanstd(rewards).item())
         s.setdefault("frac_reward_zero_std", []).append(torch.isclose(std, torch.zeros_like(std)).float().mean()
                                                         .item())
-        s.setdefault("completions/mean_length", []).append(float(np.mean([len(c) for c in completions])))
+        s.setdefault("completions/mean_length", []).append(float(np.mean(lengths)))
         for j, name in enumerate(self.rewards.names):
             s.setdefault(f"rewards/{name}/mean", []).append(torch.nanmean(per_fn[:, j]).item())
 
@@ -350,13 +419,16 @@ class GRPOTask(NoHeldOut):
         return {"model": self.base_name, "prompts_sha256": _sha256(c.prompts), "reward": list(c.reward) or
                 self.rewards.names, "num_generations": c.num_generations,
                 "max_completion_length": c.max_completion_length, "beta": c.beta, "loss_type": c.loss_type,
-                "peft": c.peft, "micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum, "seed": loop.seed}
+                "peft": c.peft, "micro_batch": loop.micro_batch * self.batches.dp_world,
+                "grad_accum": loop.grad_accum, "seed": loop.seed}
 
     def describe(self, run) -> str:
         c, st = self.cfg, run.state
+        b = self.batches
+        ranks = f" on each of {b.dp_world} DDP ranks ({b.prompts_per_step} prompts each)" if b.dp_world > 1 else ""
         return (f"GRPO ({c.loss_type}, beta {c.beta}, {c.num_generations} generations x "
-                f"{self.batches.prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
-                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process"
+                f"{b.global_prompts_per_step} prompts a step, up to {c.max_completion_length} tokens) of "
+                f"{self.policy.describe()} on {run.device}, rollouts by brrr's engine in this process{ranks}"
                 f"{' in the batch-invariant mode' if c.batch_invariant else ''} over "
                 f"{'the same tensors' if self.engine.shared else 'a bf16 copy synced in place'} (KV cache "
                 f"{self.kv_bytes / 2**20:.1f} MiB, freed for each train step); "
@@ -373,13 +445,23 @@ class GRPOTask(NoHeldOut):
                 torch.cuda.synchronize(self.model_device)  # the optimizer step is queued, not done
             self.phase["train_s"] = time.perf_counter() - self._train_start
             self._train_start = None
-        out = {k: float(np.mean(v)) for k, v in self.stats.items()}
-        for k, v in self.loss.metrics.items():
-            values = torch.stack([x.float() for x in v])
-            out[k] = (values.max() if k.endswith("/max") else values.mean()).item()
+        out = {k: float(np.mean(v)) for k, v in self.stats.items()}  # over the whole step's rewards already
+        loss_keys = sorted(self.loss.metrics)
+        local = []
+        for k in loss_keys:
+            values = torch.stack([x.float() for x in self.loss.metrics[k]])
+            local.append((values.max() if k.endswith("/max") else values.mean()).item())
+        phases = sorted(self.phase)
+        # every rank logs the same keys at the same steps: the loss metrics over the ranks (the max of maxima,
+        # the mean of means: each rank ran as many micro-batches), the phase times of the slowest rank
+        ranks = self.ranks.gather(tuple(local) + tuple(self.phase[k] for k in phases))
+        for j, k in enumerate(loss_keys):
+            column = [r[j] for r in ranks]
+            out[k] = max(column) if k.endswith("/max") else float(np.mean(column))
+        for j, k in enumerate(phases, len(loss_keys)):
+            out[k] = max(r[j] for r in ranks)
         self.stats.clear()
         self.loss.metrics.clear()
-        out.update({k: v for k, v in self.phase.items()})
         out["kv_cache_freed_bytes"] = self.kv_freed
         return out
 

@@ -1,13 +1,13 @@
-"""`brrr grpo`: RL with group-relative advantages, rolling out through brrr's engine in this process
-(brrr/train/grpo.py), registered by brrr/train/cli.py."""
+"""`brrr grpo`: RL with group-relative advantages, rolling out through brrr's engine in this process (under
+torchrun: in each rank's), brrr/train/grpo.py; registered by brrr/train/cli.py."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from brrr.cli import HelpFormatter
 from brrr.train.grpo import GRPOConfig
 from brrr.train.grpo_loss import IS_MODES, LOSS_TYPES, SCALE_REWARDS
+from brrr.train.launch_cli import run_trainer
 from brrr.train.post_training_flags import add_loop_flags, add_policy_flags, config_from_args
 from brrr.train.rewards import BUILTIN
 
@@ -61,8 +61,5 @@ def register(sub):
 
 
 def cmd_grpo(args) -> int:
-    from brrr.train.trainer import Trainer  # the loop imports the parallel stack: only when a run starts
-
-    summary = Trainer(config_from_args(GRPOConfig, args)).run()
-    print(json.dumps(summary, indent=2))
-    return 0
+    """Alone or under torchrun (DDP over the ranks: brrr/train/grpo.py)."""
+    return run_trainer(config_from_args(GRPOConfig, args))

@@ -56,7 +56,8 @@ def make_optimizer(model: nn.Module, cfg: LoopConfig, device) -> torch.optim.Ada
     if len(meshes) > 1:  # --ep's experts sit on a mesh of their own, and the fused step's DTensor ops take one
         groups = [{**g, "params": [p for p in g["params"] if getattr(p, "device_mesh", None) == m]}
                   for g in groups for m in meshes]
-        groups = [g for g in groups if g["params"]]
+    # no empty group (adapters alone are all matrices): DCP's flattened optimizer state cannot load one back
+    groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              fused=torch.device(device).type == "cuda")
 

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
+from torch import nn
 
 from brrr.errors import BrrrError
 from brrr.train import checkpoint as single
@@ -31,19 +32,29 @@ def has_checkpoint(out: Path) -> bool:
     return any(checkpoint_path(out, d).exists() for d in (False, True))
 
 
-def _options(flat: bool):
+def _options(flat: bool, frozen_out: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # the optimizer's hyperparameters one entry per parameter ("param_groups.<name>.lr", torchtitan's choice), not
     # groups listing their parameters' names: each rank saves and loads those of the parameters it holds, which
     # under --ep differ between ranks (its own experts)
-    return StateDictOptions(flatten_optimizer_state_dict=flat)
+    # frozen_out: the frozen base is neither saved nor expected back (strict would ask for it)
+    return StateDictOptions(flatten_optimizer_state_dict=flat, ignore_frozen_params=frozen_out,
+                            strict=not frozen_out)
+
+
+def _module(model):
+    """(the module DCP's state-dict API takes, whether its frozen parameters are left out): a checkpointed object
+    that is no module (an adapter run's trainable tensors, brrr.train.finetune.TrainableState) gives its model,
+    whose frozen base the checkpoint does not hold."""
+    return (model, False) if isinstance(model, nn.Module) else (model.module, True)
 
 
 def _state(model, optimizer, flat: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options(flat))
+    module, frozen_out = _module(model)
+    msd, osd = get_state_dict(module, optimizer, options=_options(flat, frozen_out))
     return {"model": msd, "optimizer": osd}
 
 
@@ -125,8 +136,9 @@ class Checkpointer:
             flat = _flat(dcp_dir)
             state = _state(model, optimizer, flat)
             dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=not dist.is_initialized())
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=_options(flat))
+            module, frozen_out = _module(model)
+            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=_options(flat, frozen_out))
             return json.loads((dcp_dir / "trainer.json").read_text())
         if file.is_file() and self.distributed:
             raise BrrrError(f"--resume: {file} was written by one process; a torchrun launch resumes from a DCP "

@@ -2,7 +2,8 @@
 (brrr/kernels/quant/tune.py), and which configs a format and K can run.
 
 A config is a dict: BLOCK_M, BLOCK_N, BLOCK_K (constexprs), DOT (tensor-core tiles, else CUDA-core products),
-SPLIT (K slices summed atomically), num_warps, and num_stages for tiles (absent: Triton's default, 3). BLOCK_K is
+SPLIT (K slices summed atomically), num_warps, and num_stages for tiles (the GEMVs leave it unset: with no tl.dot
+Triton's pipeliner leaves their loads alone). BLOCK_K is
 whole groups, for q4_k whole 64-column pairs of nibbles (`group_step`); K must be a multiple of BLOCK_K x SPLIT.
 
 The candidates for M rows, the first the default (what runs untuned: fp32, the interpreter, a shape warm-up never
@@ -32,7 +33,7 @@ SPLIT_TARGETS = (1, 2, 4, 8)  # programs per SM a GEMV's split K aims at (the pl
 TILES = ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 64, 8),
          (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (128, 128, 8))
 TILE_BLOCK_K = (64, 128)
-DEFAULT_STAGES = 3  # Triton's num_stages on CUDA, which the plan leaves unset
+DEFAULT_STAGES = 3  # Triton's num_stages on CUDA: the plan's tiles, which left it unset before tuning
 
 
 def group_step(fmt: str) -> int:
@@ -97,7 +98,7 @@ def groupwise_config(m: int, n: int, k: int, fmt: str, sms: int = 132) -> dict:
         return dict(BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, DOT=False,
                     SPLIT=_split(_cdiv(n, block_n), k // block_k, 4 * sms), num_warps=4)
     return dict(BLOCK_M=64 if m >= 64 else 16, BLOCK_N=64, BLOCK_K=_tile_block_k(fmt, k), DOT=True, SPLIT=1,
-                num_warps=4)
+                num_warps=4, num_stages=DEFAULT_STAGES)
 
 
 def _gemvs(m: int, n: int, k: int, fmt: str, sms: int) -> list[dict]:
@@ -136,10 +137,6 @@ def _tiles(rows: int, n: int, k: int, fmt: str, sms: int, block_ms: tuple[int, i
     return out
 
 
-def _same(a: dict, b: dict) -> bool:
-    return {"num_stages": DEFAULT_STAGES, **a} == {"num_stages": DEFAULT_STAGES, **b}
-
-
 def groupwise_candidates(m: int, n: int, k: int, fmt: str, sms: int = 132) -> list[dict]:
     """The configs the tuner times for M rows (module docstring): the plan first, then the rest of M's bucket's
     list (built for the bucket's largest M, so every M of a bucket shares it), each valid for fmt and K."""
@@ -149,4 +146,4 @@ def groupwise_candidates(m: int, n: int, k: int, fmt: str, sms: int = 132) -> li
     else:
         rest = _tiles(b, n, k, fmt, sms, (min(64, max(16, b // 8)), min(128, b)), split=b <= MID_M)
     plan = groupwise_config(m, n, k, fmt, sms)
-    return [plan] + [c for c in rest if not _same(c, plan) and config_error(c, fmt, k) is None]
+    return [plan] + [c for c in rest if c != plan and config_error(c, fmt, k) is None]

@@ -19,7 +19,9 @@ stay integers (an fp16 or bf16 copy of d * sc would round it).
 One Triton kernel serves every type: a program owns BLOCK_M rows of x and BLOCK_N rows of W and walks a K range
 of BLOCK_K columns (whole groups; the int4 codes as their two 32-column halves per 64). M <= GEMV_M: CUDA-core
 products summed in fp32 (no tensor cores), split along K over programs when N alone leaves SMs idle; above:
-tl.dot tiles. The torch reference (CPU and the tests' oracle) dequantizes in fp32 then F.linear in x's dtype.
+tl.dot tiles. The launch shape is tuned per (format, N, K, dtype, M bucket) at warm-up among groupwise_configs.py's
+candidates, the fixed plan `groupwise_config` one of them and what runs untuned. The torch reference (CPU and the
+tests' oracle) dequantizes in fp32 then F.linear in x's dtype.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 (brrr/kernels/quant/tune.py), and which configs a format and K can run.
 
 A config is a dict: BLOCK_M, BLOCK_N, BLOCK_K (constexprs), DOT (tensor-core tiles, else CUDA-core products),
-SPLIT (K slices summed atomically), num_warps, and num_stages for tiles (the GEMVs leave it unset: with no tl.dot
-Triton's pipeliner leaves their loads alone). BLOCK_K is
-whole groups, for q4_k whole 64-column pairs of nibbles (`group_step`); K must be a multiple of BLOCK_K x SPLIT.
+SPLIT (K slices summed atomically), num_warps, and num_stages for tiles (the GEMVs leave it unset, as the plan did:
+Triton pipelines the loads that feed a tl.dot, and brrr's int4/int8 GEMVs never won with stages, configs.py). BLOCK_K
+is whole groups, for q4_k whole 64-column pairs of nibbles (`group_step`); K must be a multiple of BLOCK_K x SPLIT.
 
 The candidates for M rows, the first the default (what runs untuned: fp32, the interpreter, a shape warm-up never
 met) and always the plan, so a tuned pick is never one the timer ranked below today's plan:

@@ -14,6 +14,7 @@ package exports the matmuls' API; gptq_block.py and int8_rescale.py are imported
   launch.py      a config -> a kernel launch (split K, workspace, PDL)
   matmul.py      the entry points and dispatchers
   groupwise.py   GGUF's Q8_0 / Q4_K / Q5_K / Q6_K group-wise layouts: their matmul (GEMV and tiles), the reference
+  groupwise_configs.py  the group-wise kernel's fixed plan, tuning candidates and config validity
   per_token.py   per-token int8 / E4M3 activation quantization
   gptq_block.py  GPTQ's column sweep over one block
   int8_rescale.py  SmoothQuant's int32 -> output epilogue

@@ -19,24 +19,25 @@ stay integers (an fp16 or bf16 copy of d * sc would round it).
 One Triton kernel serves every type: a program owns BLOCK_M rows of x and BLOCK_N rows of W and walks a K range
 of BLOCK_K columns (whole groups; the int4 codes as their two 32-column halves per 64). M <= GEMV_M: CUDA-core
 products summed in fp32 (no tensor cores), split along K over programs when N alone leaves SMs idle; above:
-tl.dot tiles. The torch reference (CPU and the tests' oracle) dequantizes in fp32 then F.linear in x's dtype.
+tl.dot tiles. The launch shape is tuned per (format, N, K, dtype, M bucket) at warm-up among groupwise_configs.py's
+candidates, the fixed plan `groupwise_config` one of them and what runs untuned. The torch reference (CPU and the
+tests' oracle) dequantizes in fp32 then F.linear in x's dtype.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from brrr.kernels.dispatch import next_power_of_2, use_triton
+from brrr.kernels.dispatch import use_triton
+from brrr.kernels.quant.groupwise_configs import (GROUPWISE_GROUPS, SUPER, config_error, groupwise_candidates,
+                                                  groupwise_config)
+from brrr.kernels.quant.tune import TUNED_CONFIGS
 
 try:
     import triton
     import triton.language as tl
 except Exception:  # the dispatcher takes the reference when triton is missing
     triton = None
-
-GROUPWISE_GROUPS = {"q8_0": 32, "q6_k": 16, "q5_k": 32, "q4_k": 32}
-SUPER = 256  # the K-quants' super-block
-GEMV_M = 4  # rows of x up to which the CUDA-core GEMV runs
 
 
 def _codes(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
@@ -151,26 +152,9 @@ if triton is not None:
             tl.store(y_ptrs, acc, mask=mask)
 
 
-def groupwise_config(m: int, n: int, k: int, fmt: str, sms: int = 132) -> dict:
-    """The launch shape for M rows: the GEMV (CUDA cores, K split until the programs fill the SMs about 4 times)
-    for M <= GEMV_M, else tensor-core tiles. BLOCK_K: 256 (a super-block) where K allows, else the largest whole
-    number of groups that divides K."""
-    step = 64 if fmt == "q4_k" else GROUPWISE_GROUPS[fmt]
-    block_k = next(b for b in (256, 128, 64, 32, 16) if b % step == 0 and k % b == 0)
-    if m <= GEMV_M:
-        block_n = 16
-        steps, split = k // block_k, 1
-        while split < 16 and steps % (2 * split) == 0 and triton.cdiv(n, block_n) * split < 4 * sms:
-            split *= 2
-        return dict(BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, DOT=False, SPLIT=split,
-                    num_warps=4)
-    return dict(BLOCK_M=64 if m >= 64 else 16, BLOCK_N=64, BLOCK_K=min(block_k, 128 if fmt == "q4_k" else 64)
-                if k % 64 == 0 else block_k, DOT=True, SPLIT=1, num_warps=4)
-
-
 def groupwise_matmul_triton(x, fmt, qweight, scales, d=None, mins=None, dmin=None, bias=None,
                             config: dict | None = None):
-    """x [..., K] -> [..., N] in x's dtype; `config` forces a launch shape (tests), else `groupwise_config`."""
+    """x [..., K] -> [..., N] in x's dtype. `config` forces a launch shape (tests); else `_config`'s."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -178,21 +162,45 @@ def groupwise_matmul_triton(x, fmt, qweight, scales, d=None, mins=None, dmin=Non
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    cfg = dict(config or groupwise_config(m, n, k, fmt, _sms(x.device)))
+
+    def run(cfg, qweight=qweight):  # qweight: a copy of the weight when the tuner times a chain
+        return _launch(x2, fmt, qweight, scales, d, mins, dmin, cfg)
+
+    y = run(config or _config(x2, fmt, n, k, run, qweight))
+    y = y if bias is None else y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _config(x2, fmt: str, n: int, k: int, run, qweight) -> dict:
+    """The fixed plan for fp32 (tests, CPU-made models on a GPU: no tuning cost), else `TUNED_CONFIGS`': timed
+    among `groupwise_candidates` inside `quant_tuning`, the plan for a shape never tuned. The key holds the format:
+    q4_k and q6_k layers of one shape (a Q4_K_M file) are tuned apart."""
+    m, sms = x2.shape[0], _sms(x2.device)
+    plan = groupwise_config(m, n, k, fmt, sms)
+    if x2.dtype == torch.float32:
+        return plan
+    return TUNED_CONFIGS.config(x2.device, ("gguf", fmt, n, k, x2.dtype), m,
+                                lambda: groupwise_candidates(m, n, k, fmt, sms), run, qweight, default=plan)
+
+
+def _launch(x2, fmt, qweight, scales, d, mins, dmin, cfg: dict) -> torch.Tensor:
+    """y [M, N] fp32 for one config (`groupwise_configs.config_error` says which run)."""
+    m, k, n = x2.shape[0], x2.shape[1], qweight.shape[0]
+    error = config_error(cfg, fmt, k)
+    if error is not None:
+        raise ValueError(error)
+    cfg = dict(cfg)
     block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
     dot = cfg.pop("DOT")
-    if k % (block_k * split):
-        raise ValueError(f"K = {k} is not a multiple of BLOCK_K x SPLIT = {block_k * split}")
-    y = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
+    y = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _groupwise_kernel[grid](
         x2, qweight, scales, scales if d is None else d, scales if mins is None else mins,
         scales if dmin is None else dmin, y, m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0),
         0 if d is None else d.stride(0), y.stride(0), k // split, GROUP=GROUPWISE_GROUPS[fmt], CODE4=fmt == "q4_k",
-        TWO_LEVEL=d is not None, HAS_MIN=mins is not None, DOT=dot, IEEE=x.dtype == torch.float32, SPLIT=split > 1,
+        TWO_LEVEL=d is not None, HAS_MIN=mins is not None, DOT=dot, IEEE=x2.dtype == torch.float32, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg)
-    y = y if bias is None else y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y
 
 
 def _sms(device) -> int:

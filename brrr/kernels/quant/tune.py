@@ -4,7 +4,7 @@ A matmul's config is looked up by (device, shape, bucket of M) in `TUNED_CONFIGS
 Inside `quant_tuning()` (the engine's warm-up: the eager step before each CUDA-graph capture and the warm-up
 requests) a lookup that misses times every candidate once and keeps the fastest. Outside it nothing is timed: a
 bucket never tuned takes the config tuned for the nearest bucket of the same shape that is a candidate at this M,
-else the default (the first candidate, brrr/kernels/quant/configs.py).
+else the default (the caller's, or the first candidate: brrr/kernels/quant/configs.py).
 
 Decode shapes (M <= small_m) are timed the way the engine runs them: a CUDA graph of back-to-back launches (PDL
 overlaps each with the one before) over copies of the weight that together exceed L2 twice, so every call reads
@@ -103,9 +103,10 @@ class TunedConfigs:
         self._session: _Session | None = None
 
     def config(self, device: torch.device, shape: tuple, m: int, candidates: Callable[[], list],
-               run: Callable, weight: torch.Tensor | None = None) -> dict:
+               run: Callable, weight: torch.Tensor | None = None, default: dict | None = None) -> dict:
         """The config for M rows of `shape` on `device`. `candidates()` is called only on a miss (building the list
-        costs more than the lookup); run(cfg, weight copy) is what a tuning session times."""
+        costs more than the lookup); run(cfg, weight copy) is what a tuning session times. `default`: what a shape
+        with no bucket tuned runs outside a session (else the first candidate, the same for every M of a bucket)."""
         b = bucket(m)
         tuned = self._tuned.get((device, shape))
         if tuned is not None and b in tuned:
@@ -113,6 +114,8 @@ class TunedConfigs:
         # never inside a CUDA-graph capture: timing would break it (the eager step before it tuned the shape)
         if self._session is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return self._tune(device, shape, b, m, candidates(), run, weight)
+        if default is not None and not tuned:
+            return default
         fallback = self._fallbacks.get((device, shape, b))
         if fallback is None:
             fallback = self._fallbacks[(device, shape, b)] = self._nearest(tuned or {}, b, candidates())

@@ -76,7 +76,7 @@ import trl
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
 from brrr.bench.latency import emit, require_at_least
-from brrr.bench.rl import model_dir, write_prompts
+from brrr.bench.rl import add_workload_args, model_dir, write_prompts
 from brrr.train.grpo import GRPO_LOOP, GRPOTaskConfig
 from brrr.train.rewards import python_syntax
 
@@ -170,12 +170,7 @@ def timed_trainer(clock: Clock):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="model directory or hub id, or a preset (random weights); default: brrr's default model")
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts a step, each a group")
-    p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-completion-length", type=int, default=64, help="tokens a completion may have")
-    p.add_argument("--steps", type=int, default=3, help="GRPO steps, one record each")
+    add_workload_args(p)
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
     p.add_argument("--out", "--json", dest="out", default=None, metavar="PATH",
                    help="append the JSON records to this file too")

@@ -43,16 +43,21 @@ PHASES = ("weight_sync_s", "wake_s", "rollout_s", "reference_logps_s", "train_s"
 FLAGS = ("model", "num_prompts", "num_generations", "max_completion_length", "steps", "beta", "device")
 
 
-def register(bench_sub) -> None:
-    p = bench_sub.add_parser("rl", help="GRPO steps: rollout / reference log-probs / train / weight-sync seconds "
-                             "and rollout tok/s", description=__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p) -> None:
+    """The model and step shape, shared with the TRL peer harness (bench/trl_grpo.py) so both run the same work."""
     p.add_argument("--model", default=None,
                    help="model directory or hub id, or a preset (random weights); default: brrr's default model")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts a step, each a group")
     p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-completion-length", type=int, default=64, help="tokens a completion may have")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps, one record each")
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("rl", help="GRPO steps: rollout / reference log-probs / train / weight-sync seconds "
+                             "and rollout tok/s", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
     p.add_argument("--beta", type=float, default=0.0,
                    help="KL weight: nonzero computes the reference log-probs each step (a frozen copy)")
     p.add_argument("--batch-invariant", action="store_true",

@@ -12,6 +12,7 @@ from brrr.kernels.quant.groupwise import dequantize_groupwise, groupwise_matmul_
 from brrr.kernels.quant.groupwise_configs import (GROUPWISE_GROUPS, config_error, group_step, groupwise_candidates,
                                                   groupwise_config)
 from brrr.kernels.quant.tune import bucket
+from tests.kernels.test_quant_tune import Spy
 
 N, K = 32, 512
 TYPES = [T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K]
@@ -136,17 +137,6 @@ def test_a_forced_invalid_config_is_refused(device):
     x = torch.randn(1, 512).to(device)
     with pytest.raises(ValueError, match="group step 64"):
         groupwise_matmul_triton(x, fmt, **t, config=dict(groupwise_config(1, 32, 512, fmt), BLOCK_K=32))
-
-
-class Spy:
-    """A timer preferring `pick(cfg)` configs (1 ms, else 2 ms), counting calls; nothing runs."""
-
-    def __init__(self, pick):
-        self.pick, self.calls = pick, 0
-
-    def __call__(self, run, cfg, copies):
-        self.calls += 1
-        return 1.0 if self.pick(cfg) else 2.0
 
 
 def test_tuning_is_keyed_by_format_and_untuned_shapes_run_the_plan(device):

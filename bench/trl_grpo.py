@@ -76,20 +76,9 @@ import trl
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
 from brrr.bench.latency import emit, require_at_least
-from brrr.bench.rl import add_workload_args, model_dir, write_prompts
+from brrr.bench.rl import add_workload_args, command_line, model_dir, write_prompts
 from brrr.train.grpo import GRPO_LOOP, GRPOTaskConfig
 from brrr.train.rewards import python_syntax
-
-FLAGS = ("model", "num_prompts", "num_generations", "max_completion_length", "steps", "device")
-
-
-def command_line(args) -> str:
-    parts = ["python", "bench/trl_grpo.py"]
-    for name in FLAGS:
-        if getattr(args, name) is not None:
-            parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return " ".join(parts)
-
 
 class Clock:
     """Seconds and completion tokens of the wrapped calls, the device synchronized at each edge."""
@@ -171,7 +160,6 @@ def timed_trainer(clock: Clock):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
     p.add_argument("--out", "--json", dest="out", default=None, metavar="PATH",
                    help="append the JSON records to this file too")
     args = p.parse_args(argv)
@@ -205,7 +193,7 @@ def main(argv=None) -> int:
         records.base = {
             "bench": "rl-peer-trl", "model": args.model or "default", "weights": weights,
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "device": str(device),
-            "command": command_line(args), "trl": trl.__version__, "config": {
+            "command": command_line(args, "python bench/trl_grpo.py"), "trl": trl.__version__, "config": {
                 "num_prompts": args.num_prompts, "num_generations": args.num_generations,
                 "max_completion_length": args.max_completion_length, "steps": args.steps, "beta": config.beta,
                 "micro_batch": config.per_device_train_batch_size, "grad_accum": config.gradient_accumulation_steps,

@@ -38,9 +38,8 @@ from brrr.train.trainer import Trainer, lr_at, optimizer_step
 # code heads for the python_syntax reward to score completions of (a numbered comment keeps repeats distinct)
 HEADS = ["def add(a, b):", "def is_even(n):", "class Point:", "def read_lines(path):", "for i in range(10):",
          "def fib(n):", "import os", "def main():"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PHASES = ("weight_sync_s", "wake_s", "rollout_s", "reference_logps_s", "train_s")
-FLAGS = ("model", "num_prompts", "num_generations", "max_completion_length", "steps", "beta", "device")
+WORKLOAD = ("model", "num_prompts", "num_generations", "max_completion_length", "steps", "device")  # add_workload_args
 
 
 def add_workload_args(p) -> None:
@@ -51,6 +50,7 @@ def add_workload_args(p) -> None:
     p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-completion-length", type=int, default=64, help="tokens a completion may have")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps, one record each")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
 
 def register(bench_sub) -> None:
@@ -62,19 +62,18 @@ def register(bench_sub) -> None:
                    help="KL weight: nonzero computes the reference log-probs each step (a frozen copy)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="engine and trainer in the batch-invariant mode (as brrr grpo --batch-invariant)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--out", "--json", dest="out", default=None, metavar="PATH",
                    help="append the JSON records to this file too")
     p.set_defaults(func=cmd_rl)
 
 
-def command_line(args) -> str:
-    """The flags of this run, as a command that repeats it."""
-    parts = ["brrr", "bench", "rl"]
-    for name in FLAGS:
+def command_line(args, prog: str, flags: tuple[str, ...] = WORKLOAD) -> str:
+    """The flags of this run, as a command that repeats it (the peer harness passes its own prog)."""
+    parts = [prog]
+    for name in flags:
         if getattr(args, name) is not None:
             parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return " ".join(parts + ["--batch-invariant"] * args.batch_invariant)
+    return " ".join(parts + ["--batch-invariant"] * getattr(args, "batch_invariant", False))
 
 
 def model_dir(spec: str | None, tmp: Path) -> tuple[str, str]:
@@ -87,7 +86,9 @@ def model_dir(spec: str | None, tmp: Path) -> tuple[str, str]:
     out = tmp / spec
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random values are drawn faster there
     save_model(random_model(preset_config(spec), torch.bfloat16, device), out)
-    for name in TOKENIZER_FILES:
+    # the tokenizer only (not checkpoint.TOKENIZER_FILES: its generation_config would give the preset the default
+    # model's stop ids)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(default_model_dir() / name, out / name)
     return str(out), "random"
 
@@ -140,7 +141,7 @@ def cmd_rl(args) -> int:
                 tokens = round(fields["completions/mean_length"] * completions)
                 phases = {k: fields.get(k, 0.0) for k in PHASES}  # the first step has no sync or wake
                 emit({"bench": "rl", "model": args.model or "default", "weights": weights,
-                      "machine": trainer.gpu_name, "device": str(trainer.device), "command": command_line(args),
+                      "machine": trainer.gpu_name, "device": str(trainer.device), "command": command_line(args, "brrr bench rl", WORKLOAD + ("beta",)),
                       "config": config, "step": fields["step"], "step_s": fields["step_s"], **phases,
                       "phases_s": sum(phases.values()), "rollout_tokens": tokens,
                       "rollout_tok_s": tokens / phases["rollout_s"], "reward": fields["reward"],

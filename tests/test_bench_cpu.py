@@ -21,6 +21,25 @@ def test_bench_latency_on_a_model_dir(tmp_path, capsys):
     assert all(r["decode_tok_s"] > 0 and r["ttft_s"] > 0 for r in records)
 
 
+def test_bench_latency_takes_the_kv_cache_flags(tmp_path, capsys):
+    """The engine's KV-cache flags reach the engine (SnapKV over a 64-token prompt with a 32-token budget) and
+    the record names them; the kept context is what the roofline charges (kept_context)."""
+    from brrr.bench.latency import kept_context
+
+    hf_models.save(hf_models.build("qwen3-qknorm"), tmp_path)
+    flags = ["--kv-eviction", "snapkv", "--kv-budget", "32"]
+    assert main(["bench", "latency", "--model", str(tmp_path), "--prompt-len", "64", "--new-tokens", "6",
+                 "--dtype", "float32", *flags]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert record["kv_eviction"] == "snapkv" and record["kv_budget"] == 32 and record["decode_tok_s"] > 0
+    parsed = type("Args", (), dict(prompt_len=64, new_tokens=6, kv_eviction="snapkv", kv_budget=32))
+    assert kept_context(parsed) == 32 + 3
+    parsed.kv_eviction = "streaming"
+    assert kept_context(parsed) == 32
+    parsed.kv_eviction = None
+    assert kept_context(parsed) == 64 + 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="bench latency takes the GPU when there is one")
 def test_bench_latency_on_cpu_reports_what_ran(tmp_path, capsys):
     """No CUDA graphs on CPU, whatever --cuda-graphs says; the thread count is chosen, set and reported."""

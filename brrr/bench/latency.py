@@ -15,6 +15,7 @@ from brrr.analysis.spec_decode import cost_ratio, expected_speedup, fit_alpha
 from brrr.bench.latency_workloads import WORKLOADS, HeldOutText, Workload
 from brrr.cli import cpu_threads
 from brrr.config import EngineConfig, ModelConfig
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.default_model import default_model_dir
 from brrr.engine import LLMEngine
 from brrr.engine.spec import parse_speculative_config
@@ -57,6 +58,7 @@ def register(bench_sub) -> None:
     p.add_argument("--num-iters", type=int, default=1,
                    help="runs per batch size, each on new prompts; the record sums them (one batch-1 prompt is "
                         "a noisy sample of acceptance)")
+    add_kv_cache_args(p)
     p.add_argument("--out", default=None, help="append the JSON records to this file")
     p.set_defaults(func=cmd_latency)
 
@@ -147,6 +149,17 @@ def make_workload(args, cfg):
     return Workload(args.workload, args.prompt_len, cfg.vocab_size, text)
 
 
+def kept_context(args) -> int:
+    """The mean number of cached tokens a decode step reads per sequence: the whole context, or what the eviction
+    policy keeps of it (snapkv: the compacted prompt plus every generated token; streaming/h2o: at most the budget)."""
+    context = args.prompt_len + args.new_tokens // 2
+    if args.kv_eviction is None or args.kv_budget is None:
+        return context
+    if args.kv_eviction == "snapkv":
+        return min(args.prompt_len, args.kv_budget) + args.new_tokens // 2
+    return min(context, args.kv_budget)
+
+
 def cmd_latency(args) -> int:
     import torch
 
@@ -181,7 +194,10 @@ def cmd_latency(args) -> int:
     if speculative is not None:  # a verify step writes k draft slots past the sequence: room for them too
         blocks += -(-(speculative.num_speculative_tokens + 1) // 16)
     config = EngineConfig(max_model_len=max_len, max_num_seqs=max(batches), num_blocks=max(batches) * blocks + 8,
-                          cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp)
+                          cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp,
+                          **kv_cache_config(args),
+                          # the policies that rewrite blocks in place need prefix caching off
+                          enable_prefix_caching=args.kv_eviction not in ("snapkv", "h2o"))
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 
@@ -207,7 +223,8 @@ def cmd_latency(args) -> int:
                   "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                   "num_iters": args.num_iters, "tensor_parallel_size": tp,
                   "ttft_s": round(ttft, 4), "decode_tok_s": round(tok_s, 1), "workload": args.workload,
-                  "workload_source": workload.source}
+                  "workload_source": workload.source, "kv_cache_dtype": args.kv_cache_dtype,
+                  "kv_eviction": args.kv_eviction, "kv_budget": args.kv_budget}
         if speculative is not None:
             record.update(spec_record(speculative, before, engine.stats(), batch))
             if record["spec_num_drafts"]:  # none: speculation was off (disable_by_batch_size) or found nothing
@@ -217,8 +234,8 @@ def cmd_latency(args) -> int:
             record["cpu_threads"] = threads
         if gpu:
             # Mean context while decoding; bytes = weights (minus the embedding table) + KV read per step.
-            step_bytes = decode_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2,
-                                               dtype_format(dtype))
+            step_bytes = decode_bytes_per_step(cfg, batch, kept_context(args), dtype_format(dtype),
+                                               dtype_format(dtype) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
             roofline = batch * gpu.bandwidth * tp / step_bytes  # each GPU reads its 1/tp of the bytes
             record.update(measured_bandwidth=round(gpu.bandwidth), bytes_per_step=int(step_bytes),
                           roofline_tok_s=round(roofline, 1), fraction_of_roofline=round(tok_s / roofline, 3))

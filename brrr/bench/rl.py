@@ -14,6 +14,7 @@ brrr's shipped default model. Full-parameter, fp32 master weights, as `brrr grpo
 
     brrr bench rl --model qwen3-0.6b --num-prompts 16 --num-generations 8 --max-completion-length 256 --steps 4
     brrr bench rl ... --batch-invariant       # the engine and the trainer in the batch-invariant mode
+    brrr bench rl ... --use-peft [--batch-invariant]   # a LoRA policy: the rollout in the base's bf16 on CUDA
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def register(bench_sub) -> None:
                    help="KL weight: nonzero computes the reference log-probs each step (a frozen copy)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="engine and trainer in the batch-invariant mode (as brrr grpo --batch-invariant)")
+    p.add_argument("--use-peft", action="store_true",
+                   help="a LoRA policy (r 16, dropout 0) over the base in bf16 on CUDA, as brrr grpo --use-peft: "
+                        "the engine runs the base's own bf16 tensors, in the mode too")
     p.add_argument("--out", "--json", dest="out", default=None, metavar="PATH",
                    help="append the JSON records to this file too")
     p.set_defaults(func=cmd_rl)
@@ -73,7 +77,8 @@ def command_line(args, prog: str, flags: tuple[str, ...] = WORKLOAD) -> str:
     for name in flags:
         if getattr(args, name) is not None:
             parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return " ".join(parts + ["--batch-invariant"] * getattr(args, "batch_invariant", False))
+    switches = [f"--{name.replace('_', '-')}" for name in ("batch_invariant", "use_peft") if getattr(args, name, False)]
+    return " ".join(parts + switches)
 
 
 def model_dir(spec: str | None, tmp: Path) -> tuple[str, str]:
@@ -126,14 +131,17 @@ def cmd_rl(args) -> int:
         cfg = GRPOConfig(model, str(write_prompts(tmp / "prompts.jsonl", args.num_prompts)), str(tmp / "run"),
                          reward=["python_syntax"], num_generations=args.num_generations,
                          max_completion_length=args.max_completion_length, beta=args.beta,
-                         batch_invariant=args.batch_invariant, micro_batch=args.num_generations,
-                         grad_accum=args.num_prompts, max_steps=args.steps, device=args.device)
+                         batch_invariant=args.batch_invariant, use_peft=args.use_peft, lora_dropout=0.0,
+                         micro_batch=args.num_generations, grad_accum=args.num_prompts, max_steps=args.steps,
+                         device=args.device)
         trainer = Trainer(cfg)
         try:
             completions = args.num_prompts * args.num_generations
             config = {"num_prompts": args.num_prompts, "num_generations": args.num_generations,
                       "max_completion_length": args.max_completion_length, "steps": args.steps, "beta": args.beta,
-                      "batch_invariant": args.batch_invariant, "micro_batch": args.num_generations,
+                      "batch_invariant": args.batch_invariant, "use_peft": args.use_peft,
+                      "dtype": str(next(trainer.task.model.parameters()).dtype).removeprefix("torch."),
+                      "micro_batch": args.num_generations,
                       "grad_accum": args.num_prompts, "policy": trainer.task.policy.describe(),
                       "rollout_weights": "shared" if trainer.task.engine.shared else "bf16 copy",
                       "reward": "python_syntax", "lr": cfg.loop.lr}

@@ -16,10 +16,11 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_two_steps_write_one_record_each(tiny, tmp_path, capsys, invariant):
+    """The invariant run is a LoRA policy too (--use-peft): adapters and the mode together, mismatch 0."""
     out = tmp_path / "rl.jsonl"
     argv = ["bench", "rl", "--model", str(tiny), "--num-prompts", "2", "--num-generations", "2",
             "--max-completion-length", "6", "--steps", "2", "--beta", "0.04", "--device", "cpu", "--json", str(out)]
-    assert main(argv + ["--batch-invariant"] * invariant) == 0
+    assert main(argv + ["--batch-invariant", "--use-peft"] * invariant) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == records and [r["step"] for r in records] == [1, 2]
@@ -28,6 +29,8 @@ def test_two_steps_write_one_record_each(tiny, tmp_path, capsys, invariant):
         assert r["command"].startswith("brrr bench rl --model ") and ("--batch-invariant" in r["command"]) == invariant
         assert r["config"]["num_prompts"] == 2 and r["config"]["num_generations"] == 2
         assert r["config"]["batch_invariant"] is invariant and r["config"]["max_completion_length"] == 6
+        assert r["config"]["use_peft"] is invariant and ("LoRA r=16" in r["config"]["policy"]) == invariant
+        assert r["config"]["dtype"] == "float32"  # the CPU's: bf16 is CUDA's default for a LoRA base
         for key in ("step_s", "rollout_s", "reference_logps_s", "train_s", "rollout_tokens", "rollout_tok_s"):
             assert r[key] > 0, key
         assert 4 <= r["rollout_tokens"] <= 2 * 2 * 6

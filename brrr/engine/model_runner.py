@@ -107,6 +107,7 @@ class ModelRunner:
         # batch size -> decode plan -> (graph, logits, meta): a size's graphs, one per context bound its attention
         # kernels are planned for (`decode_graph_plans`)
         self.graphs: dict[int, dict[DecodePlan, tuple]] = {}
+        self.captured = None  # capture_cuda_graphs' arguments: wake captures again over the new cache
         if self.tp is not None:
             self.tp.start(dict(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                                max_graph_batch=max_graph_batch, verify=verify, kv_cache_dtype=kv_cache_dtype,
@@ -152,6 +153,7 @@ class ModelRunner:
             self.tp.call(self, "drop_graphs")
         else:
             self.drop_graphs()
+        self.captured = None
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
@@ -163,6 +165,7 @@ class ModelRunner:
         block). With a verify spec, then the verify graphs of the sizes up to its bound, in the same pool.
         capture(step, pool) -> (graph, logits): torch.cuda.graph's (tests pass one that re-runs the step eagerly;
         picklable under tensor parallelism: the workers run it too)."""
+        self.captured = (max_batch, max_blocks, capture)
         self._every_rank("capture_here", max_batch, max_blocks, capture)
 
     @torch.inference_mode()
@@ -256,16 +259,20 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_event(done)
 
     def sleep(self) -> int:
-        """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py); the bytes freed. One
-        process only; captured graphs hold the old cache, so a sleeping engine runs without them."""
+        """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py) and the captured graphs
+        (they hold the cache's addresses, and their memory pool); the bytes of cache freed. One process only."""
         freed = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        self.drop_graphs()
         self.kv_caches = []
         return freed
 
     def wake(self) -> None:
         """The KV cache back, as allocated at start (its contents and fp8 scales are gone: the caller drops its
-        prefix cache)."""
+        prefix cache), and the graphs captured again over it when there were any: the trainer's weights were
+        updated in place, so the same addresses hold the new values."""
         self.kv_caches = self._new_kv_caches()
+        if self.captured is not None:
+            self.capture_cuda_graphs(*self.captured)
 
     def copy_here(self, copies: np.ndarray) -> None:
         src, dst = h2d(copies, self.device)

@@ -13,8 +13,9 @@ A group is one request with n = num_generations (brrr/engine/forks.py: the promp
 fork its KV blocks); the engine returns each sampled token's log-probability (raw: the softmax of the logits).
 
 Between rollouts the engine sleeps: the KV cache's tensors are freed for the train step (ModelRunner.sleep) and
-reallocated after it (wake), with the prefix cache reset. CUDA graphs are off for the colocated engine: a graph
-would replay into the freed cache. Engine options (batch_invariant: brrr grpo --batch-invariant) pass through
+reallocated after it (wake), with the prefix cache reset. The decode CUDA graphs hold the cache's addresses: sleep
+drops them (their memory pool too) and wake captures them again over the new cache (ModelRunner.wake), a cost
+wake_s shows against the rollout's eager launches it saves. Engine options (batch_invariant: brrr grpo --batch-invariant) pass through
 `engine_config`.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ColocatedRollout:
         if not self.shared:
             served = copy.deepcopy(model).to(copy_dtype).requires_grad_(False).eval()
         config = EngineConfig(pack_projections=False if self.shared else engine_config.pop("pack_projections", None),
-                              cuda_graphs=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               **engine_config)
         self.engine = LLMEngine(core=EngineCore(served, tokenizer, config, eos_token_ids))
         model.train(was_training)
@@ -98,7 +99,12 @@ class ColocatedRollout:
         return freed
 
     def wake(self) -> None:
-        self.core.runner.wake()
+        was_training = self.model.training
+        self.model.eval()  # the graphs captured again here must not hold a training forward (dropout)
+        try:
+            self.core.runner.wake()
+        finally:
+            self.model.train(was_training)
         self.core.block_manager.reset_prefix_cache()
         self.asleep = False
 

@@ -202,3 +202,24 @@ def test_tp2_draft_model_keeps_its_drafts_on_the_host(tmp_path_factory):
         llm.engine.runner.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == want
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_sleep_drops_the_graphs_and_wake_captures_them_over_the_new_cache(setup):
+    """A colocated engine's sleep frees the cache its graphs read; wake captures them again over the new one, so
+    replays after a wake decode as a graph-free engine does (brrr/train/rollout.py)."""
+    _, model, tokenizer = setup
+    prompts = repetitive_prompts(4, tokenizer.vocab_size, seed=5)
+    reqs = [(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    engine = engine_for(model, tokenizer, None, True, enable_prefix_caching=False)
+    before = run(engine, reqs)
+    runner = engine.runner
+    runner.sleep()
+    assert runner.graphs == {} and runner.kv_caches == []
+    runner.wake()
+    metas = [meta for plans in runner.graphs.values() for _, _, meta in plans.values()]
+    assert sorted(runner.graphs) == [1, 2, 4, 6] and all(m.kv_caches is runner.kv_caches for m in metas)
+    replays = runner.decode_replays
+    after = run(engine, [(r + "-again", p, sp) for r, p, sp in reqs])
+    assert runner.decode_replays > replays
+    after = {r.removesuffix("-again"): out for r, out in texts(after).items()}
+    assert after == texts(before) == texts(run(engine_for(model, tokenizer, None, False), reqs))

@@ -89,3 +89,20 @@ def test_the_triton_form_is_invariant_and_matches_the_torch_form(device, monkeyp
     full, qkv = _check_invariant(attention_invariant_triton, device, torch.float32, window=20, lengths=(40, 6, 9))
     want = attention_invariant_ref(*qkv[0], AttnMeta.causal([40], "cpu"), 0, D ** -0.5, 20)
     torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_trainers_gradient_is_attentions(device, monkeypatch):
+    """Under autograd with no cache (a trainer's forward) the Triton form's values are the torch form's and its
+    gradients are attention's (SDPA's backward: only the forward must be invariant)."""
+    monkeypatch.setattr(invariant, "KV_CHUNK", 16)
+    lengths = [40, 9]
+    leaves = [t.to(device).requires_grad_() for t in _qkv(sum(lengths), torch.float32, 7)]
+    out = invariant.attention_invariant(*leaves, AttnMeta.causal(lengths, device), 0, D ** -0.5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, grad)
+    torch.testing.assert_close(out, attention_invariant_ref(*[t.detach() for t in leaves],
+                                                            AttnMeta.causal(lengths, device), 0, D ** -0.5))
+    want_out = attention_ref(*leaves, AttnMeta.causal(lengths, device), 0, D ** -0.5)
+    want = torch.autograd.grad(want_out, leaves, grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

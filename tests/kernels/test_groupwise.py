@@ -10,7 +10,7 @@ from brrr.gguf.repack import repack_groupwise
 from brrr.kernels.quant import TUNED_CONFIGS, quant_tuning
 from brrr.kernels.quant.groupwise import dequantize_groupwise, groupwise_matmul_ref, groupwise_matmul_triton
 from brrr.kernels.quant.groupwise_configs import (GROUPWISE_GROUPS, config_error, group_step, groupwise_candidates,
-                                                  groupwise_config)
+                                                  groupwise_config, groupwise_family)
 from brrr.kernels.quant.tune import bucket
 from tests.kernels.test_quant_tune import Spy
 
@@ -155,7 +155,15 @@ def test_tuning_is_keyed_by_format_and_untuned_shapes_run_the_plan(device):
                 assert _close(groupwise_matmul_triton(x, fmt, **t), groupwise_matmul_ref(x, fmt, **t), 2e-2)
         assert [s.shape[:2] for s in report.shapes] == [("gguf", "q4_k"), ("gguf", "q6_k")]
         for s, (fmt, _) in zip(report.shapes, layers.values()):
-            assert [c for c, _ in s.timings] == groupwise_candidates(1, n, k, fmt, sms) and wide(s.config)
+            # the coordinate search: each family's first candidate, then the rest of the fastest family's
+            cands, heads = groupwise_candidates(1, n, k, fmt, sms), {}
+            for c in cands:
+                heads.setdefault(groupwise_family(c), c)
+            heads = list(heads.values())
+            best = next(c for c in heads if wide(c))
+            rest = [c for c in cands if groupwise_family(c) == groupwise_family(best) and c not in heads]
+            assert [c for c, _ in s.timings] == heads + rest and rest and s.config == best
+            assert len(s.timings) < len(cands)
         assert spy.calls == sum(len(s.timings) for s in report.shapes)
 
         fmt, t = layers[T.Q6_K]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from brrr.kernels.dispatch import use_triton
 from brrr.kernels.quant.groupwise_configs import (GROUPWISE_GROUPS, SUPER, config_error, groupwise_candidates,
-                                                  groupwise_config)
+                                                  groupwise_config, groupwise_family)
 from brrr.kernels.quant.tune import TUNED_CONFIGS
 
 try:
@@ -180,7 +180,8 @@ def _config(x2, fmt: str, n: int, k: int, run, qweight) -> dict:
     if x2.dtype == torch.float32:
         return plan
     return TUNED_CONFIGS.config(x2.device, ("gguf", fmt, n, k, x2.dtype), m,
-                                lambda: groupwise_candidates(m, n, k, fmt, sms), run, qweight, default=plan)
+                                lambda: groupwise_candidates(m, n, k, fmt, sms), run, qweight, default=plan,
+                                family=groupwise_family)
 
 
 def _launch(x2, fmt, qweight, scales, d, mins, dmin, cfg: dict) -> torch.Tensor:

@@ -13,6 +13,9 @@ met) and always the plan, so a tuned pick is never one the timer ranked below to
                and the 16-row tiles with and without split K
   above        the tiles `TILES` whose BLOCK_M fits the bucket, BLOCK_K 64 / 128 (and the plan's), 2 stage counts;
                split K for the narrow ones up to MID_M rows
+The tuner times them as a coordinate search (`groupwise_family`): the first config of each tile shape (the plan's
+K step, stages and split), then the fastest shape's other variations. The full list took past 230 s of warm-up for
+a Q4_K_M 8B engine (about 60 compiles and timings a shape at each decode M); the search takes about a third.
 """
 from __future__ import annotations
 
@@ -111,7 +114,9 @@ def _gemvs(m: int, n: int, k: int, fmt: str, sms: int) -> list[dict]:
             continue
         block_k = fits[0]
         programs, steps = _cdiv(n, block_n), k // block_k
-        for split in dict.fromkeys([1] + [_split(programs, steps, t * sms) for t in SPLIT_TARGETS]):
+        # the plan's split (4 programs an SM) first: the family's representative in the coordinate search
+        for split in dict.fromkeys([_split(programs, steps, 4 * sms), 1] +
+                                   [_split(programs, steps, t * sms) for t in SPLIT_TARGETS]):
             out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=False, SPLIT=split,
                             num_warps=warps))
     return out
@@ -121,7 +126,8 @@ def _tiles(rows: int, n: int, k: int, fmt: str, sms: int, block_ms: tuple[int, i
     """The `TILES` with block_ms[0] <= BLOCK_M <= block_ms[1]; with `split`, those of BLOCK_M <= 32 also split K
     for about 4 programs an SM (as the GEMV plan does)."""
     step = group_step(fmt)
-    block_ks = sorted({b for b in TILE_BLOCK_K if b % step == 0 and k % b == 0} | {_tile_block_k(fmt, k)})
+    plan_k = _tile_block_k(fmt, k)  # each family's first config: the plan's K step, stages and split
+    block_ks = [plan_k] + sorted({b for b in TILE_BLOCK_K if b % step == 0 and k % b == 0} - {plan_k})
     out = []
     for block_m, block_n, warps in TILES:
         if not block_ms[0] <= block_m <= block_ms[1]:
@@ -129,12 +135,18 @@ def _tiles(rows: int, n: int, k: int, fmt: str, sms: int, block_ms: tuple[int, i
         for block_k in block_ks:
             splits = [1]
             if split and block_m <= 32:
-                splits = list(dict.fromkeys([1, _split(_cdiv(rows, block_m) * _cdiv(n, block_n), k // block_k,
-                                                       4 * sms)]))
-            for stages in (2, 3) if block_m >= 128 else (3, 4):
+                splits = list(dict.fromkeys([_split(_cdiv(rows, block_m) * _cdiv(n, block_n), k // block_k,
+                                                    4 * sms), 1]))
+            for stages in (3, 2) if block_m >= 128 else (3, 4):
                 out += [dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=True, SPLIT=s,
                              num_warps=warps, num_stages=stages) for s in splits]
     return out
+
+
+def groupwise_family(cfg: dict) -> tuple:
+    """What the tuner's coordinate search varies first (tune.py): the tile or GEMV shape and its warps; a family's
+    K step, stages and split are timed only for the fastest family (about 20 timings a shape instead of 60)."""
+    return cfg["DOT"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]
 
 
 def groupwise_candidates(m: int, n: int, k: int, fmt: str, sms: int = 132) -> list[dict]:

@@ -103,17 +103,20 @@ class TunedConfigs:
         self._session: _Session | None = None
 
     def config(self, device: torch.device, shape: tuple, m: int, candidates: Callable[[], list],
-               run: Callable, weight: torch.Tensor | None = None, default: dict | None = None) -> dict:
+               run: Callable, weight: torch.Tensor | None = None, default: dict | None = None,
+               family: Callable[[dict], tuple] | None = None) -> dict:
         """The config for M rows of `shape` on `device`. `candidates()` is called only on a miss (building the list
         costs more than the lookup); run(cfg, weight copy) is what a tuning session times. `default`: what a shape
-        with no bucket tuned runs outside a session (else the first candidate, the same for every M of a bucket)."""
+        with no bucket tuned runs outside a session (else the first candidate, the same for every M of a bucket).
+        `family(cfg)`: the launch shape a config varies (tile and warps; its K step, stages and split are the
+        variations): a session then times the first config of each family, and the rest of the fastest's only."""
         b = bucket(m)
         tuned = self._tuned.get((device, shape))
         if tuned is not None and b in tuned:
             return tuned[b]
         # never inside a CUDA-graph capture: timing would break it (the eager step before it tuned the shape)
         if self._session is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return self._tune(device, shape, b, m, candidates(), run, weight)
+            return self._tune(device, shape, b, m, candidates(), run, weight, family)
         if default is not None and not tuned:
             return default
         fallback = self._fallbacks.get((device, shape, b))
@@ -130,7 +133,7 @@ class TunedConfigs:
                 return tuned[other]
         return configs[0]
 
-    def _tune(self, device, shape: tuple, b: int, m: int, configs: list, run, weight) -> dict:
+    def _tune(self, device, shape: tuple, b: int, m: int, configs: list, run, weight, family=None) -> dict:
         session = self._session
         copies = None
         if len(configs) > 1 and weight is not None and weight.is_cuda and m <= LIMITS.small_m:
@@ -138,16 +141,29 @@ class TunedConfigs:
                 copies = weight_copies(weight)
             except torch.OutOfMemoryError:  # no room for the copies: timed alone
                 copies = None
-        times = []
-        for cfg in configs if len(configs) > 1 else ():
-            try:
-                times.append(session.timer(run, cfg, copies))
-            except Exception:  # e.g. a config needing more shared memory than the GPU has
-                times.append(float("inf"))
+        timed = []
+
+        def time_all(cfgs):
+            for cfg in cfgs:
+                try:
+                    timed.append((cfg, session.timer(run, cfg, copies)))
+                except Exception:  # e.g. a config needing more shared memory than the GPU has
+                    timed.append((cfg, float("inf")))
+            return min(timed, key=lambda ct: ct[1])[0]
+
+        if len(configs) > 1 and family is None:
+            time_all(configs)
+        elif len(configs) > 1:  # a coordinate search: every family's first, then the winning family's rest
+            heads = {}
+            for c in configs:
+                heads.setdefault(family(c), c)
+            heads = list(heads.values())
+            best = time_all(heads)
+            time_all([c for c in configs if family(c) == family(best) and c not in heads])
         del copies
-        pick = configs[min(range(len(times)), key=times.__getitem__)] if times else configs[0]
+        pick = min(timed, key=lambda ct: ct[1])[0] if timed else configs[0]
         self._tuned.setdefault((device, shape), {})[b] = pick
-        session.report.shapes.append(TunedShape(shape, b, tuple(zip(configs, times)), pick))
+        session.report.shapes.append(TunedShape(shape, b, tuple(timed), pick))
         return pick
 
     @contextlib.contextmanager

@@ -21,6 +21,39 @@ def test_bench_latency_on_a_model_dir(tmp_path, capsys):
     assert all(r["decode_tok_s"] > 0 and r["ttft_s"] > 0 for r in records)
 
 
+def test_ttft_waits_for_every_prompt_of_a_batch_that_prefills_over_several_steps(tmp_path, monkeypatch):
+    """Three 24-token prompts with 16 tokens a step prefill over several steps while the first already decodes:
+    TTFT ends at the step where the last of them gets its first token, and only the tokens after it set the decode
+    rate (a clock that advances one second a step makes both exact)."""
+    import brrr.bench.latency as latency
+    from brrr.config import EngineConfig
+    from brrr.engine import LLMEngine
+    from brrr.loader import load_model
+
+    hf_models.save(hf_models.build("qwen3-qknorm"), tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    engine = LLMEngine(model, None, EngineConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+                                                 num_blocks=32, cuda_graphs=False))
+    clock, seen, firsts = [0.0], {}, []
+    real_process = engine.processor.process
+
+    def process(*args):  # what each engine.step returns passes here once
+        processed = real_process(*args)
+        clock[0] += 1.0
+        for o in processed.outputs:
+            seen[o.request_id] = sum(len(c.token_ids) for c in o.outputs)
+        if len(seen) == 3 and all(seen.values()) and not firsts:
+            firsts.append((clock[0], sum(seen.values())))
+        return processed
+
+    monkeypatch.setattr(engine.processor, "process", process)
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])
+    ttft, decode_s = latency.run_prompts(engine, [[5 + i + j for j in range(24)] for i in range(3)], 8, "t")
+    (first_at, made_then), end = firsts[0], clock[0]
+    assert ttft == first_at > 2  # the old measure stopped at the first step: 1
+    assert decode_s == pytest.approx((end - first_at) * 3 * 7 / (3 * 8 - made_then))
+
+
 def test_bench_latency_takes_the_kv_cache_flags(tmp_path, capsys):
     """The engine's KV-cache flags reach the engine (SnapKV over a 64-token prompt with a 32-token budget) and
     the record names them; the kept context is what the roofline charges (kept_context)."""

@@ -84,20 +84,33 @@ def run_batch(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, 
 
 
 def run_prompts(engine, prompts: list[list[int]], new_tokens: int, tag: str):
-    """Returns (ttft_s, decode_s) for the prompts started together as one batch."""
+    """(ttft_s, decode_s) for the prompts started together as one batch. TTFT ends when every prompt has its first
+    token (a batch whose prompts exceed max_num_batched_tokens prefills over several steps); decode_s is the time
+    the batch's (new_tokens - 1) tokens a sequence take at the rate measured after that point, so prefill chunks
+    never count as decode time while some sequences already decode beside them."""
     import torch
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"lat-{tag}-{i}", ids, params)
+    ids = [f"lat-{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
+    made: dict[str, int] = {}  # tokens each request has so far
     first = None
+    made_at_first = 0
     while engine.has_unfinished_requests():
-        engine.step()  # the sampler's .tolist() synchronizes, so wall time per step is device time
-        first = first or time.perf_counter()
-    return first - start, time.perf_counter() - first
+        for out in engine.step():  # the sampler's .tolist() synchronizes, so wall time per step is device time
+            made[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
+        if first is None and len(made) == len(ids) and all(made.values()):
+            first, made_at_first = time.perf_counter(), sum(made.values())
+    end = time.perf_counter()
+    first = end if first is None else first
+    after = sum(made.values()) - made_at_first
+    want = len(ids) * (new_tokens - 1)
+    decode_s = (end - first) * want / after if after else end - first
+    return first - start, decode_s
 
 
 def default_model(device_type: str) -> str:

@@ -20,7 +20,7 @@ LAYERS = [
     ("brrr.errors",),
     ("brrr.gguf",),                # GGUF metadata, tokenizer, block codecs and writer (gguf package + torch only)
     ("brrr.config", "brrr.presets", "brrr.sampling_params", "brrr.tokenizer", "brrr.token_data", "brrr.progress",
-     "brrr.state_dict", "brrr.default_model", "brrr.hub", "brrr.threads"),
+     "brrr.state_dict", "brrr.default_model", "brrr.hub", "brrr.threads", "brrr.cache_dir"),
     ("brrr.kernels",),
     ("brrr.analysis",),            # every FLOP, byte and formula, over ModelConfig
     ("brrr.models",),              # the reference forms (HF module names and GEMM shapes)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from brrr.kernels import quant as qm
+from brrr.cache_dir import cache_dir
 from brrr.kernels.quant import tune
 
 GROUP, N, GROUPS = 32, 40, 5
@@ -96,3 +97,39 @@ def test_bucket_sizes_meet_every_bucket_once():
         sizes = tune.bucket_sizes(budget)
         assert {tune.bucket(m) for m in range(1, budget + 1)} == {tune.bucket(m) for m in sizes}
         assert len({tune.bucket(m) for m in sizes}) == len(sizes) and max(sizes) <= budget
+
+
+def test_tuned_picks_are_written_at_once_and_reused_by_the_next_process(tmp_path, caplog):
+    """A pick is on disk as soon as it is made (a warm-up cut short keeps it); a new TunedConfigs over the same
+    directory (the next process) takes it without timing anything; a torn file is ignored and tuned again."""
+    cpu, shape = torch.device("cpu"), ("w4", 64, 128, 32, torch.bfloat16)
+    configs = [{"BLOCK_N": n} for n in (16, 32, 64)]
+    first = tune.TunedConfigs(tune.TunedConfigStore(str(tmp_path), devices=("cpu",)))
+    spy = Spy(lambda c: c["BLOCK_N"] == 32)
+    with first.tuning(timer=spy):
+        assert first.config(cpu, shape, 1, lambda: configs, None) == {"BLOCK_N": 32}
+        [path] = list(tmp_path.iterdir())  # written before the session ends
+        assert tune.sources_fingerprint() in path.name and spy.calls == 3
+
+    second = tune.TunedConfigs(tune.TunedConfigStore(str(tmp_path), devices=("cpu",)))
+    again = Spy(lambda c: c["BLOCK_N"] == 64)
+    with second.tuning(timer=again) as report:
+        assert second.config(cpu, shape, 1, lambda: configs, None) == {"BLOCK_N": 32}
+        assert second.config(cpu, shape, 16, lambda: configs, None) == {"BLOCK_N": 64}  # a new bucket is timed
+    assert again.calls == 3 and [s.bucket for s in report.shapes] == [16]
+    assert tune.TunedConfigStore._read(str(path))[repr(shape)] == {1: {"BLOCK_N": 32}, 16: {"BLOCK_N": 64}}
+
+    path.write_text('{"torn')
+    third = tune.TunedConfigs(tune.TunedConfigStore(str(tmp_path), devices=("cpu",)))
+    with third.tuning(timer=Spy(lambda c: c["BLOCK_N"] == 16)), caplog.at_level("WARNING"):
+        assert third.config(cpu, shape, 1, lambda: configs, None) == {"BLOCK_N": 16}
+    assert "ignoring the tuned-config file" in caplog.text
+
+
+def test_the_default_store_writes_nothing_for_a_cpu_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRRR_CACHE_DIR", str(tmp_path))
+    configs = tune.TunedConfigs()
+    with configs.tuning(timer=Spy(lambda c: True)):
+        configs.config(torch.device("cpu"), ("w8", 8, 8), 1, lambda: [{"a": 1}, {"a": 2}], None)
+    assert list(tmp_path.iterdir()) == []
+    assert cache_dir() == str(tmp_path)

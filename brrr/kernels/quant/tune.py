@@ -10,21 +10,35 @@ Decode shapes (M <= small_m) are timed the way the engine runs them: a CUDA grap
 overlaps each with the one before) over copies of the weight that together exceed L2 twice, so every call reads
 HBM. Timed alone with L2 flushed (do_bench), near-equal candidates swapped ranks from run to run and the pick could
 be the slower one in the step. Larger M: alone, with L2 flushed between runs.
+
+Every pick made on a GPU is also written to a JSON file per GPU model (`TunedConfigStore`: under $BRRR_CACHE_DIR,
+else $XDG_CACHE_HOME/brrr, else ~/.cache/brrr), as soon as it is made, and read back by the next process: a second
+start of the same model tunes nothing. The file's name holds a fingerprint of this package's sources and the
+torch/triton versions, so a changed kernel or candidate list is tuned again (vLLM ships its fused-MoE picks as
+per-GPU JSON files the same way; here they are made on the user's own GPU).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
+import logging
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from brrr.cache_dir import cache_dir
 from brrr.kernels.dispatch import next_power_of_2
 from brrr.kernels.graph_timing import graph_time_us
 from brrr.kernels.quant.configs import LIMITS
 from brrr.kernels.quant.launch import INTERPRETED
 
+log = logging.getLogger("brrr.kernels")
 CHAIN_CALLS = 16  # launches in a timed decode chain
 
 # (run, config, weight copies or None) -> device ms of one run(config); run(config, weight) takes a copy
@@ -87,6 +101,78 @@ class TuningReport:
     shapes: list[TunedShape] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=1)
+def sources_fingerprint() -> str:
+    """12 hex digits of a hash of this package's sources (kernels, plans, candidate lists) and the torch and triton
+    versions: a tuned pick is reused only by the code that timed it."""
+    import triton
+
+    h = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:12]
+
+
+class TunedConfigStore:
+    """The tuned picks of one directory on disk: a JSON file per GPU model, {repr(shape): {bucket: config}}.
+    Read once per device name; each new pick is merged into the file at once (a warm-up cut short keeps what it
+    tuned). Only CUDA devices by default (`devices`): CPU runs never tune unless a test passes a timer."""
+
+    def __init__(self, directory: str | None = None, devices: tuple[str, ...] = ("cuda",)):
+        self.directory, self.devices = directory, devices
+        self._loaded: dict[str, dict] = {}
+
+    def _name(self, device: torch.device) -> str:
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def path(self, device: torch.device) -> str:
+        name = "".join(c if c.isalnum() else "_" for c in self._name(device))
+        return os.path.join(self.directory or os.path.join(cache_dir(), "tuned_configs"),
+                            f"{name}-{sources_fingerprint()}.json")
+
+    def picks(self, device: torch.device) -> dict:
+        """{repr(shape): {bucket: config}} on disk for `device` ({} when none or unreadable)."""
+        if device.type not in self.devices:
+            return {}
+        path = self.path(device)
+        if path not in self._loaded:
+            self._loaded[path] = self._read(path)
+        return self._loaded[path]
+
+    @staticmethod
+    def _read(path: str) -> dict:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            return {shape: {int(b): dict(cfg) for b, cfg in buckets.items()} for shape, buckets in raw.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as e:  # a torn or foreign file: tune again
+            log.warning("ignoring the tuned-config file %s (%s); its shapes are tuned again", path, e)
+            return {}
+
+    def save(self, device: torch.device, shape: tuple, b: int, config: dict) -> None:
+        if device.type not in self.devices:
+            return
+        path = self.path(device)
+        picks = self.picks(device)
+        picks.setdefault(repr(shape), {})[b] = config
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            merged = self._read(path)  # another process may have added shapes since this one read the file
+            for shape_key, buckets in picks.items():
+                merged.setdefault(shape_key, {}).update(buckets)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({s: {str(k): c for k, c in bs.items()} for s, bs in merged.items()}, f, indent=0)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only home: the picks still hold for this process
+            log.warning("could not write the tuned-config file %s (%s)", path, e)
+
+
 @dataclass
 class _Session:
     timer: Timer
@@ -97,7 +183,8 @@ class TunedConfigs:
     """Tuned configs by (device, shape) and bucket, and the tuning session in progress (None outside
     `quant_tuning`). Lookups of untuned buckets are memoised until the next session ends."""
 
-    def __init__(self):
+    def __init__(self, store: TunedConfigStore | None = None):
+        self.store = store or TunedConfigStore()
         self._tuned: dict[tuple, dict[int, dict]] = {}
         self._fallbacks: dict[tuple, dict] = {}
         self._session: _Session | None = None
@@ -112,7 +199,9 @@ class TunedConfigs:
         variations): a session then times the first config of each family, and the rest of the fastest's only."""
         b = bucket(m)
         tuned = self._tuned.get((device, shape))
-        if tuned is not None and b in tuned:
+        if tuned is None:  # first lookup of the shape in this process: what an earlier one tuned
+            tuned = self._tuned[(device, shape)] = dict(self.store.picks(device).get(repr(shape), {}))
+        if b in tuned:
             return tuned[b]
         # never inside a CUDA-graph capture: timing would break it (the eager step before it tuned the shape)
         if self._session is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -134,7 +223,7 @@ class TunedConfigs:
         return configs[0]
 
     def _tune(self, device, shape: tuple, b: int, m: int, configs: list, run, weight, family=None) -> dict:
-        session = self._session
+        session, t0 = self._session, time.perf_counter()
         copies = None
         if len(configs) > 1 and weight is not None and weight.is_cuda and m <= LIMITS.small_m:
             try:
@@ -164,6 +253,10 @@ class TunedConfigs:
         pick = min(timed, key=lambda ct: ct[1])[0] if timed else configs[0]
         self._tuned.setdefault((device, shape), {})[b] = pick
         session.report.shapes.append(TunedShape(shape, b, tuple(timed), pick))
+        if timed:
+            self.store.save(device, shape, b, pick)
+        log.info("tuned %s at M bucket %d: %d of %d configs timed in %.1f s", shape, b, len(timed), len(configs),
+                 time.perf_counter() - t0)
         return pick
 
     @contextlib.contextmanager
@@ -185,7 +278,7 @@ class TunedConfigs:
             self._fallbacks.clear()  # the nearest tuned bucket may have changed
 
     def clear(self) -> None:
-        """Forget every tuned config (tests)."""
+        """Forget every tuned config of this process (tests); the store's files stay."""
         self._tuned.clear()
         self._fallbacks.clear()
 

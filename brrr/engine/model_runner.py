@@ -24,7 +24,7 @@ from brrr.engine.scheduler import ScheduledBatch
 from brrr.engine.spec.verify import device_draft_gather, write_device_drafts
 from brrr.engine.spec.verify_graphs import VerifyGraphs, VerifyGraphSpec
 from brrr.engine.staging import RowInput, StepRecord, block_copies, pad_tables, stage
-from brrr.engine.swap import block_runs
+from brrr.engine.swap import host_runs
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, graph_plan_for
@@ -235,28 +235,49 @@ class ModelRunner:
     @torch.inference_mode()
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy (device, host) block pairs out, then (host, device) pairs in, every layer's K and V as bytes (an
-        fp8 cache's scales are per layer and stay). On CUDA on the swap stream: it first waits for the compute
+        fp8 cache's scales are per layer and stay). A sequence's device blocks lie anywhere in the pool, so each
+        tensor goes through one gather (or scatter) on the device into contiguous staging rows, and crosses the
+        host link in one copy per run of consecutive host blocks: on an H200 one copy per 32 KiB block ran at
+        3.6 GB/s, runs of 32 blocks at 50 GB/s. On CUDA on the swap stream: it first waits for the compute
         stream's queued work (a step still in flight may write a block about to be copied), and the compute
         stream waits for its event before its next kernel (a freed block is reused, a swapped-in one read); the
-        host waits for neither. On CPU plain copies."""
-        outs, ins = block_runs(swap_out), block_runs(swap_in)
+        host waits for neither. On CPU the same copies, synchronous."""
+        outs, ins = sorted(swap_out, key=lambda pair: pair[1]), sorted(swap_in)  # in host order
         stream = self.swap_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out_rows, out_runs = self._staging_plan([d for d, _ in outs], [h for _, h in outs], stream)
+            in_rows, in_runs = self._staging_plan([d for _, d in ins], [h for h, _ in ins], stream)
+            asynchronous = stream is not None
             for device_pair, host_pair in zip(self.kv_caches, self.host_caches):
                 for dev, host in zip(device_pair, host_pair):
                     if not dev.numel():  # (MLA's empty value cache)
                         continue
                     dev, host = as_bytes(dev), as_bytes(host)
-                    for src, dst, n in outs:
-                        host[dst:dst + n].copy_(dev[src:src + n], non_blocking=stream is not None)
-                    for src, dst, n in ins:
-                        dev[dst:dst + n].copy_(host[src:src + n], non_blocking=stream is not None)
+                    if outs:
+                        staged = dev.index_select(0, out_rows)
+                        for first, row, n in out_runs:
+                            host[first:first + n].copy_(staged[row:row + n], non_blocking=asynchronous)
+                    if ins:
+                        staged = torch.empty((len(ins), *dev.shape[1:]), dtype=dev.dtype, device=dev.device)
+                        for first, row, n in in_runs:
+                            staged[row:row + n].copy_(host[first:first + n], non_blocking=asynchronous)
+                        dev.index_copy_(0, in_rows, staged)
         if stream is not None:
             done = torch.cuda.Event()
             done.record(stream)
             torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _staging_plan(self, device_blocks: list[int], host_blocks: list[int], stream):
+        """(the device blocks as an index tensor, in staging-row order; (first host block, first staging row,
+        count) per run of consecutive host blocks). The index goes up without a host wait (pinned, h2d)."""
+        if not device_blocks:
+            return None, []
+        rows = h2d(device_blocks, self.device, torch.int64)
+        if stream is not None:
+            rows.record_stream(stream)
+        return rows, host_runs(host_blocks)
 
     def sleep(self) -> int:
         """Free the KV cache (a colocated trainer takes its memory, brrr/train/rollout.py) and the captured graphs

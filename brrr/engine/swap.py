@@ -1,5 +1,5 @@
 """Swap preemption's host side (rank 0): the host block pool's free list, the rule that says whether a preempted
-sequence's blocks go to it, and the block copies as runs of consecutive blocks.
+sequence's blocks go to it, and the copies' runs of consecutive host blocks.
 
 A preempted sequence either loses its blocks and is recomputed later, or, when the pool has room and it holds at
 least `SwapPolicy.min_tokens` computed tokens (the cost rule's crossover, brrr/analysis/offload.py; 0 when
@@ -71,6 +71,12 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             runs.append([src, dst, 1])
     return [tuple(r) for r in runs]
+
+
+def host_runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Host block ids, in the order of the staging rows that hold them, as (first host block, first row, count)
+    runs of consecutive ids: one copy across the host link each."""
+    return [(host, row, n) for row, host, n in block_runs(list(enumerate(host_blocks)))]
 
 
 def swap_policy(ec, cfg, device: torch.device, dtype: torch.dtype, bytes_per_block: int, max_model_len: int

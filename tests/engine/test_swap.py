@@ -11,7 +11,7 @@ from brrr.config import EngineConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
 from brrr.engine.model_runner import kv_bytes_per_block
-from brrr.engine.swap import HostBlockPool, block_runs, swap_policy
+from brrr.engine.swap import HostBlockPool, block_runs, host_runs, swap_policy
 from brrr.errors import BrrrError
 from brrr.sampling_params import SamplingParams
 from tests import hf_models
@@ -177,6 +177,7 @@ def test_the_policy_the_config_asks_for(model):
 
 def test_block_runs_and_the_pool():
     assert block_runs([(3, 0), (4, 1), (5, 2), (9, 3), (10, 5)]) == [(3, 0, 3), (9, 3, 1), (10, 5, 1)]
+    assert host_runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
     pool = HostBlockPool(4)
     a = pool.allocate(3)
     assert a == [0, 1, 2] and pool.num_free == 1
@@ -184,3 +185,29 @@ def test_block_runs_and_the_pool():
     assert pool.allocate(2) == [1, 3]
     with pytest.raises(BrrrError, match="1 host blocks asked for, 0 free"):
         pool.allocate(1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_scattered_device_blocks_round_trip_through_the_host(model, kv_cache_dtype):
+    """swap_blocks gathers device blocks from anywhere in the pool (descending, gapped) into host runs and scatters
+    them back into other scattered blocks: every layer's K and V bytes come back unchanged, and the blocks no pair
+    names are not touched."""
+    engine = tight(model, kv_cache_dtype=kv_cache_dtype, swap_space=swap_gib(model, 8, kv_cache_dtype),
+                   preemption_mode="swap")
+    runner = engine.runner
+    for pair in runner.kv_caches:
+        for t in pair:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    before = [[t.view(torch.uint8).clone() for t in pair] for pair in runner.kv_caches]
+    out = [(11, 3), (9, 4), (2, 5), (7, 0), (5, 1)]  # device -> host: host runs 3-5 and 0-1
+    runner.swap_blocks(out, [])
+    back = [(3, 12), (4, 1), (5, 6), (0, 14), (1, 8)]  # host -> device
+    runner.swap_blocks([], back)
+    moved = {dst: src for src, dst in back}
+    origin = {host: dev for dev, host in out}
+    for was, pair in zip(before, runner.kv_caches):
+        for old, t in zip(was, pair):
+            now = t.view(torch.uint8)
+            for block in range(now.shape[0]):
+                want = old[origin[moved[block]]] if block in moved else old[block]
+                assert torch.equal(now[block], want), block

@@ -12,6 +12,16 @@
    [T*k, H] per pair. A token's k rows are then summed in expert order (the reference's order).
 The epilogues round where the reference rounds (the GEMM outputs, silu's output, the product), so the kernel
 differs from `moe_experts_ref` only by the GEMMs' summation order. `fused_moe_plan` picks the tiles.
+
+One token (batch-1 decode) takes its own path, `fused_moe_decode`: its k choices are k distinct experts, so there is
+nothing to align and the layer is a GEMV per choice, bound by reading the k experts' weights. The grouped GEMMs'
+grid is too narrow for that (Mixtral's down: 2 x 4096/64 = 128 programs, each walking K = 14336) and the alignment
+and expert-order sum are ~25 tiny torch launches per layer, which bound a CUDA-graph step. Three launches instead:
+gate/up (`_decode_gate_up_kernel`, one program per (choice, BLOCK_N columns), w_gate_up[ids[0, j]] read directly,
+the same SiLU-and-mul epilogue), down split over K (`_decode_down_kernel`, fp32 partials [SPLIT, k, H]) and a finish
+(`_decode_finish_kernel`: the partials summed in split order, rounded, times the routing weight, and the k rows
+summed in expert order, found in-kernel). CUDA-core products (tl.sum, fp32 accumulate; fp32 stays exact, no TF32).
+`decode_plan` narrows the tiles and splits K until each launch fills the SMs several times over.
 """
 from __future__ import annotations
 
@@ -64,6 +74,34 @@ def fused_moe_plan(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
     return dict(BLOCK_M=block_m, BLOCK_N=64 if inter >= 64 else 32, BLOCK_K=64 if hidden >= 64 else 32,
                 num_warps=4 if block_m <= 32 else 8)
+
+
+def decode_plan(top_k: int, hidden: int, inter: int, sms: int = 132) -> dict:
+    """Tiles for the one-token path. A GEMV is bound by the weight bytes in flight, so each launch wants several
+    programs per SM (4 x sms): gate/up narrows BLOCK_N (32 -> 8) until k * I / BLOCK_N reaches that (its K, the
+    hidden size, is short enough to walk whole), down splits its long K (the expert width) into K_PER_SPLIT chunks,
+    whole BLOCK_Ks. Each weight tile is ~4096 elements (BLOCK_N x BLOCK_K), rows read along their unit stride."""
+    target = 4 * sms
+    gu_n = 32
+    while gu_n > 8 and top_k * _cdiv(inter, gu_n) < target:
+        gu_n //= 2
+    down_n, down_k = 32, min(128, _pow2_at_least(inter))
+    split = max(1, min(_cdiv(target, top_k * _cdiv(hidden, down_n)), _cdiv(inter, down_k), 32))
+    k_per_split = _cdiv(_cdiv(inter, split), down_k) * down_k  # whole BLOCK_Ks, so no two splits share one
+    return dict(GU_BLOCK_N=gu_n, GU_BLOCK_K=min(4096 // gu_n, _pow2_at_least(hidden)), DOWN_BLOCK_N=down_n,
+                DOWN_BLOCK_K=down_k, K_PER_SPLIT=k_per_split, num_warps=4)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 try:
@@ -138,12 +176,111 @@ if triton is not None:
             y = acc.to(dt).to(tl.float32) * r[:, None]
             tl.store(OUT + pair[:, None] * stride_o + n[None, :], y.to(dt), mask=valid[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _decode_gate_up_kernel(X, IDS, W, ACT, stride_ids, hidden, inter, stride_we, stride_wn,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        j, col = tl.program_id(0), tl.program_id(1)
+        e = tl.load(IDS + j * stride_ids).to(tl.int64)
+        n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        w_gate = W + e * stride_we + n[:, None] * stride_wn
+        w_up = w_gate + inter * stride_wn
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < hidden
+            a = tl.load(X + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            acc_g += tl.sum(tl.load(w_gate + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+            acc_u += tl.sum(tl.load(w_up + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+        dt = ACT.dtype.element_ty  # the roundings of _gate_up_kernel's epilogue
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        tl.store(ACT + j * inter + n, (s * u).to(dt), mask=n_ok)
+
+    @triton.jit
+    def _decode_down_kernel(ACT, IDS, W, PARTIAL, stride_ids, top_k, hidden, inter, k_per_split, stride_we,
+                            stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        j, col, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        e = tl.load(IDS + j * stride_ids).to(tl.int64)
+        n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        w_rows = W + e * stride_we + n[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_lo = split * k_per_split
+        for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < inter
+            a = tl.load(ACT + j * inter + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a, axis=1)
+        tl.store(PARTIAL + (split * top_k + j) * hidden + n, acc, mask=n_ok)
+
+    @triton.jit
+    def _decode_finish_kernel(PARTIAL, IDS, WEIGHTS, OUT, stride_ids, stride_w, top_k, hidden, splits,
+                              K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+        h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < hidden
+        choice = tl.arange(0, K_PAD)
+        ids = tl.load(IDS + choice * stride_ids, mask=choice < top_k, other=2147483647)
+        # each choice's place in ascending expert order, ties by choice (sum_in_expert_order's stable argsort)
+        before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (choice[None, :] < choice[:, None]))
+        place = tl.sum(before.to(tl.int32), axis=1)
+        dt = OUT.dtype.element_ty
+        out = tl.zeros((BLOCK_H,), dtype=tl.float32)  # holds dt values: rounded after every add
+        for p in range(0, top_k):
+            j = tl.sum(tl.where(place == p, choice, 0))
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for split in range(0, splits):  # a fixed order: the same bits on every run
+                acc += tl.load(PARTIAL + (split * top_k + j) * hidden + h, mask=h_ok, other=0.0)
+            r = tl.load(WEIGHTS + j * stride_w).to(tl.float32)
+            y = (acc.to(dt).to(tl.float32) * r).to(dt)  # as _down_kernel's epilogue
+            out = (out + y.to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(OUT + h, out.to(dt), mask=h_ok)
+
+
+def fused_moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+    """`fused_moe_triton` for one token (x [1, H]): three launches, no alignment, nothing read back to the host."""
+    hidden, inter, top_k = x.shape[1], w_down.shape[2], ids.shape[1]
+    plan = plan or decode_plan(top_k, hidden, inter, _sm_count(x.device))
+    warps = plan["num_warps"]
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    grid = (top_k, triton.cdiv(inter, plan["GU_BLOCK_N"]))
+    _decode_gate_up_kernel[grid](x, ids, w_gate_up, act, ids.stride(1), hidden, inter, w_gate_up.stride(0),
+                                 w_gate_up.stride(1), BLOCK_N=plan["GU_BLOCK_N"], BLOCK_K=plan["GU_BLOCK_K"],
+                                 num_warps=warps)
+    splits = triton.cdiv(inter, plan["K_PER_SPLIT"])
+    partial = torch.empty(splits, top_k, hidden, dtype=torch.float32, device=x.device)
+    grid = (top_k, triton.cdiv(hidden, plan["DOWN_BLOCK_N"]), splits)
+    _decode_down_kernel[grid](act, ids, w_down, partial, ids.stride(1), top_k, hidden, inter, plan["K_PER_SPLIT"],
+                              w_down.stride(0), w_down.stride(1), BLOCK_N=plan["DOWN_BLOCK_N"],
+                              BLOCK_K=plan["DOWN_BLOCK_K"], num_warps=warps)
+    return finish_decode(partial, weights, ids, x)
+
+
+def finish_decode(partial: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """partial [SPLIT, k, H] fp32 (down's split-K sums) -> [1, H] in like's dtype: the splits summed in order, each
+    choice's row rounded, weighted and rounded as `_down_kernel` does, the rows summed as `sum_in_expert_order`."""
+    splits, top_k, hidden = partial.shape
+    out = torch.empty_like(like)
+    block_h = min(512, _pow2_at_least(hidden))
+    _decode_finish_kernel[(triton.cdiv(hidden, block_h),)](partial, ids, weights, out, ids.stride(1),
+                                                           weights.stride(1), top_k, hidden, splits,
+                                                           K_PAD=_pow2_at_least(top_k), BLOCK_H=block_h,
+                                                           num_warps=4)
+    return out
+
 
 def fused_moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
     """x [T, H]; weights [T, k] (fp32), ids [T, k]; w_gate_up [E, 2I, H], w_down [E, H, I] (last dims unit-stride)
-    -> [T, H], as `moe_experts_ref`."""
+    -> [T, H], as `moe_experts_ref`. One token takes the GEMV path (`fused_moe_decode`) unless a plan is given."""
     tokens, hidden = x.shape
+    if tokens == 1 and plan is None:
+        return fused_moe_decode(x, weights, ids, w_gate_up, w_down)
     num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     plan = plan or fused_moe_plan(tokens, top_k, num_experts, hidden, inter)

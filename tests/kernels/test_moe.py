@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from brrr.kernels.fused_moe import align_by_expert, fused_moe_plan, fused_moe_triton
+from brrr.kernels.fused_moe import (align_by_expert, decode_plan, finish_decode, fused_moe_decode, fused_moe_plan,
+                                    fused_moe_triton, sum_in_expert_order)
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref
 
@@ -99,3 +100,60 @@ def test_fused_moe_kernel_equals_the_reference(device, top_k, dtype):
         # half precision: the GEMMs' summation order moves the roundings of the intermediate activations
         tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_token_decode_path_equals_the_reference(device, top_k, dtype):
+    # no tl.dot on this path, so bf16 runs under the interpreter too (which truncates fp32 -> bf16: within tol)
+    gen = torch.Generator().manual_seed(20 + top_k)
+    num, hidden, inter = 9, 96, 80  # neither a multiple of the tiles
+    experts = [tuple(t.to(device, dtype) for t in e) for e in _experts(num, hidden, inter, gen)]
+    x = torch.randn(1, hidden, generator=gen).to(device, dtype)
+    weights, ids = route_ref(torch.randn(1, num, generator=gen), top_k, renormalize=True)
+    assert top_k == 1 or not torch.equal(ids, ids.sort().values)  # the expert-order sum reorders the choices
+    weights, ids = weights.to(device), ids.to(device)
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up, w_down = _stacked(experts)
+    # down's K (80) in 3 splits of 32, the last one partial; the default plan does not split so small a layer
+    split = dict(decode_plan(top_k, hidden, inter), DOWN_BLOCK_K=16, K_PER_SPLIT=32)
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    for got in (fused_moe_triton(x, weights, ids, w_gate_up, w_down),
+                fused_moe_decode(x, weights, ids, w_gate_up, w_down, split)):
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_finish_sums_in_expert_order_bit_for_bit(device, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest")
+    # rows of very different sizes, so that half-precision sums in another order come out different
+    gen = torch.Generator().manual_seed(30)
+    splits, top_k, hidden = 3, 8, 40
+    scale = 10.0 ** torch.randint(-3, 3, (1, top_k, 1), generator=gen)
+    partial = torch.randn(splits, top_k, hidden, generator=gen) * scale
+    weights = torch.rand(1, top_k, generator=gen)
+    like = torch.empty(1, hidden, dtype=dtype)
+    acc = partial[0]
+    for s in range(1, splits):
+        acc = acc + partial[s]
+    rows = (acc.to(like.dtype).float() * weights[0, :, None]).to(like.dtype)
+    distinct = torch.randperm(16, generator=gen)[:top_k][None]
+    for ids in (distinct, torch.tensor([[3, 1, 3, 0, 1, 3, 2, 0]])):  # and ties, in choice order as a stable sort
+        want = sum_in_expert_order(rows, ids, like)
+        assert not torch.equal(want, rows.float().sum(0, keepdim=True).to(like.dtype))  # the order matters here
+        got = finish_decode(partial.to(device), weights.to(device), ids.to(device), like.to(device))
+        assert torch.equal(got.cpu(), want)
+
+
+def test_decode_plan_fills_the_sms_at_the_real_shapes():
+    def programs(top_k, hidden, inter, sms=132):
+        p = decode_plan(top_k, hidden, inter, sms)
+        splits = -(-inter // p["K_PER_SPLIT"])
+        assert p["K_PER_SPLIT"] % p["DOWN_BLOCK_K"] == 0 and (splits - 1) * p["K_PER_SPLIT"] < inter
+        return top_k * -(-inter // p["GU_BLOCK_N"]), top_k * -(-hidden // p["DOWN_BLOCK_N"]) * splits, splits
+
+    for shape in ((2, 4096, 14336), (8, 2048, 768), (6, 2048, 1408)):  # Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V2-Lite
+        gate_up, down, splits = programs(*shape)
+        assert gate_up >= 4 * 132 and down >= 4 * 132 and splits > 1
+    assert programs(2, 4096, 14336, sms=16)[2] == 1  # a small GPU needs no split

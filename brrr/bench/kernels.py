@@ -32,6 +32,7 @@ from brrr.kernels.dispatch import triton_available
 from brrr.kernels.fused_moe import fused_moe_triton
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref
+from brrr.kernels.quant import quant_tuning
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
@@ -234,6 +235,8 @@ class KernelBench:
             run = int((torch.bincount(ids.flatten(), minlength=MOE_EXPERTS) > 0).sum())
             peers = {"grouped_mm": self.try_time(lambda: moe_experts_grouped_mm(x, weights, ids, w_gate_up, w_down)),
                      "per_expert_loop": self.try_time(lambda: moe_experts_ref(x, weights, ids, loop_experts))}
+            with quant_tuning():  # the one-token path's configs, tuned as the engine's warm-up tunes them
+                fused_moe_triton(x, weights, ids, w_gate_up, w_down)
             self.emit(fused_moe_op(tokens, MOE_TOP_K, run, HIDDEN, MOE_INTER),
                       {"tokens": tokens, "experts": MOE_EXPERTS, "top_k": MOE_TOP_K, "hidden": HIDDEN,
                        "inter": MOE_INTER, "experts_run": run},

@@ -25,8 +25,11 @@ summed in expert order, found in-kernel). CUDA-core products (tl.sum, fp32 accum
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from brrr.kernels.quant.tune import TUNED_CONFIGS
 
 
 def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -77,19 +80,51 @@ def fused_moe_plan(tokens: int, top_k: int, num_experts: int, hidden: int, inter
 
 
 def decode_plan(top_k: int, hidden: int, inter: int, sms: int = 132) -> dict:
-    """Tiles for the one-token path. A GEMV is bound by the weight bytes in flight, so each launch wants several
-    programs per SM (4 x sms): gate/up narrows BLOCK_N (32 -> 8) until k * I / BLOCK_N reaches that (its K, the
-    hidden size, is short enough to walk whole), down splits its long K (the expert width) into K_PER_SPLIT chunks,
-    whole BLOCK_Ks. Each weight tile is ~4096 elements (BLOCK_N x BLOCK_K), rows read along their unit stride."""
+    """The one-token path's launch plan {"gate_up": config, "down": config} without timing anything (fp32, the
+    CPU, a shape never tuned). A GEMV is bound by the weight bytes in flight, so each launch wants several programs
+    per SM (4 x sms): gate/up narrows BLOCK_N (32 -> 8) until k * I / BLOCK_N reaches that (its K, the hidden size,
+    is short enough to walk whole), down splits its long K (the expert width) into K_PER_SPLIT chunks, whole
+    BLOCK_Ks. Each weight tile is ~4096 elements (BLOCK_N x BLOCK_K), rows read along their unit stride."""
     target = 4 * sms
     gu_n = 32
     while gu_n > 8 and top_k * _cdiv(inter, gu_n) < target:
         gu_n //= 2
-    down_n, down_k = 32, min(128, _pow2_at_least(inter))
-    split = max(1, min(_cdiv(target, top_k * _cdiv(hidden, down_n)), _cdiv(inter, down_k), 32))
-    k_per_split = _cdiv(_cdiv(inter, split), down_k) * down_k  # whole BLOCK_Ks, so no two splits share one
-    return dict(GU_BLOCK_N=gu_n, GU_BLOCK_K=min(4096 // gu_n, _pow2_at_least(hidden)), DOWN_BLOCK_N=down_n,
-                DOWN_BLOCK_K=down_k, K_PER_SPLIT=k_per_split, num_warps=4)
+    gate_up = dict(BLOCK_N=gu_n, BLOCK_K=min(4096 // gu_n, _pow2_at_least(hidden)), num_warps=4, num_stages=3)
+    return {"gate_up": gate_up, "down": _down_config(top_k, hidden, inter, 32, min(128, _pow2_at_least(inter)),
+                                                     target, num_warps=4, num_stages=3)}
+
+
+def _down_config(top_k: int, hidden: int, inter: int, block_n: int, block_k: int, programs: int, **launch) -> dict:
+    """Down's config splitting K until the grid (k, H / BLOCK_N, splits) has about `programs` programs."""
+    split = max(1, min(_cdiv(programs, top_k * _cdiv(hidden, block_n)), _cdiv(inter, block_k), 32))
+    k_per_split = _cdiv(_cdiv(inter, split), block_k) * block_k  # whole BLOCK_Ks, so no two splits share one
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split, **launch)
+
+
+def decode_candidates(top_k: int, hidden: int, inter: int, sms: int) -> tuple[list[dict], list[dict]]:
+    """(gate/up configs, down configs) the warm-up times for the one-token path, each list led by
+    `decode_plan`'s. Families (tile width, warps) vary the K step and stages (gate/up) or the split (down)."""
+    rule = decode_plan(top_k, hidden, inter, sms)
+    gate_up, down = [rule["gate_up"]], [rule["down"]]
+    for n in (8, 16, 32, 64):
+        for warps in (4, 8):
+            for k in (128, 256, 512):
+                for stages in (2, 4):
+                    if n * k <= 16384 and k <= _pow2_at_least(hidden):
+                        gate_up.append(dict(BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages))
+    for n in (16, 32, 64):
+        for warps in (4, 8):
+            for k in (64, 128, 256):
+                for programs in (2 * sms, 4 * sms, 8 * sms):
+                    if n * k <= 16384 and k <= _pow2_at_least(inter):
+                        down.append(_down_config(top_k, hidden, inter, n, k, programs, num_warps=warps,
+                                                 num_stages=3))
+    dedup = lambda configs: [c for i, c in enumerate(configs) if c not in configs[:i]]  # noqa: E731
+    return dedup(gate_up), dedup(down)
+
+
+def _launch_family(config: dict) -> tuple:
+    return config["BLOCK_N"], config["num_warps"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -243,22 +278,55 @@ if triton is not None:
 
 def fused_moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
-    """`fused_moe_triton` for one token (x [1, H]): three launches, no alignment, nothing read back to the host."""
+    """`fused_moe_triton` for one token (x [1, H]): three launches, no alignment, nothing read back to the host.
+    plan: {"gate_up": config, "down": config}; default: each kernel's config tuned at warm-up for this shape."""
     hidden, inter, top_k = x.shape[1], w_down.shape[2], ids.shape[1]
-    plan = plan or decode_plan(top_k, hidden, inter, _sm_count(x.device))
-    warps = plan["num_warps"]
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
-    grid = (top_k, triton.cdiv(inter, plan["GU_BLOCK_N"]))
-    _decode_gate_up_kernel[grid](x, ids, w_gate_up, act, ids.stride(1), hidden, inter, w_gate_up.stride(0),
-                                 w_gate_up.stride(1), BLOCK_N=plan["GU_BLOCK_N"], BLOCK_K=plan["GU_BLOCK_K"],
-                                 num_warps=warps)
-    splits = triton.cdiv(inter, plan["K_PER_SPLIT"])
-    partial = torch.empty(splits, top_k, hidden, dtype=torch.float32, device=x.device)
-    grid = (top_k, triton.cdiv(hidden, plan["DOWN_BLOCK_N"]), splits)
-    _decode_down_kernel[grid](act, ids, w_down, partial, ids.stride(1), top_k, hidden, inter, plan["K_PER_SPLIT"],
-                              w_down.stride(0), w_down.stride(1), BLOCK_N=plan["DOWN_BLOCK_N"],
-                              BLOCK_K=plan["DOWN_BLOCK_K"], num_warps=warps)
-    return finish_decode(partial, weights, ids, x)
+    run_gate_up = lambda cfg, w=None: _decode_gate_up(x, ids, w_gate_up, act, cfg)  # noqa: E731
+    partial = {}
+    run_down = lambda cfg, w=None: partial.__setitem__("out", _decode_down(act, ids, w_down, cfg))  # noqa: E731
+    if plan is None:
+        plan = _tuned_decode_plan(x, top_k, hidden, inter, run_gate_up, run_down)
+    run_gate_up(plan["gate_up"])
+    run_down(plan["down"])
+    return finish_decode(partial["out"], weights, ids, x)
+
+
+def _tuned_decode_plan(x, top_k: int, hidden: int, inter: int, run_gate_up, run_down) -> dict:
+    """Each kernel's config from TUNED_CONFIGS (timed among `decode_candidates` inside the warm-up's
+    `quant_tuning`, kept on disk per GPU); fp32 and shapes never tuned take `decode_plan`."""
+    sms = _sm_count(x.device)
+    rule = decode_plan(top_k, hidden, inter, sms)
+    if x.dtype == torch.float32 or x.device.type != "cuda":
+        return rule
+    shape = (top_k, hidden, inter, x.dtype)
+    configs = functools.lru_cache(maxsize=1)(lambda: decode_candidates(top_k, hidden, inter, sms))
+    gate_up = TUNED_CONFIGS.config(x.device, ("moe_decode_gate_up",) + shape, 1, lambda: configs()[0],
+                                   run_gate_up, default=rule["gate_up"], family=_launch_family)
+    down = TUNED_CONFIGS.config(x.device, ("moe_decode_down",) + shape, 1, lambda: configs()[1], run_down,
+                                default=rule["down"], family=_launch_family)
+    return {"gate_up": gate_up, "down": down}
+
+
+def _decode_gate_up(x, ids, w_gate_up, act, cfg: dict) -> None:
+    top_k, inter = act.shape
+    grid = (top_k, triton.cdiv(inter, cfg["BLOCK_N"]))
+    _decode_gate_up_kernel[grid](x, ids, w_gate_up, act, ids.stride(1), x.shape[1], inter, w_gate_up.stride(0),
+                                 w_gate_up.stride(1), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _decode_down(act, ids, w_down, cfg: dict) -> torch.Tensor:
+    """Down's fp32 split-K partials [SPLIT, k, H]."""
+    top_k, inter = act.shape
+    hidden = w_down.shape[1]
+    splits = triton.cdiv(inter, cfg["K_PER_SPLIT"])
+    partial = torch.empty(splits, top_k, hidden, dtype=torch.float32, device=act.device)
+    grid = (top_k, triton.cdiv(hidden, cfg["BLOCK_N"]), splits)
+    _decode_down_kernel[grid](act, ids, w_down, partial, ids.stride(1), top_k, hidden, inter, cfg["K_PER_SPLIT"],
+                              w_down.stride(0), w_down.stride(1), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return partial
 
 
 def finish_decode(partial: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -266,7 +334,7 @@ def finish_decode(partial: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     choice's row rounded, weighted and rounded as `_down_kernel` does, the rows summed as `sum_in_expert_order`."""
     splits, top_k, hidden = partial.shape
     out = torch.empty_like(like)
-    block_h = min(512, _pow2_at_least(hidden))
+    block_h = min(128, _pow2_at_least(hidden))  # a few dozen programs: its loads are a short dependent chain
     _decode_finish_kernel[(triton.cdiv(hidden, block_h),)](partial, ids, weights, out, ids.stride(1),
                                                            weights.stride(1), top_k, hidden, splits,
                                                            K_PAD=_pow2_at_least(top_k), BLOCK_H=block_h,

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from brrr.kernels.fused_moe import (align_by_expert, decode_plan, finish_decode, fused_moe_decode, fused_moe_plan,
-                                    fused_moe_triton, sum_in_expert_order)
+from brrr.kernels.fused_moe import (align_by_expert, decode_candidates, decode_plan, finish_decode, fused_moe_decode,
+                                    fused_moe_plan, fused_moe_triton, sum_in_expert_order)
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
-from brrr.kernels.moe_routing import route_ref
+from brrr.kernels.moe_routing import route_ref, topk_softmax_triton
 
 
 def test_softmax_topk_renormalized_and_not():
@@ -116,7 +116,8 @@ def test_one_token_decode_path_equals_the_reference(device, top_k, dtype):
     ref = moe_experts_ref(x, weights, ids, experts)
     w_gate_up, w_down = _stacked(experts)
     # down's K (80) in 3 splits of 32, the last one partial; the default plan does not split so small a layer
-    split = dict(decode_plan(top_k, hidden, inter), DOWN_BLOCK_K=16, K_PER_SPLIT=32)
+    plan = decode_plan(top_k, hidden, inter)
+    split = dict(plan, down=dict(plan["down"], BLOCK_K=16, K_PER_SPLIT=32))
     tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
     for got in (fused_moe_triton(x, weights, ids, w_gate_up, w_down),
                 fused_moe_decode(x, weights, ids, w_gate_up, w_down, split)):
@@ -149,11 +150,51 @@ def test_decode_finish_sums_in_expert_order_bit_for_bit(device, dtype):
 def test_decode_plan_fills_the_sms_at_the_real_shapes():
     def programs(top_k, hidden, inter, sms=132):
         p = decode_plan(top_k, hidden, inter, sms)
-        splits = -(-inter // p["K_PER_SPLIT"])
-        assert p["K_PER_SPLIT"] % p["DOWN_BLOCK_K"] == 0 and (splits - 1) * p["K_PER_SPLIT"] < inter
-        return top_k * -(-inter // p["GU_BLOCK_N"]), top_k * -(-hidden // p["DOWN_BLOCK_N"]) * splits, splits
+        gate_up, down = p["gate_up"], p["down"]
+        splits = -(-inter // down["K_PER_SPLIT"])
+        assert down["K_PER_SPLIT"] % down["BLOCK_K"] == 0 and (splits - 1) * down["K_PER_SPLIT"] < inter
+        return top_k * -(-inter // gate_up["BLOCK_N"]), top_k * -(-hidden // down["BLOCK_N"]) * splits, splits
 
     for shape in ((2, 4096, 14336), (8, 2048, 768), (6, 2048, 1408)):  # Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V2-Lite
         gate_up, down, splits = programs(*shape)
         assert gate_up >= 4 * 132 and down >= 4 * 132 and splits > 1
     assert programs(2, 4096, 14336, sms=16)[2] == 1  # a small GPU needs no split
+
+
+def test_decode_candidates_lead_with_the_plan_and_every_one_runs(device):
+    """The warm-up times these: each list starts with `decode_plan`'s config (what runs untuned), holds no
+    duplicate, and every candidate gives the reference's output (a sample of them under the interpreter)."""
+    gen = torch.Generator().manual_seed(40)
+    num, hidden, inter, top_k = 6, 128, 96, 2
+    gate_up, down = decode_candidates(top_k, hidden, inter, sms=4)
+    rule = decode_plan(top_k, hidden, inter, sms=4)
+    assert gate_up[0] == rule["gate_up"] and down[0] == rule["down"] and len(gate_up) > 4 and len(down) > 4
+    assert all(c not in gate_up[:i] for i, c in enumerate(gate_up)) and all(c not in down[:i] for i, c in enumerate(down))
+    experts = [tuple(t.to(device) for t in e) for e in _experts(num, hidden, inter, gen)]
+    x = torch.randn(1, hidden, generator=gen).to(device)
+    weights, ids = (t.to(device) for t in route_ref(torch.randn(1, num, generator=gen), top_k, renormalize=True))
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up, w_down = _stacked(experts)
+    for g, d in zip(gate_up[::5], down[::3]):
+        got = fused_moe_decode(x, weights, ids, w_gate_up, w_down, {"gate_up": g, "down": d})
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("experts, top_k", [(8, 1), (8, 2), (60, 6), (128, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_kernel_equals_the_softmax_rule(device, experts, top_k, renormalize):
+    """The Triton selection after torch's softmax gives route_ref's experts in its order (descending p) and its
+    weights (the renormalizing sum may add in another order: within an ulp or two)."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.randn(5, experts, generator=gen)
+    want_w, want_ids = route_ref(logits, top_k, renormalize=renormalize, scaling_factor=2.5)
+    got_w, got_ids = topk_softmax_triton(logits.to(device).softmax(dim=-1), top_k, renormalize, 2.5)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-6)
+
+
+def test_topk_kernel_takes_the_lowest_index_among_equal_scores(device):
+    probs = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]], device=device)
+    weights, ids = topk_softmax_triton(probs, 3)
+    assert ids.cpu().tolist() == [[1, 3, 2], [0, 1, 2]]
+    torch.testing.assert_close(weights.cpu(), probs.cpu().gather(1, ids.cpu()))

@@ -40,6 +40,7 @@ from brrr.kernels.quant.launch import INTERPRETED
 
 log = logging.getLogger("brrr.kernels")
 CHAIN_CALLS = 16  # launches in a timed decode chain
+TUNED_ELSEWHERE = ("fused_moe.py",)  # brrr/kernels modules outside this package whose configs are tuned here
 
 # (run, config, weight copies or None) -> device ms of one run(config); run(config, weight) takes a copy
 Timer = Callable[[Callable, dict, "list | None"], float]
@@ -109,10 +110,11 @@ def sources_fingerprint() -> str:
 
     h = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(name.encode() + f.read())
+    paths = [os.path.join(here, name) for name in sorted(os.listdir(here)) if name.endswith(".py")]
+    paths += [os.path.join(os.path.dirname(here), name) for name in TUNED_ELSEWHERE]
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
     return h.hexdigest()[:12]
 
 

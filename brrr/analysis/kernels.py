@@ -42,6 +42,15 @@ def decode_attention_op(batch: int, context: int, heads: int, kv_heads: int, hea
               4 * head_dim * heads * batch * context, dtype_bytes * (kv + q_and_out))
 
 
+def mla_decode_op(batch: int, context: int, heads: int, rank: int, rope: int, dtype_bytes: int = 2) -> Op:
+    """MLA's absorbed decode: every query head against one latent row of r + rope values per cached token, the
+    latent also the value; the cache rows dominate the bytes."""
+    rows = batch * context * (rank + rope)
+    q_and_out = batch * heads * (2 * rank + rope)
+    return Op(f"MLA decode b={batch} x {context} ({heads} heads, r{rank} + rope{rope})",
+              2 * batch * heads * context * (2 * rank + rope), dtype_bytes * (rows + q_and_out))
+
+
 def prefill_attention_op(batch: int, new_tokens: int, heads: int, kv_heads: int, head_dim: int, prefix: int = 0,
                          dtype_bytes: int = 2) -> Op:
     """Causal over the new tokens, plus every new token against a cached `prefix` (read from the cache)."""

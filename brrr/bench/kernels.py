@@ -18,7 +18,8 @@ import sys
 from datetime import datetime, timezone
 
 from brrr.analysis.hardware import GPU, _known_spec, measure
-from brrr.analysis.kernels import (decode_attention_op, fused_moe_op, kv_write_op, prefill_attention_op, rms_norm_op,
+from brrr.analysis.kernels import (decode_attention_op, fused_moe_op, kv_write_op, mla_decode_op, prefill_attention_op,
+                                   rms_norm_op,
                                    rotary_op, silu_and_mul_op)
 from brrr.analysis.roofline import Op, place, plot
 from brrr.cli import HelpFormatter
@@ -30,18 +31,22 @@ from brrr.kernels.attention.plan import decode_splits
 from brrr.kernels.attention.prefill import prefill_attention_triton, tuned_prefill_config
 from brrr.kernels.dispatch import triton_available
 from brrr.kernels.fused_moe import fused_moe_triton
+from brrr.kernels.mla_attention import mla_decode_ref
+from brrr.kernels.mla_decode import mla_decode_latent_triton
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref
 from brrr.kernels.quant import quant_tuning
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill", "fused_moe")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill", "fused_moe", "mla_decode")
 # Mixtral-8x7B's MoE layer (8 experts, top 2, hidden 4096, expert width 14336) at these token counts
 MOE_EXPERTS, MOE_TOP_K, MOE_INTER, MOE_TOKENS = 8, 2, 14336, (1, 16, 64, 256, 1024)
 # Llama-3.1-8B: hidden 4096, MLP 14336, 32 query heads, 8 kv heads, head dim 128.
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 14336, 32, 8, 128, 16
 DECODE_SHAPES = ((64, 4096), (64, 16384), (1, 32768), (16, 8192))  # (batch, context)
+# MLA's latent cache: DeepSeek-V2-Lite's 16 heads (V3: 128) over rank-512 latents and a 64-wide rotary key
+MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_SHAPES = (16, 128), 512, 64, ((64, 4096), (1, 32768))
 PREFILL_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))  # (batch, tokens): 16k tokens each
 DECODE_SWEEP = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3))  # block_n, warps, stages
 DECODE_SWEEP_SHAPES = {(64, 4096): (1, 2), (16, 8192): (1, 3, 5, 8), (1, 32768): (16, 33, 64)}  # -> splits
@@ -241,6 +246,28 @@ class KernelBench:
                       {"tokens": tokens, "experts": MOE_EXPERTS, "top_k": MOE_TOP_K, "hidden": HIDDEN,
                        "inter": MOE_INTER, "experts_run": run},
                       self.time(lambda: fused_moe_triton(x, weights, ids, w_gate_up, w_down)), peers)
+
+    def mla_decode(self):
+        """MLA's absorbed decode over a shuffled paged latent cache: the Triton latent attention (the cache rows
+        read once for all heads) beside the torch reference's whole decode (its gather, fp32 scores and softmax)."""
+        torch = self.torch
+        for heads in MLA_HEADS:
+            for batch, context in MLA_SHAPES[:1] if self.args.quick else MLA_SHAPES:
+                per_seq = -(-context // BLOCK)
+                cache = self.randn(batch * per_seq, BLOCK, 1, MLA_RANK + MLA_ROPE)
+                tables = torch.randperm(batch * per_seq, device="cuda", generator=self.gen).to(torch.int32)
+                tables = tables.view(batch, per_seq)
+                ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                q = self.randn(batch, heads, MLA_RANK + MLA_ROPE)
+                scale = (128 + MLA_ROPE) ** -0.5
+                seconds = self.time(lambda: mla_decode_latent_triton(q, cache, tables, ctx, MLA_RANK, scale))
+                # the reference with W_kb = I on the first r query dims and W_vb = I: the same latent attention
+                eye = torch.eye(MLA_RANK, device="cuda", dtype=q.dtype).expand(heads, -1, -1)
+                peers = {"torch_reference": self.try_time(lambda: mla_decode_ref(
+                    q[..., :MLA_RANK], q[..., MLA_RANK:], cache, tables, ctx, eye, eye, scale))}
+                self.emit(mla_decode_op(batch, context, heads, MLA_RANK, MLA_ROPE),
+                          {"batch": batch, "context": context, "heads": heads, "rank": MLA_RANK, "rope": MLA_ROPE,
+                           "block_size": BLOCK, "paged": True}, seconds, peers)
 
     # -- attention -----------------------------------------------------------------------------------------
     def _paged(self, batch, context):

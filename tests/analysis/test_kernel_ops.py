@@ -2,8 +2,8 @@
 import pytest
 
 from brrr.analysis.hardware import get_gpu
-from brrr.analysis.kernels import (decode_attention_op, kv_write_op, prefill_attention_op, rms_norm_op, rotary_op,
-                                   silu_and_mul_op)
+from brrr.analysis.kernels import (decode_attention_op, kv_write_op, mla_decode_op, prefill_attention_op, rms_norm_op,
+                                   rotary_op, silu_and_mul_op)
 from brrr.analysis.roofline import place
 
 
@@ -27,6 +27,16 @@ def test_attention_counts():
     assert prefill_attention_op(1, 4096, 32, 8, 128).flops == 4 * 128 * 32 * 4096**2 / 2
     assert prefill_attention_op(2, 100, 4, 1, 64, prefix=50).flops == 4 * 64 * 4 * 2 * (100**2 / 2 + 100 * 50)
     assert place(prefill_attention_op(1, 16384, 32, 8, 128), get_gpu("h200"))["bound"] == "compute"
+
+
+def test_mla_decode_counts():
+    # one 576-value latent row per cached token, read once for every head; scores over r + rope, values over r
+    op = mla_decode_op(64, 4096, 16, 512, 64)
+    assert op.bytes == 2 * (64 * 4096 * 576 + 64 * 16 * (2 * 512 + 64))
+    assert op.flops == 2 * 64 * 16 * 4096 * (2 * 512 + 64)
+    h200 = get_gpu("h200")
+    assert place(op, h200)["bound"] == "memory"  # 16 heads (V2-Lite): ~30 FLOPs a byte
+    assert place(mla_decode_op(64, 4096, 128, 512, 64), h200)["bound"] == "compute"  # 128 heads (V3): ~240
 
 
 def test_plot_with_measured_points(tmp_path):

@@ -367,9 +367,10 @@ PREEMPTION_MODES = ("recompute", "swap")  # vLLM's old --preemption-mode values
 
 
 def check_swap(ec) -> None:
-    """EngineConfig's swap fields: a size in GiB >= 0, a known mode, swap only with host blocks, and none of the
-    features that keep per-block state of their own (a draft model's cache, eviction windows, other ranks' caches,
-    another instance's transfer)."""
+    """EngineConfig's host-memory fields (swap_space, kv_offloading_size): sizes in GiB >= 0, a known mode, swap
+    only with host blocks, the host tier only with prefix caching, and none of the features that keep per-block
+    state of their own (a draft model's cache, eviction windows, other ranks' caches, another instance's
+    transfer)."""
     space = ec.swap_space
     if not isinstance(space, (int, float)) or isinstance(space, bool) or not space >= 0:
         raise BrrrError(f"EngineConfig.swap_space (--swap-space) must be a number of GiB >= 0, got {space!r}")
@@ -383,6 +384,17 @@ def check_swap(ec) -> None:
             or ec.tensor_parallel_size > 1):
         raise BrrrError("EngineConfig.swap_space does not combine with speculative_config, kv_eviction, "
                         "disaggregate or tensor_parallel_size > 1 yet (use preemption_mode='recompute')")
+    size = ec.kv_offloading_size
+    if not isinstance(size, (int, float)) or isinstance(size, bool) or not size >= 0:
+        raise BrrrError(f"EngineConfig.kv_offloading_size (--kv-offloading-size) must be a number of GiB >= 0, "
+                        f"got {size!r}")
+    if size and not ec.enable_prefix_caching:
+        raise BrrrError("EngineConfig.kv_offloading_size keeps evicted prefix-cache blocks in host memory: it needs "
+                        "enable_prefix_caching=True")
+    if size and (ec.speculative_config is not None or ec.kv_eviction is not None or ec.disaggregate is not None
+                 or ec.tensor_parallel_size > 1):
+        raise BrrrError("EngineConfig.kv_offloading_size does not combine with speculative_config, kv_eviction, "
+                        "disaggregate or tensor_parallel_size > 1 yet")
 
 
 def check_eviction(ec) -> None:
@@ -460,6 +472,9 @@ class EngineConfig:
     # choose per preemption, "recompute" or "swap" forces one
     swap_space: float = 0.0
     preemption_mode: str | None = None
+    # the prefix cache's host tier (brrr/engine/host_prefix.py), vLLM's name: GiB of pinned host memory that full
+    # cached blocks go to when the device pool evicts them, and come back from on a prefix hit (0: off)
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self):
         if self.speculative_config is not None:

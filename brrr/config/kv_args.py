@@ -39,6 +39,9 @@ def add_kv_cache_args(parser) -> None:
     parser.add_argument("--swap-space", type=gib, default=0.0, metavar="GIB",
                         help="pinned host memory for preempted sequences' KV blocks, swapped out and back instead of "
                              "recomputed when that is cheaper (default 0: off; docs/engine.md)")
+    parser.add_argument("--kv-offloading-size", type=gib, default=0.0, metavar="GIB",
+                        help="pinned host memory for prefix-cache blocks the GPU pool evicts: a later prompt with "
+                             "that prefix copies them back instead of recomputing (default 0: off; docs/engine.md)")
     parser.add_argument("--preemption-mode", default=None, choices=PREEMPTION_MODES,
                         help="force recompute or swap (swap needs --swap-space) instead of the cost rule's choice")
 
@@ -47,4 +50,5 @@ def kv_cache_config(args) -> dict:
     """EngineConfig's keyword arguments from the parsed flags."""
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 kv_eviction=args.kv_eviction, kv_budget=args.kv_budget, kv_sink_tokens=args.kv_sink_tokens,
-                swap_space=args.swap_space, preemption_mode=args.preemption_mode)
+                swap_space=args.swap_space, preemption_mode=args.preemption_mode,
+                kv_offloading_size=args.kv_offloading_size)

@@ -2,12 +2,14 @@
 sequences, and prefix caching by chained content hash of full blocks with LRU eviction of cached free blocks.
 
 A block's hash is registered only once its K/V are computed, so a prefix hit never reads a block that is still
-being filled. Freed blocks keep their hash (and stay findable) until the pool needs them back.
+being filled. Freed blocks keep their hash (and stay findable) until the pool needs them back; with a host tier
+(brrr/engine/host_prefix.py) they are then copied to host memory and stay findable there.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from brrr.engine.host_prefix import HostPrefixTier
 from brrr.engine.sequence import Sequence
 
 
@@ -25,7 +27,8 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra=None) -> in
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_tier: HostPrefixTier | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
@@ -34,6 +37,10 @@ class BlockManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # first = least recently freed = evicted first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens, as vLLM counts them
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.host_hits = 0  # tokens of prefix hits served from the host tier
+        self._spills: list[tuple[int, int]] = []  # (device, host) copies the next step must make first
+        self._loads: list[tuple[int, int]] = []  # (host, device)
 
     @property
     def num_blocks(self) -> int:
@@ -58,6 +65,9 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                host = None if self.host_tier is None else self.host_tier.store(block.hash, block.token_ids)
+                if host is not None:
+                    self._spills.append((block_id, host))
             block.hash = block.token_ids = None
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -79,6 +89,9 @@ class BlockManager:
         self.hash_to_block.clear()
         self.free_uncached.extend(self.free_cached)
         self.free_cached.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        self._spills, self._loads = [], []
 
     def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         return self.blocks_for(len(seq.token_ids) if num_tokens is None else num_tokens) <= self.num_free_blocks
@@ -98,12 +111,15 @@ class BlockManager:
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(parent, chunk, extra_key)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
-                break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_cached[block_id]
-            block.ref_count += 1
+            if block_id is not None and self.blocks[block_id].token_ids == chunk:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_cached[block_id]
+                block.ref_count += 1
+            else:
+                block_id = self._load_from_host(h, chunk)
+                if block_id is None:
+                    break
             table.append(block_id)
             hashes.append(h)
             parent = h
@@ -114,6 +130,29 @@ class BlockManager:
             self.prefix_queries += len(tokens)
             self.prefix_hits += cached
         return cached
+
+    def _load_from_host(self, block_hash: int, chunk: tuple[int, ...]) -> int | None:
+        """A device block for a prefix block the host tier holds (registered at once: its copy in runs before the
+        step reads it), or None."""
+        host = None if self.host_tier is None or not self.num_free_blocks else self.host_tier.lookup(block_hash, chunk)
+        if host is None:
+            return None
+        block_id = self._take()
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = block_hash, chunk
+        self.hash_to_block[block_hash] = block_id
+        self._loads.append((host, block_id))
+        self.host_hits += self.block_size
+        return block_id
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies since the last call, (device, host) out and (host, device) in, for the step
+        about to run; its entries found meanwhile are unpinned (their copies are queued first)."""
+        spills, loads = self._spills, self._loads
+        self._spills, self._loads = [], []
+        if self.host_tier is not None:
+            self.host_tier.unpin_all()
+        return spills, loads
 
     def commit_computed(self, seq: Sequence, extra_key=None) -> None:
         """Register hashes of blocks that became full and computed, so later requests can reuse them. None once the
@@ -203,3 +242,5 @@ class BlockManager:
         assert all(self.blocks[b].hash is None for b in self.free_uncached)
         for h, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].hash == h
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()

@@ -130,7 +130,7 @@ class Scheduler:
             return None
         for seq in grow:
             seq.block_table.append(bm.allocate_block())
-        return ScheduledBatch(items, previous_rows=rows)
+        return self._with_host_copies(ScheduledBatch(items, previous_rows=rows))
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.max_num_batched_tokens
@@ -204,6 +204,14 @@ class Scheduler:
                     continue
             batch.items.append((seq, n))
             budget -= n
+        return self._with_host_copies(batch)
+
+    def _with_host_copies(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The prefix cache's host-tier copies this scheduling made (evicted blocks out, hits in) join the step's
+        swap copies, which run before it (brrr/engine/host_prefix.py)."""
+        spills, loads = self.block_manager.take_host_copies()
+        batch.swap_out += spills
+        batch.swap_in += loads
         return batch
 
     def _evicting_chunk(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from brrr.analysis.hardware import _known_spec
 from brrr.analysis.offload import swap_threshold
+from brrr.engine.host_prefix import HostPrefixTier
 from brrr.errors import BrrrError
 
 log = logging.getLogger("brrr.engine")
@@ -101,3 +102,16 @@ def swap_policy(ec, cfg, device: torch.device, dtype: torch.dtype, bytes_per_blo
             return None
     log.info("swap_space: %d host blocks; preempted sequences of >= %d computed tokens swap", num_blocks, min_tokens)
     return SwapPolicy(HostBlockPool(num_blocks), min_tokens)
+
+
+def host_prefix_tier(ec, bytes_per_block: int, first: int) -> HostPrefixTier | None:
+    """The prefix cache's host tier EngineConfig.kv_offloading_size asks for (host block ids from `first`), or
+    None: no size, or prefix caching off."""
+    if not ec.kv_offloading_size or not ec.enable_prefix_caching:
+        return None
+    num_blocks = int(ec.kv_offloading_size * 2**30) // bytes_per_block
+    if num_blocks < 1:
+        raise BrrrError(f"EngineConfig.kv_offloading_size ({ec.kv_offloading_size} GiB, --kv-offloading-size) holds "
+                        f"no KV block of {bytes_per_block} bytes: raise it, or 0 to turn the host tier off")
+    log.info("kv_offloading_size: %d host blocks for prefix-cache blocks the device pool evicts", num_blocks)
+    return HostPrefixTier(first, num_blocks)

@@ -37,7 +37,7 @@ from brrr.engine.sequence import Request, Sequence
 from brrr.engine.spec.feature import Speculation
 from brrr.engine.spec.verify import Speculator
 from brrr.engine.spec.verify_graphs import verify_graph_spec
-from brrr.engine.swap import swap_policy
+from brrr.engine.swap import host_prefix_tier, swap_policy
 from brrr.errors import BrrrError
 from brrr.kernels.attention.kv_quant import cache_dtype
 from brrr.kernels.quant import quant_tuning
@@ -103,11 +103,13 @@ class EngineCore:
                 proposer.allocate_cache(num_blocks, ec.block_size, ec.cuda_graphs,
                                         min(ec.max_num_seqs, spec_cfg.disable_by_batch_size or ec.max_num_seqs),
                                         ec.max_num_batched_tokens, spec_cfg.num_speculative_tokens, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         p = next(model.parameters())
+        block_bytes = kv_bytes_per_block(cfg, ec.block_size, cache_dtype(ec.kv_cache_dtype, p.dtype))
+        swap = swap_policy(ec, cfg, p.device, p.dtype, block_bytes, self.max_model_len)
+        swap_blocks = 0 if swap is None else swap.pool.num_blocks
+        host_tier = host_prefix_tier(ec, block_bytes, first=swap_blocks)  # host ids after the swap pool's
+        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, host_tier)
         eviction = eviction_policy(ec, self.block_manager, cfg.num_layers, p.device)
-        swap = swap_policy(ec, cfg, p.device, p.dtype, kv_bytes_per_block(cfg, ec.block_size, cache_dtype(
-            ec.kv_cache_dtype, p.dtype)), self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs, self.max_model_len,
                                    ec.max_loras if ec.enable_lora else None, on_release=self._released,
                                    eviction=eviction, swap=swap)
@@ -122,7 +124,7 @@ class EngineCore:
             self.runner = ModelRunner(model, ec.block_size, num_blocks, self.max_model_len, graphs,
                                       ec.max_num_seqs, None if adapters is None else adapters.row_input, verify,
                                       ec.kv_cache_dtype, ec.calculate_kv_scales,
-                                      num_host_blocks=0 if swap is None else swap.pool.num_blocks)
+                                      num_host_blocks=swap_blocks + (host_tier.num_blocks if host_tier else 0))
         if eviction is not None and eviction.observes:
             self.runner.attention_observer = eviction
         self.features: list[Feature] = self._features(speculator, adapters)
@@ -518,7 +520,8 @@ class EngineCore:
         stats = {"num_requests_running": len(self.scheduler.running),
                  "num_requests_waiting": len(self.scheduler.waiting), "kv_cache_usage": bm.usage,
                  "num_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_queries,
-                 "prefix_cache_hits": bm.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                 "prefix_cache_hits": bm.prefix_hits, "host_prefix_cache_hits": bm.host_hits,
+                 "num_preemptions": self.scheduler.num_preemptions,
                  "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total,
                  "num_steps": self.num_steps}
         for feature in self.features:

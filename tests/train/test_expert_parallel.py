@@ -1,4 +1,4 @@
-"""Expert parallelism under gloo: 2 ranks, each holding half the experts and half of every batch, train 6 steps
+"""Expert parallelism under gloo: 2 ranks, each holding half the experts and half of every batch, train 10 steps
 with the one-process run's losses (within 5e-5) and parameters; so do `brrr train --ep 2` (2 ranks) and
 `--ep 2 --dp-shard 2` (4 ranks: FSDP2 over the experts' holders beside EP), their final weights and validation loss
 too, and a checkpoint resumes across the layouts; an idle expert still gets a (zero) gradient; layouts EP does not
@@ -92,7 +92,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "interm
             "router_aux_loss_coef": 0.0, "tie_word_embeddings": False}
 LOSS_ATOL, WEIGHT_ATOL = 5e-5, 1e-4
 GLOBAL_MICRO_BATCH = 4
-TRAIN_STEPS = 6  # enough for warmup, clipping and a resume over three layouts; each step is a gloo round
+TRAIN_STEPS = 10  # enough for warmup, clipping and a resume over three layouts; each step is a gloo round
 
 
 def _cfg(model, data_dir, out, dp: int, **kw) -> TrainConfig:

@@ -11,7 +11,8 @@
 3. Down (`_down_kernel`): the same blocking over w_down[e] [H, I], the routing weight multiplied in the epilogue;
    [T*k, H] per pair. A token's k rows are then summed in expert order (the reference's order).
 The epilogues round where the reference rounds (the GEMM outputs, silu's output, the product), so the kernel
-differs from `moe_experts_ref` only by the GEMMs' summation order. `fused_moe_plan` picks the tiles.
+differs from `moe_experts_ref` only by the GEMMs' summation order. The tiles are tuned per token-count bucket at
+warm-up (`aligned_candidates`, through brrr.kernels.quant's TUNED_CONFIGS); `fused_moe_plan` is what runs untuned.
 
 One token (batch-1 decode) takes its own path, `fused_moe_decode`: its k choices are k distinct experts, so there is
 nothing to align and the layer is a GEMV per choice, bound by reading the k experts' weights. The grouped GEMMs'
@@ -77,6 +78,30 @@ def fused_moe_plan(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
     return dict(BLOCK_M=block_m, BLOCK_N=64 if inter >= 64 else 32, BLOCK_K=64 if hidden >= 64 else 32,
                 num_warps=4 if block_m <= 32 else 8)
+
+
+def aligned_candidates(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> list[dict]:
+    """The aligned kernels' configs the warm-up times at this token count, led by `fused_moe_plan`'s: BLOCK_M
+    around the mean rows per expert (the alignment pads each expert's run to it, so past that it only adds
+    padding), wider N tiles and deeper pipelines where the layer turns compute-bound. Families (BLOCK_M, warps)
+    vary the N/K tiles and stages."""
+    rule = fused_moe_plan(tokens, top_k, num_experts, hidden, inter)
+    per_expert = tokens * top_k / max(1, min(num_experts, tokens * top_k))
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
+    configs = [rule]
+    for block_m in block_ms:
+        for warps in (4, 8):
+            for block_n in (64, 128):
+                for block_k in (32, 64):
+                    for stages in (3, 4):
+                        if block_m * block_n <= 8192 and (warps == 8 or block_m * block_n <= 4096):
+                            configs.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                num_warps=warps, num_stages=stages))
+    return [c for i, c in enumerate(configs) if c not in configs[:i]]
+
+
+def _aligned_family(config: dict) -> tuple:
+    return config["BLOCK_M"], config["num_warps"]
 
 
 def decode_plan(top_k: int, hidden: int, inter: int, sms: int = 132) -> dict:
@@ -345,14 +370,36 @@ def finish_decode(partial: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
 def fused_moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
     """x [T, H]; weights [T, k] (fp32), ids [T, k]; w_gate_up [E, 2I, H], w_down [E, H, I] (last dims unit-stride)
-    -> [T, H], as `moe_experts_ref`. One token takes the GEMV path (`fused_moe_decode`) unless a plan is given."""
-    tokens, hidden = x.shape
-    if tokens == 1 and plan is None:
+    -> [T, H], as `moe_experts_ref`. One token takes the GEMV path (`fused_moe_decode`) unless a plan is given;
+    more take the aligned kernels with the config tuned for their token-count bucket."""
+    if x.shape[0] == 1 and plan is None:
         return fused_moe_decode(x, weights, ids, w_gate_up, w_down)
+    if plan is None:
+        plan = _tuned_aligned_plan(x, weights, ids, w_gate_up, w_down)
+    return _fused_moe_aligned(x, weights, ids, w_gate_up, w_down, plan)
+
+
+def _tuned_aligned_plan(x, weights, ids, w_gate_up, w_down) -> dict:
+    """The aligned kernels' config from TUNED_CONFIGS by token-count bucket (timed among `aligned_candidates`
+    inside the warm-up's `quant_tuning`, kept on disk per GPU); fp32 and buckets never tuned: `fused_moe_plan`."""
+    tokens, hidden = x.shape
+    num_experts, inter, top_k = w_gate_up.shape[0], w_down.shape[2], ids.shape[1]
+    rule = fused_moe_plan(tokens, top_k, num_experts, hidden, inter)
+    if x.dtype == torch.float32 or x.device.type != "cuda":
+        return rule
+    return TUNED_CONFIGS.config(
+        x.device, ("moe_aligned", num_experts, top_k, hidden, inter, x.dtype), tokens,
+        lambda: aligned_candidates(tokens, top_k, num_experts, hidden, inter),
+        lambda cfg, w=None: _fused_moe_aligned(x, weights, ids, w_gate_up, w_down, cfg), default=rule,
+        family=_aligned_family)
+
+
+def _fused_moe_aligned(x, weights, ids, w_gate_up, w_down, plan: dict) -> torch.Tensor:
+    tokens, hidden = x.shape
     num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
-    plan = plan or fused_moe_plan(tokens, top_k, num_experts, hidden, inter)
     bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
+    launch = dict(num_warps=plan["num_warps"], **({"num_stages": plan["num_stages"]} if "num_stages" in plan else {}))
     pairs, block_expert = align_by_expert(ids, num_experts, bm)
     n_pairs = tokens * top_k
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (no TF32), as the reference's matmuls
@@ -360,12 +407,12 @@ def fused_moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     grid = (block_expert.shape[0], triton.cdiv(inter, bn))
     _gate_up_kernel[grid](x, w_gate_up, act, pairs, block_expert, n_pairs, top_k, hidden, inter, x.stride(0),
                           w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), IEEE=ieee, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk, num_warps=plan["num_warps"])
+                          BLOCK_N=bn, BLOCK_K=bk, **launch)
     per_pair = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_expert.shape[0], triton.cdiv(hidden, bn))
     _down_kernel[grid](act, w_down, weights.float().contiguous(), per_pair, pairs, block_expert, n_pairs, hidden,
                        inter, act.stride(0), w_down.stride(0), w_down.stride(1), per_pair.stride(0), IEEE=ieee,
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan["num_warps"])
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
     return sum_in_expert_order(per_pair, ids, x)
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from brrr.kernels.fused_moe import (align_by_expert, decode_candidates, decode_plan, finish_decode, fused_moe_decode,
+from brrr.kernels.fused_moe import (aligned_candidates, align_by_expert, decode_candidates, decode_plan, finish_decode, fused_moe_decode,
                                     fused_moe_plan, fused_moe_triton, sum_in_expert_order)
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref, topk_softmax_triton
@@ -198,3 +198,22 @@ def test_topk_kernel_takes_the_lowest_index_among_equal_scores(device):
     weights, ids = topk_softmax_triton(probs, 3)
     assert ids.cpu().tolist() == [[1, 3, 2], [0, 1, 2]]
     torch.testing.assert_close(weights.cpu(), probs.cpu().gather(1, ids.cpu()))
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_aligned_candidates_lead_with_the_plan_and_every_one_runs(device, tokens):
+    """The warm-up times these for the aligned kernels: led by `fused_moe_plan`'s config, no BLOCK_M past twice the
+    mean rows per expert, no duplicate; every candidate gives the reference's output (a sample, interpreter)."""
+    gen = torch.Generator().manual_seed(50 + tokens)
+    num, hidden, inter, top_k = 6, 64, 96, 2
+    configs = aligned_candidates(tokens, top_k, num, hidden, inter)
+    assert configs[0] == fused_moe_plan(tokens, top_k, num, hidden, inter) and len(configs) > 8
+    assert all(c not in configs[:i] for i, c in enumerate(configs))
+    assert max(c["BLOCK_M"] for c in configs) <= max(16, 2 * tokens * top_k / num)
+    experts = [tuple(t.to(device) for t in e) for e in _experts(num, hidden, inter, gen)]
+    x = torch.randn(tokens, hidden, generator=gen).to(device)
+    weights, ids = (t.to(device) for t in route_ref(torch.randn(tokens, num, generator=gen), top_k, renormalize=True))
+    ref = moe_experts_ref(x, weights, ids, experts)
+    w_gate_up, w_down = _stacked(experts)
+    for cfg in configs[::7]:
+        torch.testing.assert_close(fused_moe_triton(x, weights, ids, w_gate_up, w_down, cfg), ref, atol=1e-5, rtol=1e-5)

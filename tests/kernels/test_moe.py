@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from brrr.kernels.fused_moe import (aligned_candidates, align_by_expert, decode_candidates, decode_plan, finish_decode, fused_moe_decode,
-                                    fused_moe_plan, fused_moe_triton, sum_in_expert_order)
+from brrr.kernels.fused_moe import (align_by_expert, aligned_candidates, decode_candidates, decode_plan, finish_decode,
+                                    fused_moe_decode, fused_moe_plan, fused_moe_triton, sum_in_expert_order)
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref, topk_softmax_triton
 

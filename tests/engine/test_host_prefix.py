@@ -16,6 +16,7 @@ from brrr.engine.model_runner import kv_bytes_per_block
 from brrr.errors import BrrrError
 from brrr.sampling_params import SamplingParams
 from tests import hf_models
+from tests.engine.test_graph_inputs import EagerReplay
 
 VOCAB = 256
 
@@ -82,10 +83,21 @@ def test_shared_prefixes_under_pressure_give_the_tokens_of_no_cache(model, tier_
     want = run(LLMEngine(model, config=EngineConfig(num_blocks=200, enable_prefix_caching=False)), requests)
     engine = LLMEngine(model, config=EngineConfig(num_blocks=14, block_size=16, max_num_batched_tokens=48,
                                                   max_num_seqs=3, kv_offloading_size=gib(model, tier_blocks)))
+    # graphs (eager stand-ins on CPU): decode steps are planned ahead, and the blocks they take may spill too
+    engine.runner.capture_cuda_graphs(3, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+    ahead_spills, plan_ahead = [], engine.scheduler.schedule_next_decode
+
+    def counting(batch):
+        nxt = plan_ahead(batch)
+        ahead_spills.append(0 if nxt is None else len(nxt.swap_out))
+        return nxt
+
+    engine.scheduler.schedule_next_decode = counting
     got = {}
     for chunk in range(0, 16, 4):  # in waves, so later waves find earlier prefixes evicted to the host
         got.update(run(engine, requests[chunk:chunk + 4]))
     assert got == want
+    assert any(ahead_spills), "no step planned ahead evicted a cached block"
     tier = engine.block_manager.host_tier
     assert engine.stats()["host_prefix_cache_hits"] > 0 and tier.loaded > 0
     assert tier.stored > tier.num_blocks or tier_blocks == 40  # the small tier evicted its own entries

@@ -400,6 +400,8 @@ class EngineCore:
             nxt = self.scheduler.schedule_next_decode(inflight.plan.batch)
             if nxt is None:
                 return None
+            if nxt.swap_out or nxt.swap_in:  # a block it took was a cached one the host tier keeps: copied first
+                self.runner.swap_blocks(nxt.swap_out, nxt.swap_in)
             if self.schedule_log is not None:
                 self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in nxt.items])
             tokens = inflight.pending.device_tokens

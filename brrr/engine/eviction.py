@@ -29,6 +29,8 @@ class StreamingEviction:
     # the runner's side of a policy (`observe_items` / `observer`): none, every block goes whole on the host
     observes = False
     allows_graphs = True
+    # whether decode steps evict (make_room, after_step): then no step is planned before the last one's tokens
+    plans_decodes = True
 
     def __init__(self, block_manager: BlockManager, budget_tokens: int, sink_tokens: int):
         bs = block_manager.block_size

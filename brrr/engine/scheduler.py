@@ -113,8 +113,10 @@ class Scheduler:
         full batch, or too few free blocks for the queue's head, keeps it waiting either way; one admitted after a
         finish joins a step later). Sequences that step t ends for sure (length) are left out; ones a stop token
         ends are computed and their token dropped. Reserves the blocks step t+1 writes to; None when it can't."""
-        bm = self.block_manager
-        if len(self.running) != len(batch.items) or self.eviction is not None:  # (eviction plans on the host)
+        bm, ev = self.block_manager, self.eviction
+        # an evicting policy plans decodes on the host, and a compaction (batch.eviction) moves the rows the next
+        # step's slots are counted from when step t commits
+        if len(self.running) != len(batch.items) or ev is not None and (ev.plans_decodes or batch.eviction):
             return None
         if self.waiting and len(self.running) < self.max_num_seqs and bm.can_allocate(self.waiting[0]):
             return None
@@ -124,8 +126,10 @@ class Scheduler:
                 continue
             rows.append(row)
             items.append((seq, 1))
-        # step t+1 writes position len(token_ids): its block must exist
-        grow = [seq for seq, _ in items if len(seq.block_table) < bm.blocks_for(len(seq.token_ids) + 1)]
+        # step t+1 writes position len(token_ids): its block (counted on cache rows, past what eviction dropped)
+        # must exist
+        grow = [seq for seq, _ in items if len(seq.block_table) + seq.num_evicted_blocks
+                < bm.blocks_for(len(seq.token_ids) + 1 - seq.num_dropped_tokens)]
         if not items or len(grow) > bm.num_free_blocks:
             return None
         for seq in grow:

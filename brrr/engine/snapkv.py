@@ -98,6 +98,7 @@ class CompactedBlocks:
     """Block bookkeeping of a policy that compacts a sequence's kept rows to the front of its cache (SnapKV, H2O):
     position p lives at row p - num_dropped_tokens, so blocks are counted on rows, not positions."""
     block_manager: BlockManager
+    plans_decodes = True  # (StreamingEviction's)
 
     def needs_block(self, seq: Sequence, end: int) -> bool:
         return self.block_manager.blocks_for(end - seq.num_dropped_tokens) > len(seq.block_table)
@@ -114,6 +115,7 @@ class SnapKVEviction(CompactedBlocks):
     each window in one step, the blocks a chunk needs, and the blocks freed after the compaction; the runner's:
     the compactions a step carries (`observe_items`) and the observer that does them (`observer`)."""
     observes = allows_graphs = True
+    plans_decodes = False  # one compaction at the prompt's end; decode steps keep every new row
 
     def __init__(self, block_manager: BlockManager, budget_tokens: int):
         self.block_manager, self.budget_tokens = block_manager, budget_tokens

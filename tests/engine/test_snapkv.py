@@ -176,3 +176,29 @@ def test_n_above_one_is_refused_naming_the_field(model):
 def test_bad_snapkv_settings_name_the_field(bad, message):
     with pytest.raises(BrrrError, match=message):
         EngineConfig(block_size=BS, **bad)
+
+
+def test_decode_steps_after_the_compaction_are_planned_ahead(model):
+    """SnapKV evicts once, at the prompt's end; its decode steps then run as any decode (step t+1 planned before
+    step t's tokens reach the host, through graphs: eager stand-ins on CPU), the compaction step itself never: the
+    tokens stay the reference's."""
+    from tests.engine.test_graph_inputs import EagerReplay
+
+    rng = random.Random(2)
+    prompt = [rng.randrange(VOCAB) for _ in range(150)]
+    want, _, _ = snapkv_reference(model, prompt, 40, 64)
+    engine = snapkv_engine(model, 64)
+    engine.runner.capture_cuda_graphs(2, 16, capture=lambda step, pool: (g := EagerReplay(step), g.logits))
+    planned, plan_ahead = [], engine.scheduler.schedule_next_decode
+
+    def counting(batch):
+        nxt = plan_ahead(batch)
+        planned.append((bool(batch.eviction), nxt is not None))
+        return nxt
+
+    engine.scheduler.schedule_next_decode = counting
+    engine.add_request("a", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    out = [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step()][-1]
+    assert out.outputs[0].token_ids == want
+    assert any(ahead for _, ahead in planned) and not any(compacting and ahead for compacting, ahead in planned)
+    engine.block_manager.check_invariants([])

@@ -174,3 +174,25 @@ def test_throughput_splits_the_schedule_by_step_kind():
     total = sum(step_cost(cfg, items, gpu, "bf16") for items in schedule)
     assert abs(kinds["decode"]["model_seconds"] + kinds["prefill_or_mixed"]["model_seconds"] - total) < 2e-3
     assert kinds["prefill_or_mixed"]["flops_seconds"] > kinds["prefill_or_mixed"]["bytes_seconds"]
+
+
+def test_prefix_offload_bench_serves_the_evicted_prefix_from_the_host(tmp_path):
+    """bench/prefix_offload.py on the shipped model's shape (random weights): the host mode's B finds its whole
+    prefix on the host and computes only its own 32 tokens, the recompute mode prefills it all again."""
+    import importlib.util
+    from pathlib import Path
+
+    from brrr.default_model import default_model_dir
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "prefix_offload.py"
+    spec = importlib.util.spec_from_file_location("prefix_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.jsonl"
+    bench.main(["--model", str(default_model_dir()), "--lengths", "64", "--max-num-batched-tokens", "128",
+                "--out", str(out)])
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["host_hits_host"] == 64 and rec["prompt_tokens_host"] == 32
+    assert rec["host_hits_device"] == 0 and rec["prompt_tokens_device"] == 32
+    assert rec["host_hits_recompute"] == 0 and rec["prompt_tokens_recompute"] == 96
+    assert all(rec[f"ttft_{m}_s"] > 0 for m in ("device", "host", "recompute"))

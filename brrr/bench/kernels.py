@@ -19,8 +19,7 @@ from datetime import datetime, timezone
 
 from brrr.analysis.hardware import GPU, _known_spec, measure
 from brrr.analysis.kernels import (decode_attention_op, fused_moe_op, kv_write_op, mla_decode_op, prefill_attention_op,
-                                   rms_norm_op,
-                                   rotary_op, silu_and_mul_op)
+                                   rms_norm_op, rotary_op, silu_and_mul_op)
 from brrr.analysis.roofline import Op, place, plot
 from brrr.cli import HelpFormatter
 from brrr.config import RopeConfig

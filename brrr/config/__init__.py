@@ -371,30 +371,30 @@ def check_swap(ec) -> None:
     only with host blocks, the host tier only with prefix caching, and none of the features that keep per-block
     state of their own (a draft model's cache, eviction windows, other ranks' caches, another instance's
     transfer)."""
-    space = ec.swap_space
-    if not isinstance(space, (int, float)) or isinstance(space, bool) or not space >= 0:
-        raise BrrrError(f"EngineConfig.swap_space (--swap-space) must be a number of GiB >= 0, got {space!r}")
+    space, size = ec.swap_space, ec.kv_offloading_size
+    _check_gib(space, "swap_space", "--swap-space")
+    _check_gib(size, "kv_offloading_size", "--kv-offloading-size")
     if ec.preemption_mode is not None and ec.preemption_mode not in PREEMPTION_MODES:
         raise BrrrError(f"EngineConfig.preemption_mode (--preemption-mode) must be one of "
                         f"{', '.join(PREEMPTION_MODES)} or None, got {ec.preemption_mode!r}")
     if ec.preemption_mode == "swap" and space == 0:
         raise BrrrError("EngineConfig.preemption_mode='swap' needs swap_space > 0 (--swap-space GiB of host memory)")
-    if space and ec.preemption_mode != "recompute" and (
-            ec.speculative_config is not None or ec.kv_eviction is not None or ec.disaggregate is not None
-            or ec.tensor_parallel_size > 1):
+    own_state = (ec.speculative_config is not None or ec.kv_eviction is not None or ec.disaggregate is not None
+                 or ec.tensor_parallel_size > 1)
+    if space and ec.preemption_mode != "recompute" and own_state:
         raise BrrrError("EngineConfig.swap_space does not combine with speculative_config, kv_eviction, "
                         "disaggregate or tensor_parallel_size > 1 yet (use preemption_mode='recompute')")
-    size = ec.kv_offloading_size
-    if not isinstance(size, (int, float)) or isinstance(size, bool) or not size >= 0:
-        raise BrrrError(f"EngineConfig.kv_offloading_size (--kv-offloading-size) must be a number of GiB >= 0, "
-                        f"got {size!r}")
     if size and not ec.enable_prefix_caching:
         raise BrrrError("EngineConfig.kv_offloading_size keeps evicted prefix-cache blocks in host memory: it needs "
                         "enable_prefix_caching=True")
-    if size and (ec.speculative_config is not None or ec.kv_eviction is not None or ec.disaggregate is not None
-                 or ec.tensor_parallel_size > 1):
+    if size and own_state:
         raise BrrrError("EngineConfig.kv_offloading_size does not combine with speculative_config, kv_eviction, "
                         "disaggregate or tensor_parallel_size > 1 yet")
+
+
+def _check_gib(value, field: str, flag: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise BrrrError(f"EngineConfig.{field} ({flag}) must be a number of GiB >= 0, got {value!r}")
 
 
 def check_eviction(ec) -> None:

@@ -38,9 +38,13 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens, as vLLM counts them
         self.host_tier = host_tier if enable_prefix_caching else None
-        self.host_hits = 0  # tokens of prefix hits served from the host tier
         self._spills: list[tuple[int, int]] = []  # (device, host) copies the next step must make first
         self._loads: list[tuple[int, int]] = []  # (host, device)
+
+    @property
+    def host_hits(self) -> int:
+        """Tokens of prefix hits served from the host tier."""
+        return 0 if self.host_tier is None else self.host_tier.loaded * self.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -142,7 +146,6 @@ class BlockManager:
         block.hash, block.token_ids = block_hash, chunk
         self.hash_to_block[block_hash] = block_id
         self._loads.append((host, block_id))
-        self.host_hits += self.block_size
         return block_id
 
     def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -26,10 +26,9 @@ summed in expert order, found in-kernel). CUDA-core products (tl.sum, fp32 accum
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from brrr.kernels.dispatch import next_power_of_2, num_sms
 from brrr.kernels.quant.tune import TUNED_CONFIGS
 
 
@@ -97,7 +96,7 @@ def aligned_candidates(tokens: int, top_k: int, num_experts: int, hidden: int, i
                         if block_m * block_n <= 8192 and (warps == 8 or block_m * block_n <= 4096):
                             configs.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                                 num_warps=warps, num_stages=stages))
-    return [c for i, c in enumerate(configs) if c not in configs[:i]]
+    return _unique(configs)
 
 
 def _aligned_family(config: dict) -> tuple:
@@ -129,23 +128,34 @@ def _down_config(top_k: int, hidden: int, inter: int, block_n: int, block_k: int
 def decode_candidates(top_k: int, hidden: int, inter: int, sms: int) -> tuple[list[dict], list[dict]]:
     """(gate/up configs, down configs) the warm-up times for the one-token path, each list led by
     `decode_plan`'s. Families (tile width, warps) vary the K step and stages (gate/up) or the split (down)."""
-    rule = decode_plan(top_k, hidden, inter, sms)
-    gate_up, down = [rule["gate_up"]], [rule["down"]]
+    return gate_up_candidates(top_k, hidden, inter, sms), down_candidates(top_k, hidden, inter, sms)
+
+
+def gate_up_candidates(top_k: int, hidden: int, inter: int, sms: int) -> list[dict]:
+    configs = [decode_plan(top_k, hidden, inter, sms)["gate_up"]]
     for n in (8, 16, 32, 64):
         for warps in (4, 8):
             for k in (128, 256, 512):
                 for stages in (2, 4):
                     if n * k <= 16384 and k <= _pow2_at_least(hidden):
-                        gate_up.append(dict(BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages))
+                        configs.append(dict(BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages))
+    return _unique(configs)
+
+
+def down_candidates(top_k: int, hidden: int, inter: int, sms: int) -> list[dict]:
+    configs = [decode_plan(top_k, hidden, inter, sms)["down"]]
     for n in (16, 32, 64):
         for warps in (4, 8):
             for k in (64, 128, 256):
                 for programs in (2 * sms, 4 * sms, 8 * sms):
                     if n * k <= 16384 and k <= _pow2_at_least(inter):
-                        down.append(_down_config(top_k, hidden, inter, n, k, programs, num_warps=warps,
-                                                 num_stages=3))
-    dedup = lambda configs: [c for i, c in enumerate(configs) if c not in configs[:i]]  # noqa: E731
-    return dedup(gate_up), dedup(down)
+                        configs.append(_down_config(top_k, hidden, inter, n, k, programs, num_warps=warps,
+                                                    num_stages=3))
+    return _unique(configs)
+
+
+def _unique(configs: list[dict]) -> list[dict]:
+    return [c for i, c in enumerate(configs) if c not in configs[:i]]
 
 
 def _launch_family(config: dict) -> tuple:
@@ -157,11 +167,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _pow2_at_least(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+    """A tile width: the power of two >= n, at least 16 (tl.dot's and tl.arange's smallest useful one)."""
+    return max(16, next_power_of_2(n))
 
 
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
 
 
 try:
@@ -325,11 +337,12 @@ def _tuned_decode_plan(x, top_k: int, hidden: int, inter: int, run_gate_up, run_
     if x.dtype == torch.float32 or x.device.type != "cuda":
         return rule
     shape = (top_k, hidden, inter, x.dtype)
-    configs = functools.lru_cache(maxsize=1)(lambda: decode_candidates(top_k, hidden, inter, sms))
-    gate_up = TUNED_CONFIGS.config(x.device, ("moe_decode_gate_up",) + shape, 1, lambda: configs()[0],
-                                   run_gate_up, default=rule["gate_up"], family=_launch_family)
-    down = TUNED_CONFIGS.config(x.device, ("moe_decode_down",) + shape, 1, lambda: configs()[1], run_down,
-                                default=rule["down"], family=_launch_family)
+    gate_up = TUNED_CONFIGS.config(x.device, ("moe_decode_gate_up",) + shape, 1,
+                                   lambda: gate_up_candidates(top_k, hidden, inter, sms), run_gate_up,
+                                   default=rule["gate_up"], family=_launch_family)
+    down = TUNED_CONFIGS.config(x.device, ("moe_decode_down",) + shape, 1,
+                                lambda: down_candidates(top_k, hidden, inter, sms), run_down, default=rule["down"],
+                                family=_launch_family)
     return {"gate_up": gate_up, "down": down}
 
 

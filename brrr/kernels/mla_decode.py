@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.attention.helpers import LOG2E, precision
-from brrr.kernels.dispatch import next_power_of_2
+from brrr.kernels.dispatch import next_power_of_2, num_sms
 
 try:
     import triton
@@ -112,7 +112,7 @@ def mla_decode_latent_triton(q: torch.Tensor, cache: torch.Tensor, block_tables:
     rope = q.shape[-1] - rank
     block_h = max(16, min(64, next_power_of_2(heads)))  # tl.dot's 16-row minimum; more heads: more groups
     groups = triton.cdiv(heads, block_h)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
     if splits is None:
         splits = mla_decode_splits(batch, groups, block_tables.shape[1] * cache.shape[1], sms)
     acc = torch.empty(batch, splits, heads, rank, dtype=torch.float32, device=q.device)

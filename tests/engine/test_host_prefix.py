@@ -5,31 +5,15 @@ import argparse
 import random
 
 import pytest
-import torch
 
-from brrr import load_model
 from brrr.config import EngineConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
 from brrr.engine.host_prefix import HostPrefixTier
-from brrr.engine.model_runner import kv_bytes_per_block
 from brrr.errors import BrrrError
 from brrr.sampling_params import SamplingParams
-from tests import hf_models
 from tests.engine.test_graph_inputs import EagerReplay
-
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("host-prefix-model")
-    hf_models.save(hf_models.build("llama3-rope", max_position_embeddings=512, num_key_value_heads=2), path)
-    return load_model(path, dtype=torch.float32)
-
-
-def gib(model, blocks):
-    return blocks * kv_bytes_per_block(model.config, 16, torch.float32) / 2**30
+from tests.engine.test_swap import VOCAB, model, swap_gib as gib  # noqa: F401 (model: the swap tests' fixture)
 
 
 def run(engine, requests, each_step=None):

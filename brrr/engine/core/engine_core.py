@@ -299,14 +299,18 @@ class EngineCore:
                 for feature in self._hooks["propose"]:
                     feature.propose(running)
             batch = self.scheduler.schedule()
-        if batch.swap_out or batch.swap_in:  # queued now, before the step's own copies; also when it runs nothing
-            with failing(lambda: {seq.request for seq, _ in batch.items}, "swap copies failed"):
-                self.runner.swap_blocks(batch.swap_out, batch.swap_in)
+        self._queue_swaps(batch)  # before the step's own copies; also when it runs nothing
         if not batch.items:
             return None
         if self.schedule_log is not None:
             self.schedule_log.append([(seq.num_computed_tokens, n) for seq, n in batch.items])
         return self._make_plan(batch)
+
+    def _queue_swaps(self, batch: ScheduledBatch) -> None:
+        """The batch's host copies (swap preemption, the prefix cache's host tier), queued before its step."""
+        if batch.swap_out or batch.swap_in:
+            with failing(lambda: {seq.request for seq, _ in batch.items}, "swap copies failed"):
+                self.runner.swap_blocks(batch.swap_out, batch.swap_in)
 
     def _make_plan(self, batch: ScheduledBatch, ids_from=None) -> StepPlan:
         """Each item samples its last row when this step reaches the end of its tokens (a step planned ahead: one
@@ -400,8 +404,7 @@ class EngineCore:
             nxt = self.scheduler.schedule_next_decode(inflight.plan.batch)
             if nxt is None:
                 return None
-            if nxt.swap_out or nxt.swap_in:  # a block it took was a cached one the host tier keeps: copied first
-                self.runner.swap_blocks(nxt.swap_out, nxt.swap_in)
+            self._queue_swaps(nxt)  # a block it took may be a cached one the host tier keeps: copied out first
             if self.schedule_log is not None:
                 self.schedule_log.append([(seq.num_computed_tokens + 1, 1) for seq, _ in nxt.items])
             tokens = inflight.pending.device_tokens

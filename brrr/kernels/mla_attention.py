@@ -1,4 +1,5 @@
-"""Multi-head latent attention over a paged latent cache (DeepSeek-V2/V3), plain torch.
+"""Multi-head latent attention over a paged latent cache (DeepSeek-V2/V3): the torch reference, and the dispatch of
+its decode to the Triton kernel.
 
 The cache holds one row per token and layer: the normed latent c (kv_lora_rank) and the rotated shared key k_r
 (qk_rope_head_dim), [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]: 576 values for DeepSeek-V3 where the
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from brrr.errors import BrrrError
 from brrr.kernels.attention.meta import AttnMeta
+from brrr.kernels.dispatch import use_triton
+from brrr.kernels.mla_decode import mla_decode_latent_triton, mla_decode_ok
 
 
 def write_latent_ref(c: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor):
@@ -43,6 +46,17 @@ def mla_decode_ref(q_nope, q_rope, cache, block_tables, context_lens, w_kb, w_vb
     return torch.einsum("bhr,hvr->bhv", o_lat, w_vb)
 
 
+def mla_decode(q_nope, q_rope, cache, block_tables, context_lens, w_kb, w_vb, scale, max_context=None):
+    """`mla_decode_ref`'s contract; the latent attention in Triton (brrr/kernels/mla_decode.py) where it runs, the
+    two weight absorptions as batched matmuls around it. max_context: a host-known bound of context_lens."""
+    rank = w_kb.shape[-1]
+    if not (use_triton(q_nope, cache) and mla_decode_ok(q_nope, cache, rank)):
+        return mla_decode_ref(q_nope, q_rope, cache, block_tables, context_lens, w_kb, w_vb, scale)
+    q = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_kb), q_rope), dim=-1)
+    o_lat = mla_decode_latent_triton(q, cache, block_tables, context_lens, rank, scale, max_context=max_context)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_vb)
+
+
 def _expanded_one(q_nope, q_rope, rows, w_kb, w_vb, scale):
     """One sequence's Tq new tokens, the last Tq of the Tk latent rows [Tk, r + rope] -> [Tq, H, v]."""
     rank = w_kb.shape[-1]
@@ -56,22 +70,22 @@ def _expanded_one(q_nope, q_rope, rows, w_kb, w_vb, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
-def mla_attention_ref(q_nope, q_rope, cache, meta: AttnMeta, w_kb, w_vb, scale):
+def mla_attention(q_nope, q_rope, cache, meta: AttnMeta, w_kb, w_vb, scale):
     """q_nope [N, H, nope], q_rope [N, H, rope] (rotated) of the step's new tokens, whose latent rows are already
     in `cache`; w_kb [H, nope, r], w_vb [H, v, r] -> [N, H, v]. Decode rows absorb, prefill chunks expand."""
     if meta.context_lens is None and meta.max_seqlen_q > 1:
         raise BrrrError("latent attention has no captured multi-token (speculative verify) step yet: serve this "
                         "model without speculative decoding, or with cuda_graphs=False")
     if meta.context_lens is None or meta.max_seqlen_q == 1:  # all decodes (a captured graph's device-only meta too)
-        return mla_decode_ref(q_nope, q_rope, cache, meta.block_tables, meta.device_context_lens(q_nope.device),
-                              w_kb, w_vb, scale)
+        return mla_decode(q_nope, q_rope, cache, meta.block_tables, meta.device_context_lens(q_nope.device),
+                          w_kb, w_vb, scale, meta.context_bound(cache.shape[1]))
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_vb.shape[1])
     block_size, start = cache.shape[1], 0
     for b, q_len in enumerate(meta.seqlens_q):
         end, ctx = start + q_len, meta.context_lens[b]
         if q_len == 1:
-            out[start:end] = mla_decode_ref(q_nope[start:end], q_rope[start:end], cache, meta.block_tables[b:b + 1],
-                                            meta.device_context_lens(q_nope.device)[b:b + 1], w_kb, w_vb, scale)
+            out[start:end] = mla_decode(q_nope[start:end], q_rope[start:end], cache, meta.block_tables[b:b + 1],
+                                        meta.device_context_lens(q_nope.device)[b:b + 1], w_kb, w_vb, scale, ctx)
         else:
             blocks = meta.block_tables[b, : -(-ctx // block_size)].long()
             rows = cache.index_select(0, blocks).flatten(0, 2)[:ctx]

@@ -10,8 +10,8 @@ whole step. Parts: a fixed count per launch (`mla_decode_splits`, from the batch
 known on the host, so a CUDA graph keeps it), each sequence cutting its own context into that many from its length
 on the device; each part stores (acc, max, sum) in fp32 and `_mla_combine_kernel` merges them in order.
 
-Checked against the reference under Triton's interpreter (tests/kernels/test_mla_decode.py); the serving path
-(`mla_attention_ref`) takes it once the same tests and `brrr bench kernels --ops mla_decode` have run on a GPU.
+Checked against the reference under Triton's interpreter (tests/kernels/test_mla_decode.py) and on the GPU; the
+serving path takes it through `mla_decode` (brrr/kernels/mla_attention.py) wherever Triton runs.
 """
 from __future__ import annotations
 
@@ -104,17 +104,19 @@ def mla_decode_ok(q_nope: torch.Tensor, cache: torch.Tensor, rank: int) -> bool:
 
 
 def mla_decode_latent_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                             context_lens: torch.Tensor, rank: int, scale: float, splits: int | None = None
-                             ) -> torch.Tensor:
+                             context_lens: torch.Tensor, rank: int, scale: float, splits: int | None = None,
+                             max_context: int | None = None) -> torch.Tensor:
     """q [B, H, r + rope] (q_lat and the rotated q_rope), cache [blocks, bs, 1, r + rope] -> the attention over
-    the latents [B, H, r] in q's dtype (before W_vb). context_lens [B] int32 on the device (>= 1 each)."""
+    the latents [B, H, r] in q's dtype (before W_vb). context_lens [B] int32 on the device (>= 1 each);
+    max_context: a bound of them known on the host (the block table's width when None), which sets the parts."""
     batch, heads = q.shape[:2]
     rope = q.shape[-1] - rank
     block_h = max(16, min(64, next_power_of_2(heads)))  # tl.dot's 16-row minimum; more heads: more groups
     groups = triton.cdiv(heads, block_h)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
     if splits is None:
-        splits = mla_decode_splits(batch, groups, block_tables.shape[1] * cache.shape[1], sms)
+        bound = block_tables.shape[1] * cache.shape[1] if max_context is None else max_context
+        splits = mla_decode_splits(batch, groups, bound, sms)
     acc = torch.empty(batch, splits, heads, rank, dtype=torch.float32, device=q.device)
     m = torch.empty(batch, splits, heads, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)

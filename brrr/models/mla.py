@@ -24,7 +24,7 @@ from torch import nn
 
 from brrr.config import ModelConfig
 from brrr.kernels import AttnMeta, apply_rotary, attention, rms_norm
-from brrr.kernels.mla_attention import mla_attention_ref, write_latent_ref
+from brrr.kernels.mla_attention import mla_attention, write_latent_ref
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
             q_rot, k_rot = apply_rotary(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
             cache = meta.kv_caches[self.layer][0]
             write_latent_ref(c, k_rot[:, 0], cache, meta.slot_mapping)
-            out = mla_attention_ref(q_nope, q_rot, cache, meta, *self.absorbed_weights(), self.scale)
+            out = mla_attention(q_nope, q_rot, cache, meta, *self.absorbed_weights(), self.scale)
             return self.o_proj(out.reshape(n, h * self.v_dim))
         k_nope, v = self.kv_b_proj(c).view(n, h, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         # the rotation first (the shared key once, not per head), then one head dim for q, k and padded v

@@ -4,7 +4,7 @@ import torch
 
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention import attention_ref
-from brrr.kernels.mla_attention import mla_attention_ref, write_latent_ref
+from brrr.kernels.mla_attention import mla_attention, write_latent_ref
 
 H, NOPE, ROPE, V, R, BS = 4, 16, 8, 12, 32, 4
 
@@ -50,7 +50,7 @@ def test_latent_cache_attention_equals_expanded_attention():
 
     meta = AttnMeta(cu, seqlens_q, context, slots, tables, [(latent, latent[..., :0])])
     write_latent_ref(c, kr, latent, slots)
-    got = mla_attention_ref(q_nope, q_rope, latent, meta, w_kb, w_vb, scale)
+    got = mla_attention(q_nope, q_rope, latent, meta, w_kb, w_vb, scale)
 
     k, v = expanded(c, kr)
     ref_meta = AttnMeta(cu, seqlens_q, context, slots, tables, [(k_cache, v_cache)])
@@ -63,5 +63,5 @@ def test_latent_cache_attention_equals_expanded_attention():
                         context_lens_t=torch.tensor([context[0], context[2]], dtype=torch.int32))
     starts = cu[:-1].tolist()
     idx = [starts[r] for r in rows]
-    got_dec = mla_attention_ref(q_nope[idx], q_rope[idx], latent, dec_meta, w_kb, w_vb, scale)
+    got_dec = mla_attention(q_nope[idx], q_rope[idx], latent, dec_meta, w_kb, w_vb, scale)
     torch.testing.assert_close(got_dec, ref[idx], atol=1e-5, rtol=1e-5)

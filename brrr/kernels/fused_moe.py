@@ -91,7 +91,7 @@ def aligned_candidates(tokens: int, top_k: int, num_experts: int, hidden: int, i
     for block_m in block_ms:
         for warps in (4, 8):
             for block_n in (64, 128):
-                for block_k in (32, 64):
+                for block_k in (64, 32):  # a family's first (the one a tuning times) the likeliest: K 64
                     for stages in (3, 4):
                         if block_m * block_n <= 8192 and (warps == 8 or block_m * block_n <= 4096):
                             configs.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -6,9 +6,11 @@ a program takes BLOCK_H query heads of one sequence as the rows of its dot produ
 sequence's context once for all of them: scores = q_lat . c + q_rope . k_r (two tl.dots, r and rope each a power of
 two), an online softmax in base 2, and acc += p . c (the latent is its own value). The bytes a step reads are the
 cache rows, (r + rope) x 2 per token, once per head group; with every head in one group (16 for V2-Lite) that is the
-whole step. Parts: a fixed count per launch (`mla_decode_splits`, from the batch and the block table's width, both
+whole step. Parts: a fixed count per launch (`mla_decode_splits`, from the batch and a bound of the contexts, both
 known on the host, so a CUDA graph keeps it), each sequence cutting its own context into that many from its length
-on the device; each part stores (acc, max, sum) in fp32 and `_mla_combine_kernel` merges them in order.
+on the device; each part stores (acc, max, sum) in fp32 and `_mla_combine_kernel` merges them in order. One program
+streams only ~15 GB/s (its loop steps are latency-bound: a block-table load, then the rows), so the bandwidth comes
+from having every SM hold two programs: that, not the context's length, sets the parts.
 
 Checked against the reference under Triton's interpreter (tests/kernels/test_mla_decode.py) and on the GPU; the
 serving path takes it through `mla_decode` (brrr/kernels/mla_attention.py) wherever Triton runs.
@@ -26,7 +28,7 @@ try:
 except Exception:
     triton = None
 
-BLOCK_N = 32  # cache rows a step of the loop (two of a 16-token block)
+MIN_PART = 128  # the fewest cache rows a part of the context takes
 
 if triton is not None:
 
@@ -91,8 +93,17 @@ if triton is not None:
 
 
 def mla_decode_splits(batch: int, head_groups: int, max_context: int, sms: int = 132) -> int:
-    """Context parts per sequence: enough programs for about two waves of the SMs, no part under two loop steps."""
-    return max(1, min(-(-2 * sms // (batch * head_groups)), -(-max_context // (2 * BLOCK_N)), 64))
+    """Context parts per sequence: at most one wave of two programs per SM (a third does not fit beside two; a
+    second, partial wave cost 30% at 64 x 4k on the H200), no part under 128 tokens (shorter ones lose more to
+    the combine than they gain), at most 64."""
+    return max(1, min(2 * sms // (batch * head_groups), max_context // MIN_PART, 64))
+
+
+def launch_config(block_h: int) -> dict:
+    """The split kernel's tiles: 16 heads stream (memory-bound), 64 are bound by their dot products."""
+    if block_h <= 16:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=3)
 
 
 def mla_decode_ok(q_nope: torch.Tensor, cache: torch.Tensor, rank: int) -> bool:
@@ -111,7 +122,7 @@ def mla_decode_latent_triton(q: torch.Tensor, cache: torch.Tensor, block_tables:
     max_context: a bound of them known on the host (the block table's width when None), which sets the parts."""
     batch, heads = q.shape[:2]
     rope = q.shape[-1] - rank
-    block_h = max(16, min(64, next_power_of_2(heads)))  # tl.dot's 16-row minimum; more heads: more groups
+    block_h = 16 if heads <= 16 else 64  # tl.dot's 16-row minimum; over 64 heads: more groups
     groups = triton.cdiv(heads, block_h)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
     if splits is None:
@@ -123,7 +134,7 @@ def mla_decode_latent_triton(q: torch.Tensor, cache: torch.Tensor, block_tables:
     _mla_split_kernel[(batch, groups, splits)](
         q, cache, block_tables, context_lens, acc, m, lse, heads, splits, scale * LOG2E, q.stride(0), q.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0), RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1],
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, PREC=precision(q), num_warps=4 if block_h <= 16 else 8)
+        BLOCK_H=block_h, PREC=precision(q), **launch_config(block_h))
     out = torch.empty(batch, heads, rank, dtype=q.dtype, device=q.device)
     _mla_combine_kernel[(batch, heads)](acc, m, lse, out, heads, splits, out.stride(0), out.stride(1), RANK=rank,
                                         num_warps=4)

@@ -1,6 +1,7 @@
 """The Triton latent attention of MLA's absorbed decode (brrr/kernels/mla_decode.py) against `mla_decode_ref`:
 scattered blocks, contexts shorter than a loop step and longer than several parts, more parts than a short context
-fills (empty parts), a head count below tl.dot's 16 rows; unwritten cache slots hold NaN and must never be read."""
+fills (empty parts), 5 heads (below tl.dot's 16 rows) and 20 (one group of 64, the other tiles); unwritten cache
+slots hold NaN and must never be read."""
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ from brrr.kernels.mla_decode import mla_decode_latent_triton, mla_decode_ok, mla
 H, NOPE, ROPE, V, R, BS = 5, 16, 16, 12, 32, 4
 
 
-def _case(dtype, contexts, gen):
-    w = torch.randn(H, NOPE + V, R, generator=gen) * 0.2
+def _case(dtype, contexts, gen, heads=H):
+    w = torch.randn(heads, NOPE + V, R, generator=gen) * 0.2
     w_kb, w_vb = w[:, :NOPE].to(dtype), w[:, NOPE:].to(dtype)
     per = [-(-c // BS) for c in contexts]
     perm = torch.randperm(sum(per) + 5, generator=gen)
@@ -24,16 +25,17 @@ def _case(dtype, contexts, gen):
     for b, c in enumerate(contexts):
         t = torch.arange(c)
         cache.view(-1, R + ROPE)[tables[b, t // BS].long() * BS + t % BS] = torch.randn(c, R + ROPE, generator=gen).to(dtype)
-    q_nope = torch.randn(len(contexts), H, NOPE, generator=gen).to(dtype)
-    q_rope = torch.randn(len(contexts), H, ROPE, generator=gen).to(dtype)
+    q_nope = torch.randn(len(contexts), heads, NOPE, generator=gen).to(dtype)
+    q_rope = torch.randn(len(contexts), heads, ROPE, generator=gen).to(dtype)
     return q_nope, q_rope, cache, tables, torch.tensor(contexts, dtype=torch.int32), w_kb, w_vb
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [None, 1, 3, 9])
-def test_latent_decode_kernel_equals_the_reference(device, dtype, splits):
+@pytest.mark.parametrize("heads", [H, 20])  # one group of 16 rows; one of 64 (the other tiles)
+def test_latent_decode_kernel_equals_the_reference(device, dtype, splits, heads):
     gen = torch.Generator().manual_seed(3)
-    q_nope, q_rope, cache, tables, ctx, w_kb, w_vb = _case(dtype, [1, 37, 70], gen)
+    q_nope, q_rope, cache, tables, ctx, w_kb, w_vb = _case(dtype, [1, 37, 70], gen, heads)
     scale = (NOPE + ROPE) ** -0.5
     want = mla_decode_ref(q_nope, q_rope, cache, tables, ctx, w_kb, w_vb, scale)
     assert mla_decode_ok(q_nope, cache, R)
@@ -46,9 +48,10 @@ def test_latent_decode_kernel_equals_the_reference(device, dtype, splits):
 
 
 def test_the_split_rule():
-    assert mla_decode_splits(64, 1, 4096) == 5  # two waves of 132 SMs over 64 sequences
-    assert mla_decode_splits(1, 1, 4096) == 64  # one sequence: capped
-    assert mla_decode_splits(1, 1, 40) == 1  # a context under two loop steps is not split
+    assert mla_decode_splits(64, 1, 4096) == 4  # two programs on each of 132 SMs over 64 sequences
+    assert mla_decode_splits(1, 1, 4096) == 32  # one sequence: parts of 128 tokens
+    assert mla_decode_splits(1, 1, 65536) == 64  # capped
+    assert mla_decode_splits(1, 1, 40) == 1  # a context under one part is not split
     assert mla_decode_splits(256, 2, 4096) == 1
 
 

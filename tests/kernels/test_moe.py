@@ -217,3 +217,15 @@ def test_aligned_candidates_lead_with_the_plan_and_every_one_runs(device, tokens
     w_gate_up, w_down = _stacked(experts)
     for cfg in configs[::7]:
         torch.testing.assert_close(fused_moe_triton(x, weights, ids, w_gate_up, w_down, cfg), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tuning_times_an_even_routing():
+    # what the aligned kernels' tiles are tuned on: each token's experts distinct, every expert's load within one
+    from brrr.kernels.fused_moe import even_routing
+
+    for tokens, k, e in ((64, 8, 128), (7, 2, 8), (300, 6, 64), (3, 4, 4)):
+        ids = even_routing(tokens, k, e, torch.zeros(1, dtype=torch.int32))
+        assert ids.shape == (tokens, k) and ids.dtype == torch.int32
+        assert all(len(set(row)) == k for row in ids.tolist())
+        counts = torch.bincount(ids.flatten().long(), minlength=e)
+        assert counts.max() - counts.min() <= 1

@@ -300,6 +300,31 @@ def test_prefill_tile_configs(device):
         assert_close(out, want, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_tma_tiles(device, dtype, window):
+    """The new tokens' tiles through TMA descriptors (forced here; on Hopper the default): sequences whose tiles
+    run past their end into the next one's rows, a prefix ending mid-block, BLOCK_N < BLOCK_M, with and without a
+    cache, equal to the reference. q, k and v are column slices of one fused qkv tensor, as a model passes them."""
+    skip_interpreted_bf16(device, dtype)
+    lens, prefixes, heads, kv_heads, dim = [40, 3, 21], [10, 0, 7], 4, 2, 32
+    q0, k0, v0, meta = make_step(lens, [n + p for n, p in zip(lens, prefixes)], heads, kv_heads, dim, 8, dtype,
+                                 device, seed=11)
+    qkv = torch.cat([t.flatten(1) for t in (q0, k0, v0)], dim=1)
+    q, k, v = (x.unflatten(1, (-1, dim)) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
+    write_kv_ref(k, v, *meta.kv_caches[0], meta.slot_mapping)
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=device)
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    got = prefill_attention_triton(q, k, v, meta.cu_seqlens_q, max(lens), 0.2, *meta.kv_caches[0], ctx,
+                                   meta.block_tables, window, config=cfg, tma=True)
+    want = attention_ref(q, k, v, clone_meta(meta), 0, 0.2, window).view_as(got)
+    assert_close(got, want, dtype)
+    causal = AttnMeta.causal(lens, device)
+    got = prefill_attention_triton(q, k, v, causal.cu_seqlens_q, max(lens), 0.2, sliding_window=window, config=cfg,
+                                   tma=True)
+    assert_close(got, attention_ref(q, k, v, causal, 0, 0.2, window).view_as(got), dtype)
+
+
 def test_decode_splits_heuristic():
     """A batch that fills a wave of the GPU is not split; fewer sequences x kv heads are, to one wave under a short
     bound and ~4 programs per SM under a long one, at most 64 parts, never more than the bound has

@@ -34,12 +34,15 @@ def kv_write_op(tokens: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2)
 
 
 def decode_attention_op(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                        dtype_bytes: int = 2) -> Op:
-    """One query per sequence over `context` cached tokens: the K/V read dominates."""
+                        dtype_bytes: int = 2, kv_bytes: int | None = None) -> Op:
+    """One query per sequence over `context` cached tokens: the K/V read dominates. kv_bytes: the cache's element
+    size when it differs from q's (1 for an fp8 cache)."""
     kv = 2 * batch * context * kv_heads * head_dim
     q_and_out = 2 * batch * heads * head_dim
-    return Op(f"decode attention b={batch} x {context} ({heads}/{kv_heads}, hd{head_dim})",
-              4 * head_dim * heads * batch * context, dtype_bytes * (kv + q_and_out))
+    fp8 = " fp8 KV" if kv_bytes == 1 else ""
+    return Op(f"decode attention{fp8} b={batch} x {context} ({heads}/{kv_heads}, hd{head_dim})",
+              4 * head_dim * heads * batch * context,
+              (dtype_bytes if kv_bytes is None else kv_bytes) * kv + dtype_bytes * q_and_out)
 
 
 def mla_decode_op(batch: int, context: int, heads: int, rank: int, rope: int, dtype_bytes: int = 2) -> Op:

@@ -38,7 +38,8 @@ from brrr.kernels.quant import quant_tuning
 from brrr.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from brrr.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_inv_freq, rotary_cos_sin
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "prefill", "fused_moe", "mla_decode")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "kv_write", "decode", "decode_fp8", "prefill",
+       "fused_moe", "mla_decode")
 # Mixtral-8x7B's MoE layer (8 experts, top 2, hidden 4096, expert width 14336) at these token counts
 MOE_EXPERTS, MOE_TOP_K, MOE_INTER, MOE_TOKENS = 8, 2, 14336, (1, 16, 64, 256, 1024)
 # Llama-3.1-8B: hidden 4096, MLP 14336, 32 query heads, 8 kv heads, head dim 128.
@@ -333,6 +334,28 @@ class KernelBench:
                       {"batch": batch, "context": context, "heads": HEADS, "kv_heads": KV_HEADS,
                        "head_dim": HEAD_DIM, "block_size": BLOCK, "paged": True}, seconds, peers,
                       {"splits": splits})
+
+    def decode_fp8(self):
+        """The same decode over an fp8 (e4m3) cache with per-tensor scales, dequantized in registers: half the
+        bytes, so about half the time is the ideal; the bf16 kernel at the same shape is the peer."""
+        torch = self.torch
+        for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
+            k_cache, v_cache, tables = self._paged(batch, context)
+            q = self.randn(batch, HEADS, HEAD_DIM)
+            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            scale = HEAD_DIM**-0.5
+            fp8 = [c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache)]
+            scales = tuple(torch.ones(1, dtype=torch.float32, device="cuda") for _ in range(2))
+            seconds = self.time(lambda: decode_attention_triton(q, *fp8, cu, ctx, tables, scale,
+                                                                max_context_len=context, out=out, kv_scales=scales))
+            peers = {"triton_bf16_kv": self.try_time(lambda: decode_attention_triton(
+                q, k_cache, v_cache, cu, ctx, tables, scale, max_context_len=context, out=out))}
+            self.emit(decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM, kv_bytes=1),
+                      {"batch": batch, "context": context, "heads": HEADS, "kv_heads": KV_HEADS,
+                       "head_dim": HEAD_DIM, "block_size": BLOCK, "paged": True, "kv_cache_dtype": "fp8_e4m3"},
+                      seconds, peers)
 
     def decode_sweep(self):
         """Tile and split choices of the decode kernel at three shapes (a full batch, a partial wave, one long

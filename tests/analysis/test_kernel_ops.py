@@ -23,6 +23,9 @@ def test_attention_counts():
     op = decode_attention_op(64, 4096, 32, 8, 128)
     assert op.bytes == 2 * (2 * 64 * 4096 * 8 * 128 + 2 * 64 * 32 * 128)
     assert op.flops == 4 * 128 * 32 * 64 * 4096
+    fp8 = decode_attention_op(64, 4096, 32, 8, 128, kv_bytes=1)  # an fp8 cache: its rows at one byte, q/out at two
+    assert fp8.bytes == 2 * 64 * 4096 * 8 * 128 + 2 * 2 * 64 * 32 * 128 and fp8.flops == op.flops
+    assert "fp8" in fp8.name and "fp8" not in op.name
     # causal prefill: S^2/2 pairs (FlashAttention's convention); a cached prefix adds S * prefix pairs
     assert prefill_attention_op(1, 4096, 32, 8, 128).flops == 4 * 128 * 32 * 4096**2 / 2
     assert prefill_attention_op(2, 100, 4, 1, 64, prefix=50).flops == 4 * 64 * 4 * 2 * (100**2 / 2 + 100 * 50)

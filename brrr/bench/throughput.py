@@ -13,6 +13,7 @@ from brrr.bench.latency import emit
 from brrr.config import EngineConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
+from brrr.engine.engine_process_warmup import warm_up
 from brrr.errors import BrrrError
 from brrr.loader import resolve_dtype
 from brrr.models.random_weights import model_config, random_model
@@ -158,9 +159,11 @@ def cmd_throughput(args) -> int:
     else:
         model = random_model(cfg, dtype, "cuda")
     engine = LLMEngine(model, None, config)
-    # A rehearsal of the workload's shapes (long prompts, chunked prefill, sampled decodes) with its own random
-    # stream: Triton compiles and autotunes a kernel the first time it meets a shape, seconds that would otherwise
-    # land in the timed run.
+    # Triton compiles and autotunes a kernel the first time it meets a shape, seconds that would otherwise land in
+    # the timed run: first the server's warm-up (every prefill length bucket up to the model length, which a
+    # preempted sequence's recompute of prompt + output reaches: the workload's own prompts do not), then a
+    # rehearsal of the workload's shapes (long prompts, chunked prefill, sampled decodes) with its own random stream.
+    warm_up(engine)
     warm = random.Random(1)
     for i in range(16):
         length = args.max_len if i < 4 else warm.randint(args.min_len, args.max_len)

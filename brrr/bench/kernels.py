@@ -315,13 +315,8 @@ class KernelBench:
         return peers
 
     def decode(self):
-        torch = self.torch
         for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
-            k_cache, v_cache, tables = self._paged(batch, context)
-            q = self.randn(batch, HEADS, HEAD_DIM)
-            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            out = torch.empty_like(q)
+            k_cache, v_cache, tables, q, cu, ctx, out = self._decode_case(batch, context)
             scale = HEAD_DIM**-0.5
             seconds = self.time(lambda: decode_attention_triton(q, k_cache, v_cache, cu, ctx, tables, scale,
                                                                 max_context_len=context, out=out))
@@ -335,16 +330,21 @@ class KernelBench:
                        "head_dim": HEAD_DIM, "block_size": BLOCK, "paged": True}, seconds, peers,
                       {"splits": splits})
 
+    def _decode_case(self, batch, context):
+        """A decode step's inputs: the paged cache and tables, one query a sequence, its offsets, lengths, out."""
+        torch = self.torch
+        k_cache, v_cache, tables = self._paged(batch, context)
+        q = self.randn(batch, HEADS, HEAD_DIM)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        return k_cache, v_cache, tables, q, cu, ctx, torch.empty_like(q)
+
     def decode_fp8(self):
         """The same decode over an fp8 (e4m3) cache with per-tensor scales, dequantized in registers: half the
         bytes, so about half the time is the ideal; the bf16 kernel at the same shape is the peer."""
         torch = self.torch
         for batch, context in DECODE_SHAPES[:1] if self.args.quick else DECODE_SHAPES:
-            k_cache, v_cache, tables = self._paged(batch, context)
-            q = self.randn(batch, HEADS, HEAD_DIM)
-            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            out = torch.empty_like(q)
+            k_cache, v_cache, tables, q, cu, ctx, out = self._decode_case(batch, context)
             scale = HEAD_DIM**-0.5
             fp8 = [c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache)]
             scales = tuple(torch.ones(1, dtype=torch.float32, device="cuda") for _ in range(2))
@@ -360,13 +360,8 @@ class KernelBench:
     def decode_sweep(self):
         """Tile and split choices of the decode kernel at three shapes (a full batch, a partial wave, one long
         sequence), one record each: what the split heuristic (decode_splits) is checked against."""
-        torch = self.torch
         for (batch, context), split_choices in DECODE_SWEEP_SHAPES.items():
-            k_cache, v_cache, tables = self._paged(batch, context)
-            q = self.randn(batch, HEADS, HEAD_DIM)
-            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            out = torch.empty_like(q)
+            k_cache, v_cache, tables, q, cu, ctx, out = self._decode_case(batch, context)
             op = decode_attention_op(batch, context, HEADS, KV_HEADS, HEAD_DIM)
             for splits in split_choices:
                 for block_n, warps, stages in DECODE_SWEEP:

@@ -10,8 +10,8 @@ from brrr import load_model
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.kernels.dispatch import use_reference
-from brrr.sampling_params import SamplingParams
 from tests import hf_models
+from tests.gpu.test_fast_path_parity import engine_greedy, hf_greedy_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -30,17 +30,9 @@ def _check(tmp_path):
     assert engine.block_manager.num_blocks > 1000  # sized from the card's memory, not a default
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 200))] for _ in range(16)]
+    done = engine_greedy(engine, prompts, 16)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        assert done[str(i)].outputs[0].token_ids == want
+        assert done[str(i)] == hf_greedy_cuda(hf, p, 16)
 
 
 def test_copies_on_side_streams_stay_ordered_with_the_compute_stream():

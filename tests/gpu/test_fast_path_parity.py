@@ -35,6 +35,23 @@ def first_divergence_gap(hf, prompt, got, want, dtype):
     return t, gap, tol
 
 
+def engine_greedy(engine, prompts, n):
+    """Each prompt's n greedy tokens from the engine, all requests in at once: {str(index): token ids}."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return done
+
+
+def hf_greedy_cuda(hf, prompt, n):
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
 def test_generate_bf16_tokens_within_tolerance(family, tmp_path):
     hf_models.save(hf_models.build(family), tmp_path)

@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-from brrr import SamplingParams, load_model
+from brrr import load_model
 from brrr.config import EngineConfig
 from brrr.engine import LLMEngine
 from brrr.kernels.mla_attention import mla_decode, mla_decode_ref
 from brrr.kernels.mla_decode import mla_decode_ok
 from tests import hf_models
-from tests.gpu.test_fast_path_parity import first_divergence_gap
+from tests.gpu.test_fast_path_parity import engine_greedy, first_divergence_gap, hf_greedy_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -43,17 +43,9 @@ def test_engine_tokens_within_tolerance(graphs, tmp_path):
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 150))] for _ in range(8)]
     engine = LLMEngine(model, config=EngineConfig(num_blocks=256, max_num_batched_tokens=64, cuda_graphs=graphs))
+    done = engine_greedy(engine, prompts, 16)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        gap = first_divergence_gap(hf, p, done[str(i)].outputs[0].token_ids, want, torch.float32)
+        gap = first_divergence_gap(hf, p, done[str(i)], hf_greedy_cuda(hf, p, 16), torch.float32)
         if gap is not None:
             step, value, tol = gap
             assert value <= tol, f"request {i} step {step}: logit gap {value:.4g} > {tol:.4g}"

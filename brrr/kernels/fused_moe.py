@@ -407,7 +407,7 @@ def _tuned_aligned_plan(x, weights, ids, w_gate_up, w_down) -> dict:
 
     def run(cfg, w=None):
         # Timed on an even routing, not this call's: a warm-up batch repeats one token, which sends every row to
-        # the same k experts, and the tiles that suit that skew cost Qwen3-30B-A3B 26% at batch 64 on the H200.
+        # the same k experts, a load serving never sees.
         if not even:
             even.append(even_routing(tokens, top_k, num_experts, ids))
         return _fused_moe_aligned(x, weights, even[0], w_gate_up, w_down, cfg)

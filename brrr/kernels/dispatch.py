@@ -88,6 +88,14 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (its index, or the current one); 132 (an H100's or H200's) off the GPU, where launch
+    rules are only checked."""
+    if device.type != "cuda":
+        return 132
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 ARRIVAL_SLOTS = 1 << 14  # counters a device has: more than any launch asks for (fewer programs than a few waves)
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 

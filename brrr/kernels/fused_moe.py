@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from brrr.kernels.dispatch import next_power_of_2, num_sms
+from brrr.kernels.dispatch import next_power_of_2, sm_count
 from brrr.kernels.quant.tune import TUNED_CONFIGS
 
 
@@ -125,13 +125,9 @@ def _down_config(top_k: int, hidden: int, inter: int, block_n: int, block_k: int
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split, **launch)
 
 
-def decode_candidates(top_k: int, hidden: int, inter: int, sms: int) -> tuple[list[dict], list[dict]]:
-    """(gate/up configs, down configs) the warm-up times for the one-token path, each list led by
-    `decode_plan`'s. Families (tile width, warps) vary the K step and stages (gate/up) or the split (down)."""
-    return gate_up_candidates(top_k, hidden, inter, sms), down_candidates(top_k, hidden, inter, sms)
-
-
 def gate_up_candidates(top_k: int, hidden: int, inter: int, sms: int) -> list[dict]:
+    """The gate/up configs the warm-up times for the one-token path, led by `decode_plan`'s; families (tile
+    width, warps) vary the K step and stages."""
     configs = [decode_plan(top_k, hidden, inter, sms)["gate_up"]]
     for n in (8, 16, 32, 64):
         for warps in (4, 8):
@@ -143,6 +139,7 @@ def gate_up_candidates(top_k: int, hidden: int, inter: int, sms: int) -> list[di
 
 
 def down_candidates(top_k: int, hidden: int, inter: int, sms: int) -> list[dict]:
+    """The down configs, led by `decode_plan`'s; families (tile width, warps) vary the K step and the split."""
     configs = [decode_plan(top_k, hidden, inter, sms)["down"]]
     for n in (16, 32, 64):
         for warps in (4, 8):
@@ -169,11 +166,6 @@ def _cdiv(a: int, b: int) -> int:
 def _pow2_at_least(n: int) -> int:
     """A tile width: the power of two >= n, at least 16 (tl.dot's and tl.arange's smallest useful one)."""
     return max(16, next_power_of_2(n))
-
-
-def _sm_count(device: torch.device) -> int:
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
 
 
 try:
@@ -319,20 +311,18 @@ def fused_moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     plan: {"gate_up": config, "down": config}; default: each kernel's config tuned at warm-up for this shape."""
     hidden, inter, top_k = x.shape[1], w_down.shape[2], ids.shape[1]
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
-    run_gate_up = lambda cfg, w=None: _decode_gate_up(x, ids, w_gate_up, act, cfg)  # noqa: E731
-    partial = {}
-    run_down = lambda cfg, w=None: partial.__setitem__("out", _decode_down(act, ids, w_down, cfg))  # noqa: E731
-    if plan is None:
-        plan = _tuned_decode_plan(x, top_k, hidden, inter, run_gate_up, run_down)
-    run_gate_up(plan["gate_up"])
-    run_down(plan["down"])
-    return finish_decode(partial["out"], weights, ids, x)
+    if plan is None:  # (what a tuning session times: each kernel on this call's tensors)
+        plan = _tuned_decode_plan(x, top_k, hidden, inter,
+                                  lambda cfg, w=None: _decode_gate_up(x, ids, w_gate_up, act, cfg),
+                                  lambda cfg, w=None: _decode_down(act, ids, w_down, cfg))
+    _decode_gate_up(x, ids, w_gate_up, act, plan["gate_up"])
+    return finish_decode(_decode_down(act, ids, w_down, plan["down"]), weights, ids, x)
 
 
 def _tuned_decode_plan(x, top_k: int, hidden: int, inter: int, run_gate_up, run_down) -> dict:
-    """Each kernel's config from TUNED_CONFIGS (timed among `decode_candidates` inside the warm-up's
-    `quant_tuning`, kept on disk per GPU); fp32 and shapes never tuned take `decode_plan`."""
-    sms = _sm_count(x.device)
+    """Each kernel's config from TUNED_CONFIGS (timed among `gate_up_candidates` / `down_candidates` inside the
+    warm-up's `quant_tuning`, kept on disk per GPU); fp32 and shapes never tuned take `decode_plan`."""
+    sms = sm_count(x.device)
     rule = decode_plan(top_k, hidden, inter, sms)
     if x.dtype == torch.float32 or x.device.type != "cuda":
         return rule

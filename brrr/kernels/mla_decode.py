@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from brrr.kernels.attention.helpers import LOG2E, precision
-from brrr.kernels.dispatch import next_power_of_2, num_sms
+from brrr.kernels.dispatch import next_power_of_2, sm_count
 
 try:
     import triton
@@ -124,7 +124,7 @@ def mla_decode_latent_triton(q: torch.Tensor, cache: torch.Tensor, block_tables:
     rope = q.shape[-1] - rank
     block_h = 16 if heads <= 16 else 64  # tl.dot's 16-row minimum; over 64 heads: more groups
     groups = triton.cdiv(heads, block_h)
-    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
+    sms = sm_count(q.device)
     if splits is None:
         bound = block_tables.shape[1] * cache.shape[1] if max_context is None else max_context
         splits = mla_decode_splits(batch, groups, bound, sms)

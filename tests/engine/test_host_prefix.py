@@ -13,22 +13,15 @@ from brrr.engine.host_prefix import HostPrefixTier
 from brrr.errors import BrrrError
 from brrr.sampling_params import SamplingParams
 from tests.engine.test_graph_inputs import EagerReplay
-from tests.engine.test_swap import VOCAB, model, swap_gib as gib  # noqa: F401 (model: the swap tests' fixture)
+from tests.engine.test_swap import VOCAB, model, step_all  # noqa: F401 (model: the swap tests' fixture)
+from tests.engine.test_swap import swap_gib as gib
 
 
-def run(engine, requests, each_step=None):
+def run(engine, requests):
     """Add the requests, step to the end (checking the pools every step); {request id: token ids of output 0}."""
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        sched = engine.scheduler
-        engine.block_manager.check_invariants(list(sched.waiting) + sched.running)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return done
+    def pools_whole(e):
+        e.block_manager.check_invariants(list(e.scheduler.waiting) + e.scheduler.running)
+    return {rid: out.outputs[0].token_ids for rid, out in step_all(engine, requests, pools_whole).items()}
 
 
 def test_an_evicted_prefix_comes_back_from_the_host(model):

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from brrr.kernels.fused_moe import (align_by_expert, aligned_candidates, decode_candidates, decode_plan, finish_decode,
-                                    fused_moe_decode, fused_moe_plan, fused_moe_triton, sum_in_expert_order)
+from brrr.kernels.fused_moe import (align_by_expert, aligned_candidates, decode_plan, down_candidates, finish_decode,
+                                    fused_moe_decode, fused_moe_plan, fused_moe_triton, gate_up_candidates,
+                                    sum_in_expert_order)
 from brrr.kernels.moe_experts import moe_experts_grouped_mm, moe_experts_ref
 from brrr.kernels.moe_routing import route_ref, topk_softmax_triton
 
@@ -166,7 +167,8 @@ def test_decode_candidates_lead_with_the_plan_and_every_one_runs(device):
     duplicate, and every candidate gives the reference's output (a sample of them under the interpreter)."""
     gen = torch.Generator().manual_seed(40)
     num, hidden, inter, top_k = 6, 128, 96, 2
-    gate_up, down = decode_candidates(top_k, hidden, inter, sms=4)
+    gate_up = gate_up_candidates(top_k, hidden, inter, sms=4)
+    down = down_candidates(top_k, hidden, inter, sms=4)
     rule = decode_plan(top_k, hidden, inter, sms=4)
     assert gate_up[0] == rule["gate_up"] and down[0] == rule["down"] and len(gate_up) > 4 and len(down) > 4
     assert all(c not in gate_up[:i] for i, c in enumerate(gate_up)) and all(c not in down[:i] for i, c in enumerate(down))

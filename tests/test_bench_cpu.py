@@ -157,6 +157,7 @@ def test_throughput_profile_sorts_kernels_and_counts_idle_once():
               ("triton_poi_fused_copy_0", 90, 5), ("mystery", 95, 5)]
     got = kernel_categories(events, window_us=120)
     assert got["kernel_us"] == {"gemm": 40, "attention": 30, "norm_rope_act": 5, "copy_index": 5, "other": 5}
+    assert list(got["top_kernels_us"].items())[:2] == [("nvjet_tst_128x64", 40), ("_prefill_kernel", 30)]
     # overlapping kernels count once: busy is [0, 60) + [70, 75) + [90, 100)
     assert got["busy_us"] == 75 and got["idle_us"] == 45
 

@@ -89,23 +89,28 @@ KERNEL_CATEGORIES = (
 
 
 def kernel_categories(events, window_us: float) -> dict:
-    """Device microseconds by category of the profiled kernels (name, start, duration), and the device's idle time
-    in the window: the window less the union of kernel intervals."""
+    """Device microseconds by category of the profiled kernels (name, start, duration), the ten kernels that took
+    longest (name cut to 80 characters), and the device's idle time in the window: the window less the union of
+    kernel intervals."""
     import re
 
     patterns = [(name, re.compile(rx, re.I)) for name, rx in KERNEL_CATEGORIES]
     totals: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     spans = []
     for name, start, dur in events:
         cat = next((c for c, rx in patterns if rx.search(name)), "other")
         totals[cat] = totals.get(cat, 0.0) + dur
+        by_name[name[:80]] = by_name.get(name[:80], 0.0) + dur
         spans.append((start, start + dur))
     busy, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > end:
             busy += b - max(a, end)
             end = b
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
     return {"kernel_us": {k: round(v) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+            "top_kernels_us": {k: round(v) for k, v in top},
             "busy_us": round(busy), "idle_us": round(max(0.0, window_us - busy)), "window_us": round(window_us)}
 
 

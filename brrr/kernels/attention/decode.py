@@ -40,7 +40,8 @@ if triton is not None:
         rotates its q heads, and the last part rotates the new key, writes it and v to the cache at the token's slot
         and folds it in from registers (its loop stops one key short), the rotary kernel's work in this one.
         KV_FP8 (never with ROPE: the new K/V are quantized by the cache write before): the cache is float8, each
-        tile converted to fp32 and multiplied by its scale (KS, VS) in registers."""
+        tile cast in registers to fp16 (bf16 q is rounded to fp16, saturating: fp8 -> fp16 is one exact conversion
+        a pair of values, -> bf16 several) and the scales (KS, VS) multiply the scores and the output, not tiles."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -91,6 +92,9 @@ if triton is not None:
             v_new = tl.load(V + q_row.to(tl.int64) * stride_vn + kvh * stride_vh + d, mask=nkm, other=0.0)
         else:
             q = tl.load(q_ptrs + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        if KV_FP8:
+            if q.dtype == tl.bfloat16:  # fp16 dots: e4m3/e5m2 -> fp16 is one exact conversion (bf16 is not)
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -101,24 +105,19 @@ if triton is not None:
                 m_i, l_i, acc = _online_softmax_step(s0, m_i, l_i, acc, v0, PREC)
                 lo += BLOCK_N
                 n += BLOCK_N
-        k_scale = 1.0
-        v_scale = 1.0
-        if KV_FP8:
-            k_scale = tl.load(KS)
-            v_scale = tl.load(VS)
+        if KV_FP8:  # the per-tensor scales act on whole products: K's joins the score scale, V's the output's
+            qk_scale = qk_scale * tl.load(KS)
         for start in range(lo, hi, BLOCK_N):
             nm = n < hi
             rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, BLOCK_SIZE, stride_cb, stride_ct, stride_ch)
             kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
-            if KV_FP8:
-                kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
-            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            s = tl.dot(q, kt.to(q.dtype), input_precision=PREC) * qk_scale
             s = tl.where(nm[None, :], s, float("-inf"))
             v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-            if KV_FP8:
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), PREC)
             n += BLOCK_N
+        if KV_FP8:
+            acc = acc * tl.load(VS)
         if ROPE:
             if new_key:
                 if slot >= 0:  # a padded row has none
@@ -215,11 +214,13 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         max_context_len = block_tables.shape[1] * block_size
     if plan is None:
         if num_splits is None and block_n is None and num_warps is None and num_stages is None:
-            plan = decode_plan(batch, max_context_len, n_heads, n_kv, dim, q.dtype, block_size, q.device,
-                               rope is not None)
+            plan = (split_plan(batch, n_kv, dim, max_context_len, q.device, False, kv_fp8=True)
+                    if kv_scales is not None else
+                    decode_plan(batch, max_context_len, n_heads, n_kv, dim, q.dtype, block_size, q.device,
+                                rope is not None))
         else:
             plan = split_plan(batch, n_kv, dim, max_context_len, q.device, rope is not None, num_splits, block_n,
-                              num_warps, num_stages, min_part)
+                              num_warps, num_stages, min_part, kv_fp8=kv_scales is not None)
     assert plan.rope == (rope is not None), "a plan with RoPE in the kernel takes rope, and only it"
     assert kv_scales is None or (rope is None and plan.kernel == "split"), "an fp8 cache takes the split kernel"
     if plan.kernel == "lean":

@@ -44,7 +44,8 @@ if triton is not None:
         """One program: BLOCK_M new tokens of one sequence, one query head. Keys come in two parts: the cached
         prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
         (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked). KV_FP8: the cache
-        is float8 with scales KS, VS: each cached tile is converted to fp32 and scaled in registers. TMA: Q, K
+        is float8 with scales KS, VS: each cached tile is cast to q's dtype in registers, KS scales its scores and VS
+        its share of the output. TMA: Q, K
         and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM == BLOCK_D), not pointers."""
         m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
         b = tl.program_id(1)
@@ -73,11 +74,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         first_q = m_blk * BLOCK_M  # index (within the new tokens) of this block's first query
         if HAS_CACHE:
-            k_scale = 1.0
-            v_scale = 1.0
+            cache_scale = qk_scale  # an fp8 cache's K scale joins the score scale (the tiles are cast, exactly)
             if KV_FP8:
-                k_scale = tl.load(KS)
-                v_scale = tl.load(VS)
+                cache_scale = qk_scale * tl.load(KS)
             lo = 0
             if SLIDING:
                 lo = tl.maximum(0, (prefix + first_q - window + 1) // BLOCK_N * BLOCK_N)
@@ -86,17 +85,15 @@ if triton is not None:
                 nm = n < prefix
                 rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
                 kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
-                if KV_FP8:
-                    kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
-                s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+                s = tl.dot(q, kt.to(q.dtype), input_precision=PREC) * cache_scale
                 visible = nm[None, :]
                 if SLIDING:
                     visible = visible & (n[None, :] > (prefix + offs_m)[:, None] - window)
                 s = tl.where(visible, s, float("-inf"))
                 v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-                if KV_FP8:
-                    v = (v.to(tl.float32) * v_scale).to(q.dtype)
-                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), PREC)
+            if KV_FP8:  # and V's the prefix's share of the output: later rescales (alpha) are linear
+                acc = acc * tl.load(VS)
         lo = 0
         if SLIDING:
             lo = tl.maximum(0, (first_q - window + 1) // BLOCK_N * BLOCK_N)

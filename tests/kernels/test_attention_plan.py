@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from brrr.kernels.attention import DecodePlan, decode_graph_plans, decode_plan, graph_plan_for
-from brrr.kernels.attention.plan import LEAN_CONTEXT, LEAN_MMA_ABOVE, LEAN_MMA_GRAPH, SHORT_CONTEXT
+from brrr.kernels.attention.plan import LEAN_CONTEXT, LEAN_MMA_ABOVE, LEAN_MMA_GRAPH, SHORT_CONTEXT, split_plan
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -61,6 +61,18 @@ def test_split_plans():
     assert (plain.min_part, plain.whole, plain.block_n, plain.num_warps) == (128, 2, 128, 4)
     hd256 = decode_plan(1, 4096, 8, 8, 256, BF16, 16, CPU)
     assert (hd256.block_n, hd256.early_loads, hd256.whole) == (32, False, 2)
+
+
+def test_an_fp8_cache_takes_its_own_split_tile():
+    """64 keys x 6 stages on 2 warps at any split and context (the bf16 rule's tiles vary with both); the splits
+    stay the bf16 rule's, and head dim 256 keeps its shared-memory-bound tile."""
+    for batch, context in ((64, 4096), (64, 16384), (1, 32768), (16, 8192)):
+        fp8 = split_plan(batch, 8, 128, context, CPU, False, kv_fp8=True)
+        bf16 = split_plan(batch, 8, 128, context, CPU, False)
+        assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (64, 6, 2)
+        assert (fp8.splits, fp8.wave) == (bf16.splits, bf16.wave)
+    assert (split_plan(64, 8, 256, 4096, CPU, False, kv_fp8=True).block_n,
+            split_plan(64, 8, 256, 4096, CPU, False, kv_fp8=True).num_warps) == (32, 4)
 
 
 def test_graph_plans_for_a_capture():

@@ -45,8 +45,8 @@ if triton is not None:
         prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
         (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked). KV_FP8: the cache
         is float8 with scales KS, VS: each cached tile is cast to q's dtype in registers, KS scales its scores and VS
-        its share of the output. TMA: Q, K
-        and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM == BLOCK_D), not pointers."""
+        its share of the output. TMA: Q, K and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM ==
+        BLOCK_D), not pointers."""
         m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
         b = tl.program_id(1)
         h = tl.program_id(2)

@@ -6,7 +6,7 @@ import torch
 
 from brrr.kernels.attention.decode import decode_attention_triton
 from brrr.kernels.attention.invariant import attention_invariant
-from brrr.kernels.attention.kv_quant import FP8, calibrate, dequantize, kv_scales, quantize
+from brrr.kernels.attention.kv_quant import FP8, calibrate, kv_scales, quantize
 from brrr.kernels.attention.kv_write import write_kv_triton
 from brrr.kernels.attention.meta import AttnMeta
 from brrr.kernels.attention.plan import MAX_HEAD_DIM
@@ -52,16 +52,17 @@ def attention_triton(q, k, v, meta: AttnMeta, layer: int, scale: float, sliding_
 
 
 def _attention_fp8(q, k, v, meta: AttnMeta, k_cache, v_cache, scales, context_lens, scale, sliding_window, out):
-    """attention_triton over an fp8 cache: q and k come rotated; the write quantizes, decodes take the split kernel
-    (it dequantizes each tile), and prefill chunks see their own new k/v as the cache holds them (quantized and
-    back), so a token's keys are the same values whichever step reads them."""
+    """attention_triton over an fp8 cache: q and k come rotated; the write quantizes, decodes take the split kernel,
+    and prefill chunks see their own new k/v as the cache holds them (the fp8 values, cast exactly): both kernels
+    multiply the scores by K's scale and the output by V's, so a token's keys are the same values whichever step
+    reads them."""
     n_tokens, n_heads, dim = q.shape
     write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
     if meta.has_single_token_rows:
         decode_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q, context_lens, meta.block_tables, scale,
                                 sliding_window, meta.context_bound(k_cache.shape[1]), out=out, kv_scales=scales)
     if meta.max_seqlen_q > 1:
-        k, v = (dequantize(quantize(x, s, k_cache.dtype), s, q.dtype) for x, s in zip((k, v), scales))
+        k, v = (quantize(x, s, k_cache.dtype).to(q.dtype) for x, s in zip((k, v), scales))
         prefill_attention_triton(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale, k_cache, v_cache,
                                  context_lens, meta.block_tables, sliding_window, skip_single=True, out=out,
                                  kv_scales=scales)

@@ -44,8 +44,8 @@ if triton is not None:
         """One program: BLOCK_M new tokens of one sequence, one query head. Keys come in two parts: the cached
         prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
         (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked). KV_FP8: the cache
-        is float8 with scales KS, VS: each cached tile is cast to q's dtype in registers, KS scales its scores and VS
-        its share of the output. TMA: Q, K and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM ==
+        is float8 with scales KS, VS: each cached tile is cast to q's dtype in registers, the new tokens' k/v come as
+        their fp8 values already cast (unscaled), KS scales every score and VS the output. TMA: Q, K and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM ==
         BLOCK_D), not pointers."""
         m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
         b = tl.program_id(1)
@@ -73,10 +73,9 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         first_q = m_blk * BLOCK_M  # index (within the new tokens) of this block's first query
+        if KV_FP8:  # every key and value is the cache's fp8 value, cast exactly: K's scale joins the score scale
+            qk_scale = qk_scale * tl.load(KS)
         if HAS_CACHE:
-            cache_scale = qk_scale  # an fp8 cache's K scale joins the score scale (the tiles are cast, exactly)
-            if KV_FP8:
-                cache_scale = qk_scale * tl.load(KS)
             lo = 0
             if SLIDING:
                 lo = tl.maximum(0, (prefix + first_q - window + 1) // BLOCK_N * BLOCK_N)
@@ -85,15 +84,13 @@ if triton is not None:
                 nm = n < prefix
                 rows = _paged_rows(BT, b, stride_bt, n, nm, kvh, block_size, stride_cb, stride_ct, stride_ch)
                 kt = tl.load(KC + rows[None, :] + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
-                s = tl.dot(q, kt.to(q.dtype), input_precision=PREC) * cache_scale
+                s = tl.dot(q, kt.to(q.dtype), input_precision=PREC) * qk_scale
                 visible = nm[None, :]
                 if SLIDING:
                     visible = visible & (n[None, :] > (prefix + offs_m)[:, None] - window)
                 s = tl.where(visible, s, float("-inf"))
                 v = tl.load(VC + rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
                 m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), PREC)
-            if KV_FP8:  # and V's the prefix's share of the output: later rescales (alpha) are linear
-                acc = acc * tl.load(VS)
         lo = 0
         if SLIDING:
             lo = tl.maximum(0, (first_q - window + 1) // BLOCK_N * BLOCK_N)
@@ -136,6 +133,8 @@ if triton is not None:
                 v = tl.load(v_base + k_rows[:, None] * stride_vn + d[None, :], mask=nm[:, None] & dm[None, :],
                             other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, PREC)
+        if KV_FP8:  # and V's the output
+            acc = acc * tl.load(VS)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (rows past q_len under a sliding window)
         tl.store(O + q_rows[:, None] * stride_on + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=(offs_m < q_len)[:, None] & dm[None, :])
@@ -197,7 +196,8 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     With a cache (k_cache, context_lens [B] on the device, block_tables), sequence b's first
     context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
     config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of `plan.prefill_plan`'s tile (tests).
-    kv_scales: (k_scale, v_scale) fp32 [1] of an fp8 cache, dequantized as it is read. tma: the new tokens' tiles
+    kv_scales: (k_scale, v_scale) fp32 [1] of an fp8 cache: k and v are then the new tokens' fp8 values as q's dtype,
+    unscaled (`kv_quant.quantize(x, scale, fp8).to(q.dtype)`, exact), as the cache holds them. tma: the new tokens' tiles
     through TMA descriptors (None: where `tma_ok`; True: tests, under Triton's interpreter too)."""
     global _tma_failed
     if tma is None:

@@ -3,6 +3,10 @@ that fills no window dropped), each window scored on all its tokens but the firs
 windows x (L - 1) and every scored token has its window's earlier tokens as context (on average L / 2). Longer
 windows give later tokens more context: the perplexity falls with L while the model uses it, and rises past the
 length its RoPE (with its scaling: YaRN, NTK, llama3, read from the config or --rope-scaling) carries.
+
+`engine_context_perplexity` scores the same windows through the serving engine (brrr.LLM, prompt log-probs): what
+its KV cache holds is what the scores see, so an fp8 cache or StreamingLLM eviction shows its cost in perplexity
+beside the memory it keeps.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch.nn.functional as F
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
+from brrr.kernels.attention.kv_quant import cache_dtype
+from brrr.sampling_params import SamplingParams
 
 LOGIT_ROWS = 1024  # the LM head's rows per chunk: a 32k window's [tokens, vocab] logits never exist whole
 
@@ -143,4 +149,45 @@ def context_perplexity(model, tokens: torch.Tensor, contexts: list[int], max_win
         count = n_windows * (length - 1)
         rows.append({"context": length, "windows": n_windows, "tokens": count, "nll": total / count,
                      "ppl": math.exp(total / count), "beyond_max_context": length > max_context})
+    return rows
+
+
+def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], max_windows: int | None = None,
+                              advance=lambda n: None) -> list[dict]:
+    """context_perplexity's rows, each window scored by the engine `llm` (a brrr.LLM) as a prompt's log-probs
+    (chunked prefill over the paged cache, with the engine's KV dtype and eviction policy), plus the KV a sequence
+    keeps: kv_tokens (the window, or the eviction budget) and kv_bytes (at the cache's element size). The engine
+    generates one token after the prompt, so a window is at most the engine's context less one."""
+    ec, model_cfg = llm.engine.config, llm.pretrained.model.config
+    if ec.kv_eviction in ("snapkv", "h2o"):
+        raise BrrrError(f"--kv-eviction {ec.kv_eviction} compacts a prompt once its prefill ends, so a prompt's "
+                        "scores see all of it; measure it with `brrr eval needle` (retrieval after the compaction)")
+    limit = llm.engine.max_model_len - 1
+    too_long = [c for c in contexts if c > limit]
+    if too_long:
+        raise BrrrError(f"--context {','.join(map(str, too_long))}: scored through the engine (a --kv-* flag), a "
+                        f"window is at most {limit} tokens (the engine's context {limit + 1} less the one token "
+                        "it generates)")
+    itemsize = cache_dtype(ec.kv_cache_dtype, next(llm.pretrained.model.parameters()).dtype).itemsize
+    per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    rows = []
+    for length in contexts:
+        n_windows = len(tokens) // length
+        if max_windows is not None:
+            n_windows = min(n_windows, max_windows)
+        if n_windows == 0:
+            raise BrrrError(f"--context {length}: the data holds {len(tokens)} tokens, not one window of {length}; "
+                            "pass more data (--data) or a shorter --context")
+        windows = [tokens[w * length:(w + 1) * length].tolist() for w in range(n_windows)]
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in windows], params, use_tqdm=False)
+        total = 0.0
+        for ids, out in zip(windows, outputs):
+            total -= sum(scores[token] for token, scores in zip(ids[1:], out.prompt_logprobs[1:]))
+        advance(n_windows)
+        count = n_windows * (length - 1)
+        kept = length if ec.kv_eviction is None else min(length, ec.kv_budget)
+        rows.append({"context": length, "windows": n_windows, "tokens": count, "nll": total / count,
+                     "ppl": math.exp(total / count), "beyond_max_context": length > scaled_context(model_cfg),
+                     "kv_tokens": kept, "kv_bytes": kept * per_token})
     return rows

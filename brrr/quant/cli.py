@@ -1,6 +1,7 @@
 """`brrr quantize` and `brrr eval ppl|compare|needle` (ppl --context and needle: brrr.evals, long context)."""
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 from gguf import GGML_QUANT_SIZES
 
 import brrr
+from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.errors import BrrrError
 from brrr.gguf import is_gguf, open_gguf
 from brrr.hub import resolve_model
@@ -75,6 +77,9 @@ def register(sub) -> None:
                            help="with --context: replace the config's RoPE scaling, a JSON object as config.json's "
                                 "rope_scaling ('{\"rope_type\": \"yarn\", \"factor\": 4, "
                                 "\"original_max_position_embeddings\": 1024}'), or 'none'")
+            add_kv_cache_args(e.add_argument_group(
+                "KV cache (with --context: any of these scores the windows through the serving engine, whose cache "
+                "they set)"))
         e.set_defaults(func=func)
     n = ev_sub.add_parser("needle", help="passkey retrieval: a random number hidden at each depth of a filler "
                                          "context of each length, greedy generation, the rate per cell (JSON)")
@@ -90,6 +95,7 @@ def register(sub) -> None:
     n.add_argument("--rope-scaling", default=None,
                    help="replace the config's RoPE scaling (JSON as config.json's rope_scaling, or 'none'); YaRN and "
                         "llama3 raise the model's context to factor x original_max_position_embeddings")
+    add_kv_cache_args(n.add_argument_group("KV cache (the engine's, as brrr serve takes them)"))
     n.set_defaults(func=cmd_needle)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
 
@@ -134,17 +140,30 @@ def cmd_ppl(args) -> int:
     swap_semi_structured(pre.model)  # a 2:4-pruned model runs its sparse GEMM on CUDA (a no-op elsewhere)
     if args.context is not None:
         return _context_ppl(args, pre)
-    if args.rope_scaling is not None or args.max_windows is not None:
-        raise BrrrError("--rope-scaling and --max-windows go with --context")
+    if args.rope_scaling is not None or args.max_windows is not None or _engine_kv(args):
+        raise BrrrError("--rope-scaling, --max-windows and the --kv-* flags go with --context")
     result = perplexity(pre.model, _eval_tokens(args, pre.tokenizer), args.window, args.stride,
                         progress_label=f"ppl {pre.path.name}")
     print(json.dumps({"model": str(pre.path), **result}))
     return 0
 
 
+def _engine_kv(args) -> dict:
+    """The KV flags given (those not at their defaults) as EngineConfig arguments, empty when none is; the policies
+    that rewrite blocks in place turn prefix caching off (as `brrr bench throughput` does)."""
+    parser = argparse.ArgumentParser()
+    add_kv_cache_args(parser)
+    defaults = kv_cache_config(parser.parse_args([]))
+    kv = {k: v for k, v in kv_cache_config(args).items() if v != defaults[k]}
+    if kv.get("kv_eviction") in ("snapkv", "h2o"):
+        kv["enable_prefix_caching"] = False
+    return kv
+
+
 def _context_ppl(args, pre) -> int:
     # for `brrr eval ppl --context` only: brrr.cli imports this module
-    from brrr.evals.context_ppl import context_perplexity, parse_contexts, scaled_context, with_rope_scaling
+    from brrr.evals.context_ppl import (context_perplexity, engine_context_perplexity, model_dir_with_rope,
+                                        parse_contexts, scaled_context, with_rope_scaling)
     from brrr.progress import progress
 
     contexts = parse_contexts(args.context)
@@ -152,11 +171,18 @@ def _context_ppl(args, pre) -> int:
     wanted = max(contexts) * (args.max_windows or 4)
     tokens = _eval_tokens(args, pre.tokenizer, wanted)
     steps = sum(min(len(tokens) // c, args.max_windows or len(tokens)) for c in contexts)
-    with progress(f"ppl {pre.path.name}", steps, True) as advance:
-        rows = context_perplexity(pre.model, tokens, contexts, args.max_windows, advance)
+    kv = _engine_kv(args)
+    with progress(f"ppl {pre.path.name}", steps, True) as advance, tempfile.TemporaryDirectory() as tmp:
+        if kv:  # the engine reads its RoPE from the model directory's config.json
+            model = pre.path if args.rope_scaling is None else model_dir_with_rope(pre.path, args.rope_scaling,
+                                                                                   Path(tmp) / "model")
+            llm = brrr.LLM(model, dtype=args.dtype, device=args.device, **kv)
+            rows = engine_context_perplexity(llm, tokens, contexts, args.max_windows, advance)
+        else:
+            rows = context_perplexity(pre.model, tokens, contexts, args.max_windows, advance)
     rope = {"rope_type": cfg.rope.type, **cfg.rope.params}
     print(json.dumps({"model": str(pre.path), "data": args.data, "rope": rope, "max_context": scaled_context(cfg),
-                      "contexts": rows}))
+                      **({"kv_cache": kv} if kv else {}), "contexts": rows}))
     return 0
 
 
@@ -170,11 +196,12 @@ def cmd_needle(args) -> int:
         model = args.model
         if args.rope_scaling is not None:  # the engine reads its RoPE from the model directory's config.json
             model = model_dir_with_rope(resolve_model(args.model), args.rope_scaling, Path(tmp) / "model")
-        llm = brrr.LLM(model, dtype=args.dtype, device=args.device)
+        kv = _engine_kv(args)
+        llm = brrr.LLM(model, dtype=args.dtype, device=args.device, **kv)
         cfg = llm.pretrained.model.config
         rope = {"rope_type": cfg.rope.type, **cfg.rope.params}
         result = {"model": str(resolve_model(args.model)), "rope": rope, "trials": args.trials, "seed": args.seed,
-                  **needle_eval(llm, contexts, depths, args.trials, args.seed)}
+                  **({"kv_cache": kv} if kv else {}), **needle_eval(llm, contexts, depths, args.trials, args.seed)}
     text = json.dumps(result)
     print(text)
     if args.json:

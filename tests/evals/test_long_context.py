@@ -1,7 +1,9 @@
 """Long-context evaluation on the shipped default model (short contexts on CPU): `brrr eval ppl --context` scores
 exactly windows x (L - 1) tokens a length and agrees with the sliding-window evaluator on a single window; a RoPE
 scaling override changes the scores and 'none' gives them back; the passkey prompt holds its needle at the
-requested depth (model-free); `brrr eval needle` fills its whole grid with rates in [0, 1]."""
+requested depth (model-free); `brrr eval needle` fills its whole grid with rates in [0, 1]. Through the serving
+engine (a --kv-* flag): the same scores with the model's own cache, an fp8 cache's at a quarter of fp32's bytes,
+StreamingLLM's at its budget; the policies the scores cannot show, and windows past the engine's, refused by name."""
 import json
 import math
 
@@ -10,7 +12,8 @@ import pytest
 import brrr
 from brrr.cli import main
 from brrr.errors import BrrrError
-from brrr.evals.context_ppl import context_perplexity, parse_contexts, stdlib_tokens, with_rope_scaling
+from brrr.evals.context_ppl import (context_perplexity, engine_context_perplexity, parse_contexts, stdlib_tokens,
+                                    with_rope_scaling)
 from brrr.evals.needle import ANSWER_TOKENS, NEEDLE, build_prompt, parse_depths
 from brrr.quant.evaluate import perplexity
 
@@ -114,3 +117,42 @@ def test_eval_ppl_context_cli_prints_one_row_per_length(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["context"], r["windows"], r["tokens"]) for r in result["contexts"]] == [(128, 2, 254), (256, 2, 510)]
     assert result["rope"] == {"rope_type": "default"} and result["max_context"] == 1024
+
+
+def test_engine_scores_equal_the_forward_and_show_the_cache(default, tokens):
+    plain = context_perplexity(default.model, tokens, [256, 512])
+    rows = engine_context_perplexity(brrr.LLM(None, dtype="float32", device="cpu"), tokens, [256, 512])
+    assert [(r["context"], r["windows"], r["tokens"], r["kv_tokens"]) for r in rows] == \
+        [(256, 4, 4 * 255, 256), (512, 2, 2 * 511, 512)]
+    for a, b in zip(plain, rows):
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-5)
+    fp8 = engine_context_perplexity(brrr.LLM(None, dtype="float32", device="cpu", kv_cache_dtype="fp8"), tokens,
+                                    [256, 512])
+    for a, b in zip(rows, fp8):  # e4m3 rounds every cached value: a real but small change
+        assert b["nll"] != a["nll"] and b["nll"] == pytest.approx(a["nll"], rel=0.02)
+        assert b["kv_bytes"] * 4 == a["kv_bytes"]
+    streaming = engine_context_perplexity(brrr.LLM(None, dtype="float32", device="cpu", kv_eviction="streaming",
+                                                   kv_budget=256), tokens, [256, 512])
+    assert streaming[0]["nll"] == pytest.approx(rows[0]["nll"], rel=1e-5)  # the window fits the budget
+    assert streaming[1]["nll"] != rows[1]["nll"] and streaming[1]["kv_tokens"] == 256
+    assert streaming[1]["kv_bytes"] * 2 == rows[1]["kv_bytes"]
+
+
+def test_eval_kv_flags_through_the_engine_and_their_refusals(capsys):
+    assert main(["eval", "ppl", "--data", "stdlib", "--context", "256", "--max-windows", "1",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["kv_cache"] == {"kv_cache_dtype": "fp8"} and result["contexts"][0]["kv_tokens"] == 256
+    assert main(["eval", "ppl", "--data", "stdlib", "--context", "1k", "--kv-cache-dtype", "fp8"]) == 2
+    assert "a window is at most 1023 tokens" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--data", "stdlib", "--context", "512", "--kv-eviction", "snapkv",
+                 "--kv-budget", "256"]) == 2
+    assert "compacts a prompt once its prefill ends" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--data", "stdlib", "--kv-cache-dtype", "fp8"]) == 2
+    assert "go with --context" in capsys.readouterr().err
+    # needle under SnapKV (prefix caching turned off for it): the prompt compacted to 128 tokens, then answered
+    assert main(["eval", "needle", "--context", "256", "--depths", "50", "--trials", "2", "--device", "cpu",
+                 "--kv-eviction", "snapkv", "--kv-budget", "128"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["kv_cache"] == {"kv_eviction": "snapkv", "kv_budget": 128, "enable_prefix_caching": False}
+    assert 0 <= result["rate"] <= 1

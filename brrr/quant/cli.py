@@ -164,7 +164,7 @@ def _context_ppl(args, pre) -> int:
     # for `brrr eval ppl --context` only: brrr.cli imports this module
     from brrr.evals.context_ppl import (context_perplexity, engine_context_perplexity, model_dir_with_rope,
                                         parse_contexts, scaled_context, with_rope_scaling)
-    from brrr.progress import progress
+    from brrr.progress import progress  # (as above: for this command only)
 
     contexts = parse_contexts(args.context)
     cfg = with_rope_scaling(pre.model, args.rope_scaling)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from brrr.analysis.model import attended_tokens, kv_elements_per_token
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
@@ -169,7 +170,7 @@ def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], ma
                         f"window is at most {limit} tokens (the engine's context {limit + 1} less the one token "
                         "it generates)")
     itemsize = cache_dtype(ec.kv_cache_dtype, next(llm.pretrained.model.parameters()).dtype).itemsize
-    per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    per_token = kv_elements_per_token(model_cfg) * itemsize  # (MLA: its latent and rotary key)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     rows = []
     for length in contexts:
@@ -186,7 +187,8 @@ def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], ma
             total -= sum(scores[token] for token, scores in zip(ids[1:], out.prompt_logprobs[1:]))
         advance(n_windows)
         count = n_windows * (length - 1)
-        kept = length if ec.kv_eviction is None else min(length, ec.kv_budget)
+        kept = attended_tokens(model_cfg, length)  # (a sliding window caps what the cache keeps)
+        kept = kept if ec.kv_eviction is None else min(kept, ec.kv_budget)
         rows.append({"context": length, "windows": n_windows, "tokens": count, "nll": total / count,
                      "ppl": math.exp(total / count), "beyond_max_context": length > scaled_context(model_cfg),
                      "kv_tokens": kept, "kv_bytes": kept * per_token})

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from brrr.analysis.model import attended_tokens, kv_elements_per_token
+from brrr.analysis.model import kv_elements_per_token
 from brrr.config import ModelConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
@@ -187,8 +187,8 @@ def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], ma
             total -= sum(scores[token] for token, scores in zip(ids[1:], out.prompt_logprobs[1:]))
         advance(n_windows)
         count = n_windows * (length - 1)
-        kept = attended_tokens(model_cfg, length)  # (a sliding window caps what the cache keeps)
-        kept = kept if ec.kv_eviction is None else min(kept, ec.kv_budget)
+        # what the cache holds: a sliding window masks keys but its blocks stay until the sequence ends
+        kept = length if ec.kv_eviction is None else min(length, ec.kv_budget)
         rows.append({"context": length, "windows": n_windows, "tokens": count, "nll": total / count,
                      "ppl": math.exp(total / count), "beyond_max_context": length > scaled_context(model_cfg),
                      "kv_tokens": kept, "kv_bytes": kept * per_token})

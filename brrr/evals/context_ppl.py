@@ -130,6 +130,15 @@ def window_nll(model, ids: torch.Tensor) -> float:
     return total
 
 
+def window_count(tokens: torch.Tensor, length: int, max_windows: int | None) -> int:
+    """How many whole windows of `length` tokens the data holds (at most max_windows); none is an error."""
+    n_windows = len(tokens) // length if max_windows is None else min(len(tokens) // length, max_windows)
+    if n_windows == 0:
+        raise BrrrError(f"--context {length}: the data holds {len(tokens)} tokens, not one window of {length}; "
+                        "pass more data (--data) or a shorter --context")
+    return n_windows
+
+
 def context_perplexity(model, tokens: torch.Tensor, contexts: list[int], max_windows: int | None = None,
                        advance=lambda n: None) -> list[dict]:
     """Per length L: {context, windows, tokens (scored: windows x (L - 1)), nll, ppl, beyond_max_context}."""
@@ -137,12 +146,7 @@ def context_perplexity(model, tokens: torch.Tensor, contexts: list[int], max_win
     max_context = scaled_context(model.config)
     rows = []
     for length in contexts:
-        n_windows = len(tokens) // length
-        if max_windows is not None:
-            n_windows = min(n_windows, max_windows)
-        if n_windows == 0:
-            raise BrrrError(f"--context {length}: the data holds {len(tokens)} tokens, not one window of {length}; "
-                            "pass more data (--data) or a shorter --context")
+        n_windows = window_count(tokens, length, max_windows)
         total = 0.0
         for w in range(n_windows):
             total += window_nll(model, tokens[w * length:(w + 1) * length].to(device))
@@ -174,12 +178,7 @@ def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], ma
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     rows = []
     for length in contexts:
-        n_windows = len(tokens) // length
-        if max_windows is not None:
-            n_windows = min(n_windows, max_windows)
-        if n_windows == 0:
-            raise BrrrError(f"--context {length}: the data holds {len(tokens)} tokens, not one window of {length}; "
-                            "pass more data (--data) or a shorter --context")
+        n_windows = window_count(tokens, length, max_windows)
         windows = [tokens[w * length:(w + 1) * length].tolist() for w in range(n_windows)]
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in windows], params, use_tqdm=False)
         total = 0.0

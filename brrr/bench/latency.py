@@ -14,7 +14,7 @@ from brrr.analysis.model import decode_bytes_per_step, weight_bytes
 from brrr.analysis.spec_decode import cost_ratio, expected_speedup, fit_alpha
 from brrr.bench.latency_workloads import WORKLOADS, HeldOutText, Workload
 from brrr.cli import cpu_threads
-from brrr.config import EngineConfig, ModelConfig
+from brrr.config import COMPACTING_EVICTIONS, EngineConfig, ModelConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.default_model import default_model_dir
 from brrr.engine import LLMEngine
@@ -210,7 +210,7 @@ def cmd_latency(args) -> int:
                           cuda_graphs=graphs, speculative_config=speculative, tensor_parallel_size=tp,
                           **kv_cache_config(args),
                           # the policies that rewrite blocks in place need prefix caching off
-                          enable_prefix_caching=args.kv_eviction not in ("snapkv", "h2o"))
+                          enable_prefix_caching=args.kv_eviction not in COMPACTING_EVICTIONS)
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 

@@ -10,7 +10,7 @@ from brrr.analysis.formats import dtype_format
 from brrr.analysis.hardware import measure
 from brrr.analysis.model import decode_weight_bytes, flops_per_token, kv_bytes_per_token
 from brrr.bench.latency import emit
-from brrr.config import EngineConfig
+from brrr.config import COMPACTING_EVICTIONS, EngineConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.engine import LLMEngine
 from brrr.engine.engine_process_warmup import warm_up
@@ -156,7 +156,7 @@ def cmd_throughput(args) -> int:
                           cuda_graphs=args.cuda_graphs == "on", tensor_parallel_size=tp,
                           batch_invariant=args.batch_invariant, **kv_cache_config(args),
                           # (no --no-prefix-caching here: the policies that rewrite blocks in place turn it off)
-                          enable_prefix_caching=args.kv_eviction not in ("snapkv", "h2o"))
+                          enable_prefix_caching=args.kv_eviction not in COMPACTING_EVICTIONS)
     if tp > 1:
         from brrr.distributed.tp_loader import load_tensor_parallel  # TP only: torch.distributed and workers
 

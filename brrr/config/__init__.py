@@ -362,6 +362,8 @@ def _parse_rope(raw: dict, get: _Getter, max_pos: int, source: str) -> RopeConfi
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_EVICTIONS = ("streaming", "snapkv", "h2o")
+# the policies that compact a prompt's rows in place (its blocks are rewritten): no prefix caching for them
+COMPACTING_EVICTIONS = ("snapkv", "h2o")
 SNAPKV_WINDOW = 32  # SnapKV's observation window: the last prompt queries whose attention scores the prompt
 PREEMPTION_MODES = ("recompute", "swap")  # vLLM's old --preemption-mode values
 
@@ -415,7 +417,7 @@ def check_eviction(ec) -> None:
         what = "the sink blocks plus two blocks of window" if ec.kv_eviction == "streaming" else "two blocks"
         raise BrrrError(f"EngineConfig.kv_budget must be an integer >= {least} tokens with kv_eviction="
                         f"{ec.kv_eviction!r} ({what}), got {ec.kv_budget!r}")
-    if ec.kv_eviction in ("snapkv", "h2o") and ec.enable_prefix_caching:
+    if ec.kv_eviction in COMPACTING_EVICTIONS and ec.enable_prefix_caching:
         raise BrrrError(f"EngineConfig.enable_prefix_caching must be False with kv_eviction={ec.kv_eviction!r} "
                         "(--no-prefix-caching): eviction rewrites a prompt's blocks in place")
     if ec.kv_eviction == "snapkv" and ec.max_num_batched_tokens < SNAPKV_WINDOW:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from brrr.analysis.model import kv_elements_per_token
-from brrr.config import ModelConfig
+from brrr.config import COMPACTING_EVICTIONS, ModelConfig
 from brrr.errors import BrrrError
 from brrr.kernels import AttnMeta
 from brrr.kernels.attention.kv_quant import cache_dtype
@@ -164,7 +164,7 @@ def engine_context_perplexity(llm, tokens: torch.Tensor, contexts: list[int], ma
     keeps: kv_tokens (the window, or the eviction budget) and kv_bytes (at the cache's element size). The engine
     generates one token after the prompt, so a window is at most the engine's context less one."""
     ec, model_cfg = llm.engine.config, llm.pretrained.model.config
-    if ec.kv_eviction in ("snapkv", "h2o"):
+    if ec.kv_eviction in COMPACTING_EVICTIONS:
         raise BrrrError(f"--kv-eviction {ec.kv_eviction} compacts a prompt once its prefill ends, so a prompt's "
                         "scores see all of it; measure it with `brrr eval needle` (retrieval after the compaction)")
     limit = llm.engine.max_model_len - 1

@@ -1,7 +1,6 @@
 """`brrr quantize` and `brrr eval ppl|compare|needle` (ppl --context and needle: brrr.evals, long context)."""
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 from gguf import GGML_QUANT_SIZES
 
 import brrr
+from brrr.config import COMPACTING_EVICTIONS, EngineConfig
 from brrr.config.kv_args import add_kv_cache_args, kv_cache_config
 from brrr.errors import BrrrError
 from brrr.gguf import is_gguf, open_gguf
@@ -151,11 +151,9 @@ def cmd_ppl(args) -> int:
 def _engine_kv(args) -> dict:
     """The KV flags given (those not at their defaults) as EngineConfig arguments, empty when none is; the policies
     that rewrite blocks in place turn prefix caching off (as `brrr bench throughput` does)."""
-    parser = argparse.ArgumentParser()
-    add_kv_cache_args(parser)
-    defaults = kv_cache_config(parser.parse_args([]))
-    kv = {k: v for k, v in kv_cache_config(args).items() if v != defaults[k]}
-    if kv.get("kv_eviction") in ("snapkv", "h2o"):
+    defaults = EngineConfig()
+    kv = {k: v for k, v in kv_cache_config(args).items() if v != getattr(defaults, k)}
+    if kv.get("kv_eviction") in COMPACTING_EVICTIONS:
         kv["enable_prefix_caching"] = False
     return kv
 

@@ -18,7 +18,7 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from brrr.analysis.model import is_mla
-from brrr.config import EngineConfig
+from brrr.config import COMPACTING_EVICTIONS, EngineConfig
 from brrr.engine.block_manager import BlockManager
 from brrr.engine.core.feature import Feature, hooked
 from brrr.engine.core.plan import InFlight, SampleSlot, StepPlan, StepResult
@@ -82,7 +82,7 @@ class EngineCore:
         if ec.kv_eviction is not None and cfg.sliding_window is not None:  # its mask counts cache slots, not positions
             raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with the model's sliding_window "
                             f"({cfg.sliding_window}) yet")
-        if ec.kv_eviction in ("snapkv", "h2o") and is_mla(cfg):  # its latent cache has no per-head keys to score
+        if ec.kv_eviction in COMPACTING_EVICTIONS and is_mla(cfg):  # its latent cache has no per-head keys to score
             raise BrrrError(f"kv_eviction={ec.kv_eviction!r} does not combine with an MLA model's latent cache yet")
         adapters = (AdapterRows.build(model, ec, lambda: self.scheduler.running_adapters()) if ec.enable_lora
                     else None)
@@ -242,7 +242,7 @@ class EngineCore:
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
             raise BrrrError(f"request_id {request.request_id!r} is already in use")
-        if request.params.n > 1 and self.config.kv_eviction in ("snapkv", "h2o"):
+        if request.params.n > 1 and self.config.kv_eviction in COMPACTING_EVICTIONS:
             raise BrrrError(f"SamplingParams.n must be 1 with kv_eviction={self.config.kv_eviction!r}, got "
                             f"{request.params.n}: eviction rewrites the prompt blocks the samples would share")
         if request.lora_request is not None:  # loaded (from its path) and checked before it can be scheduled

@@ -214,10 +214,8 @@ def decode_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         max_context_len = block_tables.shape[1] * block_size
     if plan is None:
         if num_splits is None and block_n is None and num_warps is None and num_stages is None:
-            plan = (split_plan(batch, n_kv, dim, max_context_len, q.device, False, kv_fp8=True)
-                    if kv_scales is not None else
-                    decode_plan(batch, max_context_len, n_heads, n_kv, dim, q.dtype, block_size, q.device,
-                                rope is not None))
+            plan = decode_plan(batch, max_context_len, n_heads, n_kv, dim, q.dtype, block_size, q.device,
+                               rope is not None, kv_fp8=kv_scales is not None)
         else:
             plan = split_plan(batch, n_kv, dim, max_context_len, q.device, rope is not None, num_splits, block_n,
                               num_warps, num_stages, min_part, kv_fp8=kv_scales is not None)

@@ -173,14 +173,15 @@ def lean_mma_plan(max_context: int) -> DecodePlan:
 
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, max_context: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                block_size: int, device: torch.device, rope: bool = True) -> DecodePlan:
+                block_size: int, device: torch.device, rope: bool = True, kv_fp8: bool = False) -> DecodePlan:
     """The launch of a step of `batch` decodes whose contexts are all at most max_context keys. rope: the kernel
-    rotates q and the new key and writes the new K/V (a step of decodes only); else they come rotated and cached."""
+    rotates q and the new key and writes the new K/V (a step of decodes only); else they come rotated and cached.
+    kv_fp8: over an fp8 cache, which only the split kernel reads (and never with rope: the write quantizes first)."""
     if rope and lean_decode_ok(batch, num_heads, head_dim, max_context, device):
         if max_context > LEAN_MMA_ABOVE and lean_mma_ok(head_dim, dtype, num_heads // num_kv_heads, block_size):
             return lean_mma_plan(max_context)
         return lean_plan(max_context)
-    return split_plan(batch, num_kv_heads, head_dim, max_context, device, rope)
+    return split_plan(batch, num_kv_heads, head_dim, max_context, device, rope, kv_fp8=kv_fp8)
 
 
 def decode_graph_plans(batch: int, max_context: int, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -45,8 +45,8 @@ if triton is not None:
         prefix (HAS_CACHE: ctx - q_len tokens through the block table, all visible) and the new tokens themselves
         (contiguous k/v, causal: tiles left of the diagonal unmasked, the diagonal tiles masked). KV_FP8: the cache
         is float8 with scales KS, VS: each cached tile is cast to q's dtype in registers, the new tokens' k/v come as
-        their fp8 values already cast (unscaled), KS scales every score and VS the output. TMA: Q, K and V are tensor descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM ==
-        BLOCK_D), not pointers."""
+        their fp8 values already cast (unscaled), KS scales every score and VS the output. TMA: Q, K and V are tensor
+        descriptors over [tokens, heads x HEAD_DIM] (HEAD_DIM == BLOCK_D), not pointers."""
         m_blk = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (most keys) query blocks start first
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -197,8 +197,8 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, max_seqlen_q, scale, k_cache
     context_lens[b] - q_len keys come from the paged cache; the new tokens' own k/v are read from k and v.
     config: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of `plan.prefill_plan`'s tile (tests).
     kv_scales: (k_scale, v_scale) fp32 [1] of an fp8 cache: k and v are then the new tokens' fp8 values as q's dtype,
-    unscaled (`kv_quant.quantize(x, scale, fp8).to(q.dtype)`, exact), as the cache holds them. tma: the new tokens' tiles
-    through TMA descriptors (None: where `tma_ok`; True: tests, under Triton's interpreter too)."""
+    unscaled (`kv_quant.quantize(x, scale, fp8).to(q.dtype)`, exact), as the cache holds them. tma: the new tokens'
+    tiles through TMA descriptors (None: where `tma_ok`; True: tests, under Triton's interpreter too)."""
     global _tma_failed
     if tma is None:
         tma = tma_ok(q, k, v)
